@@ -1,0 +1,183 @@
+"""The functional API of multi-head multi-layer attention: validation and backend dispatch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .reference import layer_attention_reference
+
+__all__ = ["layer_attention", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _stack_hidden(hidden: Tensor | Sequence[Tensor]) -> Tensor:
+    if isinstance(hidden, Tensor):
+        if hidden.dim() < 2:
+            raise ValueError(
+                f"hidden: expected a tensor [L, *, H] (at least 2 dims) or a sequence of L "
+                f"tensors [*, H], got a tensor of shape {_shape(hidden)}"
+            )
+        return hidden
+    if not isinstance(hidden, Sequence) or isinstance(hidden, (str, bytes)):
+        raise ValueError(f"hidden: expected a tensor or a sequence of tensors, got {type(hidden)!r}")
+    if len(hidden) == 0:
+        raise ValueError("hidden: empty sequence of layers (L = 0)")
+    for i, t in enumerate(hidden):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"hidden[{i}]: expected a tensor, got {type(t)!r}")
+        if t.dim() < 1 or t.shape != hidden[0].shape:
+            raise ValueError(
+                f"hidden[{i}]: every layer must have the same shape [*, H]; hidden[0] is "
+                f"{_shape(hidden[0])}, hidden[{i}] is {_shape(t)}"
+            )
+        if t.dtype != hidden[0].dtype or t.device != hidden[0].device:
+            raise ValueError(
+                f"hidden[{i}]: dtype/device {t.dtype}/{t.device} differs from hidden[0]'s "
+                f"{hidden[0].dtype}/{hidden[0].device}"
+            )
+    return torch.stack(list(hidden), dim=0)
+
+
+def _check(
+    hidden: Tensor, params: dict[str, Tensor], num_heads: int, block_diagonal: bool,
+    rates: dict[str, float], backend: str,
+) -> tuple[int, int, int, int]:
+    L, H = hidden.shape[0], hidden.shape[-1]
+    N = math.prod(hidden.shape[1:-1])
+    if L == 0 or N == 0 or H == 0:
+        raise ValueError(f"hidden: empty input of shape {_shape(hidden)} (L, tokens and H must be > 0)")
+    if not hidden.dtype.is_floating_point:
+        raise ValueError(f"hidden: expected a floating-point dtype, got {hidden.dtype}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+    J = num_heads
+    if H % J:
+        raise ValueError(f"num_heads: H = {H} (hidden {_shape(hidden)}) is not divisible by J = {J}")
+    w_k = params["w_k"]
+    if w_k.dim() != 3:
+        raise ValueError(f"w_k: expected shape [L, H, K] = [{L}, {H}, K], got {_shape(w_k)}")
+    K = w_k.shape[2]
+    if block_diagonal and K % J:
+        raise ValueError(f"w_k: block-diagonal scoring needs K = {K} divisible by J = {J}")
+    Ka = K // J if block_diagonal else K
+    expected = {
+        "w_v": [L, H, H], "b_v": [L, H], "w_k": [L, H, K], "b_k": [L, K],
+        "w_a": [L, Ka, J], "b_a": [L, J],
+    }
+    letters = {
+        "w_v": "[L, H, H]", "b_v": "[L, H]", "w_k": "[L, H, K]", "b_k": "[L, K]",
+        "w_a": "[L, K/J, J]" if block_diagonal else "[L, K, J]", "b_a": "[L, J]",
+    }
+    for name, t in params.items():
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t)!r}")
+        if _shape(t) != expected[name]:
+            raise ValueError(
+                f"{name}: expected shape {letters[name]} = {expected[name]} for hidden "
+                f"{_shape(hidden)} and J = {J}, got {_shape(t)}"
+            )
+        if t.dtype != hidden.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from hidden's {hidden.dtype}")
+        if t.device != hidden.device:
+            raise ValueError(f"{name}: device {t.device} differs from hidden's {hidden.device}")
+    for name, rate in rates.items():
+        if not 0.0 <= float(rate) < 1.0:
+            raise ValueError(f"{name}: expected a rate in [0, 1), got {rate!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return L, N, H, K
+
+
+def _block_diagonal_dense(w_a: Tensor) -> Tensor:
+    """[L, K/J, J] per-head scorers -> the equivalent dense [L, K, J] (zeros off the blocks)."""
+    L, Kj, J = w_a.shape
+    eye = torch.eye(J, dtype=w_a.dtype, device=w_a.device)
+    return torch.einsum("ldj,ji->ljdi", w_a, eye).reshape(L, J * Kj, J)
+
+
+def layer_attention(
+    hidden: Tensor | Sequence[Tensor],
+    w_v: Tensor,
+    b_v: Tensor,
+    w_k: Tensor,
+    b_k: Tensor,
+    w_a: Tensor,
+    b_a: Tensor,
+    num_heads: int,
+    *,
+    dropout_h: float = 0.0,
+    dropout_k: float = 0.0,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    return_weights: bool = False,
+    backend: str = "auto",
+    block_diagonal: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Multi-head multi-layer attention (Kaneko & Komachi 2019, Eqs. 4-9).
+
+    For each token, layer l = 1..L and head j = 1..J (D = H / J)::
+
+        v^l = h^l W_v^l + b_v^l,   k^l = relu(h^l W_k^l + b_k^l),   a^l = k^l W_a^l + b_a^l
+        p^{l,j} = exp(a^{l,j}) / sum_t exp(a^{t,j}),   c = concat_j sum_l p^{l,j} v^{l,j}
+
+    With ``block_diagonal=True`` head j scores only from its own slice of k^l
+    (``w_a`` [L, K/J, J]). In training, dropout is applied to h^l (one mask for both
+    projections), to k^l and to p (not renormalised), at the given rates.
+
+    Args:
+        hidden: [L, *, H] tensor, or a sequence of L tensors [*, H] (for example the
+            selected entries of Hugging Face's ``hidden_states`` tuple); any leading dims.
+        w_v: [L, H, H], b_v: [L, H]: value projections (Eq. 4).
+        w_k: [L, H, K], b_k: [L, K]: key projections (Eq. 5).
+        w_a: [L, K, J] ([L, K/J, J] block-diagonal), b_a: [L, J]: scorers (Eq. 6).
+        num_heads: J; must divide H.
+        dropout_h, dropout_k, dropout_p: dropout rates, used only when ``training``.
+        training: apply dropout.
+        return_weights: also return the layer weights p.
+        backend: "torch" (eager reference, any device), "triton" (fused kernels: CUDA, or
+            CPU under TRITON_INTERPRET=1), "auto" (triton on CUDA, torch elsewhere).
+        block_diagonal: per-head scoring from the head's own K/J slice of the keys.
+
+    Returns:
+        c: [*, H] in the input dtype (Eq. 9); with ``return_weights`` also
+        p: [*, L, J] float32 (float64 for float64 input), the softmax weights before
+        attention dropout.
+
+    All tensors must share dtype and device; bad shapes, dtypes, devices or rates raise
+    ValueError naming the argument. A token whose inputs are non-finite gives non-finite
+    outputs for that token only.
+    """
+    hidden = _stack_hidden(hidden)
+    params = {"w_v": w_v, "b_v": b_v, "w_k": w_k, "b_k": b_k, "w_a": w_a, "b_a": b_a}
+    rates = {"dropout_h": dropout_h, "dropout_k": dropout_k, "dropout_p": dropout_p}
+    L, N, H, K = _check(hidden, params, num_heads, block_diagonal, rates, backend)
+    lead = hidden.shape[1:-1]
+    flat = hidden.reshape(L, N, H)
+    if backend == "auto":
+        backend = "triton" if flat.is_cuda else "torch"
+    dropout = tuple(float(r) if training else 0.0 for r in rates.values())
+    if backend == "torch":
+        c, p = layer_attention_reference(
+            flat, w_v, b_v, w_k, b_k, w_a, b_a, num_heads,
+            dropout_h=dropout[0], dropout_k=dropout[1], dropout_p=dropout[2],
+            training=training, block_diagonal=block_diagonal,
+        )
+    else:
+        from .kernels.layer_attention import layer_attention_triton
+
+        if block_diagonal:
+            w_a = _block_diagonal_dense(w_a)
+        c, p = layer_attention_triton(flat, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout=dropout)
+    c = c.reshape(*lead, H)
+    if not return_weights:
+        return c
+    return c, p.permute(1, 0, 2).reshape(*lead, L, num_heads)

@@ -1,0 +1,1 @@
+"""nn.Module wrappers of the ops."""
