@@ -14,8 +14,9 @@ Plan (see DESIGN.md section 3):
   value GEMM tile h^l W_v^l, scaled by that row's and column's head weight, accumulated
   on chip; one write of c. Neither the L x N x H values nor the L x N x K keys are
   ever written to memory.
-* backward: one score-gradient kernel (recomputes v to get dp, writes da [L, N, J] and
-  the pre-activation z [L, N, K] it recomputed), one input-gradient kernel (dh = dv W_v'
+* backward: one score-gradient kernel (recomputes v to get dp [L, N, J] and writes the
+  pre-activation z [L, N, K] it recomputed), the softmax backward on [L, N, J] (torch),
+  one input-gradient kernel (dh = dv W_v'
   + dz W_k' with dv and dz built on chip from p, dc, da, z) and one weight-gradient
   kernel per weight (reductions over N inside one program: deterministic, no atomics).
 
@@ -197,7 +198,8 @@ def _layer_attention_fwd_values_kernel(
 #
 #   dv^{l,j} = p~^{l,j} dc_j                      dW_v^l = sum_n h^l' dv^l, db_v^l = sum_n dv^l
 #   dp~^{l,j} = <dc_j, v^{l,j}>,  dp = dp~ keep_p / (1 - r_p)  (+ the gradient of p if returned)
-#   delta_j = sum_l p^{l,j} dp^{l,j} = <dc_j, c_j>  (+ sum_l p dp_returned)
+#   delta_j = sum_l p^{l,j} dp^{l,j}  (from dp itself, not <dc_j, c_j>: exact where c was
+#             rounded to a 16-bit dtype, e.g. da == 0 exactly for L = 1)
 #   da^{l,j} = p^{l,j} (dp^{l,j} - delta_j)       dW_a^l = sum_n k^l' da^l,  db_a^l = sum_n da^l
 #   dz^l = (da^l W_a^l') * keep_k / (1 - r_k) * [z^l > 0]
 #                                                dW_k^l = sum_n h^l' dz^l, db_k^l = sum_n dz^l
@@ -213,15 +215,12 @@ def _layer_attention_bwd_scores_kernel(
     BV_ptr,  # [L, H] value biases
     WK_ptr,  # [L, H, K] key weights
     BK_ptr,  # [L, K] key biases
-    P_ptr,  # [L, N, J] layer weights p (ACC)
     DC_ptr,  # [N, H] gradient of c
-    DPW_ptr,  # [L, N, J] gradient of the returned p (ACC; read only if HAS_DPW)
-    DELTA_ptr,  # [N, J] delta (ACC)
-    DA_ptr,  # [L, N, J] score gradients (out, ACC)
+    DP_ptr,  # [L, N, J] gradient of the undropped layer weights p (out, ACC)
     Z_ptr,  # [L, N, K] recomputed key pre-activations (out, input dtype)
     N, H, K, J, D,
     seed_h, rate_h, scale_h, seed_p, rate_p, scale_p,
-    DROP_H: tl.constexpr, DROP_P: tl.constexpr, HAS_DPW: tl.constexpr,
+    DROP_H: tl.constexpr, DROP_P: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
     PREC: tl.constexpr, ACC: tl.constexpr,
@@ -253,11 +252,7 @@ def _layer_attention_bwd_scores_kernel(
     offs_p = (l * N + rows[:, None]) * J + jj[None, :]
     mask_p = (rows[:, None] < N) & (jj[None, :] < J)
     dp = _dropout(dp, seed_p, offs_p, rate_p, scale_p, DROP_P)
-    if HAS_DPW:
-        dp += tl.load(DPW_ptr + offs_p, mask=mask_p, other=0.0)
-    p = tl.load(P_ptr + offs_p, mask=mask_p, other=0.0)
-    delta = tl.load(DELTA_ptr + rows[:, None] * J + jj[None, :], mask=mask_p, other=0.0)
-    tl.store(DA_ptr + offs_p, p * (dp - delta), mask=mask_p)
+    tl.store(DP_ptr + offs_p, dp, mask=mask_p)
     # z = h W_k + b_k, stored for the input- and weight-gradient kernels
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -499,13 +494,13 @@ def layer_attention_fwd(
 
 def layer_attention_bwd(
     dc: Tensor, dp: Optional[Tensor], hidden: Tensor, w_v: Tensor, b_v: Tensor, w_k: Tensor,
-    b_k: Tensor, w_a: Tensor, b_a: Tensor, c: Tensor, p: Tensor, num_heads: int,
+    b_k: Tensor, w_a: Tensor, b_a: Tensor, p: Tensor, num_heads: int,
     dropout: tuple[float, float, float], seed: int,
 ) -> tuple[Tensor, ...]:
     """Fused backward: (dh [L, N, H], dw_v, db_v, dw_k, db_k, dw_a, db_a).
 
     ``dc`` [N, H] is the gradient of c, ``dp`` [L, N, J] (or None) that of the returned
-    layer weights; the other arguments are the forward's inputs and outputs. Only one
+    layer weights; the other arguments are the forward's inputs and its weights p. Only one
     [L, N, K] buffer (the recomputed key pre-activations) and [L, N, J]-sized ones are
     allocated besides the gradients themselves.
     """
@@ -521,22 +516,19 @@ def layer_attention_bwd(
     seeds_hkp = (r["seed_h"], r["rate_h"], r["scale_h"], r["seed_k"], r["rate_k"], r["scale_k"],
                  r["seed_p"], r["rate_p"], r["scale_p"])
     dc = dc.contiguous()
-    # delta_j = <dc_j, c_j> (+ sum_l p dp for a gradient flowing into the returned weights)
-    delta = (dc.to(acc) * c.to(acc)).view(N, J, D).sum(-1)
-    if dp is not None:
-        dp = dp.to(acc).contiguous()
-        delta = delta + (p * dp).sum(0)
-    da = torch.empty((L, N, J), device=hidden.device, dtype=acc)
+    dp_c = torch.empty((L, N, J), device=hidden.device, dtype=acc)
     z = torch.empty((L, N, K), device=hidden.device, dtype=hidden.dtype)
     bn = meta["BLOCK_N"]
     _layer_attention_bwd_scores_kernel[(triton.cdiv(N, bn), L)](
-        hidden, w_v, b_v, w_k, b_k, p, dc, dp if dp is not None else p, delta, da, z,
-        N, H, K, J, D,
+        hidden, w_v, b_v, w_k, b_k, dc, dp_c, z, N, H, K, J, D,
         r["seed_h"], r["rate_h"], r["scale_h"], r["seed_p"], r["rate_p"], r["scale_p"],
-        DROP_H=drop["DROP_H"], DROP_P=drop["DROP_P"], HAS_DPW=dp is not None,
+        DROP_H=drop["DROP_H"], DROP_P=drop["DROP_P"],
         BLOCK_N=bn, BLOCK_O=meta["BLOCK_O"], BLOCK_I=meta["BLOCK_I"],
         BLOCK_K=meta["BLOCK_K"], BLOCK_J=meta["BLOCK_J"], **common,
     )
+    if dp is not None:  # a gradient flowing into the returned layer weights
+        dp_c += dp.to(acc)
+    da = p * (dp_c - (p * dp_c).sum(0, keepdim=True))  # softmax backward over the layers
     dh = torch.empty_like(hidden)
     _layer_attention_bwd_hidden_kernel[(triton.cdiv(N, bn), triton.cdiv(H, meta["BLOCK_I"]), L)](
         w_v, w_k, w_a, p, dc, da, z, dh, N, H, K, J, D, *seeds_hkp, **drop,
@@ -605,23 +597,23 @@ def _(hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout_h, dropout_k, dro
 @torch.library.custom_op("mhmla_fast::layer_attention_bwd", mutates_args=())
 def _layer_attention_bwd_op(
     dc: Tensor, dp: Optional[Tensor], hidden: Tensor, w_v: Tensor, b_v: Tensor, w_k: Tensor,
-    b_k: Tensor, w_a: Tensor, b_a: Tensor, c: Tensor, p: Tensor, num_heads: int,
+    b_k: Tensor, w_a: Tensor, b_a: Tensor, p: Tensor, num_heads: int,
     dropout_h: float, dropout_k: float, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return layer_attention_bwd(
-        dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, c, p, num_heads,
+        dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, num_heads,
         (dropout_h, dropout_k, dropout_p), int(seed.item()),
     )
 
 
 @_layer_attention_bwd_op.register_fake
-def _(dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, c, p, num_heads, dropout_h, dropout_k,
+def _(dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, num_heads, dropout_h, dropout_k,
       dropout_p, seed):
     return tuple(torch.empty_like(t) for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a))
 
 
 class LayerAttentionFunction(torch.autograd.Function):
-    """Autograd over the fused ops; saves the inputs, c and p [L, N, J], nothing L x N x H."""
+    """Autograd over the fused ops; saves the inputs and p [L, N, J], nothing L x N x H."""
 
     @staticmethod
     def forward(ctx, hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout_h, dropout_k,
@@ -630,18 +622,19 @@ class LayerAttentionFunction(torch.autograd.Function):
             hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout_h, dropout_k, dropout_p,
             seed,
         )
-        ctx.save_for_backward(hidden, w_v, b_v, w_k, b_k, w_a, b_a, c, p, seed)
+        ctx.save_for_backward(hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed)
+        ctx.c_shape = c.shape
         ctx.config = (num_heads, dropout_h, dropout_k, dropout_p)
         ctx.set_materialize_grads(False)
         return c, p
 
     @staticmethod
     def backward(ctx, dc, dp):
-        hidden, w_v, b_v, w_k, b_k, w_a, b_a, c, p, seed = ctx.saved_tensors
+        hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed = ctx.saved_tensors
         if dc is None:
-            dc = torch.zeros_like(c)
+            dc = hidden.new_zeros(ctx.c_shape)
         grads = torch.ops.mhmla_fast.layer_attention_bwd(
-            dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, c, p, *ctx.config, seed,
+            dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, *ctx.config, seed,
         )
         return (*grads, None, None, None, None, None)
 

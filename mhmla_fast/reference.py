@@ -66,7 +66,8 @@ def layer_attention_reference(
             to replay the fused kernels' masks; the rates still give the scaling.
 
     Returns:
-        c: [N, H] in the input dtype; p: [L, N, J] float32 layer weights (before dropout).
+        c: [N, H] in the input dtype; p: [L, N, J] layer weights (before dropout), float32
+        (float64 for float64 input).
 
     Scores and the softmax over layers are computed in float32; projections run in the
     input dtype, as a user's eager code would.
@@ -84,7 +85,7 @@ def layer_attention_reference(
         a = torch.einsum("lnjd,ldj->lnj", k.reshape(L, N, J, K // J), w_a) + b_a.unsqueeze(1)
     else:
         a = torch.baddbmm(b_a.unsqueeze(1), k, w_a)  # [L, N, J]
-    p = torch.softmax(a.float(), dim=0)  # [L, N, J]
+    p = torch.softmax(a.to(torch.promote_types(a.dtype, torch.float32)), dim=0)  # [L, N, J]
     p_used = _dropout(p, dropout_p, keep_p, training)
     c = (p_used.to(v.dtype).unsqueeze(-1) * v.reshape(L, N, J, D)).sum(0)
     return c.reshape(N, H), p

@@ -1,2 +1,168 @@
-"""placeholder"""
-class FusedLayerAttention: pass
+"""``FusedLayerAttention``: a drop-in module over an encoder's hidden states."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..functional import BACKENDS, layer_attention
+
+__all__ = ["FusedLayerAttention", "MODES"]
+
+MODES = ("mhmla", "shmla", "avgl", "last")
+
+
+class FusedLayerAttention(nn.Module):
+    r"""Multi-head multi-layer attention (MHMLA) over the hidden states of an encoder.
+
+    For the selected layers l and heads j (D = H / J), per token::
+
+        v^l = h^l W_v^l + b_v^l,   a^l = relu(h^l W_k^l + b_k^l) W_a^l + b_a^l
+        c   = concat_j sum_l softmax_l(a^{l,j}) v^{l,j}                      [*, H]
+
+    The paper's baselines are modes of the same module, so training switches by config:
+
+    * ``"mhmla"``: J = ``num_heads`` (must divide H);
+    * ``"shmla"``: a single head (J = 1);
+    * ``"avgl"``: ``c = mean_l (h^l W_v^l + b_v^l)`` (averaged transformed layers, no scorer);
+    * ``"last"``: ``c = h^L``, the last selected layer (plain fine-tuning; no parameters).
+
+    Args:
+        hidden_size: H.
+        num_layers: the encoder's number of transformer layers; Hugging Face's
+            ``hidden_states`` tuple then has ``num_layers + 1`` entries, the embeddings first.
+        num_heads: J for ``"mhmla"`` (default 12, as in the paper).
+        key_size: K, the width of the keys (default H).
+        mode: one of ``"mhmla"``, ``"shmla"``, ``"avgl"``, ``"last"``.
+        layers: indices into the hidden-states tuple to attend over; default
+            ``1..num_layers`` (every transformer layer, the embedding output excluded, as in
+            the paper). ``include_embeddings=True`` makes the default ``0..num_layers``.
+        dropout: rate of the dropout on h^l, k^l and on the layer weights p during
+            training (paper: 0.3); in ``"avgl"`` and ``"last"`` modes on h^l only.
+        block_diagonal: head j scores only from its own K/J slice of k^l.
+        backend: ``"auto"`` (fused Triton on CUDA, eager elsewhere), ``"torch"``, ``"triton"``.
+
+    Parameters, per selected layer: ``w_v`` [L, H, H], ``b_v`` [L, H], ``w_k`` [L, H, K],
+    ``b_k`` [L, K], ``w_a`` [L, K, J] ([L, K/J, J] block-diagonal), ``b_a`` [L, J]. Weights
+    are initialised like ``nn.Linear`` (uniform in +-1/sqrt(fan_in)), biases to zero, so
+    the initial layer weights are close to uniform. They are kept in the module's dtype and
+    cast to the hidden states' dtype in ``forward`` (for example bf16 under autocast).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_layers: int,
+        num_heads: int = 12,
+        *,
+        key_size: int | None = None,
+        mode: str = "mhmla",
+        layers: Sequence[int] | None = None,
+        include_embeddings: bool = False,
+        dropout: float = 0.3,
+        block_diagonal: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if hidden_size < 1 or num_layers < 1:
+            raise ValueError(
+                f"hidden_size and num_layers must be positive, got {hidden_size}, {num_layers}"
+            )
+        if layers is None:
+            layers = range(0 if include_embeddings else 1, num_layers + 1)
+        layers = [int(i) for i in layers]
+        if not layers or any(not 0 <= i <= num_layers for i in layers):
+            raise ValueError(
+                f"layers: expected indices in [0, {num_layers}] of the {num_layers + 1} hidden "
+                f"states, got {layers}"
+            )
+        heads = {"mhmla": num_heads, "shmla": 1}.get(mode, 1)
+        if hidden_size % heads:
+            raise ValueError(f"num_heads: H = {hidden_size} is not divisible by J = {heads}")
+        key_size = hidden_size if key_size is None else key_size
+        if block_diagonal and key_size % heads:
+            raise ValueError(f"key_size: K = {key_size} is not divisible by J = {heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout: expected a rate in [0, 1), got {dropout}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.hidden_size, self.num_layers, self.num_heads = hidden_size, num_layers, heads
+        self.key_size, self.mode, self.layers = key_size, mode, layers
+        self.dropout, self.block_diagonal, self.backend = dropout, block_diagonal, backend
+        L, H, K = len(layers), hidden_size, key_size
+        if mode in ("mhmla", "shmla", "avgl"):
+            self.w_v = nn.Parameter(torch.empty(L, H, H))
+            self.b_v = nn.Parameter(torch.empty(L, H))
+        if mode in ("mhmla", "shmla"):
+            self.w_k = nn.Parameter(torch.empty(L, H, K))
+            self.b_k = nn.Parameter(torch.empty(L, K))
+            self.w_a = nn.Parameter(torch.empty(L, K // heads if block_diagonal else K, heads))
+            self.b_a = nn.Parameter(torch.empty(L, heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weights uniform in +-1/sqrt(fan_in) (``nn.Linear``'s scale), biases zero."""
+        for name, param in self.named_parameters(recurse=False):
+            if name.startswith("w_"):
+                bound = 1.0 / math.sqrt(param.shape[1])
+                nn.init.uniform_(param, -bound, bound)
+            else:
+                nn.init.zeros_(param)
+
+    def select(self, hidden_states: Tensor | Sequence[Tensor]) -> list[Tensor]:
+        """The selected layers of ``hidden_states`` (the HF tuple or [num_layers + 1, *, H])."""
+        n = len(hidden_states)
+        if n != self.num_layers + 1:
+            shape = list(hidden_states.shape) if isinstance(hidden_states, Tensor) else f"{n} tensors"
+            raise ValueError(
+                f"hidden_states: expected the encoder's {self.num_layers + 1} hidden states "
+                f"(embeddings + {self.num_layers} layers), got {shape}"
+            )
+        return [hidden_states[i] for i in self.layers]
+
+    def forward(
+        self, hidden_states: Tensor | Sequence[Tensor], return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
+        """Combine the layers.
+
+        Args:
+            hidden_states: Hugging Face's ``hidden_states`` tuple (``num_layers + 1``
+                tensors [*, H]) or a tensor [num_layers + 1, *, H].
+            return_weights: also return the layer weights p [*, L, J] (None in the
+                ``"avgl"`` and ``"last"`` modes).
+
+        Returns:
+            c [*, H] in the hidden states' dtype (and p).
+        """
+        hs = self.select(hidden_states)
+        rate = self.dropout if self.training else 0.0
+        if self.mode == "last":
+            c = F.dropout(hs[-1], rate, training=self.training)
+            return (c, None) if return_weights else c
+        dtype = hs[0].dtype
+        w_v, b_v = self.w_v.to(dtype), self.b_v.to(dtype)
+        if self.mode == "avgl":
+            h = torch.stack(hs, 0)
+            lead = h.shape[1:-1]
+            h = F.dropout(h.reshape(h.shape[0], -1, h.shape[-1]), rate, training=self.training)
+            c = torch.baddbmm(b_v.unsqueeze(1), h, w_v).mean(0).reshape(*lead, -1)
+            return (c, None) if return_weights else c
+        return layer_attention(
+            hs, w_v, b_v, self.w_k.to(dtype), self.b_k.to(dtype), self.w_a.to(dtype),
+            self.b_a.to(dtype), self.num_heads, dropout_h=rate, dropout_k=rate, dropout_p=rate,
+            training=self.training, return_weights=return_weights, backend=self.backend,
+            block_diagonal=self.block_diagonal,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"mode={self.mode!r}, hidden_size={self.hidden_size}, layers={self.layers}, "
+            f"num_heads={self.num_heads}, key_size={self.key_size}, dropout={self.dropout}, "
+            f"block_diagonal={self.block_diagonal}, backend={self.backend!r}"
+        )

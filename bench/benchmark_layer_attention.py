@@ -1,0 +1,877 @@
+"""Benchmark of ``mhmla_fast.layer_attention``: eager vs torch.compile vs the fused Triton kernels.
+
+    python bench/benchmark_layer_attention.py                 # full sweep, writes bench/results/*.json
+    python bench/benchmark_layer_attention.py --quick         # BERT-base, bf16, N = 4096 only
+    python bench/benchmark_layer_attention.py --out DIR_OR_FILE.json --shapes minilm --dtypes fp16
+
+Providers (all on the same random inputs, checked against eager once before timing):
+    eager    backend="torch" (the eager PyTorch reference)
+    compile  torch.compile (default mode, static shapes) of a function calling backend="torch"
+    fused    backend="triton" (fused forward and backward kernels through autograd)
+
+Modes:
+    forward    the forward as run in training (inputs require grad, autograd records)
+    backward   only the backward: the graph is built once outside the timed region and
+               ``torch.autograd.grad(c, inputs, dc, retain_graph=True)`` is timed; when a
+               provider's graph cannot be replayed, the forward is rebuilt before every
+               timed backward, outside the CUDA events (row field ``backward_timing``)
+    full       forward + backward (gradients of hidden, all weights and biases)
+    inference  (opt-in, ``--modes inference``) the forward under ``torch.no_grad()``
+
+FLOP convention ("model FLOPs"; a GEMM [M x K] @ [K x N] is 2*M*N*K FLOPs):
+    forward  = 2 * L * N * H * (H + K)   the two projections per layer, h W_v ([N,H]@[H,H])
+                                         and h W_k ([N,H]@[H,K]); at BERT-base that is
+                                         28.3 MFLOP per token
+    backward = 2 * forward               dX and dW of each projection (4 GEMM-sized passes)
+    full     = 3 * forward
+    Not counted: the score GEMM k W_a (2*L*N*K*J, 0.8% of the forward at BERT-base), the
+    softmax, the weighted sum, biases and ReLU, and any recomputation a backward does. So the
+    TFLOP/s figures are a slight underestimate of the arithmetic actually done.
+
+On a machine without a CUDA GPU this prints a message to stderr and exits 0, writing nothing.
+See bench/README.md for every output field and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+NO_CUDA_MESSAGE = "no CUDA GPU found: the layer-attention benchmark needs one; nothing measured"
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One head configuration: L layers, H hidden, K key width, J heads."""
+
+    name: str
+    L: int
+    H: int
+    K: int
+    J: int
+
+
+SHAPES = {
+    "bert-base": Shape("bert-base", L=12, H=768, K=768, J=12),
+    "minilm": Shape("minilm", L=6, H=384, K=384, J=12),
+}
+DTYPE_NAMES = ("bf16", "fp16")
+N_SWEEP = (1024, 2048, 4096, 8192, 16384)  # tokens; 4096 = batch 32 x 128
+PROVIDERS = ("eager", "compile", "fused")
+MODES = ("forward", "backward", "full")
+ALL_MODES = MODES + ("inference",)
+QUANTILES = (0.5, 0.2, 0.8)  # median, 20th, 80th percentile
+INPUT_NAMES = ("hidden", "w_v", "b_v", "w_k", "b_k", "w_a", "b_a")
+MATMUL_CEILING_SIZE = 8192
+COPY_CEILING_BYTES = 1 << 30
+
+FLOP_CONVENTION = (
+    "model FLOPs, a GEMM [M x K] @ [K x N] = 2*M*N*K: forward = 2*L*N*H*(H+K) (the value and "
+    "key projections); backward = 2 * forward (dX and dW of both projections); full = 3 * "
+    "forward; inference = forward. Not counted: the score GEMM (2*L*N*K*J), softmax, weighted "
+    "sum, biases, ReLU, and recomputation in the backward."
+)
+
+# Targets from the op issue, stated for an H100 at BERT-base shape in bf16.
+TARGETS = {
+    "forward": {"fused_vs_eager": 3.0, "fused_vs_compile": 1.5, "fused_ratio_to_matmul_ceiling": 0.60},
+    "full": {"fused_vs_eager": 2.5, "fused_mem_over_eager_max": 1.0 / 3.0},
+}
+TARGET_SHAPE, TARGET_DTYPE, TARGET_HEADLINE_N = "bert-base", "bf16", 4096
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting: FLOPs and the fewest bytes
+# ----------------------------------------------------------------------------------------------
+
+
+def layer_attention_flops(L: int, N: int, H: int, K: int, mode: str = "forward") -> int:
+    """Model FLOPs of one layer-attention call (see the module docstring for the convention).
+
+    forward (and inference) = 2*L*N*H*(H+K); backward = 2x forward; full = 3x forward.
+    """
+    forward = 2 * L * N * H * (H + K)
+    factor = {"forward": 1, "inference": 1, "backward": 2, "full": 3}
+    if mode not in factor:
+        raise ValueError(f"mode: expected one of {sorted(factor)}, got {mode!r}")
+    return forward * factor[mode]
+
+
+def layer_attention_min_bytes(L: int, N: int, H: int, K: int, J: int, elem_bytes: int, mode: str) -> int:
+    """Fewest bytes a call must move through device memory (each input read once, each output
+    written once): a lower bound, the second figure after TFLOP/s.
+
+    forward: read hidden [L,N,H] and the parameters, write c [N,H]. backward: read hidden, the
+    parameters, dc and c [N,H]; write dhidden [L,N,H] and the parameter gradients. full: both.
+    """
+    params = L * (H * H + H + H * K + K + K * J + J)
+    fwd = L * N * H + params + N * H
+    bwd = 2 * L * N * H + 2 * params + 2 * N * H
+    per_mode = {"forward": fwd, "inference": fwd, "backward": bwd, "full": fwd + bwd}
+    if mode not in per_mode:
+        raise ValueError(f"mode: expected one of {sorted(per_mode)}, got {mode!r}")
+    return per_mode[mode] * elem_bytes
+
+
+def quantiles(times: list[float], qs: tuple[float, ...] = QUANTILES) -> tuple[float, ...]:
+    """Linear-interpolation quantiles (as numpy and ``triton.testing.do_bench`` compute them)."""
+    if not times:
+        raise ValueError("quantiles: no samples")
+    s = sorted(times)
+    out = []
+    for q in qs:
+        pos = q * (len(s) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(s) - 1)
+        out.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and memory on CUDA
+# ----------------------------------------------------------------------------------------------
+
+
+class CudaTimer:
+    """Median and 20th/80th percentile in ms through ``triton.testing.do_bench`` (CUDA events,
+    L2 flushed before every run); ``warmup_ms`` and ``rep_ms`` are do_bench's budgets in ms."""
+
+    def __init__(self, warmup_ms: int = 25, rep_ms: int = 100):
+        self.warmup_ms = warmup_ms
+        self.rep_ms = rep_ms
+
+    def bench(self, fn: Callable[[], Any]) -> tuple[float, float, float]:
+        from triton.testing import do_bench
+
+        res = do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=list(QUANTILES))
+        return tuple(float(x) for x in res)  # type: ignore[return-value]
+
+    def bench_with_setup(self, setup: Callable[[], Any], fn: Callable[[Any], Any]) -> tuple[float, float, float]:
+        """Time ``fn(setup())`` with CUDA events around ``fn`` only (for a backward whose graph
+        cannot be replayed: the forward runs in ``setup``, outside the events)."""
+        import torch
+
+        flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+
+        def timed(n: int) -> list[float]:
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            for i in range(n):
+                state = setup()
+                flush.zero_()
+                starts[i].record()
+                fn(state)
+                ends[i].record()
+                del state
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+        estimate = sum(timed(5)) / 5
+        timed(max(1, int(self.warmup_ms / max(estimate, 1e-3))))
+        times = timed(max(5, int(self.rep_ms / max(estimate, 1e-3))))
+        return quantiles(times)  # type: ignore[return-value]
+
+
+def cuda_peak_extra_bytes(call: Callable[[], Any]) -> int:
+    """Peak memory one call allocates beyond what was allocated before it (inputs excluded):
+    ``max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus the allocation before."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return int(peak - before)
+
+
+def measure_matmul_ceiling(timer: CudaTimer, dtype: Any, size: int = MATMUL_CEILING_SIZE) -> dict:
+    """TFLOP/s of one large torch.matmul on random data (the matrix-unit ceiling of this run)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    a = torch.randn(size, size, device="cuda", generator=g).to(dtype)
+    b = torch.randn(size, size, device="cuda", generator=g).to(dtype)
+    c = torch.empty(size, size, device="cuda", dtype=dtype)
+    p50, p20, p80 = timer.bench(lambda: torch.matmul(a, b, out=c))
+    del a, b, c
+    torch.cuda.empty_cache()
+    return {"tflops": 2 * size**3 / (p50 * 1e-3) / 1e12, "ms_p50": p50, "ms_p20": p20, "ms_p80": p80,
+            "m_n_k": [size, size, size]}
+
+
+def measure_copy_ceiling(timer: CudaTimer, nbytes: int = COPY_CEILING_BYTES) -> dict:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    p50, _, _ = timer.bench(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"gbps": 2 * nbytes / (p50 * 1e-3) / 1e9, "ms_p50": p50, "bytes_copied": nbytes}
+
+
+# ----------------------------------------------------------------------------------------------
+# Providers, inputs, references
+# ----------------------------------------------------------------------------------------------
+
+
+def make_provider(name: str, op: Callable, num_heads: int, op_kwargs: dict) -> Callable:
+    """The callable ``inputs -> c`` for one provider (a fresh torch.compile for "compile")."""
+    if name == "eager":
+        return lambda *t: op(*t, num_heads, backend="torch", **op_kwargs)
+    if name == "fused":
+        return lambda *t: op(*t, num_heads, backend="triton", **op_kwargs)
+    if name == "compile":
+        import torch
+
+        torch._dynamo.reset()  # one static-shape graph per (shape, dtype, N); no recompile limit hit
+
+        def reference(*t):
+            return op(*t, num_heads, backend="torch", **op_kwargs)
+
+        return torch.compile(reference, dynamic=False)
+    raise ValueError(f"provider: expected one of {PROVIDERS}, got {name!r}")
+
+
+def make_inputs(shape: Shape, n: int, dtype: Any, device: str, seed: int) -> tuple[tuple, Any]:
+    """Random inputs (never zeros): hidden [L, N, H] ~ N(0, 1), weights ~ N(0, 1/fan_in),
+    biases ~ N(0, 0.02^2); all leaves requiring grad. Also dc [N, H] ~ N(0, 1)."""
+    import torch
+
+    L, H, K, J = shape.L, shape.H, shape.K, shape.J
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*size: int, scale: float = 1.0):
+        return (torch.randn(*size, device=device, generator=g) * scale).to(dtype).requires_grad_(True)
+
+    inputs = (
+        rnd(L, n, H),
+        rnd(L, H, H, scale=H**-0.5), rnd(L, H, scale=0.02),
+        rnd(L, H, K, scale=H**-0.5), rnd(L, K, scale=0.02),
+        rnd(L, K, J, scale=K**-0.5), rnd(L, J, scale=0.02),
+    )
+    grad_out = torch.randn(n, H, device=device, generator=g).to(dtype)
+    return inputs, grad_out
+
+
+def _max_abs_diff(a: Any, b: Any) -> float:
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"shape {list(a.shape)} differs from the reference's {list(b.shape)}")
+    return float((a.detach().double() - b.detach().double()).abs().max().item())
+
+
+@dataclass
+class References:
+    """Eager outputs in the benchmark dtype and in float64 for one input set."""
+
+    c: Any
+    grads: tuple | None
+    c64: Any = None
+    grads64: tuple | None = None
+    fp64_error: str | None = None
+
+
+def compute_references(op: Callable, inputs: tuple, grad_out: Any, num_heads: int, need_grads: bool) -> References:
+    import torch
+
+    c = op(*inputs, num_heads, backend="torch")
+    grads = torch.autograd.grad(c, inputs, grad_out) if need_grads else None
+    refs = References(c=c.detach(), grads=grads)
+    del c
+    try:
+        x64 = tuple(t.detach().double().requires_grad_(True) for t in inputs)
+        c64 = op(*x64, num_heads, backend="torch")
+        refs.grads64 = torch.autograd.grad(c64, x64, grad_out.double()) if need_grads else None
+        refs.c64 = c64.detach()
+    except Exception as e:  # noqa: BLE001 - a missing oracle must not stop the run
+        refs.fp64_error = _error_text(e)
+    return refs
+
+
+def check_provider(fn: Callable, inputs: tuple, grad_out: Any, refs: References, need_grads: bool) -> dict:
+    """Run the provider once (this is also its first warm-up) and compare with eager and fp64."""
+    import torch
+
+    out = fn(*inputs)
+    res: dict[str, Any] = {
+        "max_abs_diff": _max_abs_diff(out, refs.c),
+        "max_abs_err_fp64": _max_abs_diff(out, refs.c64) if refs.c64 is not None else None,
+        "grad_max_abs_diff": None,
+        "grad_max_abs_err_fp64": None,
+    }
+    if need_grads:
+        grads = torch.autograd.grad(out, inputs, grad_out)
+        res["grad_max_abs_diff"] = {n: _max_abs_diff(g, r) for n, g, r in zip(INPUT_NAMES, grads, refs.grads)}
+        if refs.grads64 is not None:
+            res["grad_max_abs_err_fp64"] = {
+                n: _max_abs_diff(g, r) for n, g, r in zip(INPUT_NAMES, grads, refs.grads64)
+            }
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring one (provider, mode)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _warm(call: Callable[[], Any], device: str, times: int = 2) -> None:
+    for _ in range(times):
+        res = call()
+        del res
+    _sync(device)
+
+
+def _retain_graph_works(out: Any, inputs: tuple, grad_out: Any) -> tuple[bool, str | None]:
+    """Two backward calls on one graph must both run and agree (a graph that frees or
+    overwrites what it saved would fail or drift here)."""
+    import torch
+
+    try:
+        g1 = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+        g2 = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+    except RuntimeError as e:
+        return False, _error_text(e)
+    for name, a, b in zip(INPUT_NAMES, g1, g2):
+        if not bool(torch.isfinite(b).all()):
+            return False, f"second backward gave non-finite d{name}"
+        scale = float(a.detach().double().abs().max().item())
+        if _max_abs_diff(a, b) > 0.05 * scale + 1e-6:
+            return False, f"second backward's d{name} differs from the first"
+    return True, None
+
+
+def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, device: str,
+                 timer: Any, peak_probe: Callable | None) -> dict:
+    """Warm up, measure the peak extra memory of one call, then time. Returns ms p50/p20/p80,
+    peak_extra_bytes (None without a probe) and, for backward, how it was timed."""
+    import torch
+
+    res: dict[str, Any] = {"backward_timing": None, "backward_timing_note": None}
+    if mode in ("forward", "inference", "full"):
+        if mode == "forward":
+            def call():
+                return fn(*inputs)
+        elif mode == "inference":
+            def call():
+                with torch.no_grad():
+                    return fn(*inputs)
+        else:
+            def call():
+                return torch.autograd.grad(fn(*inputs), inputs, grad_out)
+        _warm(call, device)
+        res["peak_extra_bytes"] = peak_probe(call) if peak_probe else None
+        res["ms"] = timer.bench(call)
+        return res
+    if mode != "backward":
+        raise ValueError(f"mode: expected one of {ALL_MODES}, got {mode!r}")
+    out = fn(*inputs)
+    ok, why = _retain_graph_works(out, inputs, grad_out)
+    if ok:
+        def call():
+            return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+
+        _warm(call, device)
+        res["peak_extra_bytes"] = peak_probe(call) if peak_probe else None
+        res["ms"] = timer.bench(call)
+        res["backward_timing"] = "retain_graph"
+        return res
+    del out
+
+    def setup():
+        return fn(*inputs)
+
+    def run(o):
+        return torch.autograd.grad(o, inputs, grad_out)
+
+    state = setup()
+    res["peak_extra_bytes"] = peak_probe(lambda: run(state)) if peak_probe else None
+    del state
+    res["ms"] = timer.bench_with_setup(setup, run)
+    res["backward_timing"] = "rebuild"
+    res["backward_timing_note"] = f"retain_graph unusable: {why}"
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchConfig:
+    shapes: list[Shape]
+    dtypes: list[str]
+    ns: list[int]
+    providers: list[str] = field(default_factory=lambda: list(PROVIDERS))
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    dropout: float = 0.0
+    seed: int = 0
+
+
+def _error_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 600 else text[:600] + " ..."
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _free_memory(device: str) -> None:
+    import torch
+
+    gc.collect()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_benchmark(cfg: BenchConfig, op: Callable, *, device: str, timer: Any, peak_probe: Callable | None,
+                  ceiling_tflops: float | None, meta: dict, log: Callable[[str], None] = print) -> list[dict]:
+    """Every (shape, dtype, N, provider, mode) row. ``op`` is ``mhmla_fast.layer_attention``;
+    ``timer`` has ``bench(fn)`` and ``bench_with_setup(setup, fn)`` returning ms (p50, p20, p80);
+    ``peak_probe(call)`` returns the call's peak extra bytes (or is None: not measured)."""
+    rows: list[dict] = []
+    need_grads = any(m in ("backward", "full") for m in cfg.modes)
+    op_kwargs = {}
+    if cfg.dropout > 0:
+        op_kwargs = dict(dropout_h=cfg.dropout, dropout_k=cfg.dropout, dropout_p=cfg.dropout, training=True)
+    for shape in cfg.shapes:
+        for dtype_name in cfg.dtypes:
+            dtype = _torch_dtype(dtype_name)
+            for n in cfg.ns:
+                base = {**meta, "shape": shape.name, "L": shape.L, "N": n, "H": shape.H, "K": shape.K,
+                        "J": shape.J, "dtype": dtype_name, "dropout": cfg.dropout}
+                tag = f"[{shape.name} {dtype_name} N={n}]"
+                rows.extend(_run_group(cfg, op, shape, dtype, n, base, tag, op_kwargs, need_grads,
+                                       device=device, timer=timer, peak_probe=peak_probe,
+                                       ceiling_tflops=ceiling_tflops, log=log))
+                _free_memory(device)
+    return rows
+
+
+def _row(base: dict, provider: str, mode: str, **fields: Any) -> dict:
+    row = {**base, "provider": provider, "mode": mode,
+           "ms_p50": None, "ms_p20": None, "ms_p80": None, "flops": None, "tflops": None,
+           "ratio_to_matmul_ceiling": None, "min_bytes": None, "gbps": None, "peak_extra_mem_mb": None, "max_abs_diff": None, "max_abs_err_fp64": None,
+           "grad_max_abs_diff": None, "grad_max_abs_err_fp64": None, "check_note": None,
+           "backward_timing": None, "backward_timing_note": None, "error": None}
+    row.update(fields)
+    return row
+
+
+def _run_group(cfg: BenchConfig, op: Callable, shape: Shape, dtype: Any, n: int, base: dict, tag: str,
+               op_kwargs: dict, need_grads: bool, *, device: str, timer: Any, peak_probe: Callable | None,
+               ceiling_tflops: float | None, log: Callable[[str], None]) -> list[dict]:
+    rows: list[dict] = []
+    try:
+        inputs, grad_out = make_inputs(shape, n, dtype, device, cfg.seed + n)
+        refs = compute_references(op, inputs, grad_out, shape.J, need_grads) if cfg.dropout == 0 else None
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest N
+        err = f"inputs/reference: {_error_text(e)}"
+        log(f"{tag} {err}")
+        _free_memory(device)
+        return [_row(base, p, m, error=err) for p in cfg.providers for m in cfg.modes]
+    check_note = None
+    if refs is None:
+        check_note = "skipped: dropout > 0 (masks differ between providers)"
+    elif refs.fp64_error:
+        check_note = f"no float64 oracle: {refs.fp64_error}"
+    elem_bytes = inputs[0].element_size()
+    for provider in cfg.providers:
+        try:
+            fn = make_provider(provider, op, shape.J, op_kwargs)
+            if refs is not None:
+                check = check_provider(fn, inputs, grad_out, refs, need_grads)
+            else:
+                check = {}
+                _warm(lambda: fn(*inputs), device, times=1)
+        except Exception as e:  # noqa: BLE001 - a broken provider is recorded, the run goes on
+            err = f"build/check: {_error_text(e)}"
+            log(f"{tag} {provider}: {err}")
+            rows.extend(_row(base, provider, m, error=err, check_note=check_note) for m in cfg.modes)
+            _free_memory(device)
+            continue
+        for mode in cfg.modes:
+            try:
+                res = measure_mode(mode, fn, inputs, grad_out, device=device, timer=timer, peak_probe=peak_probe)
+            except Exception as e:  # noqa: BLE001
+                err = _error_text(e)
+                log(f"{tag} {provider} {mode}: {err}")
+                rows.append(_row(base, provider, mode, error=err, check_note=check_note, **check))
+                _free_memory(device)
+                continue
+            p50, p20, p80 = res["ms"]
+            flops = layer_attention_flops(shape.L, n, shape.H, shape.K, mode)
+            tflops = flops / (p50 * 1e-3) / 1e12
+            nbytes = layer_attention_min_bytes(shape.L, n, shape.H, shape.K, shape.J, elem_bytes, mode)
+            peak = res["peak_extra_bytes"]
+            row = _row(
+                base, provider, mode, ms_p50=p50, ms_p20=p20, ms_p80=p80, flops=flops, tflops=tflops,
+                ratio_to_matmul_ceiling=(tflops / ceiling_tflops) if ceiling_tflops else None,
+                min_bytes=nbytes, gbps=nbytes / (p50 * 1e-3) / 1e9,
+                peak_extra_mem_mb=(peak / 2**20) if peak is not None else None,
+                check_note=check_note, backward_timing=res["backward_timing"],
+                backward_timing_note=res["backward_timing_note"], **check,
+            )
+            rows.append(row)
+            log(f"{tag} {provider:8s} {mode:9s} {p50:9.3f} ms  {tflops:7.1f} TFLOP/s"
+                + (f"  {row['peak_extra_mem_mb']:9.1f} MiB" if peak is not None else ""))
+            _free_memory(device)
+        del fn
+        _free_memory(device)
+    del inputs, grad_out, refs
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries
+# ----------------------------------------------------------------------------------------------
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def summarize_speedups(rows: list[dict]) -> list[dict]:
+    """For each (shape, dtype, N, mode): fused vs eager and fused vs compile (ratio of median
+    times, > 1 means fused is faster) and fused's peak extra memory over theirs."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["shape"], r["dtype"], r["N"], r["mode"])
+        groups.setdefault(key, {})
+        if r.get("error") is None and r.get("ms_p50") is not None:
+            groups[key][r["provider"]] = r
+    out = []
+    for (shape, dtype, n, mode), by in groups.items():
+        def ms(p):
+            return by[p]["ms_p50"] if p in by else None
+
+        def mem(p):
+            return by[p]["peak_extra_mem_mb"] if p in by else None
+
+        out.append({
+            "shape": shape, "dtype": dtype, "N": n, "mode": mode,
+            "eager_ms": ms("eager"), "compile_ms": ms("compile"), "fused_ms": ms("fused"),
+            "fused_vs_eager": _ratio(ms("eager"), ms("fused")),
+            "fused_vs_compile": _ratio(ms("compile"), ms("fused")),
+            "fused_mem_over_eager": _ratio(mem("fused"), mem("eager")),
+            "fused_mem_over_compile": _ratio(mem("fused"), mem("compile")),
+            "fused_ratio_to_matmul_ceiling": by["fused"]["ratio_to_matmul_ceiling"] if "fused" in by else None,
+        })
+    return out
+
+
+def evaluate_targets(speedups: list[dict], device_name: str) -> dict:
+    """The op issue's targets (H100, BERT-base, bf16) checked at every measured N."""
+    checks = []
+    for s in speedups:
+        if (s["shape"], s["dtype"]) != (TARGET_SHAPE, TARGET_DTYPE) or s["mode"] not in TARGETS:
+            continue
+        for metric, threshold in TARGETS[s["mode"]].items():
+            if metric.endswith("_max"):
+                key, value = metric[: -len("_max")], s[metric[: -len("_max")]]
+                passed = None if value is None else value <= threshold
+                op_text = "<="
+            else:
+                key, value = metric, s[metric]
+                passed = None if value is None else value >= threshold
+                op_text = ">="
+            checks.append({"N": s["N"], "mode": s["mode"], "metric": key, "value": value,
+                           "target": f"{op_text} {threshold:.3g}", "passed": passed,
+                           "headline": s["N"] == TARGET_HEADLINE_N})
+    return {
+        "stated_for": f"NVIDIA H100, {TARGET_SHAPE}, {TARGET_DTYPE} (headline N = {TARGET_HEADLINE_N} = 32 x 128)",
+        "measured_on": device_name,
+        "on_target_device": "H100" in device_name,
+        "checks": checks,
+    }
+
+
+def _fmt(x: Any, spec: str) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return format(x, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'shape':9s} {'dtype':5s} {'N':>6s} {'provider':8s} {'mode':9s} {'p50 ms':>9s} "
+            f"{'p20-p80 ms':>17s} {'TFLOP/s':>8s} {'ceil':>5s} {'mem MiB':>9s} {'diff':>8s} {'err64':>8s}  error")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = (f"{r['ms_p20']:.3f}-{r['ms_p80']:.3f}" if r["ms_p20"] is not None else "-")
+        ratio = r["ratio_to_matmul_ceiling"]
+        lines.append(
+            f"{r['shape']:9s} {r['dtype']:5s} {r['N']:6d} {r['provider']:8s} {r['mode']:9s} "
+            f"{_fmt(r['ms_p50'], '.3f'):>9s} {spread:>17s} {_fmt(r['tflops'], '.1f'):>8s} "
+            f"{(_fmt(100 * ratio, '.0f') + '%') if ratio is not None else '-':>5s} "
+            f"{_fmt(r['peak_extra_mem_mb'], '.1f'):>9s} {_fmt(r['max_abs_diff'], '.1e'):>8s} "
+            f"{_fmt(r['max_abs_err_fp64'], '.1e'):>8s}  {(r['error'] or '')[:80]}"
+        )
+    return "\n".join(lines)
+
+
+def format_speedups(speedups: list[dict], targets: dict | None = None) -> str:
+    head = (f"{'shape':9s} {'dtype':5s} {'N':>6s} {'mode':9s} {'fused/eager':>11s} {'fused/compile':>13s} "
+            f"{'mem f/e':>8s} {'fused ceil':>10s}")
+    lines = ["speedup = other's median time / fused's (> 1: fused faster); mem f/e = fused's peak "
+             "extra memory / eager's", head, "-" * len(head)]
+    for s in speedups:
+        ceil = s["fused_ratio_to_matmul_ceiling"]
+        lines.append(
+            f"{s['shape']:9s} {s['dtype']:5s} {s['N']:6d} {s['mode']:9s} {_fmt(s['fused_vs_eager'], '.2f'):>11s} "
+            f"{_fmt(s['fused_vs_compile'], '.2f'):>13s} {_fmt(s['fused_mem_over_eager'], '.3f'):>8s} "
+            f"{(_fmt(100 * ceil, '.0f') + '%') if ceil is not None else '-':>10s}"
+        )
+    if targets and targets["checks"]:
+        lines.append("")
+        lines.append(f"targets (stated for {targets['stated_for']}; measured on {targets['measured_on']}):")
+        for c in targets["checks"]:
+            verdict = {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
+            mark = " *" if c["headline"] else ""
+            lines.append(f"  N={c['N']:6d} {c['mode']:8s} {c['metric']:30s} {_fmt(c['value'], '.3f'):>8s} "
+                         f"(target {c['target']}) {verdict}{mark}")
+        lines.append("  * headline shape")
+    return "\n".join(lines)
+
+
+def _json_safe(x: Any) -> Any:
+    """Non-finite floats as strings, so the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment, output path, CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    """``git rev-parse HEAD`` of this checkout; else $MHMLA_BENCH_COMMIT; else "unknown"."""
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=10, check=False)
+        if res.returncode == 0 and res.stdout.strip():
+            return res.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("MHMLA_BENCH_COMMIT", "").strip() or "unknown"
+
+
+def gpu_slug(name: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "gpu"
+
+
+def resolve_out_path(out: str | None, device_name: str, today: datetime.date) -> Path:
+    """--out FILE.json is used as given; --out DIR (or none: bench/results/) gets the default
+    name layer_attention_<gpu-slug>_<date>.json, with -2, -3 ... if that file exists."""
+    if out is not None and out.endswith(".json"):
+        return Path(out)
+    directory = Path(out) if out is not None else DEFAULT_OUT_DIR
+    stem = f"layer_attention_{gpu_slug(device_name)}_{today.isoformat()}"
+    path = directory / f"{stem}.json"
+    i = 2
+    while path.exists():
+        path = directory / f"{stem}-{i}.json"
+        i += 1
+    return path
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a rate in [0, 1), got {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="benchmark_layer_attention.py",
+        description="Time mhmla_fast.layer_attention (eager, torch.compile, fused Triton) on a CUDA GPU: "
+                    "median ms with 20th/80th percentiles, TFLOP/s against the measured bf16 matmul "
+                    "ceiling, peak extra memory, and the difference from eager. Writes one JSON file.",
+        epilog=f"FLOP convention: {FLOP_CONVENTION} See bench/README.md.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="only BERT-base, bf16, N = 4096 (explicit --shapes/--dtypes/--n still win)")
+    p.add_argument("--out", default=None,
+                   help="output .json file, or a directory for the default name "
+                        "layer_attention_<gpu-slug>_<date>.json (default: bench/results/)")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
+                   help="head shapes (default: bert-base minilm)")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPE_NAMES, default=None, help="default: bf16 fp16")
+    p.add_argument("--n", nargs="+", type=_positive_int, default=None, dest="ns",
+                   help=f"token counts N (default: {' '.join(map(str, N_SWEEP))})")
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
+                   help="default: forward backward full ('inference' = forward under no_grad, opt-in)")
+    p.add_argument("--dropout", type=_rate, default=0.0,
+                   help="train-mode dropout rate on h, k and p (default 0: no dropout; > 0 skips the "
+                        "comparison with eager, whose masks differ)")
+    p.add_argument("--seed", type=int, default=0, help="input seed (each N adds N to it)")
+    p.add_argument("--warmup-ms", type=_positive_int, default=25, help="do_bench warm-up budget, ms")
+    p.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench repetition budget, ms")
+    args = p.parse_args(argv)
+    if args.shapes is None:
+        args.shapes = ["bert-base"] if args.quick else list(SHAPES)
+    if args.dtypes is None:
+        args.dtypes = ["bf16"] if args.quick else list(DTYPE_NAMES)
+    if args.ns is None:
+        args.ns = [4096] if args.quick else list(N_SWEEP)
+    return args
+
+
+def _import_layer_attention() -> Callable:
+    """The installed package if there is one, else this checkout's source tree."""
+    try:
+        from mhmla_fast import layer_attention
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        for name in [m for m in sys.modules if m == "mhmla_fast" or m.startswith("mhmla_fast.")]:
+            del sys.modules[name]
+        from mhmla_fast import layer_attention
+    return layer_attention
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 0
+
+    try:
+        import triton
+    except ImportError as e:
+        print(f"triton is needed for timing (triton.testing.do_bench): {e}", file=sys.stderr)
+        return 1
+    try:
+        op = _import_layer_attention()
+    except ImportError as e:
+        print(f"cannot import mhmla_fast.layer_attention: {e}", file=sys.stderr)
+        return 1
+
+    started = time.time()
+    device_name = torch.cuda.get_device_name()
+    props = torch.cuda.get_device_properties(0)
+    meta = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+    }
+    timer = CudaTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    _log(f"{device_name}: torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, "
+         f"commit {meta['commit']}")
+
+    ceilings: dict[str, Any] = {}
+    for name in ("bf16", "fp16"):
+        try:
+            ceilings[name] = measure_matmul_ceiling(timer, _torch_dtype(name))
+            _log(f"{name} matmul ceiling ({MATMUL_CEILING_SIZE}^3): {ceilings[name]['tflops']:.1f} TFLOP/s")
+        except Exception as e:  # noqa: BLE001
+            ceilings[name] = {"error": _error_text(e)}
+            _log(f"{name} matmul ceiling: {ceilings[name]['error']}")
+    try:
+        copy = measure_copy_ceiling(timer)
+        _log(f"device-to-device copy: {copy['gbps']:.0f} GB/s (read + write)")
+    except Exception as e:  # noqa: BLE001
+        copy = {"error": _error_text(e)}
+    ceiling_tflops = ceilings["bf16"].get("tflops")
+
+    cfg = BenchConfig(shapes=[SHAPES[s] for s in args.shapes], dtypes=list(args.dtypes), ns=list(args.ns),
+                      providers=list(args.providers), modes=list(args.modes), dropout=args.dropout,
+                      seed=args.seed)
+    rows = run_benchmark(cfg, op, device="cuda", timer=timer, peak_probe=cuda_peak_extra_bytes,
+                         ceiling_tflops=ceiling_tflops, meta=meta, log=_log)
+    speedups = summarize_speedups(rows)
+    targets = evaluate_targets(speedups, device_name)
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    header = {
+        **meta,
+        "capability": list(torch.cuda.get_device_capability()),
+        "multiprocessors": props.multi_processor_count,
+        "gpu_memory_gib": props.total_memory / 2**30,
+        "python": sys.version.split()[0],
+        "op_source": getattr(sys.modules.get(getattr(op, "__module__", "") or ""), "__file__", None),
+        "timestamp": now.isoformat(timespec="seconds"),
+        "wall_s": round(time.time() - started, 1),
+        "matmul_ceiling_bf16_tflops": ceiling_tflops,
+        "matmul_ceiling": ceilings,
+        "copy_ceiling": copy,
+        "flop_convention": FLOP_CONVENTION,
+        "timing": f"triton.testing.do_bench(quantiles={list(QUANTILES)}, warmup={args.warmup_ms}, "
+                  f"rep={args.rep_ms}) ms; L2 flushed before each run",
+        "peak_extra_mem": "max_memory_allocated() after reset_peak_memory_stats() minus memory_allocated() "
+                          "before one call, MiB (2^20 bytes); inputs (and for backward the built graph) excluded",
+        "config": {"shapes": [vars(s) for s in cfg.shapes], "dtypes": cfg.dtypes, "N": cfg.ns,
+                   "providers": cfg.providers, "modes": cfg.modes, "dropout": cfg.dropout, "seed": cfg.seed,
+                   "argv": list(sys.argv[1:] if argv is None else argv)},
+    }
+    result = {"benchmark": "layer_attention", "schema_version": 1, "header": header, "rows": rows,
+              "speedups": speedups, "targets": targets}
+
+    print(format_table(rows))
+    print()
+    print(format_speedups(speedups, targets))
+    path = resolve_out_path(args.out, device_name, now.date())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False) + "\n")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Grammatical error detection (GED): data readers (``.data``) and token-level metrics (``.metrics``)."""

@@ -1,0 +1,386 @@
+"""The layer-attention op: eager reference vs float64 NumPy, fused Triton kernels vs reference.
+
+The Triton cases need TRITON_INTERPRET=1 in the environment on CPU (set before import, as
+`.ci/run` does); without it and without CUDA they are skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mhmla_fast import layer_attention
+from mhmla_fast.reference import layer_attention_reference
+
+HAS_TRITON_DEVICE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON_DEVICE, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before import"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ("hidden", "w_v", "b_v", "w_k", "b_k", "w_a", "b_a")
+
+
+def make_inputs(L, N, H, K, J, dtype=torch.float32, device="cpu", seed=0, block_diagonal=False,
+                scale=0.5):
+    """Random inputs with a realistic scale (weights ~ 1/sqrt(fan_in)), as float64 leaves."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, fan_in=None):
+        s = scale if fan_in is None else scale * 2.0 / fan_in**0.5
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * s
+
+    Ka = K // J if block_diagonal else K
+    ts = [r(L, N, H), r(L, H, H, fan_in=H), r(L, H), r(L, H, K, fan_in=H), r(L, K),
+          r(L, Ka, J, fan_in=Ka), r(L, J)]
+    return [t.to(device=device, dtype=dtype) for t in ts]
+
+
+def leaves(ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+# ----------------------------------------------------------- independent float64 oracle
+
+
+def numpy_mhmla(hidden, w_v, b_v, w_k, b_k, w_a, b_a, J, block_diagonal=False, masks=None,
+                rates=(0.0, 0.0, 0.0)):
+    """Eqs. 4-9 token by token, layer by layer, head by head, in float64 NumPy."""
+    hidden, w_v, b_v, w_k, b_k, w_a, b_a = (np.asarray(t, dtype=np.float64) for t in
+                                            (hidden, w_v, b_v, w_k, b_k, w_a, b_a))
+    L, N, H = hidden.shape
+    K = w_k.shape[2]
+    D = H // J
+    c = np.zeros((N, H))
+    p = np.zeros((L, N, J))
+    for n in range(N):
+        v = np.zeros((L, H))
+        a = np.zeros((L, J))
+        for l in range(L):
+            h = hidden[l, n].copy()
+            if masks is not None:
+                h = h * masks[0][l, n] / (1 - rates[0])
+            v[l] = h @ w_v[l] + b_v[l]  # Eq. 4
+            k = np.maximum(h @ w_k[l] + b_k[l], 0.0)  # Eq. 5
+            if masks is not None:
+                k = k * masks[1][l, n] / (1 - rates[1])
+            for j in range(J):  # Eq. 6
+                if block_diagonal:
+                    kj = K // J
+                    a[l, j] = k[j * kj:(j + 1) * kj] @ w_a[l, :, j] + b_a[l, j]
+                else:
+                    a[l, j] = k @ w_a[l, :, j] + b_a[l, j]
+        for j in range(J):
+            e = np.exp(a[:, j] - a[:, j].max())
+            p[:, n, j] = e / e.sum()  # Eq. 7
+            w = p[:, n, j] * (masks[2][:, n, j] / (1 - rates[2]) if masks is not None else 1.0)
+            c[n, j * D:(j + 1) * D] = (w[:, None] * v[:, j * D:(j + 1) * D]).sum(0)  # Eqs. 8-9
+    return c, p
+
+
+@pytest.mark.parametrize("block_diagonal", [False, True])
+@pytest.mark.parametrize("L,N,H,K,J", [(1, 5, 12, 8, 4), (3, 7, 12, 9, 3), (4, 6, 8, 8, 1)])
+def test_reference_matches_float64_numpy(L, N, H, K, J, block_diagonal):
+    if block_diagonal and K % J:
+        pytest.skip("block-diagonal scoring needs J | K")
+    ts = make_inputs(L, N, H, K, J, dtype=torch.float64, block_diagonal=block_diagonal)
+    c, p = layer_attention_reference(*ts, J, block_diagonal=block_diagonal)
+    c_np, p_np = numpy_mhmla(*ts, J, block_diagonal=block_diagonal)
+    np.testing.assert_allclose(c.numpy(), c_np, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(p.numpy(), p_np, rtol=1e-12, atol=1e-12)
+    # the public API on the torch backend is the reference, leading dims restored
+    c2, p2 = layer_attention(ts[0].reshape(L, 1, N, H), *ts[1:], J, backend="torch",
+                             return_weights=True, block_diagonal=block_diagonal)
+    np.testing.assert_allclose(c2.reshape(N, H).numpy(), c_np, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(p2.reshape(N, L, J).permute(1, 0, 2).numpy(), p_np, rtol=1e-12)
+
+
+def test_reference_dropout_masks_match_float64_numpy():
+    L, N, H, K, J = 3, 5, 12, 6, 3
+    rates = (0.3, 0.2, 0.5)
+    ts = make_inputs(L, N, H, K, J, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    masks = [(torch.rand(shape, generator=g) >= r).to(torch.int8)
+             for shape, r in zip(((L, N, H), (L, N, K), (L, N, J)), rates)]
+    c, p = layer_attention_reference(*ts, J, dropout_h=rates[0], dropout_k=rates[1],
+                                     dropout_p=rates[2], training=True, masks=masks)
+    c_np, p_np = numpy_mhmla(*ts, J, masks=[m.numpy() for m in masks], rates=rates)
+    np.testing.assert_allclose(c.numpy(), c_np, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(p.numpy(), p_np, rtol=1e-12, atol=1e-12)
+
+
+def test_scalar_mix_is_a_special_case():
+    """W_k = 0, W_a = 0, b_a = s (shared by heads), W_v = I: c = sum_l softmax(s)_l h^l."""
+    L, N, H, J = 4, 6, 8, 2
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(L, N, H, generator=g, dtype=torch.float64)
+    s = torch.randn(L, generator=g, dtype=torch.float64)
+    eye = torch.eye(H, dtype=torch.float64).expand(L, H, H)
+    c = layer_attention(h, eye, torch.zeros(L, H, dtype=torch.float64),
+                        torch.zeros(L, H, 5, dtype=torch.float64),
+                        torch.zeros(L, 5, dtype=torch.float64),
+                        torch.zeros(L, 5, J, dtype=torch.float64), s[:, None].expand(L, J),
+                        J, backend="torch")
+    w = np.exp(s.numpy()) / np.exp(s.numpy()).sum()
+    np.testing.assert_allclose(c.numpy(), np.einsum("l,lnh->nh", w, h.numpy()), rtol=1e-12)
+
+
+def test_reference_gradcheck_float64():
+    ts = leaves(make_inputs(2, 3, 6, 4, 3, dtype=torch.float64))
+    fn = lambda *a: layer_attention(*a, 3, backend="torch", return_weights=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, ts)
+
+
+# --------------------------------------------------------------- fused kernels vs eager
+
+
+def assert_close_to_oracle(name, fused, eager, oracle, factor, floor):
+    """flash-attention's rule: |fused - oracle| <= factor * |eager - oracle| + floor."""
+    fused, eager, oracle = (t.detach().double().cpu() for t in (fused, eager, oracle))
+    err_fused = (fused - oracle).abs().max().item()
+    err_eager = (eager - oracle).abs().max().item()
+    bound = factor * err_eager + floor * max(1.0, oracle.abs().max().item())
+    if not err_fused <= bound:
+        idx = np.unravel_index((fused - oracle).abs().argmax().item(), tuple(fused.shape))
+        raise AssertionError(
+            f"{name}: fused error {err_fused:.3e} > {bound:.3e} (eager error {err_eager:.3e}); "
+            f"worst at {idx}: fused {fused[idx].item():.6g}, oracle {oracle[idx].item():.6g}"
+        )
+
+
+def run(ts, J, backend, grad_c, grad_p=None, **kw):
+    ts = leaves(ts)
+    c, p = layer_attention(*ts, J, backend=backend, return_weights=True, **kw)
+    loss = (c.double() * grad_c).sum()
+    if grad_p is not None:
+        loss = loss + (p.double() * grad_p).sum()
+    grads = torch.autograd.grad(loss, ts)
+    return [c, p, *grads]
+
+
+GRID = [
+    # L, N, H, K, J, dtype
+    (1, 37, 120, 72, 3, torch.float32),
+    (6, 70, 120, 200, 12, torch.float32),
+    (13, 37, 120, 96, 1, torch.float32),
+    (6, 45, 384, 160, 12, torch.float32),
+    (13, 19, 384, 256, 3, torch.float16),
+    (6, 70, 120, 72, 1, torch.float16),
+    (1, 130, 384, 64, 12, torch.float16),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("L,N,H,K,J,dtype", GRID)
+def test_triton_matches_reference(L, N, H, K, J, dtype):
+    base = make_inputs(L, N, H, K, J, dtype=torch.float64, device=DEVICE, seed=L * N + J)
+    g = torch.Generator().manual_seed(5)
+    grad_c = torch.randn(N, H, generator=g, dtype=torch.float64).to(DEVICE)
+    grad_p = torch.randn(N, L, J, generator=g, dtype=torch.float64).to(DEVICE)
+    oracle = run(base, J, "torch", grad_c, grad_p)
+    eager = run([t.to(dtype) for t in base], J, "torch", grad_c, grad_p)
+    fused = run([t.to(dtype) for t in base], J, "triton", grad_c, grad_p)
+    assert fused[0].dtype == dtype and fused[0].shape == (N, H)
+    # absolute floor for entries eager gets exactly (e.g. L = 1: da == 0 by construction,
+    # which the fused kernel reaches only up to the cancellation dp - delta)
+    floor = 1e-5 if dtype == torch.float32 else 1e-3
+    for i, name in enumerate(("c", "p") + tuple(f"d{n}" for n in NAMES)):
+        factor = 2.0 if i < 2 else 3.0
+        assert_close_to_oracle(name, fused[i], eager[i], oracle[i], factor, floor)
+
+
+@needs_triton
+def test_triton_block_diagonal_matches_reference():
+    L, N, H, K, J = 3, 21, 48, 36, 3
+    base = make_inputs(L, N, H, K, J, dtype=torch.float64, device=DEVICE, block_diagonal=True)
+    grad_c = torch.randn(N, H, dtype=torch.float64, device=DEVICE)
+    oracle = run(base, J, "torch", grad_c, block_diagonal=True)
+    fused = run([t.float() for t in base], J, "triton", grad_c, block_diagonal=True)
+    assert fused[7].shape == (L, K // J, J)
+    for i, name in enumerate(("c", "p") + tuple(f"d{n}" for n in NAMES)):
+        torch.testing.assert_close(fused[i].double(), oracle[i], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@needs_triton
+def test_triton_gradcheck_float64():
+    ts = leaves(make_inputs(2, 3, 6, 4, 3, dtype=torch.float64, device=DEVICE))
+    fn = lambda *a: layer_attention(*a, 3, backend="triton", return_weights=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, ts, atol=1e-7, rtol=1e-5)
+
+
+@needs_triton
+def test_triton_weight_gradients_are_deterministic():
+    ts = make_inputs(3, 150, 64, 48, 4, device=DEVICE)
+    grad_c = torch.randn(150, 64, dtype=torch.float64, device=DEVICE)
+    first = run(ts, 4, "triton", grad_c)
+    second = run(ts, 4, "triton", grad_c)
+    for i, name in enumerate(("c", "p") + NAMES):
+        assert torch.equal(first[i], second[i]), f"{name} differs between identical runs"
+
+
+@needs_triton
+def test_leading_dims_and_hf_tuple_input():
+    L, B, T, H, K, J = 3, 2, 5, 24, 16, 4
+    ts = make_inputs(L, B * T, H, K, J, device=DEVICE)
+    layers = list(ts[0].reshape(L, B, T, H).unbind(0))  # a tuple of [B, T, H] like HF's
+    for backend in ("torch", "triton"):
+        c, p = layer_attention(layers, *ts[1:], J, backend=backend, return_weights=True)
+        assert c.shape == (B, T, H) and p.shape == (B, T, L, J)
+        torch.testing.assert_close(p.sum(-2), torch.ones(B, T, J, device=DEVICE))
+        flat = layer_attention(ts[0], *ts[1:], J, backend=backend)
+        torch.testing.assert_close(c.reshape(B * T, H), flat)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_non_finite_inputs_stay_at_their_token(backend):
+    L, N, H, K, J = 3, 40, 24, 16, 4
+    ts = make_inputs(L, N, H, K, J, device=DEVICE)
+    ts[0][1, 7, 3] = float("nan")
+    ts[0][0, 21, 0] = float("inf")
+    c, p = layer_attention(*ts, J, backend=backend, return_weights=True)
+    bad = ~torch.isfinite(c).all(-1)
+    assert bad[7] and bad[21]
+    assert bad.sum() == 2, f"non-finite rows {bad.nonzero().flatten().tolist()}"
+    assert torch.isfinite(p[[i for i in range(N) if i not in (7, 21)]]).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_large_scores_stay_finite(dtype):
+    """Scores of magnitude 1e4 (far outside exp's range) give finite, correct weights."""
+    L, N, H, K, J = 4, 33, 24, 16, 4
+    ts = make_inputs(L, N, H, K, J, dtype=torch.float64, device=DEVICE)
+    ts[6] = torch.tensor([[1e4, -1e4, 5e3, 0.0], [9.99e3, 1e4, -5e3, 0.0],
+                          [-1e4, 9.9e3, 1e4, 1.0], [0.0, 0.0, 0.0, -1e4]],
+                         dtype=torch.float64, device=DEVICE)
+    ref_c, ref_p = layer_attention(*ts, J, backend="torch", return_weights=True)
+    c, p = layer_attention(*[t.to(dtype) for t in ts], J, backend="triton", return_weights=True)
+    assert torch.isfinite(c).all() and torch.isfinite(p).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(p.double(), ref_p, rtol=0, atol=tol)
+    torch.testing.assert_close(c.double(), ref_c, rtol=tol, atol=tol * 10)
+
+
+# ------------------------------------------------------------------------------ dropout
+
+
+@needs_triton
+def test_triton_dropout_backward_replays_forward_masks():
+    """With the kernels' masks, the reference reproduces the fused forward and every gradient.
+
+    A backward that drew different masks than its forward would fail this.
+    """
+    from mhmla_fast.kernels.layer_attention import (layer_attention_dropout_masks,
+                                                    layer_attention_triton)
+
+    L, N, H, K, J = 3, 70, 48, 40, 4
+    rates = (0.3, 0.2, 0.4)
+    ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE))
+    grad_c = torch.randn(N, H, device=DEVICE)
+    grad_p = torch.randn(L, N, J, device=DEVICE)
+    c, p = layer_attention_triton(*ts, J, dropout=rates, seed=1234)
+    fused = torch.autograd.grad((c * grad_c).sum() + (p * grad_p).sum(), ts)
+    masks = layer_attention_dropout_masks((L, N, H), (L, N, K), (L, N, J), rates, 1234, DEVICE)
+    ts2 = leaves(ts)
+    c2, p2 = layer_attention_reference(*ts2, J, dropout_h=rates[0], dropout_k=rates[1],
+                                       dropout_p=rates[2], training=True, masks=masks)
+    ref = torch.autograd.grad((c2 * grad_c).sum() + (p2 * grad_p).sum(), ts2)
+    torch.testing.assert_close(c, c2, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(NAMES, fused, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # and the masks really drop something in each stream
+    assert all(0 < m.float().mean() < 1 for m in masks)
+
+
+@needs_triton
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5])
+def test_triton_dropout_rate(rate):
+    from mhmla_fast.kernels.layer_attention import layer_attention_dropout_masks
+
+    shape = (4, 128, 96)
+    keep = layer_attention_dropout_masks(shape, shape, shape, (rate,) * 3, 99, DEVICE)
+    n = keep[0].numel()
+    for m in keep:
+        kept = m.double().mean().item()
+        assert abs(kept - (1 - rate)) < 4 * ((rate * (1 - rate) / n) ** 0.5) + 1e-3
+    # the three streams are different masks
+    assert not torch.equal(keep[0], keep[1]) and not torch.equal(keep[1], keep[2])
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dropout_train_vs_eval(backend):
+    L, N, H, K, J = 3, 40, 24, 16, 4
+    ts = make_inputs(L, N, H, K, J, device=DEVICE)
+    kw = dict(dropout_h=0.3, dropout_k=0.3, dropout_p=0.3, backend=backend)
+    ev1 = layer_attention(*ts, J, training=False, **kw)
+    ev2 = layer_attention(*ts, J, training=False, **kw)
+    plain = layer_attention(*ts, J, backend=backend)
+    assert torch.equal(ev1, ev2) and torch.equal(ev1, plain)
+    torch.manual_seed(0)
+    tr1 = layer_attention(*ts, J, training=True, **kw)
+    tr2 = layer_attention(*ts, J, training=True, **kw)
+    torch.manual_seed(0)
+    tr3 = layer_attention(*ts, J, training=True, **kw)
+    assert not torch.allclose(tr1, tr2) and not torch.allclose(tr1, ev1)
+    assert torch.equal(tr1, tr3), "torch.manual_seed must fix the dropout masks"
+
+
+# --------------------------------------------------------------------- torch.compile
+
+
+@needs_triton
+def test_compiles_without_graph_breaks():
+    L, N, H, K, J = 2, 20, 24, 16, 4
+    ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE))
+
+    def step(*a):
+        c = layer_attention(*a, J, backend="triton", training=True, dropout_p=0.2)
+        return (c * c).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(*ts)
+    grads = torch.autograd.grad(loss, ts)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    assert grads[0].shape == (L, N, H)
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_raises_value_error_naming_the_argument():
+    L, N, H, K, J = 2, 5, 12, 8, 3
+    ts = make_inputs(L, N, H, K, J)
+
+    def call(*a, **kw):
+        return layer_attention(*a, **{"backend": "torch", **kw})
+
+    def expect(match, *a, **kw):
+        with pytest.raises(ValueError, match=match):
+            call(*a, **kw)
+
+    expect(r"w_v: expected shape \[L, H, H\]", ts[0], ts[1][:, :, :5], *ts[2:], J)
+    expect(r"b_k: expected shape \[L, K\] = \[2, 8\]", *ts[:4], ts[4][:, :3], *ts[5:], J)
+    expect(r"w_a: expected shape", *ts[:5], ts[5][:1], ts[6], J)
+    expect(r"hidden: expected a tensor \[L, \*, H\]", ts[0][0, 0], *ts[1:], J)
+    expect(r"num_heads: H = 12 .* not divisible by J = 5", *ts[:5], ts[5][..., :1].expand(L, K, 5),
+           ts[6][:, :1].expand(L, 5), 5)
+    expect(r"num_heads: expected a positive int", *ts, 0)
+    expect(r"w_k: dtype torch.float64 differs", *ts[:3], ts[3].double(), *ts[4:], J)
+    expect(r"hidden: empty input", ts[0][:, :0], *ts[1:], J)
+    expect(r"hidden: empty sequence", [], *ts[1:], J)
+    expect(r"hidden\[1\]: every layer must have the same shape", [ts[0][0], ts[0][1, :3]],
+           *ts[1:], J)
+    expect(r"dropout_p: expected a rate in \[0, 1\)", *ts, J, dropout_p=1.0, training=True)
+    expect(r"backend: expected one of", *ts, J, backend="cuda")
+    expect(r"w_k: block-diagonal scoring needs K = 8 divisible by J = 3", *ts, J,
+           block_diagonal=True)
+    if torch.cuda.is_available():
+        expect(r"w_v: device cuda", ts[0], ts[1].cuda(), *ts[2:], J)
+    else:
+        meta = [t.to("meta") for t in ts]
+        expect(r"w_v: device meta:?0? differs", ts[0], meta[1], *ts[2:], J)
