@@ -648,7 +648,9 @@ def layer_attention_triton(
 
     ``seed`` fixes the dropout masks (drawn from torch's default generator if None).
     """
-    if seed is None:
+    if not any(rate > 0 for rate in dropout):
+        seed_t = torch.zeros((), dtype=torch.int64)  # no dropout: draw nothing from the RNG
+    elif seed is None:
         seed_t = torch.randint(0, 2**31 - _SEED_STREAMS, (), dtype=torch.int64)
     else:
         seed_t = torch.tensor(int(seed), dtype=torch.int64)

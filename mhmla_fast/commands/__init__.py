@@ -1,0 +1,1 @@
+"""Console commands: one module per command, each exposing ``main``."""

@@ -1,0 +1,132 @@
+"""``mhmla-eval``: score a GED tagger on a data set; plot its layer weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _load(model_dir: str | None):
+    from ..ged.model import GedTagger, load_tokenizer
+    from ..ged.predict import default_model_path
+
+    path = Path(model_dir) if model_dir else default_model_path()
+    model = GedTagger.load(path)
+    tokenizer = load_tokenizer(path)
+    return path, model, tokenizer
+
+
+def run_ged(args) -> int:
+    import numpy as np
+
+    from ..ged.data import read_ged
+    from ..ged.metrics import ged_scores
+    from ..ged.train import predict_word_probs
+
+    try:
+        sentences = read_ged(args.data, annotator=args.annotator)
+        path, model, tokenizer = _load(args.model)
+    except (OSError, ValueError) as err:
+        print(f"mhmla-eval: {err}", file=sys.stderr)
+        return 2
+    probs = predict_word_probs(model, tokenizer, [s.tokens for s in sentences],
+                               batch_size=args.batch_size)
+    flat = np.concatenate(probs)
+    gold = np.concatenate([np.asarray(s.labels) for s in sentences])
+    threshold = model.config.threshold
+    result = {
+        "model": str(path), "data": str(args.data), "annotator": args.annotator,
+        "sentences": len(sentences), "tokens": int(gold.size),
+        "argmax": ged_scores(gold, (flat >= 0.5).astype(int)).to_dict(),
+        "threshold": threshold,
+        "at_threshold": (ged_scores(gold, (flat >= threshold).astype(int)).to_dict()
+                         if threshold is not None else None),
+    }
+    for name in ("argmax", "at_threshold"):
+        s = result[name]
+        if s is not None:
+            label = "argmax" if name == "argmax" else f"threshold {threshold:.3f}"
+            print(f"{label:>16}: P {100 * s['precision']:.2f}  R {100 * s['recall']:.2f}  "
+                  f"F0.5 {100 * s['f05']:.2f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def run_layers(args) -> int:
+    from ..ged.data import read_ged
+    from ..ged.predict import layer_weight_stats
+
+    try:
+        sentences = read_ged(args.data, annotator=args.annotator)
+        path, model, tokenizer = _load(args.model)
+        weights = layer_weight_stats(model, tokenizer, [s.tokens for s in sentences],
+                                     batch_size=args.batch_size)
+    except (OSError, ValueError) as err:
+        print(f"mhmla-eval: {err}", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("mhmla-eval: the heatmap needs matplotlib (pip install 'mhmla-fast[data]')",
+              file=sys.stderr)
+        return 2
+    L, J = weights.shape
+    layers = [i for i in model.head.layers]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(2 + 0.5 * J + 3, 1.5 + 0.45 * L),
+                                  gridspec_kw={"width_ratios": [J, 3]})
+    im = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0)
+    ax.set_xticks(range(J), [str(j + 1) for j in range(J)])
+    ax.set_yticks(range(L), [str(i) for i in layers])
+    ax.set_xlabel("head j")
+    ax.set_ylabel("layer l")
+    ax.set_title("average layer weight per head")
+    for l in range(L):
+        for j in range(J):
+            ax.text(j, l, f"{weights[l, j]:.2f}", ha="center", va="center", fontsize=6,
+                    color="white" if weights[l, j] < weights.max() * 0.6 else "black")
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    ax2.barh(range(L), weights.mean(1))
+    ax2.set_yticks(range(L), [str(i) for i in layers])
+    ax2.invert_yaxis()
+    ax2.set_title("mean over heads")
+    fig.suptitle(f"{path.name} on {Path(args.data).name}")
+    fig.tight_layout()
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.png, dpi=120)
+    result = {"model": str(path), "data": str(args.data), "layers": layers,
+              "weights_per_head": weights.tolist(), "per_layer_mean": weights.mean(1).tolist()}
+    print("per-layer average weight: " + ", ".join(
+        f"l{i}={w:.3f}" for i, w in zip(layers, weights.mean(1))))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mhmla-eval", description=__doc__)
+    sub = parser.add_subparsers(dest="task", required=True)
+    for name, help_ in (("ged", "token-level P, R, F0.5 of the error class"),
+                        ("ged-layers", "heatmap of the average layer weight per head (Fig. 2)")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--model", default=None, help="tagger directory (default: the shipped one)")
+        p.add_argument("--data", required=True,
+                       help="FCE .tsv, M2 (.m2) or JFLEG (.src file, split folder or prefix)")
+        p.add_argument("--annotator", type=int, default=0,
+                       help="M2 annotator id (the CoNLL-14 per-annotator files both use 0)")
+        p.add_argument("--batch-size", type=int, default=64)
+        p.add_argument("--json", default=None, help="also write the result as JSON here")
+        if name == "ged-layers":
+            p.add_argument("--png", required=True, help="where to write the heatmap")
+    args = parser.parse_args(argv)
+    return run_ged(args) if args.task == "ged" else run_layers(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

