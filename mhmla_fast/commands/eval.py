@@ -109,6 +109,59 @@ def run_layers(args) -> int:
     return 0
 
 
+GED_SUITE = {  # name -> (path under the shared data folder, M2 annotator)
+    "fce_test": ("fce/fce-public.test.original.tsv", 0),
+    "conll14_a1": ("conll2014/official-2014.0.m2", 0),
+    "conll14_a2": ("conll2014/official-2014.1.m2", 0),
+    "jfleg_test": ("jfleg/test", 0),
+}
+
+
+def run_suite(args) -> int:
+    """The model on FCE test, CoNLL-2014 annotators 1 and 2 and JFLEG test -> one JSON."""
+    import numpy as np
+
+    from ..ged.data import read_ged
+    from ..ged.metrics import ged_scores
+    from ..ged.train import predict_word_probs
+    from ..paths import shared_data_dir
+    from ..provenance import provenance
+
+    root = Path(args.data_dir) if args.data_dir else shared_data_dir()
+    try:
+        path, model, tokenizer = _load(args.model)
+    except (OSError, ValueError) as err:
+        print(f"mhmla-eval: {err}", file=sys.stderr)
+        return 2
+    config = json.loads((path / "config.json").read_text())
+    result = {**provenance(), "model": str(path), "head": config["head"],
+              "num_heads": config["num_heads"], "encoder": config["encoder"],
+              "threshold": config["threshold"], "training": config.get("training"), "sets": {}}
+    for name, (rel, annotator) in GED_SUITE.items():
+        data = root / rel
+        if not data.exists():
+            print(f"mhmla-eval: {data} not found: {name} skipped", file=sys.stderr)
+            continue
+        sentences = read_ged(data, annotator=annotator)
+        probs = np.concatenate(predict_word_probs(model, tokenizer, [s.tokens for s in sentences],
+                                                  batch_size=args.batch_size))
+        gold = np.concatenate([np.asarray(s.labels) for s in sentences])
+        entry = {"data": rel, "sentences": len(sentences), "tokens": int(gold.size),
+                 "argmax": ged_scores(gold, (probs >= 0.5).astype(int)).to_dict()}
+        if config["threshold"] is not None:
+            entry["at_threshold"] = ged_scores(gold, (probs >= config["threshold"]).astype(int)).to_dict()
+        result["sets"][name] = entry
+        s = entry["argmax"]
+        t = entry.get("at_threshold") or {}
+        print(f"{name:>11}: argmax P {100 * s['precision']:.2f} R {100 * s['recall']:.2f} "
+              f"F0.5 {100 * s['f05']:.2f}" + (f" | threshold F0.5 {100 * t['f05']:.2f}" if t else ""))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mhmla-eval", description=__doc__)
     sub = parser.add_subparsers(dest="task", required=True)
@@ -124,8 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", default=None, help="also write the result as JSON here")
         if name == "ged-layers":
             p.add_argument("--png", required=True, help="where to write the heatmap")
+    p = sub.add_parser("ged-suite", help="FCE test, CoNLL-14 (both annotators), JFLEG test "
+                       "-> one results JSON")
+    p.add_argument("--model", default=None, help="tagger directory (default: the shipped one)")
+    p.add_argument("--out", required=True, help="results JSON (e.g. bench/results/ged_<name>.json)")
+    p.add_argument("--data-dir", default=None, help="the shared data folder (default "
+                   "$MHMLA_SHARED_DATA or ../shared/data)")
+    p.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
-    return run_ged(args) if args.task == "ged" else run_layers(args)
+    return {"ged": run_ged, "ged-layers": run_layers, "ged-suite": run_suite}[args.task](args)
 
 
 if __name__ == "__main__":

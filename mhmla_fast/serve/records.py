@@ -540,7 +540,9 @@ def run_records(
                 continue
             res = next(res_iter)
             if not isinstance(res, dict):
-                raise RuntimeError(f"process_batch returned a {type(res).__name__}, not a dict, for record {rec.index}")
+                raise RuntimeError(
+                    f"process_batch returned a {type(res).__name__}, not a dict, for record {rec.index}"
+                )
             out: dict[str, Any] = {"index": rec.index, "id": rec.id}
             out.update((k, v) for k, v in res.items() if k not in ("index", "id"))
             emit(out)

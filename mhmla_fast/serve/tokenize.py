@@ -66,11 +66,15 @@ Rules
       ``I ’m``, ``shouldn't've`` -> ``should n't 've``; a lone ``n't`` stays whole.
       Letters and digits do not split (``3rd``, ``10km``); scripts written without spaces (Thai,
       Khmer, ...) therefore give one token per space-delimited run.
-   d. A symbol cluster that is an apostrophe directly followed by a word (rule c) that is exactly a
-      clitic (``s m d re ve ll``) makes one token with it, so already tokenised text keeps its
-      tokens (``John 's`` -> ``John 's``). Otherwise a maximal run of adjacent identical symbol
-      clusters is one token (``...``, ``!!``, ``--``, ``**``) and every other symbol cluster is a
-      token of its own (``?!`` -> ``? !``, ``$5`` -> ``$ 5``, ``"Hi"`` -> ``" Hi "``).
+   d. An apostrophe (``'`` or ``’`` alone in its cluster) directly followed by a word (rule c) that
+      is exactly a clitic (``s m d re ve ll``, any case) makes one token with it, so already
+      tokenised text keeps its tokens (``John 's`` -> ``John 's``). Otherwise a maximal run of
+      adjacent identical symbol clusters is one token (``...``, ``!!``, ``--``, ``**``) and every
+      other symbol cluster is a token of its own (``?!`` -> ``? !``, ``$5`` -> ``$ 5``,
+      ``"Hi"`` -> ``" Hi "``).
+
+Tokens of invisible characters only (rule 2) or of a lone combining mark are possible; a sub-word
+tokeniser may turn them into nothing, so callers must map such tokens to an unknown-token id.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ class _Cluster(NamedTuple):
     start: int
     end: int
     kind: int
-    base: str  # the base character ("" never; the first invisible char for an invisible-only run)
+    base: str  # the base character (the first character of an invisible-only run)
     base_class: int
 
 
@@ -327,7 +331,12 @@ def _joins(joiner: str, left: _Cluster, right: _Cluster) -> bool:
     if joiner in _NUMBER_SEPARATORS:
         return left.base_class == _DIGIT and right.base_class == _DIGIT
     # geresh / gershayim: between letters
-    return left.base_class == _WORD and right.base_class == _WORD and left.base.isalpha() and right.base.isalpha()
+    return (
+        left.base_class == _WORD
+        and right.base_class == _WORD
+        and left.base.isalpha()
+        and right.base.isalpha()
+    )
 
 
 def _word_end(clusters: list[_Cluster], p: int) -> int:

@@ -1,0 +1,50 @@
+"""What a results file records about where it came from: versions, commit, device."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def git_commit() -> str:
+    """The repository's HEAD (``$MHMLA_COMMIT`` wins, for copies without .git)."""
+    if os.environ.get("MHMLA_COMMIT"):
+        return os.environ["MHMLA_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parent, timeout=10)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def provenance() -> dict:
+    import torch
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores"
+    return {
+        "device": device, "torch": torch.__version__, "triton": triton_version,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
