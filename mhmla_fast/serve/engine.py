@@ -98,8 +98,8 @@ class Engine:
              device: str | None = None, dtype: str | None = None, threshold: float | None = None,
              **kw) -> Engine:
         """An engine on a tagger directory (default: the shipped model) and a backend:
-        "torch" (CPU or GPU), "onnx" (an ONNX export directory or a tagger directory
-        exported on the fly) or "tensorrt"."""
+        "torch" (CPU or GPU), "onnx" (a directory holding ``model.onnx``, made by
+        ``mhmla-serve export --onnx DIR``) or "tensorrt" (a directory with a built plan)."""
         from ..ged.model import TaggerConfig, load_tokenizer
         from ..ged.predict import default_model_path
         from . import runners
