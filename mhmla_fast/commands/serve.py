@@ -1,0 +1,445 @@
+"""``mhmla-serve``: tag corpora with the GED tagger, serve it over HTTP, export it.
+
+    mhmla-serve tag [FILE ...|-] [--output FILE [--resume]] [--pretty] [model/engine options]
+    mhmla-serve http [--host 127.0.0.1] [--port 8000] [model/engine options] [batching limits]
+    mhmla-serve export (--onnx DIR [--int8] | --tensorrt DIR) [--model DIR]
+
+``tag``
+    Input: the files in order (``-`` or nothing = standard input), one record per line: plain
+    text, or a JSON object with ``"text"`` or ``"tokens"`` (and optional ``"id"``); the rules are
+    those of :mod:`mhmla_fast.serve.records`. Output: JSONL, one line per input line in input
+    order, ``{"index", "id", "tokens", "offsets" (raw text only), "labels", "probs", "spans"}``,
+    or ``{"index", "id", "error"}`` for a malformed line (tagging goes on). ``--output FILE`` is
+    written append-only and fsync-ed as it goes; after a crash or ``kill -9`` rerun the same
+    command with ``--resume`` to continue where it stopped (an existing output is never
+    overwritten without it). ``--pretty`` prints a readable view to standard output instead:
+    ``<index> [id] <text>`` with the flagged errors in red when standard output is a terminal
+    (``NO_COLOR`` turns colour off) and in ``[[...]]`` otherwise. A progress bar with records/s
+    goes to standard error (not with ``--no-progress``, nor with ``--pretty`` on a terminal).
+
+``http``
+    Serves :func:`mhmla_fast.serve.http.create_app` with uvicorn (``POST /v1/tag``, ``GET
+    /healthz``, ``GET /metrics``, docs at ``/docs``); localhost only unless ``--host`` says
+    otherwise. One process, one engine: the app batches concurrent requests itself.
+
+``export``
+    ``--onnx DIR``: :func:`mhmla_fast.serve.onnx_export.export_onnx` (``--int8`` adds the int8
+    graph). ``--tensorrt DIR``: exports the tagger to ONNX into DIR, then builds DIR/model.plan
+    with :func:`mhmla_fast.serve.tensorrt_engine.build_engine_dir` (``--precision``,
+    ``--layer-attention-plugin``); ``--model`` may instead be an ONNX export, built in place.
+
+The model is ``--model DIR`` (a tagger directory, or an ONNX/TensorRT export for those
+backends), by default the tagger shipped in the package.
+
+Exit status: 0 all went well; 1 ``tag`` found malformed input lines (each has its error record)
+or an export failed; 2 usage error, missing or unloadable model, unusable input or output file;
+3 ``tag`` stopped on an unexpected error (the output so far is kept; ``--resume`` continues);
+130 interrupted (likewise resumable); 141 the reader of standard output went away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from itertools import accumulate
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+PROG = "mhmla-serve"
+EXIT_OK, EXIT_BAD_LINES, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+
+RED, YELLOW, RESET = "\x1b[1;4;31m", "\x1b[33m", "\x1b[0m"
+
+
+class UsageError(Exception):
+    """A problem with the arguments, the model or the files: message for the user, exit 2."""
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return n
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory to load: ``model``, else the shipped tagger.
+
+    Raises UsageError with what to do when it is missing or is not a model directory."""
+    from ..ged import predict
+
+    if model:
+        path = Path(model)
+        if not path.exists():
+            raise UsageError(f"--model {model}: no such directory")
+    else:
+        path = predict.default_model_path()
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"the shipped GED model is not installed (expected at {path}; it may still be "
+                "in training). Pass --model DIR with a trained tagger directory, e.g. the best/ "
+                "folder of an `mhmla-train ged --out RUN` run.")
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{path}: not a tagger or export directory (it has no config.json)")
+    return path
+
+
+def load_engine(args: argparse.Namespace):
+    """The engine for ``args`` (model, backend, device, dtype, threshold, threads, budget)."""
+    from ..serve.engine import Engine
+
+    path = resolve_model_dir(args.model)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine.load(path, backend=args.backend, device=args.device, dtype=args.dtype,
+                             threshold=args.threshold, token_budget=args.token_budget)
+    except Exception as err:  # any failure to load is a model problem for the user
+        raise UsageError(f"cannot load the model from {path} ({args.backend}): "
+                         f"{type(err).__name__}: {err}") from err
+    return path, engine
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", metavar="DIR", default=None,
+                   help="tagger directory or export (default: the shipped model)")
+    g.add_argument("--backend", default="torch", choices=("torch", "onnx", "tensorrt"))
+    g.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 "
+                   "(default: cuda when available)")
+    g.add_argument("--dtype", default=None, help="torch: float32/bfloat16/float16; "
+                   "onnx: float32 or int8 (default: the backend's)")
+    g.add_argument("--threshold", type=float, default=None,
+                   help="error-probability threshold (default: the model's tuned one)")
+    g.add_argument("--token-budget", type=_positive, default=8192,
+                   help="padded word pieces per forward pass (default 8192)")
+    g.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads (default: torch's choice; fewer on a shared machine)")
+
+
+# -------------------------------------------------------------------------------------- tag
+
+
+def tag_records(engine: Any, records: Sequence[Any]) -> list[dict]:
+    """Result dicts (``TagResult.to_dict()``) of valid input records, in order: the raw texts in
+    one ``engine.tag_texts`` call, the token lists in one ``engine.tag_tokens`` call."""
+    out: list[Any] = [None] * len(records)
+    texts = [k for k, r in enumerate(records) if r.text is not None]
+    tokens = [k for k, r in enumerate(records) if r.text is None]
+    if texts:
+        for k, res in zip(texts, engine.tag_texts([records[k].text for k in texts])):
+            out[k] = res.to_dict()
+    if tokens:
+        for k, res in zip(tokens, engine.tag_tokens([list(records[k].tokens) for k in tokens])):
+            out[k] = res.to_dict()
+    return out
+
+
+_CONTROLS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c != 0x09}
+
+
+def format_pretty(record: dict, text: str | None, colour: bool) -> str:
+    """One readable line for an output ``record``: ``<index> [id] <text>`` with each error span
+    marked (ANSI red with ``colour``, else ``[[...]]``), or ``<index> [id] ERROR: <message>``.
+    ``text`` is the record's raw text (None for token input, shown as the tokens joined by
+    spaces). Control characters are shown as U+FFFD so the text cannot drive the terminal."""
+    head = str(record["index"])
+    if record["id"] != record["index"]:
+        head += f" [{record['id']}]"
+    if "error" in record:
+        msg = f"ERROR: {record['error']}"
+        return f"{head}\t{YELLOW}{msg}{RESET}" if colour else f"{head}\t!! {msg}"
+    if text is None:
+        starts = [0, *accumulate(len(t) + 1 for t in record["tokens"])]  # of the joined text
+        text = " ".join(record["tokens"])
+        cut = [(starts[s["start"]], starts[s["end"]] - 1) for s in record["spans"]]
+    else:
+        cut = [(s["start"], s["end"]) for s in record["spans"]]
+    text = text.translate(_CONTROLS)
+    opening, closing = (RED, RESET) if colour else ("[[", "]]")
+    parts, pos = [], 0
+    for a, b in cut:
+        parts += [text[pos:a], opening, text[a:b], closing]
+        pos = b
+    parts.append(text[pos:])
+    return f"{head}\t{''.join(parts)}"
+
+
+class PrettyWriter:
+    """Stands in for :class:`~mhmla_fast.serve.records.ResumableJsonlWriter` in ``run_records``
+    (``done``, ``done_errors``, ``last_id``, ``path``, ``write``, ``sync``): prints each record
+    with :func:`format_pretty`. A result's private ``"_text"`` (the raw input) is used for display
+    and not printed."""
+
+    done, done_errors, last_id, path = 0, 0, None, "<stdout>"
+
+    def __init__(self, stream: IO[str], colour: bool) -> None:
+        self.stream, self.colour = stream, colour
+
+    def write(self, record: dict) -> None:
+        text = record.pop("_text", None)
+        self.stream.write(format_pretty(record, text, self.colour) + "\n")
+
+    def sync(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.sync()
+
+
+def _count_lines(paths: Sequence[str]) -> int | None:
+    """Records in ``paths`` (one per line, a last line without newline included), or None when
+    one of them is standard input or not a regular file."""
+    total = 0
+    for p in paths:
+        if p == "-" or not os.path.isfile(p):
+            return None
+        with open(p, "rb") as f:
+            last = b""
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                total += chunk.count(b"\n")
+                last = chunk
+            total += bool(last) and not last.endswith(b"\n")
+    return total
+
+
+def _close_quietly(writer: Any) -> None:
+    try:
+        writer.close()
+    except Exception:  # already failing: the first error is the one to report
+        pass
+
+
+def _stdout_is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def run_tag(args: argparse.Namespace) -> int:
+    from ..serve.records import (
+        ResumableJsonlWriter, ResumeMismatchError, iter_input_records, run_records,
+    )
+
+    if args.pretty and (args.output or args.resume):
+        raise UsageError("--pretty prints to standard output; it cannot be combined with "
+                         "--output/--resume")
+    if args.resume and not args.output:
+        raise UsageError("--resume needs --output FILE")
+    inputs = args.inputs or ["-"]
+    try:
+        records = iter_input_records(inputs, "tag")
+    except (OSError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    path, engine = load_engine(args)  # before the output is opened: a bad model leaves no file
+    progress = not args.no_progress and not (args.pretty and _stdout_is_tty())
+    total = _count_lines(inputs) if progress else None
+    if args.pretty:
+        colour = _stdout_is_tty() and not os.environ.get("NO_COLOR")
+        writer: Any = PrettyWriter(sys.stdout, colour)
+
+        def process(batch):
+            results = tag_records(engine, batch)
+            for rec, res in zip(batch, results):
+                res["_text"] = rec.text
+            return results
+    else:
+        try:
+            writer = ResumableJsonlWriter(args.output or "-", resume=args.resume)
+        except (OSError, ValueError) as err:
+            raise UsageError(str(err)) from err
+
+        def process(batch):
+            return tag_records(engine, batch)
+
+    resume_hint = f"; rerun with --resume to continue {args.output}" if args.output else ""
+    try:
+        summary = run_records(records, process, writer, args.batch_size, progress=progress,
+                              total=total, desc=f"tagging ({path.name})")
+        writer.close()
+    except ResumeMismatchError as err:
+        _close_quietly(writer)
+        raise UsageError(str(err)) from err
+    except KeyboardInterrupt:
+        _close_quietly(writer)  # synced: every complete line counts on --resume
+        print(f"{PROG}: interrupted{resume_hint}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of standard output went away (e.g. `| head`)
+        try:  # no second error when Python flushes standard output at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return EXIT_BROKEN_PIPE
+    except Exception as err:
+        _close_quietly(writer)
+        print(f"{PROG}: tagging stopped: {type(err).__name__}: {err}{resume_hint}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    if summary.n_errors:
+        print(f"{PROG}: {summary.n_errors} of {summary.n_total} input lines were malformed "
+              "(see their \"error\" records)", file=sys.stderr)
+        return EXIT_BAD_LINES
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------- http
+
+
+def run_http(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from ..serve.http import create_app
+    except ImportError as err:
+        raise UsageError(f"the HTTP server needs fastapi, uvicorn and prometheus-client "
+                         f"(pip install 'mhmla-fast[serve]' prometheus-client): {err}") from err
+    path, engine = load_engine(args)
+    try:
+        app = create_app(engine, max_batch_tokens=args.max_batch_tokens,
+                         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                         max_request_bytes=args.max_request_bytes,
+                         max_texts_per_request=args.max_texts_per_request,
+                         model_name=path.name)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=not args.no_access_log,
+                timeout_graceful_shutdown=args.graceful_timeout)
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------- export
+
+
+def run_export(args: argparse.Namespace) -> int:
+    model = resolve_model_dir(args.model)
+    if args.int8 and not args.onnx:
+        raise UsageError("--int8 goes with --onnx")
+    if (args.precision != "fp32" or args.layer_attention_plugin) and not args.tensorrt:
+        raise UsageError("--precision and --layer-attention-plugin go with --tensorrt")
+    try:
+        from ..serve.onnx_export import ONNX_FILE, export_onnx
+    except ImportError as err:
+        raise UsageError(f"ONNX export needs onnx and onnxruntime: {err}") from err
+    try:
+        if args.onnx:
+            out = export_onnx(model, args.onnx, int8=args.int8)
+            print(f"{PROG}: wrote {out}", file=sys.stderr)
+            return EXIT_OK
+        try:
+            from ..serve import tensorrt_engine
+        except ImportError as err:
+            raise UsageError(f"TensorRT support is not available: {err}") from err
+        out_dir = Path(args.tensorrt)
+        if not (model / "model.safetensors").is_file():  # an ONNX export, not a tagger
+            if not (model / ONNX_FILE).is_file():
+                raise UsageError(f"{model}: neither a tagger (model.safetensors) nor an ONNX "
+                                 f"export ({ONNX_FILE})")
+            if out_dir.resolve() != model.resolve():
+                raise UsageError(f"--model {model} is an ONNX export: build its engine in place "
+                                 f"(--tensorrt {model}) or give the tagger directory")
+        else:
+            export_onnx(model, out_dir)
+        plan = tensorrt_engine.build_engine_dir(
+            out_dir, layer_attention_plugin=args.layer_attention_plugin,
+            fp16=args.precision == "fp16", bf16=args.precision == "bf16")
+        print(f"{PROG}: wrote {plan}", file=sys.stderr)
+        return EXIT_OK
+    except UsageError:
+        raise
+    except Exception as err:
+        print(f"{PROG}: export failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_BAD_LINES
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Grammatical error detection: tag "
+                                     "files, serve over HTTP, export for ONNX Runtime/TensorRT.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("tag", help="tag plain-text or JSONL files into JSONL",
+                       description="Tag one text per line (plain text, or JSON objects with "
+                       "\"text\" or \"tokens\" and an optional \"id\") into JSONL in input order.")
+    p.add_argument("inputs", nargs="*", metavar="FILE", help="input files; - or none: stdin")
+    p.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="JSONL output (default: standard output)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted --output instead of refusing to touch it")
+    p.add_argument("--pretty", action="store_true",
+                   help="print a readable view to standard output instead of JSONL")
+    p.add_argument("--batch-size", type=_positive, default=512,
+                   help="records per engine call (default 512)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _add_model_options(p)
+    p.set_defaults(run=run_tag)
+
+    p = sub.add_parser("http", help="serve the tagger over HTTP",
+                       description="Serve POST /v1/tag, GET /healthz, GET /metrics with "
+                       "dynamic micro-batching across concurrent requests.")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-tokens", type=_positive, default=8192,
+                   help="estimated word pieces per engine batch (default 8192)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="how long a batch waits for more requests (default 5)")
+    p.add_argument("--max-queue", type=_positive, default=1024,
+                   help="texts waiting at most; beyond it requests get 503 (default 1024)")
+    p.add_argument("--max-request-bytes", type=_positive, default=1_000_000,
+                   help="largest request body (default 1000000); larger: 413")
+    p.add_argument("--max-texts-per-request", type=_positive, default=256,
+                   help="texts or sentences per request (default 256); more: 413")
+    p.add_argument("--graceful-timeout", type=int, default=None,
+                   help="seconds to wait for open requests on shutdown (default: no limit)")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--no-access-log", action="store_true",
+                   help="do not log every request (saves CPU at high request rates)")
+    _add_model_options(p)
+    p.set_defaults(run=run_http)
+
+    p = sub.add_parser("export", help="export the tagger for ONNX Runtime or TensorRT")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--onnx", metavar="DIR", help="write an ONNX engine directory")
+    g.add_argument("--tensorrt", metavar="DIR", help="write a TensorRT engine directory")
+    p.add_argument("--int8", action="store_true", help="with --onnx: add the int8 graph")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"),
+                   help="with --tensorrt: kernels TensorRT may use (default fp32)")
+    p.add_argument("--layer-attention-plugin", action="store_true",
+                   help="with --tensorrt: the fused layer-attention plugin instead of "
+                   "standard ops (TensorRT >= 10.7)")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="tagger directory (default: the shipped model)")
+    p.set_defaults(run=run_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mhmla-serve`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    try:
+        return args.run(args)
+    except UsageError as err:
+        print(f"{PROG} {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

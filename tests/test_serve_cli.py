@@ -1,0 +1,351 @@
+"""``mhmla-serve tag`` end to end on a tiny random tagger: plain text and JSONL in, one JSONL record
+per line out in input order, malformed lines as error records (exit 1) while the good ones are
+tagged exactly as the engine tags them, exact Unicode offsets, the ``--pretty`` view, ``--resume``
+after a real ``kill -9``, and the refusals (existing output, missing model) with exit 2; ``http``
+and ``export`` are wired to the app and the exporters."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from mhmla_fast.commands import serve
+from mhmla_fast.commands.serve import main
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def tag(tmp_path: Path, model: Path, data: bytes, *extra: str) -> tuple[int, list[dict]]:
+    """Run ``tag`` in-process on ``data`` (the bytes of one input file) into a fresh output."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_bytes(data)
+    if out.exists():
+        out.unlink()
+    rc = main(["tag", str(src), "--output", str(out), "--model", str(model), "--no-progress",
+               "--threads", "1", *extra])
+    return rc, read_jsonl(out) if out.exists() else []
+
+
+UNICODE_TEXTS = [
+    "She don't like 👨\u200d👩\u200d👧 trips 👍🏽 to 🇯🇵 !",  # ZWJ family, skin tone, flag
+    "The cafe\u0301 was na\u0131\u0308ve , wasn't it ?",  # combining marks
+    "我喜欢猫 and 猫喜欢我 .",  # CJK: one token per ideograph
+    "مرحبا بالعالم - he say שלום עולם .",  # Arabic and Hebrew (right to left)
+    "Tabs\tand\u00a0no-break\u3000ideographic\u200bzero-width spaces",
+    "e\u0301e\u0301e\u0301 \U0001d54f\U0001d552 𝓜𝓪𝓽𝓱 ﬁne",  # astral letters, ligature
+]
+
+
+def check_offsets(text: str, rec: dict) -> None:
+    assert len(rec["offsets"]) == len(rec["tokens"]) == len(rec["labels"]) == len(rec["probs"])
+    for tok, (a, b) in zip(rec["tokens"], rec["offsets"]):
+        assert text[a:b] == tok, (text, tok, a, b)
+    for span in rec["spans"]:
+        assert text[span["start"]:span["end"]] == span["text"]
+
+
+# ------------------------------------------------------------------------------------ input
+
+
+def test_plain_and_jsonl_with_every_malformed_kind(tmp_path, tiny_tagger_dir, tiny_engine):
+    lines: list[tuple[bytes, str | None]] = [  # (line, expected error reason or None)
+        (b"He go to school every day .", None),
+        (json.dumps({"text": "They goes home .", "id": "a1"}).encode(), None),
+        (json.dumps({"tokens": ["She", "see", "the", "dog", "."], "id": 7}).encode(), None),
+        (b"caf\xe9 latin-1 bytes", "invalid UTF-8"),
+        (b"", "empty line"),
+        (b" \t ", "empty line"),
+        (b'{"text": "unterminated', "invalid JSON"),
+        (b'{"id": "no-text"}', 'missing field "text"'),
+        (b'{"text": 42}', 'field "text" must be a string'),
+        (b'{"text": "   "}', 'field "text" is empty'),
+        (b'{"text": "a", "tokens": ["a"]}', "not both"),
+        (b'{"tokens": []}', 'field "tokens" is empty'),
+        (b'{"tokens": "a b"}', 'field "tokens" must be an array'),
+        (b'{"tokens": ["a", 1]}', "item 1 must be a string"),
+        (b'{"tokens": ["a", " "]}', "item 1 is empty"),
+        (b'{"text": "lone \\ud83d half"}', "lone surrogate"),
+        (b'{"text": "ok", "id": [1]}', 'field "id" must be a string or an integer'),
+        ("Ünïcödé plain text with ✓ and a very long tail ".encode() * 12, None),  # > 1 window
+        (b'{"text": "We was late \\u2014 again .", "id": 0}', None),
+    ]
+    data = b"\n".join(line for line, _ in lines) + b"\r\n"
+    rc, out = tag(tmp_path, tiny_tagger_dir, data)
+    assert rc == 1
+    assert [r["index"] for r in out] == list(range(1, len(lines) + 1))
+    src = str(tmp_path / "in.txt")
+    good = []
+    for n, ((line, reason), rec) in enumerate(zip(lines, out), 1):
+        if reason is None:
+            assert "error" not in rec, rec
+            good.append((line, rec))
+            continue
+        assert set(rec) == {"index", "id", "error"}
+        assert rec["error"].startswith(f"{src}: line {n}: ") and reason in rec["error"], rec
+    assert [r["id"] for _, r in good] == [1, "a1", 7, 18, 0]
+
+    # the good lines equal the engine's own results (raw texts in one call, tokens in another)
+    texts = [json.loads(x)["text"] if x.startswith(b"{") else x.decode() for x, _ in good
+             if b'"tokens"' not in x]
+    want_texts = [r.to_dict() for r in tiny_engine.tag_texts(texts)]
+    want_tokens = tiny_engine.tag_tokens([["She", "see", "the", "dog", "."]])[0].to_dict()
+    got = [{k: v for k, v in r.items() if k not in ("index", "id")} for _, r in good]
+    assert got == [want_texts[0], want_texts[1], want_tokens, want_texts[2], want_texts[3]]
+    assert "offsets" not in got[2]
+    assert len(got[3]["tokens"]) > 62, "the long line needed several encoder windows"
+    for text, rec in zip(texts, [got[0], got[1], got[3], got[4]]):
+        check_offsets(text, rec)
+
+
+def test_unicode_offsets_are_exact_code_point_offsets(tmp_path, tiny_tagger_dir, tiny_engine):
+    data = "\n".join(UNICODE_TEXTS[:3]).encode() + b"\n" + b"\n".join(
+        json.dumps({"text": t}).encode() for t in UNICODE_TEXTS[3:])  # JSON escapes too
+    rc, out = tag(tmp_path, tiny_tagger_dir, data)
+    assert rc == 0
+    want = [r.to_dict() for r in tiny_engine.tag_texts(UNICODE_TEXTS)]
+    assert [{k: v for k, v in r.items() if k not in ("index", "id")} for r in out] == want
+    for text, rec in zip(UNICODE_TEXTS, out):
+        check_offsets(text, rec)
+    toks = {t for r in out for t in r["tokens"]}
+    assert {"👨\u200d👩\u200d👧", "👍🏽", "🇯🇵", "cafe\u0301", "我", "猫", "مرحبا", "שלום",
+            "na\u0131\u0308ve", "was", "n't"} <= toks
+    assert any(r["spans"] for r in out), "the tiny tagger flags something to check spans on"
+
+
+def test_pretty_view_marks_errors(tmp_path, tiny_tagger_dir, tiny_engine, capsys, monkeypatch):
+    src = tmp_path / "in.txt"
+    tokens_line = '{"tokens": ["a", "b", "c"], "id": "t"}'
+    src.write_text("\n".join([*UNICODE_TEXTS[:3], "", tokens_line]) + "\n", encoding="utf-8")
+    args = ["tag", str(src), "--pretty", "--model", str(tiny_tagger_dir), "--threads", "1"]
+    assert main(args) == 1
+    plain = capsys.readouterr().out.splitlines()
+    results = tiny_engine.tag_texts(UNICODE_TEXTS[:3])
+    for k, (text, res) in enumerate(zip(UNICODE_TEXTS[:3], results), 1):
+        expected, pos = f"{k}\t", 0
+        for s in res.spans:
+            expected += text[pos:s["start"]] + "[[" + s["text"] + "]]"
+            pos = s["end"]
+        assert plain[k - 1] == expected + text[pos:]
+    assert plain[3].startswith("4\t!! ERROR: ") and "line 4: empty line" in plain[3]
+    tok = tiny_engine.tag_tokens([["a", "b", "c"]])[0]
+    marked = " ".join(f"[[{w}]]" if lab == "i" else w for w, lab in zip(tok.tokens, tok.labels))
+    assert plain[4] == "5 [t]\t" + marked.replace("]] [[", " ")
+
+    class Terminal:  # a text stream that says it is a terminal
+        def __init__(self) -> None:
+            self.parts: list[str] = []
+
+        def write(self, s: str) -> int:
+            self.parts.append(s)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stdout", term)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert main(args) == 1
+    coloured = "".join(term.parts).splitlines()
+    assert "[[" not in "".join(coloured) and "\x1b[1;4;31m" in "".join(coloured)
+    assert [_strip_ansi(x) for x in coloured[:3]] == [f"{k}\t{t}" for k, t in
+                                                     enumerate(UNICODE_TEXTS[:3], 1)]
+    assert "\x1b[33m" in coloured[3]
+
+
+def _strip_ansi(s: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", s)
+
+
+def test_stdin_and_stdout(tmp_path, tiny_tagger_dir, tiny_engine, monkeypatch, capsysbinary):
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(
+        buffer=__import__("io").BytesIO("He go .\n{\"text\": \"x y\", \"id\": \"q\"}\n".encode())))
+    assert main(["tag", "--model", str(tiny_tagger_dir), "--no-progress", "--threads", "1"]) == 0
+    out = [json.loads(x) for x in capsysbinary.readouterr().out.decode().splitlines()]
+    assert [(r["index"], r["id"]) for r in out] == [(1, 1), (2, "q")]
+    assert out[0]["tokens"] == ["He", "go", "."]
+
+
+# --------------------------------------------------------------------------------- refusals
+
+
+def test_existing_output_is_never_overwritten_without_resume(tmp_path, tiny_tagger_dir, capsys):
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("a b c\n")
+    precious = '{"some": "other"}\n{"jsonl": "file"}\n'
+    out.write_text(precious)
+    base = ["tag", str(src), "--output", str(out), "--model", str(tiny_tagger_dir), "--no-progress"]
+    assert main(base) == 2
+    assert "exists; pass --resume" in capsys.readouterr().err
+    assert out.read_text() == precious
+    assert main(base + ["--resume"]) == 2  # not an output of ours: refused, left alone
+    assert "not a resumable output" in capsys.readouterr().err
+    assert out.read_text() == precious
+    assert main(["tag", str(src), "--resume", "--model", str(tiny_tagger_dir)]) == 2
+    assert "--resume needs --output" in capsys.readouterr().err
+    assert main(["tag", str(src), "--pretty", "--output", str(out)]) == 2
+    assert main(["tag", str(tmp_path / "missing.txt"), "--model", str(tiny_tagger_dir)]) == 2
+    assert "no such input file" in capsys.readouterr().err
+    assert main(["tag", "--batch-size", "0"]) == 2  # argparse
+
+
+def test_missing_model_exits_2_with_a_clear_message(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "in.txt"
+    src.write_text("a b c\n")
+    assert main(["tag", str(src), "--model", str(tmp_path / "nope")]) == 2
+    assert f"--model {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["tag", str(src), "--model", str(tmp_path / "empty")]) == 2
+    assert "not a tagger or export directory" in capsys.readouterr().err
+
+    from mhmla_fast.ged import predict
+
+    monkeypatch.setattr(predict, "default_model_path", lambda: tmp_path / "shipped")
+    for cmd in (["tag", str(src)], ["http"], ["export", "--onnx", str(tmp_path / "x")]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert "the shipped GED model is not installed" in err and "--model DIR" in err
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "x").exists()
+
+
+def test_an_engine_crash_stops_with_exit_3_and_keeps_the_output(tmp_path, tiny_tagger_dir,
+                                                                 monkeypatch, capsys):
+    from mhmla_fast.serve.engine import Engine
+
+    calls = []
+    real = Engine.tag_texts
+
+    def crash_on_second_batch(self, texts):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(self, texts)
+
+    monkeypatch.setattr(Engine, "tag_texts", crash_on_second_batch)
+    rc, out = tag(tmp_path, tiny_tagger_dir, b"one two\n" * 10, "--batch-size", "4")
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "tagging stopped: RuntimeError: device lost" in err and "--resume" in err
+    assert [r["index"] for r in out] == [1, 2, 3, 4]  # the first batch is kept, synced
+
+
+# ----------------------------------------------------------------------------------- resume
+
+
+def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, tiny_tagger_dir):
+    n = 3000
+    lines = []
+    for i in range(1, n + 1):
+        if i % 401 == 0:
+            lines.append('{"text": oops}')
+        elif i % 3 == 0:
+            text = f"Record {i} : they goes 🚲 to shcool"
+            lines.append(json.dumps({"text": text, "id": f"r{i}"}))
+        else:
+            lines.append(f"Sentence number {i} , he have ünïcödé {'words ' * (i % 7)}.")
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out, full = tmp_path / "out.jsonl", tmp_path / "full.jsonl"
+    opts = ["--model", str(tiny_tagger_dir), "--no-progress", "--threads", "1",
+            "--batch-size", "16"]
+
+    env = {**os.environ, "PYTHONPATH": str(Path(serve.__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-m", "mhmla_fast.commands.serve", "tag", str(src),
+                             "--output", str(out), *opts], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    try:
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 100):
+            assert proc.poll() is None, proc.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the first run wrote nothing"
+            time.sleep(0.003)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    written = out.read_bytes()
+    complete = written.count(b"\n")
+    assert 100 <= complete < n, "killed in the middle"
+    if written.endswith(b"\n"):  # the kill fell between two lines: add the torn line it can leave
+        out.write_bytes(written + b'{"index": %d, "id": "r' % (complete + 1))
+
+    assert main(["tag", str(src), "--output", str(out), "--resume", *opts]) == 1
+    assert main(["tag", str(src), "--output", str(full), *opts[:-1], "64"]) == 1
+    resumed, uninterrupted = read_jsonl(out), read_jsonl(full)
+    assert [r["index"] for r in resumed] == list(range(1, n + 1))
+    assert len(resumed) == len(uninterrupted) == n
+    for a, b in zip(resumed, uninterrupted):  # batches differ: probabilities within float noise
+        assert {k: v for k, v in a.items() if k != "probs"} == {
+            k: v for k, v in b.items() if k != "probs"}
+        assert a.get("probs", []) == pytest.approx(b.get("probs", []), abs=1e-5)
+    assert sum("error" in r for r in resumed) == n // 401
+    # resuming a complete output does nothing more and still reports the bad lines
+    assert main(["tag", str(src), "--output", str(out), "--resume", *opts]) == 1
+    assert out.read_bytes().count(b"\n") == n
+
+
+# --------------------------------------------------------------------------- http / export
+
+
+def test_http_serves_the_app_on_localhost(tiny_tagger_dir, monkeypatch):
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    assert main(["http", "--model", str(tiny_tagger_dir), "--max-queue", "300", "--threads", "1",
+                 "--max-texts-per-request", "3"]) == 0
+    assert (seen["host"], seen["port"]) == ("127.0.0.1", 8000)
+    assert seen["app"].state.batcher.max_queue == 300
+    assert not seen["app"].state.batcher.alive, "the worker starts with the server, not before"
+    assert main(["http", "--model", str(tiny_tagger_dir), "--max-queue", "2"]) == 2  # < 256 texts
+
+
+def test_export_delegates_to_the_exporters(tmp_path, tiny_tagger_dir, monkeypatch, capsys):
+    from mhmla_fast.serve import onnx_export
+
+    calls = []
+
+    def fake_export(model_dir, out_dir, *, int8=False, **kw):
+        calls.append(("onnx", Path(model_dir), Path(out_dir), int8))
+        return Path(out_dir) / "model.onnx"
+
+    monkeypatch.setattr(onnx_export, "export_onnx", fake_export)
+    assert main(["export", "--onnx", str(tmp_path / "e"), "--int8", "--model",
+                 str(tiny_tagger_dir)]) == 0
+    assert calls == [("onnx", tiny_tagger_dir, tmp_path / "e", True)]
+
+    from mhmla_fast.serve import tensorrt_engine
+
+    monkeypatch.setattr(tensorrt_engine, "build_engine_dir", lambda d, **kw: calls.append(
+        ("trt", Path(d), kw)) or Path(d) / "model.plan")
+    assert main(["export", "--tensorrt", str(tmp_path / "t"), "--model", str(tiny_tagger_dir),
+                 "--precision", "fp16"]) == 0
+    assert calls[1:] == [("onnx", tiny_tagger_dir, tmp_path / "t", False),
+                         ("trt", tmp_path / "t", {"layer_attention_plugin": False,
+                                                  "fp16": True, "bf16": False})]
+    export_dir = tmp_path / "export"  # an ONNX export is built in place, never re-exported
+    export_dir.mkdir()
+    for name in ("config.json", "model.onnx"):
+        (export_dir / name).write_text("{}")
+    assert main(["export", "--tensorrt", str(export_dir), "--model", str(export_dir)]) == 0
+    assert calls[3][:2] == ("trt", export_dir)
+    assert main(["export", "--tensorrt", str(tmp_path / "other"), "--model", str(export_dir)]) == 2
+    assert "build its engine in place" in capsys.readouterr().err
+    assert main(["export", "--tensorrt", str(tmp_path / "t"), "--int8"]) == 2
+    assert main(["export", "--onnx", str(tmp_path / "t"), "--precision", "bf16",
+                 "--model", str(tiny_tagger_dir)]) == 2
+    assert main(["export"]) == 2
