@@ -26,10 +26,18 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(default_model_path()))
     args = parser.parse_args(argv)
     model = GedTagger.load(args.run_best)
-    if not model.config.base_tensors:
+    # the word-piece embeddings must be the encoder package's own (frozen in training)
+    from safetensors import safe_open
+
+    from mhmla_fast.ged.model import resolve_encoder
+
+    base_file = Path(resolve_encoder(model.config.encoder)) / "model.safetensors"
+    with safe_open(base_file, "pt") as f:
+        base = f.get_tensor("embeddings.word_embeddings.weight")
+    mine = model.encoder.get_input_embeddings().weight
+    if not torch.equal(mine.detach(), base.to(mine.dtype)):
         raise SystemExit("the run did not freeze the word embeddings: the model would not fit")
-    for key in model.config.base_tensors:  # keep them frozen so save() leaves them out
-        model.get_parameter(key).requires_grad_(False)
+    model.freeze_word_embeddings()  # so that save() leaves them out
     out = model.save(args.out, dtype=torch.float16, tokenizer=load_tokenizer(args.run_best))
     size = sum(f.stat().st_size for f in Path(out).iterdir()) / 2**20
     print(f"wrote {out} ({size:.1f} MB)")

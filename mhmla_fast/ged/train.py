@@ -311,6 +311,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     final = json.loads((best_dir / "config.json").read_text())
     if final.get("threshold") is None:
         best_model = GedTagger.load(best_dir, device=device, backend=cfg.backend)
+        if cfg.freeze_word_embeddings:  # so that the re-save again leaves them out
+            best_model.freeze_word_embeddings()
         _, probs = evaluate(best_model, tokenizer, dev_set, batch_size=cfg.eval_batch_size,
                             device=device)
         gold = np.concatenate([np.asarray(s.labels) for s in dev_set])
