@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ged.model import EMBEDDED_ENCODER, resolve_encoder
+from ..model_dir import load_checked_state, read_model_state, write_model_dir
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
@@ -309,58 +309,24 @@ class EssayScorer(nn.Module):
     def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
              tokenizer=None) -> Path:
         """Write ``config.json``, ``model.safetensors`` (in ``dtype``) and the tokenizer atomically."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
         base = self._frozen_base_keys()
         self.config.base_tensors = base
         state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
                  for k, v in self.state_dict().items() if k not in base}
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(self.config.to_json())
-        tokenizer = tokenizer or self.tokenizer
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if path.exists():
-            old = path.with_name(path.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-        return path
+        return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, backend: str = "auto") -> EssayScorer:
         """Rebuild a saved scorer offline; its tokenizer is attached as ``.tokenizer``."""
-        from safetensors.torch import load_file
-
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise FileNotFoundError(f"{path}: not a scorer directory (needs config.json and "
                                     "model.safetensors)")
         config = ScorerConfig.from_json((path / "config.json").read_text())
         model = cls(config, pretrained=False, backend=backend)
-        state = load_file(path / "model.safetensors")
-        if config.base_tensors:
-            base_file = Path(resolve_encoder(config.encoder)) / "model.safetensors"
-            base = load_file(base_file)
-            for key, base_key in config.base_tensors.items():
-                if base_key not in base:
-                    raise ValueError(f"{base_file}: lacks {base_key!r} needed by {path}")
-                state[key] = base[base_key]
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("position_ids")]
-        if missing or unexpected:
-            raise ValueError(f"{path}: weights do not match the config: missing {missing}, "
-                             f"unexpected {unexpected}")
+        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder))
+        load_checked_state(model, state, path)
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
             model.tokenizer = load_tokenizer(str(path))
         return model.to(device=device, dtype=dtype).eval()

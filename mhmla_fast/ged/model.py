@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..model_dir import load_checked_state, read_model_state, write_model_dir
 from ..modules.layer_attention import FusedLayerAttention
 
 __all__ = [
@@ -155,58 +156,26 @@ class GedTagger(nn.Module):
     def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
              tokenizer=None) -> Path:
         """Write ``config.json``, ``model.safetensors`` (and the tokenizer) atomically."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
         base = self._frozen_base_keys()
         self.config.base_tensors = base
         state = {
             k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
             for k, v in self.state_dict().items() if k not in base
         }
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(self.config.to_json())
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if path.exists():
-            old = path.with_name(path.name + ".old")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            import shutil
-
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-        return path
+        return write_model_dir(path, state, self.config.to_json(), tokenizer)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, backend: str = "auto") -> GedTagger:
         """Rebuild a saved tagger offline (no network, no hub)."""
-        from safetensors.torch import load_file
-
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise FileNotFoundError(f"{path}: not a tagger directory (needs config.json and "
                                     "model.safetensors)")
         config = TaggerConfig.from_json((path / "config.json").read_text())
         model = cls(config, pretrained=False, backend=backend)
-        state = load_file(path / "model.safetensors")
-        if config.base_tensors:
-            base_file = Path(resolve_encoder(config.encoder)) / "model.safetensors"
-            base = load_file(base_file)
-            for key, base_key in config.base_tensors.items():
-                if base_key not in base:
-                    raise ValueError(f"{base_file}: lacks {base_key!r} needed by {path}")
-                state[key] = base[base_key]
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        # buffers such as position_ids may legitimately be absent from older files
-        missing = [k for k in missing if not k.endswith("position_ids")]
-        if missing or unexpected:
-            raise ValueError(f"{path}: weights do not match the config: missing {missing}, "
-                             f"unexpected {unexpected}")
+        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder))
+        load_checked_state(model, state, path)
         return model.to(device=device, dtype=dtype).eval()
 
 
