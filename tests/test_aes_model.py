@@ -112,6 +112,28 @@ def test_predict_scores_averages_windows(tiny_encoder, tokenizer):
     assert mixed[1] == model.predict_scores(["short one"], 1, tokenizer=tokenizer)[0]
 
 
+def test_windows_of_all_prompts_share_encoder_batches(tiny_encoder, tokenizer):
+    """One encoder call per token-budget batch, whatever the prompts; same scores as per prompt."""
+    model = scorer(tiny_encoder, objective="regression")
+    rng = random.Random(2)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (5, 90, 12, 40, 3, 70)]
+    prompts = [1, 8, 3, 1, 7, 3]
+    windows, _ = encode_essay_windows(tokenizer, texts, model.config.window)
+    calls = []
+    hook = model.encoder.register_forward_hook(lambda mod, args, kw_out: calls.append(1))
+    try:
+        mixed = model.predict_scores(texts, prompts, tokenizer=tokenizer, token_budget=100_000)
+    finally:
+        hook.remove()
+    assert len(windows) > len(texts) and len(calls) == 1
+    for p in set(prompts):
+        idx = [i for i, q in enumerate(prompts) if q == p]
+        alone = model.predict_scores([texts[i] for i in idx], p, tokenizer=tokenizer)
+        np.testing.assert_array_equal(mixed[idx], alone)
+    with pytest.raises(ValueError, match="heads for prompts"):
+        scorer(tiny_encoder, prompts=(1, 2)).predict_scores(["a b"], [3], tokenizer=tokenizer)
+
+
 def test_scores_always_inside_the_prompt_range(tiny_encoder, tokenizer):
     rng = random.Random(1)
     long_essay = " ".join(rng.choice(WORDS) for _ in range(3000))

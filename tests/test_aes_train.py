@@ -238,39 +238,31 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
 
 
 def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
-    import argparse
-
-    from mhmla_fast.commands.aes import add_eval_parser, add_train_parser, run_eval, run_train
+    from mhmla_fast.commands.eval import main as mhmla_eval
+    from mhmla_fast.commands.train import main as mhmla_train
 
     data = write_asap(tmp_path / "data")
     common = ["--prompt", "3,4", "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"),
               "--backend", "torch"]
-    train_parser = argparse.ArgumentParser()
-    add_train_parser(train_parser.add_subparsers(dest="task"))
-    args = train_parser.parse_args(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
-                                    "--out", str(tmp_path / "run"), "--models",
-                                    "mhmla-cls,ridge-layers", "--epochs", "2", "--quiet"])
-    assert run_train(args) == 0
+    assert mhmla_train(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
+                        "--out", str(tmp_path / "run"), "--models",
+                        "mhmla-cls,ridge-layers", "--epochs", "2", "--quiet"]) == 0
     result = json.loads((tmp_path / "run" / "results.json").read_text())
     assert set(result["models"]) == {"mhmla-cls", "ridge-layers"} and result["folds"] == [0]
     shipped = tmp_path / "shipped"
-    args = train_parser.parse_args(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
-                                    "--export-shipped", str(shipped), "--epochs", "2", "--quiet"])
-    assert run_train(args) == 0
+    assert mhmla_train(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
+                        "--export-shipped", str(shipped), "--epochs", "2", "--quiet"]) == 0
     cfg = json.loads((shipped / "config.json").read_text())
     assert cfg["freeze_encoder"] and cfg["prompts"] == [3, 4]
     assert set(cfg["training"]["test_qwk"]) == {"3", "4"} and cfg["training"]["fold"] == 0
     selection = cfg["training"]["objective_selection"]  # both heads tried, the better dev kept
     assert set(selection) == {"classification", "regression"}
     assert cfg["objective"] == max(selection, key=lambda o: selection[o]["dev_mean_qwk"])
-    eval_parser = argparse.ArgumentParser()
-    add_eval_parser(eval_parser.add_subparsers(dest="task"))
     outs = {}
     for extra in ([], ["--no-cache"]):
         out = tmp_path / f"eval{len(extra)}.json"
-        args = eval_parser.parse_args(["aes", *common, "--model", str(shipped), "--json", str(out),
-                                       *extra])
-        assert run_eval(args) == 0
+        assert mhmla_eval(["aes", *common, "--model", str(shipped), "--json", str(out),
+                           *extra]) == 0
         outs[len(extra)] = json.loads(out.read_text())
     assert outs[0]["prompts"]["3"]["via"] == "feature cache"
     assert outs[1]["prompts"]["3"]["via"] == "encoder"
@@ -280,17 +272,12 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
 
 
 def test_commands_finetune_protocol(tiny_encoder, tmp_path):
-    import argparse
-
-    from mhmla_fast.commands.aes import add_train_parser, run_train
+    from mhmla_fast.commands.train import main as mhmla_train
 
     data = write_asap(tmp_path / "data", n_per_prompt=20)
-    parser = argparse.ArgumentParser()
-    add_train_parser(parser.add_subparsers(dest="task"))
-    args = parser.parse_args(["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data),
-                              "--encoder", tiny_encoder, "--out", str(tmp_path / "ft"),
-                              "--finetune", "--epochs", "1", "--backend", "torch", "--quiet"])
-    assert run_train(args) == 0
+    assert mhmla_train(["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data),
+                        "--encoder", tiny_encoder, "--out", str(tmp_path / "ft"),
+                        "--finetune", "--epochs", "1", "--backend", "torch", "--quiet"]) == 0
     result = json.loads((tmp_path / "ft" / "results-finetune.json").read_text())
     assert result["protocol"] == "gpu-finetune" and result["prompts"] == [3]
     cell = result["models"]["mhmla-cls-finetuned"]

@@ -161,7 +161,8 @@ class ScorerHead(nn.Module):
             for p in config.prompts
         })
 
-    def _output(self, pooled: Tensor, prompt: int) -> Tensor:
+    def output(self, pooled: Tensor, prompt: int) -> Tensor:
+        """Pooled c [B, H] -> prompt `prompt`'s logits [B, C_p] or sigmoid outputs [B]."""
         key = str(int(prompt))
         if key not in self.outputs:
             raise ValueError(f"prompt {prompt}: this scorer has heads for prompts "
@@ -174,10 +175,19 @@ class ScorerHead(nn.Module):
     def forward(self, hidden_states: Tensor | Sequence[Tensor], attention_mask: Tensor,
                 prompt: int) -> Tensor:
         """[L+1, B, T, H] hidden states + [B, T] mask -> [B, C_p] logits or [B] in [0, 1]."""
+        return self.output(self.pooled(hidden_states, attention_mask), prompt)
+
+    def pooled(self, hidden_states: Tensor | Sequence[Tensor], attention_mask: Tensor) -> Tensor:
+        """The prompt-independent part: [L+1, B, T, H] + [B, T] mask -> pooled c [B, H].
+
+        ``"cls"``: ``c = MHMLA(h[:, :, 0])``; ``"attention"``: ``c_t = MHMLA(h[:, :, t])`` per
+        unpadded token, ``alpha = softmax_t(w . c_t)`` over the unpadded tokens,
+        ``c = sum_t alpha_t c_t``.
+        """
         if not isinstance(hidden_states, Tensor):
             hidden_states = torch.stack(list(hidden_states), 0)
         if self.config.pooling == "cls":
-            return self.forward_cls(hidden_states[:, :, 0].transpose(0, 1), prompt)
+            return self.layer_attention(hidden_states[:, :, 0])
         mask = attention_mask.bool()
         tokens = hidden_states[:, mask]  # padding dropped: [L+1, N, H]
         c_tok = self.layer_attention(tokens)  # [N, H]
@@ -186,15 +196,14 @@ class ScorerHead(nn.Module):
         c[mask] = c_tok
         scores = self.pool(c).squeeze(-1).float().masked_fill(~mask, float("-inf"))
         alpha = torch.softmax(scores, dim=-1).to(c.dtype)  # [B, T]
-        pooled = torch.einsum("bt,bth->bh", alpha, c)
-        return self._output(pooled, prompt)
+        return torch.einsum("bt,bth->bh", alpha, c)
 
     def forward_cls(self, cls_states: Tensor, prompt: int) -> Tensor:
         """Per-layer ``[CLS]`` vectors [B, L+1, H] -> [B, C_p] logits or [B] in [0, 1]."""
         if self.config.pooling != "cls":
             raise ValueError("forward_cls needs pooling='cls'")
         c = self.layer_attention(cls_states.transpose(0, 1))  # [B, H]
-        return self._output(c, prompt)
+        return self.output(c, prompt)
 
     def window_outputs(self, raw: Tensor) -> Tensor:
         """Raw outputs -> what is averaged over windows: probabilities [B, C_p] or values [B]."""
@@ -239,14 +248,17 @@ class EssayScorer(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt: int) -> Tensor:
         """Windows [B, T] of one prompt -> logits [B, C_p] (classification) or [B] in [0, 1]."""
+        return self.head.output(self.pooled_windows(input_ids, attention_mask), prompt)
+
+    def pooled_windows(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Windows [B, T] of any prompts -> the head's pooled vectors c [B, H]."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.config.freeze_encoder):
-            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                               output_hidden_states=True)
-            hidden = out.hidden_states
+            hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                  output_hidden_states=True).hidden_states
             if self.config.pooling == "cls":  # MHMLA is per token: [CLS] is all we need
                 hidden = [h[:, :1] for h in hidden]
             hidden = torch.stack(list(hidden), 0)
-        return self.head(hidden, attention_mask[:, : hidden.shape[2]], prompt)
+        return self.head.pooled(hidden, attention_mask[:, : hidden.shape[2]])
 
     @torch.no_grad()
     def predict_windows(self, input_ids: Tensor, attention_mask: Tensor, prompt: int) -> Tensor:
@@ -260,9 +272,10 @@ class EssayScorer(nn.Module):
     ) -> np.ndarray | tuple[np.ndarray, list[np.ndarray]]:
         """Integer scores [n_essays] on each essay's prompt scale (window predictions averaged).
 
-        ``prompt``: one prompt for all essays or one per essay. Windows of all essays of a
-        prompt go through the encoder together in token-budget batches sorted by length;
-        see :func:`combine_windows` for how windows become a score. With
+        ``prompt``: one prompt for all essays or one per essay. The windows of all essays,
+        whatever their prompts, go through the encoder and the layer attention together, in
+        token-budget batches sorted by length; only the per-prompt output layers run per
+        prompt. See :func:`combine_windows` for how windows become a score. With
         ``return_outputs`` also the per-essay averaged window outputs (probability vector
         or normalised score).
         """
@@ -270,26 +283,38 @@ class EssayScorer(nn.Module):
         prompts = [int(prompt)] * len(texts) if isinstance(prompt, (int, np.integer)) else [int(p) for p in prompt]
         if len(prompts) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
+        unknown = sorted(set(prompts) - set(self.config.prompts))
+        if unknown:
+            raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
+                             f"{list(self.config.prompts)} only")
+        scores = np.zeros(len(texts), dtype=np.int64)
+        outputs: list[np.ndarray] = [np.zeros(0)] * len(texts)
+        if not texts:
+            return (scores, outputs) if return_outputs else scores
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device
-        scores = np.zeros(len(texts), dtype=np.int64)
-        outputs: list[np.ndarray] = [np.zeros(0)] * len(texts)
         try:
+            windows, essay_index = encode_essay_windows(tokenizer, list(texts), self.config.window)
+            window_prompt = [prompts[e] for e in essay_index]
+            preds: list[Tensor | None] = [None] * len(windows)
+            for batch in token_budget_batches([len(w) for w in windows], token_budget):
+                ids, mask = collate_windows([windows[j] for j in batch], tokenizer.pad_token_id)
+                c = self.pooled_windows(ids.to(device), mask.to(device))
+                batch_prompts = [window_prompt[j] for j in batch]
+                for p in sorted(set(batch_prompts)):
+                    rows = [r for r, q in enumerate(batch_prompts) if q == p]
+                    out = self.head.window_outputs(self.head.output(c[rows], p)).cpu()
+                    for r, o in zip(rows, out):
+                        preds[batch[r]] = o
             for p in sorted(set(prompts)):
                 idx = [i for i, q in enumerate(prompts) if q == p]
-                windows, essay_index = encode_essay_windows(tokenizer, [texts[i] for i in idx],
-                                                            self.config.window)
-                preds: list[Tensor | None] = [None] * len(windows)
-                for batch in token_budget_batches([len(w) for w in windows], token_budget):
-                    ids, mask = collate_windows([windows[j] for j in batch], tokenizer.pad_token_id)
-                    out = self.predict_windows(ids.to(device), mask.to(device), p).cpu()
-                    for row, j in enumerate(batch):
-                        preds[j] = out[row]
-                window_out = torch.stack(preds).double().numpy()  # type: ignore[arg-type]
+                local = {e: k for k, e in enumerate(idx)}
+                ws = [j for j, e in enumerate(essay_index) if prompts[e] == p]
+                window_out = torch.stack([preds[j] for j in ws]).double().numpy()  # type: ignore[misc]
                 essay_scores, essay_out = combine_windows(
-                    window_out, essay_index, p, self.config.objective, self.config.decision,
-                    n_essays=len(idx), return_mean=True)
+                    window_out, [local[essay_index[j]] for j in ws], p, self.config.objective,
+                    self.config.decision, n_essays=len(idx), return_mean=True)
                 scores[idx] = essay_scores
                 for k, i in enumerate(idx):
                     outputs[i] = essay_out[k]

@@ -315,22 +315,3 @@ def run_eval(args) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m mhmla_fast.commands.aes train|eval aes ...`` (the same
-    options as ``mhmla-train aes`` / ``mhmla-eval aes``)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m mhmla_fast.commands.aes", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    train_sub = sub.add_parser("train").add_subparsers(dest="task", required=True)
-    add_train_parser(train_sub)
-    eval_sub = sub.add_parser("eval").add_subparsers(dest="task", required=True)
-    add_eval_parser(eval_sub)
-    args = parser.parse_args(argv)
-    return run_train(args) if args.command == "train" else run_eval(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""``mhmla-eval``: score a GED tagger on a data set; plot its layer weights."""
+"""``mhmla-eval``: score a GED tagger on a data set, plot its layer weights; QWK of an essay
+scorer on an ASAP fold (``aes``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from .aes import add_eval_parser as add_aes_parser
+from .aes import run_eval as run_aes
 
 
 def _load(model_dir: str | None):
@@ -184,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None, help="the shared data folder (default "
                    "$MHMLA_SHARED_DATA or ../shared/data)")
     p.add_argument("--batch-size", type=int, default=64)
+    add_aes_parser(sub)
     args = parser.parse_args(argv)
-    return {"ged": run_ged, "ged-layers": run_layers, "ged-suite": run_suite}[args.task](args)
+    return {"ged": run_ged, "ged-layers": run_layers, "ged-suite": run_suite,
+            "aes": run_aes}[args.task](args)
 
 
 if __name__ == "__main__":

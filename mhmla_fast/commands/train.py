@@ -1,4 +1,4 @@
-"""``mhmla-train``: train a GED tagger (``ged``); essay scoring comes with the AES work."""
+"""``mhmla-train``: train a GED tagger (``ged``) or run essay scoring on ASAP (``aes``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from ..paths import shared_data_dir
+from .aes import add_train_parser as add_aes_parser
+from .aes import run_train as run_aes
 
 
 def _fce(split: str) -> str:
@@ -69,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mhmla-train", description=__doc__)
     sub = parser.add_subparsers(dest="task", required=True)
     add_ged_parser(sub)
+    add_aes_parser(sub)
     args = parser.parse_args(argv)
-    return run_ged(args)
+    return {"ged": run_ged, "aes": run_aes}[args.task](args)
 
 
 if __name__ == "__main__":
