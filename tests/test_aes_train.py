@@ -14,7 +14,8 @@ import torch
 from mhmla_fast.aes.data import SCORE_RANGES, Essay
 from mhmla_fast.aes.metrics import quadratic_weighted_kappa
 from mhmla_fast.aes.train import (
-    FeatureSplit, HeadTrainConfig, _ridge_path, human_agreement, majority_vote, mean_ensemble,
+    FeatureSplit, HeadTrainConfig, _ridge_path, greedy_ensemble, human_agreement, majority_vote,
+    mean_ensemble,
     predict_split, ridge_layers, run_cpu_protocol, split_qwk, tfidf_select, train_head,
 )
 
@@ -219,22 +220,48 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     assert {"device", "commit", "torch"} <= set(result["provenance"])
     models = result["models"]
     assert set(models) == {"mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
-                           "mhmla-joint-reg", "ridge-layers", "tfidf-ridge"}
+                           "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
+                           "tfidf-ridge", "surface-ridge"}
+    assert "lrs" not in models["last-cls"]["settings"]  # an lr override fixes the lr
     for name, r in models.items():
         assert set(r["qwk"]["0"]) == {"3", "4"}, name
         assert r["mean_qwk"] == pytest.approx(np.mean([r["qwk"]["0"]["3"], r["qwk"]["0"]["4"]]))
     assert models["tfidf-ridge"]["mean_qwk"] > 0.5  # the key word decides the score
-    assert set(result["ensembles"]) == {"ensemble-mean", "ensemble-vote"}
+    assert set(result["ensembles"]) == {"ensemble-mean", "ensemble-vote", "ensemble-greedy"}
     assert "tfidf-ridge" not in result["ensembles"]["ensemble-vote"]["members"]
+    greedy = result["ensembles"]["ensemble-greedy"]
+    for p in ("3", "4"):  # members chosen on dev, among the models run
+        assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 6 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 8 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
     # a second run reuses every unit: same numbers
     again = run_cpu_protocol(results=None, **kw)
     assert again["models"] == result["models"] and again["ensembles"] == result["ensembles"]
     kw["overrides"] = {**kw["overrides"], "lr": 1e-2}  # other settings never reuse a unit
     with pytest.raises(ValueError, match="other settings"):
         run_cpu_protocol(results=None, **kw)
+
+
+def test_head_lr_is_chosen_on_dev(tiny_encoder, tmp_path):
+    data = write_asap(tmp_path / "data")
+    result = run_cpu_protocol(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run",
+                              folds=[0], prompts=[3], encoder=tiny_encoder, backend="torch",
+                              log=None, models=["last-cls"], overrides={"epochs": 2})
+    cell = result["models"]["last-cls"]
+    assert cell["settings"]["lrs"] == [1e-3, 3e-3, 1e-2, 3e-2]
+    assert cell["selected"]["0"]["3"]["lr"] in cell["settings"]["lrs"]
+
+
+def test_greedy_ensemble_picks_on_dev():
+    gold = np.array([0, 1, 2, 3, 3, 2, 1, 0])
+    noisy = np.array([1, 1, 2, 2, 3, 3, 0, 0])
+    low = np.array([0, 0, 1, 2, 2, 1, 0, 0])
+    high = np.array([1, 2, 3, 3, 3, 3, 2, 1])
+    assert greedy_ensemble([noisy, gold.copy(), low], gold, 3) == [1]  # perfect alone: stop
+    picks = greedy_ensemble([low, high, noisy], gold, 3)
+    assert picks[0] == 2 and {0, 1} <= set(picks)  # low and high cancel out
+    assert (mean_ensemble([[low, high, noisy][i] for i in picks], 3) == gold).mean() > 0.5
 
 
 def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):

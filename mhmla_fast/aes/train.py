@@ -11,18 +11,24 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   or a sigmoid regression output, one model per prompt, Adam, trained on windows (each
   window carries its essay's score), best epoch by dev QWK of the window-averaged essay
   predictions. ``last-cls`` and ``avgl-cls`` are the same with the last layer only (a
-  frozen "plain BERT" [CLS] classifier, lr 1e-2 as it is a linear model) and with AvgL.
+  frozen "plain BERT" [CLS] classifier; a linear model, so its lr is picked from
+  1e-3..3e-2 by dev QWK per fold and prompt) and with AvgL.
 * ``mhmla-joint-cls`` / ``mhmla-joint-reg``: one MHMLA shared by the 8 prompts with an
   output layer per prompt, trained on all prompts together, best epoch by the dev QWK
   averaged over prompts: the configuration of the shipped scorer.
 * ``ridge-layers``: ridge regression on the concatenated ``[CLS]`` vectors of layers 1..L
   (standardised on train), on normalised scores; alpha chosen by dev QWK.
+* ``ridge-layers-surface``: the same with the essay's surface features appended
+  (:mod:`.surface`: length and vocabulary counts, which window averaging hides).
 * ``tfidf-ridge``: TF-IDF of word 1- and 2-grams + ridge, alpha chosen by dev QWK.
+* ``surface-ridge``: ridge on the surface features alone (how far length goes).
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
   of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
   a tie goes to the tied score predicted by the member with the best dev QWK, see
-  :func:`majority_vote`).
+  :func:`majority_vote`), and ``ensemble-greedy`` over every model run: the members of a
+  mean ensemble picked per fold and prompt by greedy forward selection on dev QWK
+  (:func:`greedy_ensemble`); the test split is never looked at to choose.
 
 Every (model, fold, prompt) result is written to ``<run_dir>/units/`` as soon as it is
 done and reused by a later run, so an interrupted run continues where it stopped.
@@ -51,19 +57,22 @@ from torch import Tensor
 from .data import SCORE_RANGES, Essay, normalise_score, read_asap, read_folds, split_essays
 from .metrics import exact_agreement, quadratic_weighted_kappa
 from .model import EssayScorer, ScorerConfig, ScorerHead, combine_windows
+from .surface import SURFACE_FEATURES, surface_features
 
 __all__ = [
     "PROTOCOL", "HeadTrainConfig", "FeatureSplit", "train_head", "predict_split",
     "ridge_select", "tfidf_select", "human_agreement", "mean_ensemble", "majority_vote",
     "run_cpu_protocol", "FinetuneConfig", "finetune", "MODELS", "asap_files", "ridge_layers",
     "feature_split", "split_qwk", "train_joint_scorer", "summary_table", "DEFAULT_MODELS",
-    "DEFAULT_MEMBERS", "load_prompt_caches",
+    "DEFAULT_MEMBERS", "load_prompt_caches", "greedy_ensemble", "surface_ridge",
 ]
 
 PROTOCOL = "cpu-frozen-encoder"
 PROMPTS = tuple(sorted(SCORE_RANGES))
 RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 4, 11))
 TFIDF_ALPHAS = tuple(float(a) for a in np.logspace(-2, 2, 9))
+SURFACE_ALPHAS = tuple(float(a) for a in np.logspace(-3, 3, 13))
+HEAD_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
 Log = Callable[[str], None]
 
 
@@ -312,6 +321,11 @@ def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
                   std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[W, L*H] concatenated [CLS] vectors of layers 1..L, standardised (train statistics)."""
     X = split.features[:, 1:].reshape(split.features.shape[0], -1).double().numpy()
+    return _standardise(X, mean, std)
+
+
+def _standardise(X: np.ndarray, mean: np.ndarray | None = None, std: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if mean is None:
         mean, std = X.mean(0), X.std(0)
         std = np.where(std > 1e-8, std, 1.0)
@@ -319,15 +333,40 @@ def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
 
 
 def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, prompt: int,
-                 alphas: Sequence[float] = RIDGE_ALPHAS) -> dict:
-    """``ridge-layers`` for one prompt: test/dev predictions, chosen alpha, dev QWK."""
+                 alphas: Sequence[float] = RIDGE_ALPHAS,
+                 surface: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict:
+    """``ridge-layers`` for one prompt: test/dev predictions, chosen alpha, dev QWK.
+
+    ``surface``: per-essay surface features (:func:`~.surface.surface_features`) of the
+    train, dev and test essays, standardised on train and appended to every window's row
+    (``ridge-layers-surface``).
+    """
     Xtr, mu, sd = _layer_matrix(train)
     ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
     Xdev, _, _ = _layer_matrix(dev, mu, sd)
     Xte, _, _ = _layer_matrix(test, mu, sd)
+    if surface is not None:
+        s_tr, m, d = _standardise(surface[0])
+        s_dev, s_te = _standardise(surface[1], m, d)[0], _standardise(surface[2], m, d)[0]
+        Xtr = np.hstack([Xtr, s_tr[train.essay_index]])
+        Xdev = np.hstack([Xdev, s_dev[dev.essay_index]])
+        Xte = np.hstack([Xte, s_te[test.essay_index]])
     predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev.essay_index, dev.scores, prompt, alphas)
     return {"dev_pred": predict(Xdev, dev.essay_index, len(dev.ids)),
             "test_pred": predict(Xte, test.essay_index, len(test.ids)),
+            "dev_qwk": dev_q, "selected": {"alpha": alpha}}
+
+
+def surface_ridge(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, np.ndarray],
+                  test: np.ndarray, prompt: int, alphas: Sequence[float] = SURFACE_ALPHAS) -> dict:
+    """``surface-ridge``: ridge on the standardised surface features alone (``train`` and
+    ``dev`` are (features [E, F], gold scores [E])); alpha by dev QWK."""
+    Xtr, m, d = _standardise(train[0])
+    Xdev, Xte = _standardise(dev[0], m, d)[0], _standardise(test, m, d)[0]
+    ytr = np.array([normalise_score(s, prompt) for s in train[1]])
+    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, np.arange(len(Xdev)), dev[1], prompt, alphas)
+    return {"dev_pred": predict(Xdev, np.arange(len(Xdev)), len(Xdev)),
+            "test_pred": predict(Xte, np.arange(len(Xte)), len(Xte)),
             "dev_qwk": dev_q, "selected": {"alpha": alpha}}
 
 
@@ -377,6 +416,29 @@ def mean_ensemble(preds: Sequence[np.ndarray], prompt: int) -> np.ndarray:
     return np.clip(np.floor(m + 0.5).astype(np.int64), lo, hi)
 
 
+def greedy_ensemble(dev_preds: Sequence[np.ndarray], dev_gold: np.ndarray, prompt: int,
+                    rounds: int = 10) -> list[int]:
+    """Members of a mean ensemble picked on dev: greedy forward selection with replacement.
+
+    Start from the member with the best dev QWK; each round adds (again, possibly) the
+    member whose addition gives the best dev QWK of :func:`mean_ensemble`, stopping after
+    ``rounds`` or when no addition improves it. Ties go to the earlier member. Returns the
+    picked member indices (with repeats, as weights).
+    """
+    def score(picks: list[int]) -> float:
+        return qwk(dev_gold, mean_ensemble([dev_preds[i] for i in picks], prompt), prompt)
+
+    picks = [max(range(len(dev_preds)), key=lambda i: (score([i]), -i))]
+    best = score(picks)
+    for _ in range(rounds - 1):
+        cand = max(range(len(dev_preds)), key=lambda i: (score(picks + [i]), -i))
+        value = score(picks + [cand])
+        if value <= best:
+            break
+        picks, best = picks + [cand], value
+    return picks
+
+
 def majority_vote(preds: Sequence[np.ndarray], dev_scores: Sequence[float]) -> np.ndarray:
     """Most frequent score per essay; ties go to the best model on dev.
 
@@ -403,11 +465,17 @@ def majority_vote(preds: Sequence[np.ndarray], dev_scores: Sequence[float]) -> n
 
 @dataclass
 class ModelSpec:
-    """A model of the protocol: ``kind`` "head" | "joint" | "ridge" | "tfidf"."""
+    """A model of the protocol: ``kind`` "head" | "joint" | "ridge" | "tfidf" | "surface".
+
+    ``lrs``: for head models, learning rates tried per (fold, prompt), the best by dev QWK
+    kept (None: ``head.lr`` only); ``surface``: ridge models append the surface features.
+    """
 
     kind: str
     description: str
     head: HeadTrainConfig | None = None
+    lrs: tuple[float, ...] | None = None
+    surface: bool = False
 
 
 def _head(**kw) -> HeadTrainConfig:
@@ -422,9 +490,9 @@ MODELS: dict[str, ModelSpec] = {
                            "regression on normalised scores; one model per prompt",
                            _head(head="mhmla", objective="regression")),
     "last-cls": ModelSpec("head", "last-layer [CLS] of the frozen encoder + classification "
-                          "(plain BERT classifier, frozen; a linear model, so lr 1e-2); one "
-                          "model per prompt",
-                          _head(head="last", objective="classification", lr=1e-2)),
+                          "(plain BERT classifier, frozen; a linear model, so the lr is chosen "
+                          "from 1e-3..3e-2 by dev QWK); one model per prompt",
+                          _head(head="last", objective="classification"), lrs=HEAD_LRS),
     "avgl-cls": ModelSpec("head", "AvgL (average of linearly transformed layers) at [CLS] + "
                           "classification; one model per prompt",
                           _head(head="avgl", objective="classification")),
@@ -437,10 +505,17 @@ MODELS: dict[str, ModelSpec] = {
                                  _head(head="mhmla", objective="regression")),
     "ridge-layers": ModelSpec("ridge", "ridge regression on the concatenated [CLS] vectors of "
                               "layers 1..L (standardised), alpha by dev QWK"),
+    "ridge-layers-surface": ModelSpec("ridge", "ridge regression on the concatenated [CLS] "
+                                      "vectors of layers 1..L and the essay's surface features "
+                                      "(length, vocabulary; standardised), alpha by dev QWK",
+                                      surface=True),
     "tfidf-ridge": ModelSpec("tfidf", "TF-IDF word 1-2 grams + ridge regression, alpha by dev QWK"),
+    "surface-ridge": ModelSpec("surface", "ridge regression on the surface features alone "
+                               "(length, vocabulary counts; no encoder), alpha by dev QWK"),
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
-                  "mhmla-joint-reg", "ridge-layers", "tfidf-ridge")
+                  "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface", "tfidf-ridge",
+                  "surface-ridge")
 DEFAULT_MEMBERS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                    "mhmla-joint-reg", "ridge-layers")
 
@@ -471,6 +546,23 @@ def load_prompt_caches(essays: Sequence[Essay], prompts: Sequence[int], cache_di
                                         [e.text for e in chosen], encoder=encoder,
                                         token_budget=token_budget, progress=log)
     return caches
+
+
+def _head_unit(tr: FeatureSplit, dv: FeatureSplit, te: FeatureSplit, prompt: int,
+               cfg: HeadTrainConfig, lrs: Sequence[float] | None, encoder: str, backend: str) -> dict:
+    """One head model on one (fold, prompt); with ``lrs``, one per learning rate and the
+    best by dev QWK kept (ties: the first)."""
+    best: tuple[float, float, HeadResult] | None = None
+    for lr in lrs or (cfg.lr,):
+        res = train_head(tr, dv, HeadTrainConfig(**{**asdict(cfg), "lr": lr}), encoder=encoder,
+                         backend=backend)
+        if best is None or res.dev_qwk[prompt] > best[0]:
+            best = (res.dev_qwk[prompt], lr, res)
+    assert best is not None
+    dev_q, lr, res = best
+    selected = {"epoch": res.epoch, **({"lr": lr} if lrs else {})}
+    return {"dev_pred": predict_split(res.head, dv), "test_pred": predict_split(res.head, te),
+            "dev_qwk": dev_q, "selected": selected}
 
 
 def _joint_unit(fs: dict, prompts: Sequence[int], cfg: HeadTrainConfig, encoder: str,
@@ -524,9 +616,12 @@ def run_cpu_protocol(
 
     def settings_of(spec: ModelSpec) -> dict:
         if spec.head is not None:
-            return {"encoder": encoder, **asdict(head_cfg(spec))}
-        alphas = RIDGE_ALPHAS if spec.kind == "ridge" else TFIDF_ALPHAS
-        return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas)}
+            lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
+            return {"encoder": encoder, **asdict(head_cfg(spec)), **lrs}
+        alphas = {"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS, "surface": SURFACE_ALPHAS}[spec.kind]
+        surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
+        return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas),
+                **surface}
 
     def reuse(path: Path, settings: dict) -> dict | None:
         """A finished unit of the same settings, or None; another settings' unit raises."""
@@ -541,9 +636,15 @@ def run_cpu_protocol(
 
     units: dict[str, dict[int, dict[int, dict]]] = {m: {} for m in models}
     human: dict[int, dict[int, dict]] = {}
+    human_gold_dev: dict[int, dict[int, list[int]]] = {}
+
+    def surface_of(chosen: Sequence[Essay]) -> np.ndarray:
+        return surface_features([e.text for e in chosen])
+
     for k in folds:
         splits = {p: split_essays(essays, fold_ids, k, prompt=p) for p in prompts}
         human[k] = {p: human_agreement(splits[p]["test"]) for p in prompts}
+        human_gold_dev[k] = {p: [e.score for e in splits[p]["dev"]] for p in prompts}
         fs = {p: {s: feature_split(caches[p], splits[p][s]) for s in ("train", "dev", "test")}
               for p in prompts}
         for name in models:
@@ -567,12 +668,16 @@ def run_cpu_protocol(
                     t0 = time.perf_counter()
                     tr, dv, te = fs[p]["train"], fs[p]["dev"], fs[p]["test"]
                     if spec.kind == "head":
-                        res = train_head(tr, dv, head_cfg(spec), encoder=encoder, backend=backend)
-                        r = {"dev_pred": predict_split(res.head, dv),
-                             "test_pred": predict_split(res.head, te),
-                             "dev_qwk": res.dev_qwk[p], "selected": {"epoch": res.epoch}}
+                        r = _head_unit(tr, dv, te, p, head_cfg(spec),
+                                       spec.lrs if "lr" not in overrides else None, encoder, backend)
                     elif spec.kind == "ridge":
-                        r = ridge_layers(tr, dv, te, p)
+                        r = ridge_layers(tr, dv, te, p, surface=tuple(  # type: ignore[arg-type]
+                            surface_of(splits[p][x]) for x in ("train", "dev", "test"))
+                            if spec.surface else None)
+                    elif spec.kind == "surface":
+                        r = surface_ridge((surface_of(splits[p]["train"]), tr.scores),
+                                          (surface_of(splits[p]["dev"]), dv.scores),
+                                          surface_of(splits[p]["test"]), p)
                     elif spec.kind == "tfidf":
                         sp = splits[p]
                         r = tfidf_select([e.text for e in sp["train"]], tr.scores,
@@ -624,6 +729,24 @@ def run_cpu_protocol(
                 ens["ensemble-vote"][k][p] = {"qwk": qwk(gold, vote, p), "exact": exact_agreement(gold, vote)}
         for name, cells in ens.items():
             result["ensembles"][name] = {"members": members, **_aggregate(cells, folds, prompts)}
+    if len(models) >= 2:
+        cells = {}
+        for k in folds:
+            cells[k] = {}
+            for p in prompts:
+                us = [units[m][k][p] for m in models]
+                dev_gold = np.array(human_gold_dev[k][p])
+                picks = greedy_ensemble([np.array(u["dev_pred"]) for u in us], dev_gold, p)
+                gold = np.array(us[0]["gold"])
+                pred = mean_ensemble([np.array(us[i]["pred"]) for i in picks], p)
+                cells[k][p] = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
+                               "selected": {"members": [models[i] for i in picks]}}
+        result["ensembles"]["ensemble-greedy"] = {
+            "members": list(models),
+            "description": "greedy forward selection with replacement (Caruana et al. 2004) "
+                           "of the mean of members' scores, by dev QWK per fold and prompt",
+            **_aggregate(cells, folds, prompts),
+            "selected": {str(k): {str(p): cells[k][p]["selected"] for p in prompts} for k in folds}}
     result["seconds"] = time.perf_counter() - t_start
     result["paper_bert_base_finetuned"] = {
         "note": "Uria Rodriguez et al., Table 2 (fine-tuned BERT-base, QWK %), for reference only",

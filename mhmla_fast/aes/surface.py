@@ -1,0 +1,49 @@
+"""Surface features of an essay: length and vocabulary counts that the windowed ``[CLS]``
+vectors cannot see.
+
+Averaging window predictions (or features) hides how long an essay is, and length is the
+strongest single predictor of an ASAP score. :func:`surface_features` gives, per essay::
+
+    log1p(words), log1p(characters), log1p(sentences), log1p(distinct words),
+    distinct / words, mean word length, share of words of 7+ letters,
+    log1p(commas), log1p(ASAP anonymisation tokens such as @CAPS1)
+
+Words are maximal runs of letters, digits and apostrophes (lower-cased for "distinct");
+sentences are runs of text ended by ``.``, ``!`` or ``?`` (at least one for a non-empty
+essay). The values are raw; models standardise them on their training split.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["SURFACE_FEATURES", "surface_features"]
+
+SURFACE_FEATURES = ("log_words", "log_chars", "log_sentences", "log_distinct", "distinct_ratio",
+                    "mean_word_length", "long_word_share", "log_commas", "log_anonymised")
+
+_WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)*")
+_SENTENCE_END = re.compile(r"[.!?]+")
+_ANONYMISED = re.compile(r"@[A-Z]+\d*")
+
+
+def surface_features(texts: Sequence[str]) -> np.ndarray:
+    """Essays -> float64 [n_essays, len(SURFACE_FEATURES)] (see the module doc)."""
+    rows = []
+    for text in texts:
+        words = _WORD.findall(text)
+        n = len(words)
+        sentences = len([s for s in _SENTENCE_END.split(text) if s.strip()]) if text.strip() else 0
+        rows.append((
+            math.log1p(n), math.log1p(len(text)), math.log1p(max(sentences, 1 if n else 0)),
+            math.log1p(len({w.lower() for w in words})),
+            len({w.lower() for w in words}) / n if n else 0.0,
+            sum(len(w) for w in words) / n if n else 0.0,
+            sum(len(w) >= 7 for w in words) / n if n else 0.0,
+            math.log1p(text.count(",")), math.log1p(len(_ANONYMISED.findall(text))),
+        ))
+    return np.array(rows, dtype=np.float64).reshape(len(texts), len(SURFACE_FEATURES))
