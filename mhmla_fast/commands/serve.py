@@ -1,7 +1,9 @@
-"""``mhmla-serve``: tag corpora with the GED tagger, serve it over HTTP, export it.
+"""``mhmla-serve``: tag corpora with the GED tagger, score essays, serve both over HTTP, export.
 
     mhmla-serve tag [FILE ...|-] [--output FILE [--resume]] [--pretty] [model/engine options]
+    mhmla-serve score [FILE ...|-] [--output FILE [--resume]] [--model DIR] [--batch-essays N]
     mhmla-serve http [--host 127.0.0.1] [--port 8000] [model/engine options] [batching limits]
+                     [--scorer DIR | --no-scorer]
     mhmla-serve export (--onnx DIR [--int8] | --tensorrt DIR) [--model DIR]
 
 ``tag``
@@ -17,10 +19,28 @@
     (``NO_COLOR`` turns colour off) and in ``[[...]]`` otherwise. A progress bar with records/s
     goes to standard error (not with ``--no-progress``, nor with ``--pretty`` on a terminal).
 
+``score``
+    Essay scores with an :class:`~mhmla_fast.aes.model.EssayScorer` (``--model DIR``, by default
+    the scorer shipped in the package). Input: the files in order (``-`` or nothing = standard
+    input; ``--input FILE`` is the same as one positional FILE), JSONL, one essay per line:
+    ``{"text": str, "prompt": int, "id": str|int (optional, default: the line's global 1-based
+    index)}``; other fields are ignored. Output: JSONL, one line per input line in input order,
+    ``{"index", "id", "prompt", "score"}`` with the integer score on that prompt's scale
+    (``mhmla_fast.aes.data.SCORE_RANGES``), or ``{"index", "id", "error"}`` for a malformed line:
+    not JSON, plain text, a missing/empty/blank ``"text"``, a ``"prompt"`` that is not an integer
+    1..8 or has no output layer in the scorer, a bad ``"id"`` (scoring goes on). Essays are
+    scored in chunks of ``--batch-essays`` (64) valid records, each chunk ONE ``predict_scores``
+    call, so all windows of all its essays go through the encoder together (``--token-budget``
+    padded word pieces per forward pass). ``--output``, ``--resume``, the progress bar (essays/s)
+    and the exit statuses are those of ``tag``.
+
 ``http``
-    Serves :func:`mhmla_fast.serve.http.create_app` with uvicorn (``POST /v1/tag``, ``GET
-    /healthz``, ``GET /metrics``, docs at ``/docs``); localhost only unless ``--host`` says
-    otherwise. One process, one engine: the app batches concurrent requests itself.
+    Serves :func:`mhmla_fast.serve.http.create_app` with uvicorn (``POST /v1/tag``, ``POST
+    /v1/score``, ``GET /healthz``, ``GET /metrics``, docs at ``/docs``); localhost only unless
+    ``--host`` says otherwise. One process, one worker thread for the tagger and the scorer: the
+    app batches concurrent requests itself. The scorer is ``--scorer DIR``, else the shipped one
+    when it is installed; ``--no-scorer`` (or no scorer installed) serves tagging only, and
+    ``/v1/score`` then answers 404.
 
 ``export``
     ``--onnx DIR``: :func:`mhmla_fast.serve.onnx_export.export_onnx` (``--int8`` adds the int8
@@ -31,9 +51,10 @@
 The model is ``--model DIR`` (a tagger directory, or an ONNX/TensorRT export for those
 backends), by default the tagger shipped in the package.
 
-Exit status: 0 all went well; 1 ``tag`` found malformed input lines (each has its error record)
-or an export failed; 2 usage error, missing or unloadable model, unusable input or output file;
-3 ``tag`` stopped on an unexpected error (the output so far is kept; ``--resume`` continues);
+Exit status: 0 all went well; 1 ``tag``/``score`` found malformed input lines (each has its
+error record) or an export failed; 2 usage error, missing or unloadable model, unusable input or
+output file; 3 ``tag``/``score`` stopped on an unexpected error (the output so far is kept;
+``--resume`` continues);
 130 interrupted (likewise resumable); 141 the reader of standard output went away.
 """
 
@@ -92,15 +113,20 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
+def _set_threads(threads: int | None) -> None:
+    """``torch.set_num_threads(threads)`` when given (None: leave torch's choice)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def load_engine(args: argparse.Namespace):
     """The engine for ``args`` (model, backend, device, dtype, threshold, threads, budget)."""
     from ..serve.engine import Engine
 
     path = resolve_model_dir(args.model)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     try:
         engine = Engine.load(path, backend=args.backend, device=args.device, dtype=args.dtype,
                              threshold=args.threshold, token_budget=args.token_budget)
@@ -108,6 +134,43 @@ def load_engine(args: argparse.Namespace):
         raise UsageError(f"cannot load the model from {path} ({args.backend}): "
                          f"{type(err).__name__}: {err}") from err
     return path, engine
+
+
+def resolve_scorer_dir(model: str | None, option: str = "--model") -> Path:
+    """The essay-scorer directory to load: ``model``, else the shipped scorer.
+
+    Raises UsageError with what to do when it is missing or is not a scorer directory
+    (``option`` names the command-line option in the messages)."""
+    from ..serve.score import default_scorer_path
+
+    if model:
+        path = Path(model)
+        if not path.exists():
+            raise UsageError(f"{option} {model}: no such directory")
+    else:
+        path = default_scorer_path()
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"the shipped essay scorer is not installed (expected at {path}). Pass "
+                f"{option} DIR with a scorer directory, e.g. one written by "
+                "`mhmla-train aes --export-shipped DIR`.")
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory")
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise UsageError(f"{path}: not an essay-scorer directory (it needs config.json and "
+                         "model.safetensors)")
+    return path
+
+
+def load_scorer_dir(path: Path, device: str | None, dtype: str | None = None):
+    """``serve.score.load_scorer(path)``; any failure becomes a UsageError naming ``path``."""
+    from ..serve.score import load_scorer
+
+    try:
+        return load_scorer(path, device=device, dtype=dtype)
+    except Exception as err:  # any failure to load is a model problem for the user
+        raise UsageError(f"cannot load the essay scorer from {path}: "
+                         f"{type(err).__name__}: {err}") from err
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -228,9 +291,7 @@ def _stdout_is_tty() -> bool:
 
 
 def run_tag(args: argparse.Namespace) -> int:
-    from ..serve.records import (
-        ResumableJsonlWriter, ResumeMismatchError, iter_input_records, run_records,
-    )
+    from ..serve.records import iter_input_records
 
     if args.pretty and (args.output or args.resume):
         raise UsageError("--pretty prints to standard output; it cannot be combined with "
@@ -255,18 +316,41 @@ def run_tag(args: argparse.Namespace) -> int:
                 res["_text"] = rec.text
             return results
     else:
-        try:
-            writer = ResumableJsonlWriter(args.output or "-", resume=args.resume)
-        except (OSError, ValueError) as err:
-            raise UsageError(str(err)) from err
+        writer = open_output(args.output, args.resume)
 
         def process(batch):
             return tag_records(engine, batch)
 
-    resume_hint = f"; rerun with --resume to continue {args.output}" if args.output else ""
+    return drive_records(records, process, writer, args.batch_size, output=args.output,
+                         progress=progress, total=total, desc=f"tagging ({path.name})",
+                         verb="tagging")
+
+
+def open_output(output: str | None, resume: bool):
+    """The :class:`~mhmla_fast.serve.records.ResumableJsonlWriter` of ``--output`` (None or
+    ``-``: standard output); refusals (existing output, bad resume) become UsageError."""
+    from ..serve.records import ResumableJsonlWriter
+
     try:
-        summary = run_records(records, process, writer, args.batch_size, progress=progress,
-                              total=total, desc=f"tagging ({path.name})")
+        return ResumableJsonlWriter(output or "-", resume=resume)
+    except (OSError, ValueError) as err:
+        raise UsageError(str(err)) from err
+
+
+def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
+                  output: str | None, progress: bool, total: int | None, desc: str,
+                  verb: str, unit: str = "rec") -> int:
+    """Run :func:`~mhmla_fast.serve.records.run_records` and turn its outcome into the exit
+    status of ``tag``/``score`` (``verb`` is "tagging" or "scoring" in the messages): 0, 1 when
+    some input lines were malformed, 3 when it stopped on an error, 130 interrupted, 141 broken
+    pipe; a resume against other input raises UsageError. The writer is closed."""
+    from ..serve.records import ResumeMismatchError, run_records
+
+    to_file = output not in (None, "-")
+    resume_hint = f"; rerun with --resume to continue {output}" if to_file else ""
+    try:
+        summary = run_records(records, process, writer, batch_size, progress=progress,
+                              total=total, desc=desc, unit=unit)
         writer.close()
     except ResumeMismatchError as err:
         _close_quietly(writer)
@@ -283,7 +367,7 @@ def run_tag(args: argparse.Namespace) -> int:
         return EXIT_BROKEN_PIPE
     except Exception as err:
         _close_quietly(writer)
-        print(f"{PROG}: tagging stopped: {type(err).__name__}: {err}{resume_hint}",
+        print(f"{PROG}: {verb} stopped: {type(err).__name__}: {err}{resume_hint}",
               file=sys.stderr)
         return EXIT_FAILED
     if summary.n_errors:
@@ -291,6 +375,39 @@ def run_tag(args: argparse.Namespace) -> int:
               "(see their \"error\" records)", file=sys.stderr)
         return EXIT_BAD_LINES
     return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------ score
+
+
+def run_score(args: argparse.Namespace) -> int:
+    """``mhmla-serve score``: essays (JSONL) -> ``{"index", "id", "prompt", "score"}`` records
+    (or error records) in input order; returns the exit status (see :func:`drive_records`)."""
+    from ..serve.records import iter_input_records
+    from ..serve.score import check_prompts, score_records
+
+    if args.resume and not args.output:
+        raise UsageError("--resume needs --output FILE")
+    if args.input and args.inputs:
+        raise UsageError("give the input files either as arguments or with --input, not both")
+    inputs = args.inputs or ([args.input] if args.input else ["-"])
+    try:
+        records = iter_input_records(inputs, "score")
+    except (OSError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    path = resolve_scorer_dir(args.model)
+    _set_threads(args.threads)
+    scorer = load_scorer_dir(path, args.device, args.dtype)  # before the output is opened
+    writer = open_output(args.output, args.resume)
+    progress = not args.no_progress
+    total = _count_lines(inputs) if progress else None
+
+    def process(batch):
+        return score_records(scorer, batch, args.token_budget)
+
+    return drive_records(check_prompts(records, scorer.config.prompts), process, writer,
+                         args.batch_essays, output=args.output, progress=progress, total=total,
+                         desc=f"scoring ({path.name})", verb="scoring", unit="essay")
 
 
 # ------------------------------------------------------------------------------------- http
@@ -305,18 +422,40 @@ def run_http(args: argparse.Namespace) -> int:
         raise UsageError(f"the HTTP server needs fastapi, uvicorn and prometheus-client "
                          f"(pip install 'mhmla-fast[serve]' prometheus-client): {err}") from err
     path, engine = load_engine(args)
+    scorer_path, scorer = load_http_scorer(args)
     try:
         app = create_app(engine, max_batch_tokens=args.max_batch_tokens,
                          max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                          max_request_bytes=args.max_request_bytes,
                          max_texts_per_request=args.max_texts_per_request,
-                         model_name=path.name)
+                         model_name=path.name, scorer=scorer,
+                         scorer_name=scorer_path.name if scorer_path else None,
+                         max_essays_per_request=args.max_essays_per_request,
+                         score_token_budget=args.token_budget)
     except ValueError as err:
         raise UsageError(str(err)) from err
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=not args.no_access_log,
                 timeout_graceful_shutdown=args.graceful_timeout)
     return EXIT_OK
+
+
+def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
+    """(directory, scorer) for ``http``: ``--scorer DIR``; nothing with ``--no-scorer``; else the
+    shipped scorer when it is installed (a note on stderr when it is not). The scorer runs on
+    ``--device`` (default: cuda when available) in float32."""
+    from ..serve.score import default_scorer_path
+
+    if args.no_scorer:
+        return None, None
+    if not args.scorer and not (default_scorer_path() / "config.json").is_file():
+        print(f"{PROG} http: no essay scorer installed at {default_scorer_path()}; serving "
+              "tagging only (POST /v1/score answers 404). Pass --scorer DIR to score essays.",
+              file=sys.stderr)
+        return None, None
+    path = resolve_scorer_dir(args.scorer, "--scorer")
+    device = args.device if args.backend == "torch" else None
+    return path, load_scorer_dir(path, device)
 
 
 # ----------------------------------------------------------------------------------- export
@@ -367,8 +506,11 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Grammatical error detection: tag "
-                                     "files, serve over HTTP, export for ONNX Runtime/TensorRT.")
+    from ..serve.score import DTYPES as SCORER_DTYPES
+
+    parser = argparse.ArgumentParser(prog=PROG, description="Grammatical error detection and "
+                                     "essay scoring: tag files, score essays, serve both over "
+                                     "HTTP, export the tagger for ONNX Runtime/TensorRT.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("tag", help="tag plain-text or JSONL files into JSONL",
@@ -387,9 +529,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     p.set_defaults(run=run_tag)
 
-    p = sub.add_parser("http", help="serve the tagger over HTTP",
-                       description="Serve POST /v1/tag, GET /healthz, GET /metrics with "
-                       "dynamic micro-batching across concurrent requests.")
+    p = sub.add_parser("score", help="score essays (JSONL) into JSONL",
+                       description="Score one essay per line (JSON objects with \"text\", "
+                       "\"prompt\" 1-8 and an optional \"id\") into JSONL records "
+                       "{\"index\", \"id\", \"prompt\", \"score\"} in input order.")
+    p.add_argument("inputs", nargs="*", metavar="FILE", help="input files; - or none: stdin")
+    p.add_argument("-i", "--input", metavar="FILE", default=None,
+                   help="the input file (the same as one FILE argument; - is stdin)")
+    p.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="JSONL output (default: standard output)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted --output instead of refusing to touch it")
+    p.add_argument("--batch-essays", type=_positive, default=64,
+                   help="essays per scorer call; all their windows are encoded together "
+                   "(default 64)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g = p.add_argument_group("scorer")
+    g.add_argument("--model", metavar="DIR", default=None,
+                   help="essay-scorer directory (default: the shipped scorer)")
+    g.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 "
+                   "(default: cuda when available)")
+    g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
+                   help="scorer weights and compute (default float32)")
+    g.add_argument("--token-budget", type=_positive, default=8192,
+                   help="padded word pieces per forward pass (default 8192)")
+    g.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads (default: torch's choice; fewer on a shared machine)")
+    p.set_defaults(run=run_score)
+
+    p = sub.add_parser("http", help="serve the tagger and the essay scorer over HTTP",
+                       description="Serve POST /v1/tag, POST /v1/score, GET /healthz, GET "
+                       "/metrics with dynamic micro-batching across concurrent requests.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-tokens", type=_positive, default=8192,
@@ -402,6 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 1000000); larger: 413")
     p.add_argument("--max-texts-per-request", type=_positive, default=256,
                    help="texts or sentences per request (default 256); more: 413")
+    p.add_argument("--max-essays-per-request", type=_positive, default=64,
+                   help="essays per /v1/score request (default 64); more: 413")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--scorer", metavar="DIR", default=None,
+                   help="essay scorer for /v1/score (default: the shipped one, if installed)")
+    g.add_argument("--no-scorer", action="store_true",
+                   help="serve tagging only (/v1/score answers 404)")
     p.add_argument("--graceful-timeout", type=int, default=None,
                    help="seconds to wait for open requests on shutdown (default: no limit)")
     p.add_argument("--log-level", default="info",

@@ -1,4 +1,5 @@
-"""The tagger over HTTP: a FastAPI app that micro-batches concurrent requests into engine calls.
+"""The tagger and the essay scorer over HTTP: a FastAPI app that micro-batches concurrent requests
+into engine calls.
 
 Endpoints (:func:`create_app`)
 ------------------------------
@@ -17,16 +18,33 @@ Endpoints (:func:`create_app`)
     ``Retry-After`` when the queue is full or the server is shutting down; 500 when the engine
     failed on this request's inputs. Every error body is ``{"detail": ...}``.
 
+``POST /v1/score``
+    Body ``{"essays": [{"text": str, "prompt": int, "id": str|int (optional)}, ...]}``; answer
+    ``{"results": [{"id", "prompt", "score"}, ...]}`` in request order, ``score`` an integer on
+    the prompt's scale (``mhmla_fast.aes.data.SCORE_RANGES``) and ``id`` the essay's own, else its
+    1-based position in the request. An empty list gives ``{"results": []}``.
+
+    Statuses: 200; 422 a body that breaks the schema (``"text"`` missing, not a string or blank;
+    ``"prompt"`` not an integer 1..8 (no strings, floats or booleans); ``"id"`` not a string or
+    integer; unknown fields), or a prompt the scorer has no output layer for (``loc`` points at
+    the essay's ``prompt``); 413 a body over ``max_request_bytes`` or more than
+    ``max_essays_per_request`` essays; 503 with ``Retry-After`` when the queue is full or the
+    server is shutting down; 500 when the scorer failed on this request's essays; 404 when the
+    app has no scorer (``{"detail": "essay scoring is not enabled ..."}``).
+
 ``GET /healthz``
-    200 ``{"status": "ok", "model", "queue_depth"}``; 503 (``"status": "shutting down"`` or
-    ``"worker stopped"``) once shutdown has begun or if the engine's worker thread died.
+    200 ``{"status": "ok", "model", "queue_depth"}`` (plus ``"scorer"``, its name, when the app
+    scores essays); 503 (``"status": "shutting down"`` or ``"worker stopped"``) once shutdown has
+    begun or if the engine's worker thread died.
 
 ``GET /metrics``
     Prometheus text exposition from the app's own registry (``app.state.registry``):
     ``mhmla_http_requests_total{path,status}``, ``mhmla_request_seconds`` (``/v1/tag`` latency),
     ``mhmla_texts_tagged_total``, ``mhmla_batch_texts`` / ``mhmla_batch_requests`` (histograms
-    of the engine batches), ``mhmla_batch_seconds``, ``mhmla_engine_failures_total``,
-    ``mhmla_queue_depth``.
+    of the tagging batches), ``mhmla_batch_seconds``, ``mhmla_engine_failures_total`` (tagging
+    and scoring), ``mhmla_queue_depth`` (texts and essays); for scoring
+    ``mhmla_score_request_seconds`` (``/v1/score`` latency), ``mhmla_essays_scored_total``,
+    ``mhmla_score_batch_essays``, ``mhmla_score_batch_requests`` and ``mhmla_score_batch_seconds``.
 
 ``GET /docs``, ``GET /openapi.json``: the OpenAPI description, from the pydantic models.
 
@@ -40,9 +58,13 @@ estimated size stays within ``max_batch_tokens`` word pieces, waiting for more a
 ``max_wait_ms`` after the first item was queued; when it was busy, the queue has usually filled
 meanwhile and it takes what is there at once. The estimate of an item is
 ``max(1.3 x whitespace-split words, characters / 4)`` (the second term keeps text without spaces,
-e.g. Chinese, from looking free). The batch goes to ONE engine call per input kind present
-(``tag_texts`` for texts, ``tag_tokens`` for sentences), which sorts by length and packs padded
-sub-batches by its own ``token_budget``. Each request's future is resolved on its event loop
+e.g. Chinese, from looking free). A batch is either tagging or scoring, never both (the worker
+stops taking items at the first one of the other family). A tagging batch goes to ONE engine
+call per input kind present (``tag_texts`` for texts, ``tag_tokens`` for sentences), which sorts
+by length and packs padded sub-batches by its own ``token_budget``; a scoring batch (kind
+``"essays"``, estimated like texts) goes to ONE ``scorer.predict_scores(texts, prompts,
+token_budget=score_token_budget)`` call, so all windows of all its essays, of every request and
+prompt, are encoded together. Each request's future is resolved on its event loop
 (``call_soon_threadsafe``) once all its items are done. When the engine raises, the requests of
 the batch are retried one by one, so only the requests whose own inputs fail get 500. Items of a
 request whose client has gone are skipped.
@@ -71,10 +93,14 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
 )
 from pydantic import (
-    BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, ValidationInfo,
+    field_validator, model_validator,
 )
 
-__all__ = ["create_app", "MicroBatcher", "QueueFull", "Unavailable", "TagRequest", "TagResponse"]
+from .score import score_essays, unsupported_prompt
+
+__all__ = ["create_app", "MicroBatcher", "QueueFull", "Unavailable", "TagRequest", "TagResponse",
+           "ScoreRequest", "ScoreResponse"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +111,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 TAG_PATH = "/v1/tag"
+SCORE_PATH = "/v1/score"
 RETRY_AFTER_S = 1
+KINDS = ("texts", "sentences", "essays")  # input kinds; "essays" are scored, the others tagged
+NO_SCORER = ("essay scoring is not enabled on this server (it was started without an essay "
+             "scorer: `mhmla-serve http --scorer DIR`)")
 
 
 # ------------------------------------------------------------------------------------ schema
@@ -161,6 +191,50 @@ class TagResponse(BaseModel):
     results: list[TagResultModel]
 
 
+class EssayIn(BaseModel):
+    """One essay to score: its ``text``, ASAP ``prompt`` (1..8) and optional ``id``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: Annotated[str, StringConstraints(min_length=1, pattern=r"\S")] = Field(
+        description="The essay; not empty or blank. Long essays are scored in windows.")
+    prompt: StrictInt = Field(ge=1, le=8, description="ASAP prompt 1-8: picks the scale")
+    id: StrictInt | StrictStr | None = Field(
+        None, description="Echoed back; default: the essay's 1-based position in the request")
+
+    @field_validator("text", "id")
+    @classmethod
+    def _is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str):
+            _no_surrogates(value, info.field_name)
+        return value
+
+
+class ScoreRequest(BaseModel):
+    """Essays to score, in order."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"essays": [{"id": "e1", "prompt": 1, "text": "Dear local newspaper, computers ..."},
+                    {"prompt": 3, "text": "The features of the setting affect the cyclist ..."}]},
+    ]})
+
+    essays: list[EssayIn]
+
+
+class ScoreResult(BaseModel):
+    """One essay's score: ``score`` is an integer on ``prompt``'s scale."""
+
+    id: int | str
+    prompt: int
+    score: int
+
+
+class ScoreResponse(BaseModel):
+    """Results in request order."""
+
+    results: list[ScoreResult]
+
+
 class ErrorResponse(BaseModel):
     """An error: a message (or, for 422, a list of ``{"loc", "msg", "type"}``)."""
 
@@ -184,8 +258,8 @@ class EngineFailure(Exception):
 
 @dataclass(eq=False)
 class _Job:
-    """One request: ``inputs`` of one ``kind`` ("texts" | "sentences"), the result dicts so far,
-    and the future its handler awaits (resolved on ``loop``)."""
+    """One request: ``inputs`` of one ``kind`` ("texts" | "sentences" | "essays"), the result
+    dicts so far, and the future its handler awaits (resolved on ``loop``)."""
 
     kind: str
     inputs: Sequence[Any]
@@ -204,9 +278,18 @@ class _Item:
     queued_at: float
 
 
+def _family(kind: str) -> str:
+    """"score" for essays, "tag" for texts and sentences: what a batch may mix."""
+    return "score" if kind == "essays" else "tag"
+
+
 def estimate_pieces(kind: str, value: Any) -> float:
-    """Rough word-piece count of one text (``kind="texts"``) or token list (``"sentences"``):
-    ``max(1, 1.3 x words, characters / 4)``, words split on whitespace for a text."""
+    """Rough word-piece count of one text (``kind="texts"``), token list (``"sentences"``) or
+    ``(text, prompt)`` essay (``"essays"``): ``max(1, 1.3 x words, characters / 4)``, words split
+    on whitespace for a text."""
+    if kind == "essays":
+        value = value[0]
+        kind = "texts"
     if kind == "texts":
         words, chars = len(value.split()), len(value)
     else:
@@ -225,25 +308,37 @@ def _reject(fut: asyncio.Future, exc: BaseException) -> None:
 
 
 class MicroBatcher:
-    """Dynamic micro-batching of tagging requests over one engine (design: module docstring).
+    """Dynamic micro-batching of tagging and scoring requests over one engine and an optional
+    essay scorer (design: module docstring).
 
     Args:
         engine: has ``tag_texts(list[str])`` and ``tag_tokens(list[list[str]])`` returning objects
             with ``to_dict()``; used only from the worker thread.
+        scorer: None, or has ``predict_scores(texts, prompts, token_budget=...)`` returning one
+            integer score per essay (an :class:`~mhmla_fast.aes.model.EssayScorer`); used only
+            from the worker thread. Needed for ``submit("essays", ...)``.
+        score_token_budget: the scorer's padded word pieces per forward pass.
         max_batch_tokens: estimated word pieces per batch (the first item is always taken).
         max_wait_ms: how long a batch may wait for more items after its first one was queued.
-        max_queue: queued texts at most (admission is per request, all or nothing).
-        on_batch: called from the worker after each engine batch with (texts, requests, seconds).
-        on_failure: called from the worker once per request failed by the engine.
+        max_queue: queued texts and essays at most (admission is per request, all or nothing).
+        on_batch: called from the worker after each tagging batch with (texts, requests, seconds).
+        on_score_batch: likewise after each scoring batch with (essays, requests, seconds).
+        on_failure: called from the worker once per request failed by the engine or scorer.
     """
 
-    def __init__(self, engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
+    def __init__(self, engine: Any, *, scorer: Any = None, score_token_budget: int = 8192,
+                 max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 1024,
                  on_batch: Callable[[int, int, float], None] | None = None,
+                 on_score_batch: Callable[[int, int, float], None] | None = None,
                  on_failure: Callable[[], None] | None = None) -> None:
-        if max_batch_tokens < 1 or max_queue < 1 or max_wait_ms < 0:
-            raise ValueError("max_batch_tokens and max_queue must be >= 1 and max_wait_ms >= 0")
+        if max_batch_tokens < 1 or max_queue < 1 or max_wait_ms < 0 or score_token_budget < 1:
+            raise ValueError("max_batch_tokens, max_queue and score_token_budget must be >= 1 "
+                             "and max_wait_ms >= 0")
         self.engine = engine
+        self.scorer = scorer
+        self.score_token_budget = int(score_token_budget)
+        self._on_score_batch = on_score_batch
         self.max_batch_tokens = float(max_batch_tokens)
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = int(max_queue)
@@ -259,7 +354,7 @@ class MicroBatcher:
 
     @property
     def depth(self) -> int:
-        """Texts waiting in the queue (not counting the batch being tagged)."""
+        """Texts and essays waiting in the queue (not counting the batch being processed)."""
         return len(self._queue)
 
     @property
@@ -291,10 +386,14 @@ class MicroBatcher:
 
     def submit(self, kind: str, inputs: Sequence[Any]) -> asyncio.Future:
         """Queue a request's inputs from the event loop; the returned future gets the list of
-        result dicts in input order, or :class:`EngineFailure`. Raises :class:`QueueFull` or
-        :class:`Unavailable` when the request cannot be admitted."""
-        if kind not in ("texts", "sentences"):
-            raise ValueError(f"kind: expected 'texts' or 'sentences', got {kind!r}")
+        result dicts in input order (``TagResult.to_dict()``, or ``{"prompt", "score"}`` for
+        essays), or :class:`EngineFailure`. ``kind`` is "texts" (strings), "sentences" (token
+        lists) or "essays" (``(text, prompt)`` pairs; needs a scorer). Raises :class:`QueueFull`
+        or :class:`Unavailable` when the request cannot be admitted."""
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+        if kind == "essays" and self.scorer is None:
+            raise ValueError("this batcher has no essay scorer")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if not inputs:
@@ -310,7 +409,7 @@ class MicroBatcher:
                 raise Unavailable("the tagging worker is not running")
             if len(self._queue) + len(items) > self.max_queue:
                 raise QueueFull(f"the queue is full ({len(self._queue)} of {self.max_queue} "
-                                f"texts waiting); retry later")
+                                f"texts and essays waiting); retry later")
             self._queue.extend(items)
             self._cond.notify()
         return fut
@@ -326,10 +425,13 @@ class MicroBatcher:
                 self._cond.wait()
             first = self._queue.popleft()
             batch, size = [first], first.cost
+            family = _family(first.job.kind)
             deadline = first.queued_at + self.max_wait
             while True:
                 if self._queue:
-                    if size + self._queue[0].cost > self.max_batch_tokens:
+                    head = self._queue[0]
+                    if (size + head.cost > self.max_batch_tokens
+                            or _family(head.job.kind) != family):
                         break
                     item = self._queue.popleft()
                     batch.append(item)
@@ -341,8 +443,13 @@ class MicroBatcher:
                 self._cond.wait(left)
             return batch
 
-    def _tag(self, items: Sequence[_Item]) -> list[dict]:
-        """Result dicts of ``items`` in order: one engine call per input kind present."""
+    def _compute(self, items: Sequence[_Item]) -> list[dict]:
+        """Result dicts of ``items`` (all of one family) in order: one scorer call for essays,
+        else one engine call per input kind present."""
+        if _family(items[0].job.kind) == "score":
+            essays = [it.job.inputs[it.pos] for it in items]
+            return score_essays(self.scorer, [t for t, _ in essays], [p for _, p in essays],
+                                self.score_token_budget)
         out: list[Any] = [None] * len(items)
         for kind, fn in (("texts", self.engine.tag_texts), ("sentences", self.engine.tag_tokens)):
             idx = [k for k, it in enumerate(items) if it.job.kind == kind]
@@ -367,7 +474,8 @@ class MicroBatcher:
         job.failed = True
         if self._on_failure is not None:
             self._on_failure()
-        self._call(job, _reject, EngineFailure(f"tagging failed: {type(err).__name__}: {err}"))
+        what = "scoring" if _family(job.kind) == "score" else "tagging"
+        self._call(job, _reject, EngineFailure(f"{what} failed: {type(err).__name__}: {err}"))
 
     @staticmethod
     def _call(job: _Job, fn: Callable[[asyncio.Future, Any], None], arg: Any) -> None:
@@ -380,11 +488,13 @@ class MicroBatcher:
         items = [it for it in batch if not it.job.failed and not it.job.future.done()]
         if not items:
             return
+        on_batch = (self._on_score_batch if _family(items[0].job.kind) == "score"
+                    else self._on_batch)
         t0 = time.perf_counter()
         try:
-            results = self._tag(items)
+            results = self._compute(items)
         except Exception as err:  # isolate: retry request by request
-            log.warning("engine failed on a batch of %d texts (%s: %s); retrying per request",
+            log.warning("engine failed on a batch of %d inputs (%s: %s); retrying per request",
                         len(items), type(err).__name__, err)
             jobs: dict[_Job, list[_Item]] = {}
             for it in items:
@@ -395,17 +505,17 @@ class MicroBatcher:
             for job, its in jobs.items():
                 t0 = time.perf_counter()
                 try:
-                    results = self._tag(its)
+                    results = self._compute(its)
                 except Exception as one:
-                    log.exception("engine failed on a request of %d texts", len(its))
+                    log.exception("engine failed on a request of %d inputs", len(its))
                     self._fail(job, one)
                     continue
-                if self._on_batch is not None:
-                    self._on_batch(len(its), 1, time.perf_counter() - t0)
+                if on_batch is not None:
+                    on_batch(len(its), 1, time.perf_counter() - t0)
                 self._deliver(its, results)
             return
-        if self._on_batch is not None:
-            self._on_batch(len(items), len({id(it.job) for it in items}), time.perf_counter() - t0)
+        if on_batch is not None:
+            on_batch(len(items), len({id(it.job) for it in items}), time.perf_counter() - t0)
         self._deliver(items, results)
 
     def _run(self) -> None:
@@ -490,11 +600,13 @@ class BodyLimit:
 
 
 class Instrument:
-    """ASGI middleware: count HTTP requests by path and status, and time ``/v1/tag``."""
+    """ASGI middleware: count HTTP requests by path and status (paths outside ``paths`` count
+    as "other"), and time the requests of each path in ``latency`` (path -> histogram)."""
 
-    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram,
+    def __init__(self, app: ASGIApp, requests: Counter, latency: dict[str, Histogram],
                  paths: Sequence[str]) -> None:
-        self.app, self.requests, self.latency, self.paths = app, requests, latency, set(paths)
+        self.app, self.requests, self.latency = app, requests, dict(latency)
+        self.paths = set(paths) | set(self.latency)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -514,8 +626,8 @@ class Instrument:
         finally:
             path = scope["path"] if scope["path"] in self.paths else "other"
             self.requests.labels(path=path, status=str(status)).inc()
-            if path == TAG_PATH:
-                self.latency.observe(time.perf_counter() - t0)
+            if path in self.latency:
+                self.latency[path].observe(time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------ app
@@ -532,6 +644,11 @@ class _Metrics:
     batch_seconds: Histogram
     failures: Counter
     queue: Gauge
+    score_latency: Histogram
+    essays: Counter
+    score_batch_essays: Histogram
+    score_batch_requests: Histogram
+    score_batch_seconds: Histogram
 
     @classmethod
     def create(cls) -> _Metrics:
@@ -553,7 +670,18 @@ class _Metrics:
                                     buckets=times, registry=reg),
             failures=Counter("mhmla_engine_failures", "Requests failed by the engine",
                              registry=reg),
-            queue=Gauge("mhmla_queue_depth", "Texts waiting in the batching queue", registry=reg),
+            queue=Gauge("mhmla_queue_depth", "Texts and essays waiting in the batching queue",
+                        registry=reg),
+            score_latency=Histogram("mhmla_score_request_seconds", "Latency of POST /v1/score",
+                                    buckets=times, registry=reg),
+            essays=Counter("mhmla_essays_scored", "Essays scored", registry=reg),
+            score_batch_essays=Histogram("mhmla_score_batch_essays", "Essays per scorer batch",
+                                         buckets=sizes, registry=reg),
+            score_batch_requests=Histogram("mhmla_score_batch_requests",
+                                           "Requests per scorer batch", buckets=sizes,
+                                           registry=reg),
+            score_batch_seconds=Histogram("mhmla_score_batch_seconds", "Scorer time per batch",
+                                          buckets=times, registry=reg),
         )
 
     def on_batch(self, texts: int, requests: int, seconds: float) -> None:
@@ -562,31 +690,117 @@ class _Metrics:
         self.batch_requests.observe(requests)
         self.batch_seconds.observe(seconds)
 
+    def on_score_batch(self, essays: int, requests: int, seconds: float) -> None:
+        self.essays.inc(essays)
+        self.score_batch_essays.observe(essays)
+        self.score_batch_requests.observe(requests)
+        self.score_batch_seconds.observe(seconds)
+
 
 def _unavailable(detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=503,
                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def _unsupported_prompts(essays: Sequence[EssayIn], prompts: Sequence[int]) -> list[dict]:
+    """422 error entries (``loc``, ``msg``, ``type``) for the essays whose prompt the scorer has
+    no output layer for; empty when all can be scored."""
+    errors = []
+    for k, essay in enumerate(essays):
+        reason = unsupported_prompt(essay.prompt, prompts)
+        if reason is not None:
+            errors.append({"loc": ["body", "essays", k, "prompt"], "msg": reason,
+                           "type": "value_error"})
+    return errors
+
+
+def _with_ids(essays: Sequence[EssayIn], results: Sequence[dict]) -> list[dict]:
+    """``{"id", "prompt", "score"}`` per essay: its own id, else its 1-based position."""
+    return [{"id": e.id if e.id is not None else k, "prompt": r["prompt"], "score": r["score"]}
+            for k, (e, r) in enumerate(zip(essays, results), 1)]
+
+
+async def _await_results(batcher: MicroBatcher, kind: str, inputs: Sequence[Any]
+                         ) -> list[dict] | JSONResponse:
+    """Submit a request's inputs and wait: the result dicts, or the 503/500 response."""
+    try:
+        fut = batcher.submit(kind, inputs)
+    except (QueueFull, Unavailable) as err:
+        return _unavailable(str(err))
+    try:
+        return await fut
+    except EngineFailure as err:
+        return JSONResponse({"detail": err.args[0]}, status_code=500)
+
+
+_ERRORS = {
+    500: {"model": ErrorResponse, "description": "the model failed on these inputs"},
+    503: {"model": ErrorResponse, "description": "queue full or shutting down; see Retry-After"},
+}
+
+
+def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
+                     max_essays_per_request: int) -> None:
+    """``POST /v1/score`` on ``app``: scores through ``batcher``, or 404 without a scorer."""
+    if scorer is None:
+        @app.post(SCORE_PATH, include_in_schema=False)
+        async def score_disabled() -> JSONResponse:
+            return JSONResponse({"detail": NO_SCORER}, status_code=404)
+        return
+
+    prompts = tuple(int(p) for p in scorer.config.prompts)
+
+    @app.post(SCORE_PATH, response_model=ScoreResponse, responses={
+        413: {"model": ErrorResponse, "description": "body or essay count over the limit"},
+        **_ERRORS,
+    })
+    async def score(body: ScoreRequest) -> Response:
+        """Score essays on their prompts' scales; results come back in request order."""
+        essays = body.essays
+        if len(essays) > max_essays_per_request:
+            raise HTTPException(413, f"{len(essays)} essays in one request; at most "
+                                     f"{max_essays_per_request} are allowed")
+        errors = _unsupported_prompts(essays, prompts)
+        if errors:
+            return JSONResponse({"detail": errors}, status_code=422)
+        results = await _await_results(batcher, "essays", [(e.text, e.prompt) for e in essays])
+        if isinstance(results, Response):
+            return results
+        return JSONResponse({"results": _with_ids(essays, results)})
+
+
 def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                max_queue: int = 1024, max_request_bytes: int = 1_000_000,
-               max_texts_per_request: int = 256, model_name: str | None = None) -> FastAPI:
-    """The tagging app over ``engine`` (endpoints, limits and batching: module docstring).
+               max_texts_per_request: int = 256, model_name: str | None = None,
+               scorer: Any = None, scorer_name: str | None = None,
+               max_essays_per_request: int = 64, score_token_budget: int = 8192) -> FastAPI:
+    """The tagging (and, with ``scorer``, essay-scoring) app over ``engine`` (endpoints, limits
+    and batching: module docstring).
 
-    The batching worker starts with the app's lifespan and stops, after draining, at its end;
-    ``app.state.batcher`` is the :class:`MicroBatcher`, ``app.state.registry`` the Prometheus
-    registry. ``max_queue`` must be at least ``max_texts_per_request`` (else a request of the
-    largest allowed size could never be admitted).
+    ``scorer`` is an :class:`~mhmla_fast.aes.model.EssayScorer` (or anything with
+    ``predict_scores(texts, prompts, token_budget=...)`` and ``config.prompts``) or None, which
+    makes ``POST /v1/score`` answer 404. The batching worker starts with the app's lifespan and
+    stops, after draining, at its end; ``app.state.batcher`` is the :class:`MicroBatcher`,
+    ``app.state.registry`` the Prometheus registry. ``max_queue`` must be at least
+    ``max_texts_per_request`` and, with a scorer, ``max_essays_per_request`` (else a request of
+    the largest allowed size could never be admitted).
     """
-    if max_texts_per_request < 1 or max_request_bytes < 1:
-        raise ValueError("max_texts_per_request and max_request_bytes must be >= 1")
+    if min(max_texts_per_request, max_request_bytes, max_essays_per_request) < 1:
+        raise ValueError("max_texts_per_request, max_essays_per_request and max_request_bytes "
+                         "must be >= 1")
     if max_queue < max_texts_per_request:
         raise ValueError(f"max_queue ({max_queue}) must be >= max_texts_per_request "
                          f"({max_texts_per_request})")
+    if scorer is not None and max_queue < max_essays_per_request:
+        raise ValueError(f"max_queue ({max_queue}) must be >= max_essays_per_request "
+                         f"({max_essays_per_request})")
     name = model_name or getattr(engine, "name", None) or type(engine).__name__
+    scorer_name = (scorer_name or type(scorer).__name__) if scorer is not None else None
     metrics = _Metrics.create()
-    batcher = MicroBatcher(engine, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+    batcher = MicroBatcher(engine, scorer=scorer, score_token_budget=score_token_budget,
+                           max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                            max_queue=max_queue, on_batch=metrics.on_batch,
+                           on_score_batch=metrics.on_score_batch,
                            on_failure=metrics.failures.inc)
     metrics.queue.set_function(lambda: batcher.depth)
 
@@ -599,10 +813,16 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
             batcher.close()
             await asyncio.to_thread(batcher.join)
 
-    app = FastAPI(title="mhmla-fast GED tagger",
-                  description="Grammatical error detection: per-token error labels and "
-                              "probabilities for texts or pre-tokenised sentences.",
-                  lifespan=lifespan)
+    if scorer is None:
+        title, description = "mhmla-fast GED tagger", (
+            "Grammatical error detection: per-token error labels and probabilities for texts "
+            "or pre-tokenised sentences.")
+    else:
+        title, description = "mhmla-fast GED tagger and essay scorer", (
+            "Grammatical error detection: per-token error labels and probabilities for texts "
+            "or pre-tokenised sentences. Automated essay scoring: an integer score per essay "
+            "on its ASAP prompt's scale.")
+    app = FastAPI(title=title, description=description, lifespan=lifespan)
     app.state.batcher = batcher
     app.state.registry = metrics.registry
 
@@ -613,9 +833,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
 
     @app.post(TAG_PATH, response_model=TagResponse, responses={
         413: {"model": ErrorResponse, "description": "body or text count over the limit"},
-        500: {"model": ErrorResponse, "description": "the engine failed on these inputs"},
-        503: {"model": ErrorResponse,
-              "description": "queue full or shutting down; see Retry-After"},
+        **_ERRORS,
     })
     async def tag(body: TagRequest) -> Response:
         """Tag raw texts or pre-tokenised sentences; results come back in request order."""
@@ -624,24 +842,24 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         if len(inputs) > max_texts_per_request:
             raise HTTPException(413, f"{len(inputs)} {kind} in one request; at most "
                                      f"{max_texts_per_request} are allowed")
-        try:
-            fut = batcher.submit(kind, inputs)
-        except (QueueFull, Unavailable) as err:
-            return _unavailable(str(err))
-        try:
-            results = await fut
-        except EngineFailure as err:
-            return JSONResponse({"detail": err.args[0]}, status_code=500)
+        results = await _await_results(batcher, kind, inputs)
+        if isinstance(results, Response):
+            return results
         return JSONResponse({"results": results})
+
+    _add_score_route(app, batcher, scorer, max_essays_per_request)
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        """200 with the model name and queue depth while serving; 503 otherwise."""
+        """200 with the model name(s) and queue depth while serving; 503 otherwise."""
+        body: dict[str, Any] = {"status": "ok", "model": name}
+        if scorer_name is not None:
+            body["scorer"] = scorer_name
+        body["queue_depth"] = batcher.depth
         if batcher.accepting:
-            return JSONResponse({"status": "ok", "model": name, "queue_depth": batcher.depth})
-        status = "worker stopped" if batcher.error is not None else "shutting down"
-        return JSONResponse({"status": status, "model": name, "queue_depth": batcher.depth},
-                            status_code=503)
+            return JSONResponse(body)
+        body["status"] = "worker stopped" if batcher.error is not None else "shutting down"
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -649,6 +867,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimit, limit=max_request_bytes)
-    app.add_middleware(Instrument, requests=metrics.requests, latency=metrics.latency,
-                       paths=(TAG_PATH, "/healthz", "/metrics"))
+    app.add_middleware(Instrument, requests=metrics.requests,
+                       latency={TAG_PATH: metrics.latency, SCORE_PATH: metrics.score_latency},
+                       paths=(TAG_PATH, SCORE_PATH, "/healthz", "/metrics"))
     return app

@@ -53,7 +53,8 @@ record's ``id`` equals the ``"id"`` of the last line in the output, so a resume 
 input fails loudly), hands the valid records in batches of ``batch_size`` to ``process_batch`` and
 writes ``{"index", "id", **result}`` for them and ``{"index", "id", "error"}`` for malformed records,
 strictly in input order. A batch is also processed early when ``8 * batch_size`` records (mostly
-errors) wait behind its first record, which bounds memory. A tqdm bar with records/s goes to stderr.
+errors) wait behind its first record, which bounds memory. A tqdm bar with records/s (essays/s for
+``score``) goes to stderr.
 The returned :class:`RunSummary` counts the whole output file, the resumed part included; a record
 counts as an error when its output line has an ``"error"`` key.
 """
@@ -477,14 +478,16 @@ def run_records(
     *,
     total: int | None = None,
     desc: str | None = None,
+    unit: str = "rec",
 ) -> RunSummary:
     """Process ``records`` into ``writer`` in input order, resuming after ``writer.done``.
 
     ``process_batch`` gets a list of 1..``batch_size`` valid records and must return one dict per
     record, in the same order; ``"index"`` and ``"id"`` in a result are replaced by the record's.
     Exceptions from ``process_batch`` propagate (what was written stays; resume continues from it).
-    ``total`` (the number of input records, if known) only sets the progress bar's length. The writer
-    is synced, not closed, at the end.
+    ``total`` (the number of input records, if known) only sets the progress bar's length; ``desc``
+    and ``unit`` (what a record is, e.g. ``"essay"``: the bar shows ``<unit>s/s``) label it. The
+    writer is synced, not closed, at the end.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -513,7 +516,7 @@ def run_records(
         total=total,
         initial=n_resumed,
         desc=desc,
-        unit="rec",
+        unit=unit,
         unit_scale=True,
         file=sys.stderr,
         disable=not progress,

@@ -1,0 +1,104 @@
+"""Essay scoring for ``mhmla-serve score`` and ``POST /v1/score``: loading, checks, results.
+
+Both front ends hand a chunk of essays (texts with their ASAP prompts) to :func:`score_essays`,
+which makes ONE ``EssayScorer.predict_scores`` call for the whole chunk, so that all windows of
+all its essays go through the encoder together in token-budget batches. A result is
+``{"prompt": p, "score": s}`` with ``s`` an integer on prompt ``p``'s scale
+(``SCORE_RANGES[p]``, e.g. 2..12 for prompt 1).
+
+A scorer has output layers for some prompts only (``scorer.config.prompts``; the shipped one for
+all eight); :func:`check_prompts` turns input records of the other prompts into error records,
+with the same ``"<source>: line <n>: <reason>"`` message form as every other malformed line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DTYPES", "check_prompts", "default_scorer_path", "load_scorer", "resolve_device",
+           "score_essays", "score_records", "unsupported_prompt"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_scorer_path() -> Path:
+    """The directory of the scorer shipped in the package (it may not be installed)."""
+    from ..aes.model import default_model_path
+
+    return default_model_path()
+
+
+def resolve_device(device: str | None) -> str:
+    """``device`` as given, else ``"cuda"`` when a CUDA GPU is usable, else ``"cpu"``."""
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_scorer(path: str | Path, *, device: str | None = None, dtype: str | None = None):
+    """``EssayScorer.load(path)`` on ``device`` (default: :func:`resolve_device`) in ``dtype``
+    (one of :data:`DTYPES`, default float32), in eval mode with its tokenizer attached.
+
+    Raises ValueError for an unknown dtype; load errors (not a scorer directory, bad weights)
+    propagate from ``EssayScorer.load``."""
+    import torch
+
+    from ..aes.model import EssayScorer
+
+    name = dtype or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    return EssayScorer.load(path, device=resolve_device(device), dtype=getattr(torch, name))
+
+
+def unsupported_prompt(prompt: int, prompts: Sequence[int]) -> str | None:
+    """Why ``prompt`` cannot be scored by a scorer with heads for ``prompts`` (None if it can)."""
+    if prompt in prompts:
+        return None
+    have = ", ".join(str(p) for p in sorted(prompts))
+    return (f'field "prompt": this scorer has no output layer for prompt {prompt} '
+            f"(it scores prompts {have})")
+
+
+def check_prompts(records: Iterable[Any], prompts: Sequence[int]) -> Iterator[Any]:
+    """``records`` (:class:`~mhmla_fast.serve.records.InputRecord`, kind ``"score"``) with every
+    valid record whose prompt is not in ``prompts`` replaced by an error record (same index,
+    source, line and id; ``error`` = ``"<source>: line <n>: <reason>"``). Lazy, order kept."""
+    allowed = frozenset(int(p) for p in prompts)
+    for rec in records:
+        if rec.error is None:
+            reason = unsupported_prompt(rec.prompt, allowed)
+            if reason is not None:
+                rec = dataclasses.replace(rec, text=None, prompt=None,
+                                          error=f"{rec.source}: line {rec.line}: {reason}")
+        yield rec
+
+
+def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
+                 token_budget: int = 8192) -> list[dict[str, int]]:
+    """``[{"prompt": p_i, "score": s_i}]`` for essays ``texts`` [n] of ``prompts`` [n], in order.
+
+    One ``scorer.predict_scores(texts, prompts, token_budget=...)`` call for all of them (an empty
+    list makes no call). Scores are plain ``int`` (JSON-ready). Raises ValueError when the lengths
+    differ or the scorer returns the wrong number of scores."""
+    if len(texts) != len(prompts):
+        raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
+    if not texts:
+        return []
+    prompts = [int(p) for p in prompts]
+    scores = scorer.predict_scores(list(texts), prompts, token_budget=token_budget)
+    if len(scores) != len(texts):
+        raise ValueError(f"the scorer returned {len(scores)} scores for {len(texts)} essays")
+    return [{"prompt": p, "score": int(s)} for p, s in zip(prompts, scores)]
+
+
+def score_records(scorer: Any, records: Sequence[Any], token_budget: int = 8192
+                  ) -> list[dict[str, int]]:
+    """:func:`score_essays` over valid ``"score"`` input records (``.text``, ``.prompt``)."""
+    return score_essays(scorer, [r.text for r in records], [r.prompt for r in records],
+                        token_budget)
