@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The AES CPU frozen-encoder protocol on ASAP, end to end, and the shipped scorer.
+# Resumable: every step reuses what an earlier (interrupted) run left under runs/.
+# About 45 minutes on 2 cores: the feature cache ~25, the units ~20 (two processes).
+set -euo pipefail
+THREADS=${THREADS:-2}
+# 1. per-layer [CLS] vectors of every window of all 12,978 essays (shards every 500 essays)
+mhmla-train aes --cache-only --threads "$THREADS"
+# 2. every (model, fold, prompt) unit, then all models together, the human rows and the
+#    ensembles -> bench/results/aes_cpu-frozen-encoder.json
+mhmla-train aes --out runs/aes-cpu --threads "$THREADS"
+# 3. the shipped scorer: fold-0 train, objective and epoch chosen on fold-0 dev
+mhmla-train aes --export-shipped runs/aes-shipped/aes-minilm-mhmla12 --threads "$THREADS"
+# 4. its fold-0 test QWK through the real encoder (not the cache)
+mhmla-eval aes --model runs/aes-shipped/aes-minilm-mhmla12 --fold 0 --no-cache \
+  --threads "$THREADS" --json runs/aes-shipped/eval-fold0-encoder.json
+# then: cp -r runs/aes-shipped/aes-minilm-mhmla12 mhmla_fast/models/
