@@ -293,6 +293,7 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
         outs[len(extra)] = json.loads(out.read_text())
     assert outs[0]["prompts"]["3"]["via"] == "feature cache"
     assert outs[1]["prompts"]["3"]["via"] == "encoder"
+    assert "commit" in outs[1]["provenance"] and 0 <= outs[1]["mean_exact"] <= 1
     for p in ("3", "4"):  # the cached features are the frozen scorer's own (up to fp16)
         assert abs(outs[0]["prompts"][p]["qwk"] - cfg["training"]["test_qwk"][p]) < 1e-9
         assert abs(outs[1]["prompts"][p]["qwk"] - outs[0]["prompts"][p]["qwk"]) < 0.1

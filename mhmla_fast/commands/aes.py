@@ -310,8 +310,12 @@ def run_eval(args) -> int:
               f"({len(chosen)} essays, {how})", flush=True)
     if result["prompts"]:
         result["mean_qwk"] = float(np.mean([e["qwk"] for e in result["prompts"].values()]))
+        result["mean_exact"] = float(np.mean([e["exact"] for e in result["prompts"].values()]))
         print(f"mean QWK {100 * result['mean_qwk']:.2f}")
     if args.json:
+        from ..provenance import provenance
+
+        result["provenance"] = provenance()
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
