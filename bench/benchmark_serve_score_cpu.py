@@ -42,7 +42,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -52,6 +51,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from mhmla_fast.provenance import cpu_info, load_average
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
@@ -97,37 +98,6 @@ def resolve_model(model: str | None) -> Path:
 
 
 # ------------------------------------------------------------------------------- header
-
-
-def cpu_info() -> dict[str, Any]:
-    """CPU model name (from /proc/cpuinfo), logical, physical and usable cores."""
-    from mhmla_fast.serve.onnx_export import physical_cores
-
-    model = None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {"cpu": model or platform.processor() or platform.machine(),
-            "logical_cores": os.cpu_count(), "physical_cores": physical_cores(),
-            "usable_cores": usable}
-
-
-def load_average() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
 
 
 def resolve_out_path(out: str | None, today: datetime.date) -> Path:

@@ -28,6 +28,37 @@ def git_commit() -> str:
     return "unknown"
 
 
+def cpu_info() -> dict:
+    """CPU model name (from /proc/cpuinfo), logical and physical cores, usable cores."""
+    from .serve.onnx_export import physical_cores
+
+    model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {"cpu": model or platform.processor() or platform.machine(),
+            "logical_cores": os.cpu_count(), "physical_cores": physical_cores(),
+            "usable_cores": usable}
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def provenance() -> dict:
     import torch
     import transformers
