@@ -7,19 +7,16 @@ and ``export`` are wired to the app and the exporters."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import pytest
 
-from mhmla_fast.commands import serve
 from mhmla_fast.commands.serve import main
+
+from kill9 import kill_after_lines
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -263,25 +260,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, tiny_tagger_d
     opts = ["--model", str(tiny_tagger_dir), "--no-progress", "--threads", "1",
             "--batch-size", "16"]
 
-    env = {**os.environ, "PYTHONPATH": str(Path(serve.__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-m", "mhmla_fast.commands.serve", "tag", str(src),
-                             "--output", str(out), *opts], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    try:
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 100):
-            assert proc.poll() is None, proc.communicate()[1].decode()
-            assert time.monotonic() < deadline, "the first run wrote nothing"
-            time.sleep(0.003)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    written = out.read_bytes()
-    complete = written.count(b"\n")
-    assert 100 <= complete < n, "killed in the middle"
-    if written.endswith(b"\n"):  # the kill fell between two lines: add the torn line it can leave
-        out.write_bytes(written + b'{"index": %d, "id": "r' % (complete + 1))
+    kill_after_lines(["tag", str(src), "--output", str(out), *opts], out, n)
 
     assert main(["tag", str(src), "--output", str(out), "--resume", *opts]) == 1
     assert main(["tag", str(src), "--output", str(full), *opts[:-1], "64"]) == 1

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import threading
-import time
 import types
 from pathlib import Path
 
@@ -26,8 +22,9 @@ import numpy as np
 import pytest
 
 from mhmla_fast.aes.data import SCORE_RANGES
-from mhmla_fast.commands import serve
 from mhmla_fast.commands.serve import main
+
+from kill9 import kill_after_lines
 
 WORDS = ("the a cat dog house school every day he she they we go goes went see sees because "
          "computers people library books café naïve don't 3.14 !? …").split()
@@ -272,25 +269,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, tiny_scorer_d
     opts = ["--model", str(tiny_scorer_dir), "--no-progress", "--threads", "1",
             "--token-budget", "1", "--batch-essays", "16"]
 
-    env = {**os.environ, "PYTHONPATH": str(Path(serve.__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-m", "mhmla_fast.commands.serve", "score", str(src),
-                             "--output", str(out), *opts], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    try:
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 100):
-            assert proc.poll() is None, proc.communicate()[1].decode()
-            assert time.monotonic() < deadline, "the first run wrote nothing"
-            time.sleep(0.003)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    written = out.read_bytes()
-    complete = written.count(b"\n")
-    assert 100 <= complete < n, "killed in the middle"
-    if written.endswith(b"\n"):  # the kill fell between two lines: add the torn line it can leave
-        out.write_bytes(written + b'{"index": %d, "id": "r' % (complete + 1))
+    kill_after_lines(["score", str(src), "--output", str(out), *opts], out, n)
 
     assert main(["score", str(src), "--output", str(out), "--resume", *opts]) == 1
     assert main(["score", str(src), "--output", str(full), *opts[:-1], "64"]) == 1
