@@ -702,16 +702,9 @@ def gpu_slug(name: str) -> str:
 def resolve_out_path(out: str | None, device_name: str, today: datetime.date) -> Path:
     """--out FILE.json is used as given; --out DIR (or none: bench/results/) gets the default
     name layer_attention_<gpu-slug>_<date>.json, with -2, -3 ... if that file exists."""
-    if out is not None and out.endswith(".json"):
-        return Path(out)
-    directory = Path(out) if out is not None else DEFAULT_OUT_DIR
-    stem = f"layer_attention_{gpu_slug(device_name)}_{today.isoformat()}"
-    path = directory / f"{stem}.json"
-    i = 2
-    while path.exists():
-        path = directory / f"{stem}-{i}.json"
-        i += 1
-    return path
+    from mhmla_fast.provenance import dated_results_path
+
+    return dated_results_path(out, f"layer_attention_{gpu_slug(device_name)}", DEFAULT_OUT_DIR, today)
 
 
 def _positive_int(text: str) -> int:

@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mhmla_fast.provenance import cpu_info, load_average
+from mhmla_fast.provenance import cpu_info, dated_results_path, load_average
 
 import numpy as np
 
@@ -135,14 +135,7 @@ def versions() -> dict[str, str | None]:
 def resolve_out_path(out: str | None, today: datetime.date) -> Path:
     """``--out FILE.json`` as given; a folder (default ``bench/results/``) gets
     ``serve_cpu_<date>.json``, with ``-2``, ``-3``... when that file exists."""
-    if out is not None and out.endswith(".json"):
-        return Path(out)
-    directory = Path(out) if out is not None else DEFAULT_OUT_DIR
-    stem = f"serve_cpu_{today.isoformat()}"
-    path, i = directory / f"{stem}.json", 2
-    while path.exists():
-        path, i = directory / f"{stem}-{i}.json", i + 1
-    return path
+    return dated_results_path(out, "serve_cpu", DEFAULT_OUT_DIR, today)
 
 
 # ------------------------------------------------------------------------------ timing

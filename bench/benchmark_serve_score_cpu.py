@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mhmla_fast.provenance import cpu_info, load_average
+from mhmla_fast.provenance import cpu_info, dated_results_path, load_average
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
@@ -103,14 +103,7 @@ def resolve_model(model: str | None) -> Path:
 def resolve_out_path(out: str | None, today: datetime.date) -> Path:
     """``--out FILE.json`` as given; a folder (default ``bench/results/``) gets
     ``aes_serve_cpu_<date>.json``, with ``-2``, ``-3``... when that file exists."""
-    if out is not None and out.endswith(".json"):
-        return Path(out)
-    directory = Path(out) if out is not None else DEFAULT_OUT_DIR
-    stem = f"aes_serve_cpu_{today.isoformat()}"
-    path, i = directory / f"{stem}.json", 2
-    while path.exists():
-        path, i = directory / f"{stem}-{i}.json", i + 1
-    return path
+    return dated_results_path(out, "aes_serve_cpu", DEFAULT_OUT_DIR, today)
 
 
 # ------------------------------------------------------------------------------- sample

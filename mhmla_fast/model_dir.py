@@ -15,7 +15,30 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["write_model_dir", "read_model_state", "load_checked_state"]
+__all__ = ["frozen_encoder_keys", "state_to_save", "require_model_dir", "write_model_dir",
+           "read_model_state", "load_checked_state"]
+
+
+def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
+    """Frozen ``encoder.*`` parameters of ``model``: model key -> base encoder key."""
+    return {name: name[len("encoder."):] for name, p in model.named_parameters()
+            if not p.requires_grad and name.startswith("encoder.")}
+
+
+def state_to_save(model: nn.Module, base_tensors: dict[str, str], dtype: torch.dtype
+                  ) -> dict[str, torch.Tensor]:
+    """``model``'s state on the CPU, floating tensors in ``dtype``, without ``base_tensors``."""
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in model.state_dict().items() if k not in base_tensors}
+
+
+def require_model_dir(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a Path; FileNotFoundError unless it holds config.json and model.safetensors."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path}: not a {what} directory (needs config.json and "
+                                "model.safetensors)")
+    return path
 
 
 def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], config_json: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import shlex
@@ -57,6 +58,20 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
+
+
+def dated_results_path(out: str | None, stem: str, default_dir: Path,
+                       today: datetime.date | None = None) -> Path:
+    """``out`` when it names a ``.json`` file; else ``<out or default_dir>/<stem>_<date>.json``,
+    with ``-2``, ``-3``... appended rather than overwriting an existing file."""
+    if out is not None and out.endswith(".json"):
+        return Path(out)
+    directory = Path(out) if out is not None else default_dir
+    name = f"{stem}_{(today or datetime.date.today()).isoformat()}"
+    path, i = directory / f"{name}.json", 2
+    while path.exists():
+        path, i = directory / f"{name}-{i}.json", i + 1
+    return path
 
 
 def provenance() -> dict:

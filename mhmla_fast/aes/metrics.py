@@ -28,6 +28,17 @@ def _as_int_ratings(values: object, name: str) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def _paired_ratings(y_true: Ratings, y_pred: Ratings, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Both rating vectors as int arrays of one, non-zero length (else ValueError)."""
+    a = _as_int_ratings(y_true, "y_true")
+    b = _as_int_ratings(y_pred, "y_pred")
+    if a.shape != b.shape:
+        raise ValueError(f"y_true and y_pred differ in length: {a.shape[0]} vs {b.shape[0]}")
+    if a.size == 0:
+        raise ValueError(f"{what} needs at least one rating")
+    return a, b
+
+
 def quadratic_weighted_kappa(
     y_true: Ratings,
     y_pred: Ratings,
@@ -50,12 +61,7 @@ def quadratic_weighted_kappa(
     If only one rater is constant the result is 0.0. Ratings must be whole numbers; a value
     outside the given range, unequal lengths, or empty input raise ValueError.
     """
-    a = _as_int_ratings(y_true, "y_true")
-    b = _as_int_ratings(y_pred, "y_pred")
-    if a.shape != b.shape:
-        raise ValueError(f"y_true and y_pred differ in length: {a.shape[0]} vs {b.shape[0]}")
-    if a.size == 0:
-        raise ValueError("quadratic_weighted_kappa needs at least one rating")
+    a, b = _paired_ratings(y_true, y_pred, "quadratic_weighted_kappa")
     lo = int(min(a.min(), b.min())) if min_rating is None else int(min_rating)
     hi = int(max(a.max(), b.max())) if max_rating is None else int(max_rating)
     if lo > hi:
@@ -84,10 +90,5 @@ def exact_agreement(y_true: Ratings, y_pred: Ratings) -> float:
 
     Ratings must be whole numbers of equal, non-zero length.
     """
-    a = _as_int_ratings(y_true, "y_true")
-    b = _as_int_ratings(y_pred, "y_pred")
-    if a.shape != b.shape:
-        raise ValueError(f"y_true and y_pred differ in length: {a.shape[0]} vs {b.shape[0]}")
-    if a.size == 0:
-        raise ValueError("exact_agreement needs at least one rating")
+    a, b = _paired_ratings(y_true, y_pred, "exact_agreement")
     return float(np.mean(a == b))

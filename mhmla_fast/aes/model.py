@@ -51,7 +51,10 @@ import torch
 from torch import Tensor, nn
 
 from ..ged.model import EMBEDDED_ENCODER, resolve_encoder
-from ..model_dir import load_checked_state, read_model_state, write_model_dir
+from ..model_dir import (
+    frozen_encoder_keys, load_checked_state, read_model_state, require_model_dir, state_to_save,
+    write_model_dir,
+)
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
@@ -326,28 +329,21 @@ class EssayScorer(nn.Module):
 
     def _frozen_base_keys(self) -> dict[str, str]:
         """Frozen encoder tensors that the embedded package ships: scorer key -> base key."""
-        if self.config.encoder != EMBEDDED_ENCODER:
-            return {}
-        return {name: name[len("encoder."):] for name, p in self.named_parameters()
-                if not p.requires_grad and name.startswith("encoder.")}
+        return frozen_encoder_keys(self) if self.config.encoder == EMBEDDED_ENCODER else {}
 
     def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
              tokenizer=None) -> Path:
         """Write ``config.json``, ``model.safetensors`` (in ``dtype``) and the tokenizer atomically."""
         base = self._frozen_base_keys()
         self.config.base_tensors = base
-        state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-                 for k, v in self.state_dict().items() if k not in base}
+        state = state_to_save(self, base, dtype)
         return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, backend: str = "auto") -> EssayScorer:
         """Rebuild a saved scorer offline; its tokenizer is attached as ``.tokenizer``."""
-        path = Path(path)
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise FileNotFoundError(f"{path}: not a scorer directory (needs config.json and "
-                                    "model.safetensors)")
+        path = require_model_dir(path, "scorer")
         config = ScorerConfig.from_json((path / "config.json").read_text())
         model = cls(config, pretrained=False, backend=backend)
         state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder))
