@@ -338,7 +338,11 @@ def test_after_shutdown_begins_new_requests_get_503_while_queued_ones_finish():
                 transport=transport, base_url="http://test", timeout=30) as http:
             inflight = [asyncio.create_task(http.post("/v1/tag", json={"texts": [f"q {k}"]}))
                         for k in range(3)]
-            while app.state.batcher.depth + len(engine.calls) < 3:
+            # all three texts admitted: queued, or inside the (gated) engine call. Count texts,
+            # not calls: the worker may take several queued requests into one batch.
+            deadline = time.monotonic() + 10
+            while app.state.batcher.depth + sum(map(len, engine.calls)) < 3:
+                assert time.monotonic() < deadline, "the three requests were never admitted"
                 await asyncio.sleep(0.005)
             app.state.batcher.close()  # what the lifespan exit does first
             r = await http.post("/v1/tag", json={"texts": ["late"]})
