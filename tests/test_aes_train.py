@@ -150,7 +150,7 @@ def essay_text(rng: random.Random, score: int, n: int) -> str:
 
 
 def test_feature_cache_resumes_and_equals_the_frozen_scorer(tiny_encoder, tmp_path):
-    from mhmla_fast.aes.features import build_feature_cache, cache_path, encode_cls_features
+    from mhmla_fast.aes.features import build_feature_cache, cache_path, encode_window_features
     from mhmla_fast.aes.model import EssayScorer, ScorerConfig, load_tokenizer
 
     rng = random.Random(0)
@@ -167,7 +167,7 @@ def test_feature_cache_resumes_and_equals_the_frozen_scorer(tiny_encoder, tmp_pa
     scorer = EssayScorer(ScorerConfig(encoder=tiny_encoder, num_heads=4, prompts=(8,),
                                       freeze_encoder=True, window=32), backend="torch").eval()
     tok = load_tokenizer(tiny_encoder)
-    direct, index = encode_cls_features(scorer.encoder, tok, texts, window=32)
+    direct, index = encode_window_features(scorer.encoder, tok, texts, window=32)
     torch.testing.assert_close(full.features, direct)  # shards == one pass
     assert full.features.shape == (8, 3, 24) and full.features.dtype == torch.float16
     feats, idx = full.select([14, 11])
@@ -182,6 +182,41 @@ def test_feature_cache_resumes_and_equals_the_frozen_scorer(tiny_encoder, tmp_pa
                                np.stack(outputs), atol=2e-3)
     again = build_feature_cache(tmp_path, list(reversed(ids)), list(reversed(texts)), **kw)
     assert list(again.essay_ids) == list(reversed(ids))  # a different order is a new cache
+
+
+def test_mean_feature_cache_is_each_layers_token_mean_of_every_window(tiny_encoder, tmp_path):
+    """pooling="mean": per window and layer, the float64 mean of the hidden states of the
+    window encoded alone (no padding), [CLS] and [SEP] included; a cache of its own."""
+    from mhmla_fast.aes.features import build_feature_cache, cache_path
+    from mhmla_fast.aes.model import (EssayScorer, ScorerConfig, encode_essay_windows,
+                                      load_tokenizer)
+
+    rng = random.Random(3)
+    texts = [essay_text(rng, i % 4, n) for i, n in enumerate([4, 55, 20])]
+    ids = [21, 22, 23]
+    kw = dict(encoder=tiny_encoder, window=32, shard_size=2, progress=None)
+    cls = build_feature_cache(tmp_path, ids, texts, **kw)
+    mean = build_feature_cache(tmp_path, ids, texts, pooling="mean", **kw)
+    assert cache_path(tmp_path, tiny_encoder, ids, texts, 32, "mean").name.count("-mean-") == 1
+    assert cache_path(tmp_path, tiny_encoder, ids, texts, 32, "mean").is_file()
+    assert mean.n_windows.tolist() == cls.n_windows.tolist() == [1, 2, 1]
+    assert not torch.allclose(mean.features, cls.features)
+
+    scorer = EssayScorer(ScorerConfig(encoder=tiny_encoder, num_heads=4, prompts=(8,),
+                                      freeze_encoder=True, window=32), backend="torch").eval()
+    windows, _ = encode_essay_windows(load_tokenizer(tiny_encoder), texts, 32)
+    assert len({len(w) for w in windows}) > 1  # the batched pass had padding to exclude
+    with torch.no_grad():
+        for w, ids_w in enumerate(windows):
+            hs = scorer.encoder(input_ids=torch.tensor([ids_w]),
+                                output_hidden_states=True).hidden_states
+            want = torch.stack([h[0].double().mean(0) for h in hs])  # [L+1, H]
+            torch.testing.assert_close(mean.features[w].double(), want, atol=4e-3, rtol=2e-3)
+            torch.testing.assert_close(cls.features[w].double(),
+                                       torch.stack([h[0, 0].double() for h in hs]),
+                                       atol=4e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="pooling"):
+        build_feature_cache(tmp_path, ids, texts, pooling="max", **kw)
 
 
 def write_asap(root, n_per_prompt: int = 30):
@@ -221,8 +256,13 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     models = result["models"]
     assert set(models) == {"mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                            "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
-                           "tfidf-ridge", "surface-ridge"}
+                           "ridge-layers-mean", "ridge-layers-mean-surface",
+                           "ridge-layers-both-surface", "tfidf-ridge", "surface-ridge"}
     assert "lrs" not in models["last-cls"]["settings"]  # an lr override fixes the lr
+    assert "features" not in models["ridge-layers"]["settings"]  # "cls": old units still match
+    assert models["ridge-layers-mean"]["settings"]["features"] == "mean"
+    assert models["ridge-layers-both-surface"]["settings"]["features"] == "cls+mean"
+    assert list((tmp_path / "cache").glob("*-mean-*.safetensors"))  # the mean caches were built
     for name, r in models.items():
         assert set(r["qwk"]["0"]) == {"3", "4"}, name
         assert r["mean_qwk"] == pytest.approx(np.mean([r["qwk"]["0"]["3"], r["qwk"]["0"]["4"]]))
@@ -234,13 +274,32 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 8 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 11 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
     # a second run reuses every unit: same numbers
     again = run_cpu_protocol(results=None, **kw)
     assert again["models"] == result["models"] and again["ensembles"] == result["ensembles"]
     kw["overrides"] = {**kw["overrides"], "lr": 1e-2}  # other settings never reuse a unit
     with pytest.raises(ValueError, match="other settings"):
         run_cpu_protocol(results=None, **kw)
+
+
+def test_joined_features_concatenate_poolings_of_the_same_windows():
+    from mhmla_fast.aes.train import FeatureSplit, joined_features, poolings_of
+
+    def split(fill: float, index) -> FeatureSplit:
+        index = np.asarray(index)
+        return FeatureSplit(torch.full((len(index), 3, 4), fill), index, np.array([1, 2]),
+                            np.array([3, 3]), np.array([7, 8]))
+
+    cls, mean = split(1.0, [0, 1, 1]), split(2.0, [0, 1, 1])
+    both = joined_features({"cls": cls, "mean": mean}, "cls+mean")
+    assert both.features.shape == (3, 3, 8)
+    assert both.features[..., :4].eq(1).all() and both.features[..., 4:].eq(2).all()
+    assert joined_features({"cls": cls, "mean": mean}, "mean") is mean
+    with pytest.raises(ValueError, match="different windows"):
+        joined_features({"cls": cls, "mean": split(2.0, [0, 0, 1])}, "cls+mean")
+    assert poolings_of(["ridge-layers"]) == ["cls"]
+    assert poolings_of(["tfidf-ridge", "ridge-layers-both-surface"]) == ["cls", "mean"]
 
 
 def test_head_lr_is_chosen_on_dev(tiny_encoder, tmp_path):

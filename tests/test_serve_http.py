@@ -285,7 +285,7 @@ def test_full_queue_answers_503_with_retry_after():
 
 def test_an_engine_failure_fails_only_its_own_request():
     engine = StubEngine()
-    app = create_app(engine, max_wait_ms=300)  # a long wait: all requests land in one batch
+    app = create_app(engine, max_wait_ms=1500)  # a long wait: all requests land in one batch
 
     async def run(url: str) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:

