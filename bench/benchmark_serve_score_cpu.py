@@ -1,6 +1,8 @@
-"""Essays/s of ``mhmla-serve score`` on CPU, end to end, on a fixed sample of ASAP essays.
+"""Essays/s of ``mhmla-serve score`` on CPU (or a GPU), end to end, on a fixed sample of ASAP
+essays.
 
     python bench/benchmark_serve_score_cpu.py                       # shipped scorer, 400 essays
+    python bench/benchmark_serve_score_cpu.py --device cuda --dtype bfloat16 --essays 4000
     python bench/benchmark_serve_score_cpu.py --model runs/aes-shipped/aes-minilm-mhmla12
     python bench/benchmark_serve_score_cpu.py --essays 40 --out /tmp/   # a quick check
 
@@ -16,18 +18,22 @@ counted up front.
 Timed:
 
 end_to_end   the real command, ``python -m mhmla_fast.commands.serve score SAMPLE --output OUT
-             --model MODEL --device cpu --threads T --batch-essays B --token-budget N
+             --model MODEL --device D --dtype X --threads T --batch-essays B --token-budget N
              --no-progress``, in a subprocess: wall clock from spawn to exit, nothing excluded
              (interpreter start, imports, model load, reading, tokenising, scoring, fsync-ed
              writing). The median of ``--repeats`` (1) runs, each into a fresh output.
 in_process   the same work without the command around it, in this process with
-             ``torch.set_num_threads(T)``: ``EssayScorer.load`` (``load_s``) and then
+             ``torch.set_num_threads(T)``: ``load_scorer`` on ``--device`` in ``--dtype``
+             (``load_s``) and then
              ``predict_scores`` over the same chunks of B essays (``predict_s``, a warm-up
              chunk first). ``end_to_end - predict_s`` is what starting the command costs.
 
 The command's scores must equal the in-process ones (same chunks, budget and threads); the
 script exits 1, after writing the results, when they do not or the command fails. QWK per
 prompt against the gold scores is reported for orientation only (the sample is small).
+
+``--device`` defaults to cpu and ``--dtype`` to float32; on a CUDA device the header names the
+GPU and the results file is ``aes_serve_cuda_<date>.json``.
 
 JSON (``--out``, default ``bench/results/aes_serve_cpu_<date>.json``, ``-2``, ``-3``... appended
 rather than overwriting; ``--out DIR`` gets the default name in DIR): ``header`` (device: CPU
@@ -64,7 +70,9 @@ PROMPTS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    p = argparse.ArgumentParser(description="Essays/s of `mhmla-serve score` on CPU.")
+    from mhmla_fast.serve.score import DTYPES
+
+    p = argparse.ArgumentParser(description="Essays/s of `mhmla-serve score` on CPU or a GPU.")
     p.add_argument("--model", default=None,
                    help="essay-scorer directory (default: the shipped scorer)")
     p.add_argument("--tsv", default=None,
@@ -76,9 +84,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="essays per scorer call, as `score --batch-essays` (default 64)")
     p.add_argument("--token-budget", type=int, default=8192,
                    help="padded word pieces per forward pass (default 8192)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="scorer weights and compute (default float32)")
     p.add_argument("--repeats", type=int, default=1, help="end-to-end runs (median; default 1)")
     p.add_argument("--out", default=None, help="results .json file or folder")
     args = p.parse_args(argv)
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        p.error(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     for name in ("essays", "threads", "batch_essays", "token_budget", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -100,10 +113,11 @@ def resolve_model(model: str | None) -> Path:
 # ------------------------------------------------------------------------------- header
 
 
-def resolve_out_path(out: str | None, today: datetime.date) -> Path:
+def resolve_out_path(out: str | None, today: datetime.date, device: str = "cpu") -> Path:
     """``--out FILE.json`` as given; a folder (default ``bench/results/``) gets
-    ``aes_serve_cpu_<date>.json``, with ``-2``, ``-3``... when that file exists."""
-    return dated_results_path(out, "aes_serve_cpu", DEFAULT_OUT_DIR, today)
+    ``aes_serve_<cpu|cuda>_<date>.json``, with ``-2``, ``-3``... when that file exists."""
+    kind = "cpu" if device == "cpu" else "cuda"
+    return dated_results_path(out, f"aes_serve_{kind}", DEFAULT_OUT_DIR, today)
 
 
 # ------------------------------------------------------------------------------- sample
@@ -152,8 +166,8 @@ def write_jsonl(path: Path, sample: Sequence[Any]) -> None:
 def score_command(model: Path, src: Path, out: Path, args: argparse.Namespace) -> list[str]:
     """The ``mhmla-serve score`` command line that is timed."""
     return [sys.executable, "-m", "mhmla_fast.commands.serve", "score", str(src),
-            "--output", str(out), "--model", str(model), "--device", "cpu",
-            "--threads", str(args.threads), "--batch-essays", str(args.batch_essays),
+            "--output", str(out), "--model", str(model), "--device", args.device,
+            "--dtype", args.dtype, "--threads", str(args.threads), "--batch-essays", str(args.batch_essays),
             "--token-budget", str(args.token_budget), "--no-progress"]
 
 
@@ -173,15 +187,16 @@ def time_command(cmd: list[str], out: Path) -> tuple[float, int, str, list[dict]
 
 def time_in_process(model: Path, texts: list[str], prompts: list[int],
                     args: argparse.Namespace) -> tuple[float, float, list[int]]:
-    """(load seconds, predict seconds, scores): ``EssayScorer.load`` on CPU, then
-    ``predict_scores`` per chunk of ``--batch-essays`` after one untimed warm-up chunk."""
+    """(load seconds, predict seconds, scores): ``load_scorer`` on ``--device`` in ``--dtype``,
+    then ``predict_scores`` per chunk of ``--batch-essays`` after one untimed warm-up chunk
+    (its integer scores come back to the host, so each chunk's GPU work is finished)."""
     import torch
 
-    from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.serve.score import load_scorer
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    scorer = EssayScorer.load(model, device="cpu")
+    scorer = load_scorer(model, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     b = args.batch_essays
     scorer.predict_scores(texts[:b], prompts[:b], token_budget=args.token_budget)
@@ -226,8 +241,14 @@ def header(args: argparse.Namespace, model: Path, tsv: Path) -> dict[str, Any]:
 
     prov = provenance()
     cfg = json.loads((model / "config.json").read_text())
+    device: dict[str, Any] = {**cpu_info(), "load_average_start": load_average()}
+    if args.device != "cpu":
+        import torch
+
+        device["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+        device["cuda"] = torch.version.cuda
     return {
-        "device": {**cpu_info(), "load_average_start": load_average()},
+        "device": device,
         "torch": prov["torch"], "transformers": prov["transformers"], "python": prov["python"],
         "commit": prov["commit"], "date": prov["date"], "command": prov["command"],
         "model": str(model),
@@ -235,7 +256,8 @@ def header(args: argparse.Namespace, model: Path, tsv: Path) -> dict[str, Any]:
                                                  "prompts", "window", "freeze_encoder")},
         "data": str(tsv),
         "settings": {"threads": args.threads, "batch_essays": args.batch_essays,
-                     "token_budget": args.token_budget, "device": "cpu",
+                     "token_budget": args.token_budget, "device": args.device,
+                     "dtype": args.dtype,
                      "repeats": args.repeats, "seed": args.seed},
     }
 
@@ -299,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "mismatches": mismatches},
               "quality": quality(sample, scores)}
 
-    path = resolve_out_path(args.out, datetime.datetime.now(datetime.timezone.utc).date())
+    path = resolve_out_path(args.out, datetime.datetime.now(datetime.timezone.utc).date(),
+                            args.device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print("\n".join(summary_lines(result)))
