@@ -178,16 +178,31 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", metavar="DIR", default=None,
                    help="tagger directory or export (default: the shipped model)")
     g.add_argument("--backend", default="torch", choices=("torch", "onnx", "tensorrt"))
-    g.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 "
-                   "(default: cuda when available)")
     g.add_argument("--dtype", default=None, help="torch: float32/bfloat16/float16; "
                    "onnx: float32 or int8 (default: the backend's)")
     g.add_argument("--threshold", type=float, default=None,
                    help="error-probability threshold (default: the model's tuned one)")
+    _add_compute_options(g)
+
+
+def _add_compute_options(g) -> None:
+    """``--device``, ``--token-budget`` and ``--threads``: where and how big the forward passes
+    of ``tag`` and ``score`` are."""
+    g.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 "
+                   "(default: cuda when available)")
     g.add_argument("--token-budget", type=_positive, default=8192,
                    help="padded word pieces per forward pass (default 8192)")
     g.add_argument("--threads", type=_positive, default=None,
                    help="torch CPU threads (default: torch's choice; fewer on a shared machine)")
+
+
+def _add_file_options(p: argparse.ArgumentParser) -> None:
+    """Input files, ``--output`` and ``--resume`` of ``tag`` and ``score``."""
+    p.add_argument("inputs", nargs="*", metavar="FILE", help="input files; - or none: stdin")
+    p.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="JSONL output (default: standard output)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted --output instead of refusing to touch it")
 
 
 # -------------------------------------------------------------------------------------- tag
@@ -516,11 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tag", help="tag plain-text or JSONL files into JSONL",
                        description="Tag one text per line (plain text, or JSON objects with "
                        "\"text\" or \"tokens\" and an optional \"id\") into JSONL in input order.")
-    p.add_argument("inputs", nargs="*", metavar="FILE", help="input files; - or none: stdin")
-    p.add_argument("-o", "--output", metavar="FILE", default=None,
-                   help="JSONL output (default: standard output)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted --output instead of refusing to touch it")
+    _add_file_options(p)
     p.add_argument("--pretty", action="store_true",
                    help="print a readable view to standard output instead of JSONL")
     p.add_argument("--batch-size", type=_positive, default=512,
@@ -533,13 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Score one essay per line (JSON objects with \"text\", "
                        "\"prompt\" 1-8 and an optional \"id\") into JSONL records "
                        "{\"index\", \"id\", \"prompt\", \"score\"} in input order.")
-    p.add_argument("inputs", nargs="*", metavar="FILE", help="input files; - or none: stdin")
+    _add_file_options(p)
     p.add_argument("-i", "--input", metavar="FILE", default=None,
                    help="the input file (the same as one FILE argument; - is stdin)")
-    p.add_argument("-o", "--output", metavar="FILE", default=None,
-                   help="JSONL output (default: standard output)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted --output instead of refusing to touch it")
     p.add_argument("--batch-essays", type=_positive, default=64,
                    help="essays per scorer call; all their windows are encoded together "
                    "(default 64)")
@@ -547,14 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("scorer")
     g.add_argument("--model", metavar="DIR", default=None,
                    help="essay-scorer directory (default: the shipped scorer)")
-    g.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 "
-                   "(default: cuda when available)")
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
                    help="scorer weights and compute (default float32)")
-    g.add_argument("--token-budget", type=_positive, default=8192,
-                   help="padded word pieces per forward pass (default 8192)")
-    g.add_argument("--threads", type=_positive, default=None,
-                   help="torch CPU threads (default: torch's choice; fewer on a shared machine)")
+    _add_compute_options(g)
     p.set_defaults(run=run_score)
 
     p = sub.add_parser("http", help="serve the tagger and the essay scorer over HTTP",
