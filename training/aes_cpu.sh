@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The AES CPU frozen-encoder protocol on ASAP, end to end, and the shipped scorer.
 # Resumable: every step reuses what an earlier (interrupted) run left under runs/.
-# About 45 minutes on 2 cores: the feature cache ~25, the units ~20 (two processes).
+# About 70 minutes on 2 cores: the two feature caches ~25 each, the units ~20.
 set -euo pipefail
 THREADS=${THREADS:-2}
-# 1. per-layer [CLS] vectors of every window of all 12,978 essays (shards every 500 essays)
+# 1. per-layer [CLS] and token-mean vectors of every window of all 12,978 essays (two
+#    caches, shards every 500 essays)
 mhmla-train aes --cache-only --threads "$THREADS"
 # 2. every (model, fold, prompt) unit, then all models together, the human rows and the
 #    ensembles -> bench/results/aes_cpu-frozen-encoder.json
