@@ -74,7 +74,7 @@ __all__ = [
 
 PROTOCOL = "cpu-frozen-encoder"
 PROMPTS = tuple(sorted(SCORE_RANGES))
-RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 4, 11))
+RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))  # 0.1 .. 1e5, half decades
 TFIDF_ALPHAS = tuple(float(a) for a in np.logspace(-2, 2, 9))
 SURFACE_ALPHAS = tuple(float(a) for a in np.logspace(-3, 3, 13))
 HEAD_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
