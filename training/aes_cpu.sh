@@ -16,3 +16,12 @@ mhmla-train aes --export-shipped runs/aes-shipped/aes-minilm-mhmla12 --threads "
 mhmla-eval aes --model runs/aes-shipped/aes-minilm-mhmla12 --fold 0 --no-cache \
   --threads "$THREADS" --json runs/aes-shipped/eval-fold0-encoder.json
 # then: cp -r runs/aes-shipped/aes-minilm-mhmla12 mhmla_fast/models/
+# 5. seed variance of the head models: seeds 1 and 2 (ridge and TF-IDF are deterministic),
+#    then the summary -> bench/results/aes_cpu-frozen-encoder-seeds.json (about 40 minutes)
+for s in 1 2; do
+  mhmla-train aes --out "runs/aes-cpu-seed$s" --seed "$s" --threads "$THREADS" \
+    --models mhmla-cls,mhmla-reg,last-cls,avgl-cls,mhmla-joint-cls,mhmla-joint-reg \
+    --results "bench/results/aes_cpu-frozen-encoder-seed$s.json"
+done
+python bench/aes_seed_summary.py bench/results/aes_cpu-frozen-encoder.json \
+  bench/results/aes_cpu-frozen-encoder-seed1.json bench/results/aes_cpu-frozen-encoder-seed2.json
