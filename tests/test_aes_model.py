@@ -216,3 +216,37 @@ def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path):
     # resuming a finished run trains nothing more and returns the same best scorer
     _, again = finetune(cfg, train, dev, log=None)
     assert again["log"] == state["log"]
+
+
+def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, tmp_path):
+    """1 epoch, then the same run extended to 2 (from the checkpoint) ends with the weights,
+    optimizer state and log of an uninterrupted 2-epoch run; no pickle is written."""
+    from safetensors.torch import load_file
+
+    from mhmla_fast.aes.train import FinetuneConfig, finetune
+
+    rng = random.Random(4)
+    train = [Essay(i, 3, " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))),
+                   i % 4, i % 4, i % 4, i + 1) for i in range(16)]
+    dev = train[:6]
+    base = dict(prompts=(3,), encoder=tiny_encoder, num_heads=4, dropout=0.3, batch_size=4,
+                lr=1e-3, head_lr=3e-3, backend="torch")
+    _, whole = finetune(FinetuneConfig(out=str(tmp_path / "whole"), epochs=2, **base), train,
+                        dev, log=None)
+    finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=1, **base), train, dev, log=None)
+    first = json.loads((tmp_path / "parts" / "checkpoint.json").read_text())
+    assert first["epoch"] == 1 and first["tensors"] == "checkpoint-1.safetensors"
+    _, parts = finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=2, **base), train,
+                        dev, log=None)
+    strip = lambda log: [{k: v for k, v in r.items() if k != "seconds"} for r in log]  # noqa: E731
+    assert strip(parts["log"]) == strip(whole["log"])
+    a = load_file(tmp_path / "whole" / "checkpoint-2.safetensors")
+    b = load_file(tmp_path / "parts" / "checkpoint-2.safetensors")
+    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
+    assert not list((tmp_path / "parts").glob("*.pt")) and not list(
+        (tmp_path / "parts").glob("checkpoint-1.*"))  # the older checkpoint was removed
+    other = FinetuneConfig(out=str(tmp_path / "parts"), epochs=3, **{**base, "lr": 5e-4})
+    with pytest.raises(ValueError, match="different run"):
+        finetune(other, train, dev, log=None)

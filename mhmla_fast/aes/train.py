@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from .data import SCORE_RANGES, Essay, normalise_score, read_asap, read_folds, split_essays
 from .metrics import exact_agreement, quadratic_weighted_kappa
 from .model import EssayScorer, ScorerConfig, ScorerHead, combine_windows
@@ -922,7 +923,10 @@ class FinetuneConfig:
     Meant for a GPU (not run on ASAP here). Adam; ``lr`` for the encoder (study: 1e-5 or
     5e-6), ``head_lr`` for the randomly initialised head; batches of ``batch_size``
     windows of one prompt; best epoch by mean dev QWK; a checkpoint after every epoch
-    (``<out>/checkpoint.pt``) so a killed run resumes at the last finished epoch.
+    (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``) so a killed run resumes at
+    the last finished epoch, with the same batches, dropout masks and weights as an
+    uninterrupted run (a larger ``epochs`` may extend a finished run; any other change of the
+    config is refused).
     """
 
     out: str
@@ -973,13 +977,17 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
         {"params": [p for p in model.encoder.parameters() if p.requires_grad], "lr": cfg.lr},
         {"params": list(model.head.parameters()), "lr": cfg.head_lr},
     ])
-    state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": []}
-    ckpt = out / "checkpoint.pt"
-    if ckpt.is_file():
-        saved = torch.load(ckpt, map_location=device, weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optim"])
-        state = saved["state"]
+    config = json.loads(json.dumps(asdict(cfg)))
+    state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config}
+    saved = load_checkpoint(out, model, opt)
+    if saved is not None:
+        diff = {k: (saved["config"].get(k), v) for k, v in config.items()
+                if saved["config"].get(k) != v and k != "epochs"}
+        if diff:
+            raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
+                             "use another output folder or remove it")
+        state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
+        state["config"] = config
     use_bf16 = cfg.bf16 and device.type == "cuda"
     while state["epoch"] < cfg.epochs:
         model.train()
@@ -1008,7 +1016,8 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
             dev_q[p] = qwk(np.array([e.score for e in es]), pred, p)
         score = float(np.mean(list(dev_q.values())))
         state["epoch"] += 1
-        state["log"].append({"epoch": state["epoch"], "loss": total / max(1, n), "dev_qwk": dev_q,
+        state["log"].append({"epoch": state["epoch"], "loss": total / max(1, n),
+                             "dev_qwk": {str(k): v for k, v in dev_q.items()},
                              "dev_mean_qwk": score, "seconds": time.perf_counter() - t0})
         if log:
             log(f"epoch {state['epoch']}: loss {total / max(1, n):.4f} dev QWK {score:.4f}")
@@ -1017,8 +1026,6 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
             model.config.training = {"protocol": "finetune", "config": asdict(cfg),
                                      "epoch": state["epoch"], "dev_qwk": {str(k): v for k, v in dev_q.items()}}
             model.save(out / "best", tokenizer=tokenizer)
-        tmp = out / "checkpoint.pt.tmp"
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state}, tmp)
-        os.replace(tmp, ckpt)
+        save_checkpoint(out, model, opt, state, state["epoch"])
     best = EssayScorer.load(out / "best", device=device, backend=cfg.backend)
     return best, state

@@ -19,8 +19,6 @@ similar length together, batch order shuffled). The run writes into ``out``:
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
 from .model import IGNORE, GedTagger, TaggerConfig, collate, encode_sentences, load_tokenizer
@@ -114,71 +113,6 @@ def evaluate(model, tokenizer, sentences: Sequence[Sentence], **kw) -> tuple[dic
     return ged_scores(gold, (flat >= 0.5).astype(int)).to_dict(), flat
 
 
-# ------------------------------------------------------------------ checkpoints
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _save_checkpoint(out: Path, model, optimizer, state: dict) -> None:
-    """Tensors first (a new file), then the JSON that names them, atomically."""
-    from safetensors.torch import save_file
-
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    opt = optimizer.state_dict()
-    for idx, st in opt["state"].items():
-        for name, value in st.items():
-            tensors[f"optim.{idx}.{name}"] = torch.as_tensor(value).cpu().contiguous()
-    tensors["rng.cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda.{i}"] = s
-    name = f"checkpoint-{state['global_step']}.safetensors"
-    tmp = out / (name + ".tmp")
-    save_file(tensors, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out / name)
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-              for g in opt["param_groups"]]
-    _atomic_write_text(out / "checkpoint.json",
-                       json.dumps({**state, "tensors": name, "param_groups": groups}, indent=1))
-    for old in out.glob("checkpoint-*.safetensors"):
-        if old.name != name:
-            old.unlink(missing_ok=True)
-
-
-def _load_checkpoint(out: Path, model, optimizer) -> dict | None:
-    from safetensors.torch import load_file
-
-    meta_path = out / "checkpoint.json"
-    if not meta_path.is_file():
-        return None
-    meta = json.loads(meta_path.read_text())
-    tensors = load_file(out / meta["tensors"])
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim."):
-            _, idx, name = key.split(".", 2)
-            state.setdefault(int(idx), {})[name] = value
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()}
-              for g in meta["param_groups"]]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    torch.set_rng_state(tensors["rng.cpu"])
-    if torch.cuda.is_available():
-        cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
-    return meta
-
-
 # ------------------------------------------------------------------------ train
 
 
@@ -221,7 +155,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     lengths = [len(ids) for ids, _ in encoded]
     optimizer = _make_optimizer(model, cfg, device)
 
-    meta = _load_checkpoint(out, model, optimizer)
+    meta = load_checkpoint(out, model, optimizer)
     if meta is not None:
         if meta["config"] != json.loads(json.dumps(asdict(cfg))):
             # the number of epochs may change on resume: epoch e's batches depend only on
@@ -241,10 +175,10 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     steps_this_call = 0
 
     def checkpoint():
-        _save_checkpoint(out, model, optimizer, {
+        save_checkpoint(out, model, optimizer, {
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
-        })
+        }, global_step)
 
     if epoch > cfg.epochs:
         raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already (epoch {epoch})")
@@ -301,7 +235,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
             model.save(out / "best", tokenizer=tokenizer)
         epoch += 1
         step_in_epoch = 0
-        _atomic_write_text(out / "log.json", json.dumps(log, indent=1))
+        atomic_write_text(out / "log.json", json.dumps(log, indent=1))
         checkpoint()
         if cfg.progress:
             print(f"epoch {epoch}: loss {record['train_loss']:.4f}, dev P {dev_scores['precision']:.4f} "
