@@ -254,7 +254,8 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     assert json.loads((tmp_path / "aes.json").read_text())["protocol"] == "cpu-frozen-encoder"
     assert {"device", "commit", "torch"} <= set(result["provenance"])
     models = result["models"]
-    assert set(models) == {"mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
+    assert set(models) == {"mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg",
+                           "avgl-reg", "mhmla-joint-cls",
                            "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
                            "ridge-layers-mean", "ridge-layers-mean-surface",
                            "ridge-layers-both-surface", "tfidf-ridge", "surface-ridge"}
@@ -274,7 +275,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 11 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 13 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
     # a second run reuses every unit: same numbers
     again = run_cpu_protocol(results=None, **kw)
     assert again["models"] == result["models"] and again["ensembles"] == result["ensembles"]

@@ -12,7 +12,8 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   window carries its essay's score), best epoch by dev QWK of the window-averaged essay
   predictions. ``last-cls`` and ``avgl-cls`` are the same with the last layer only (a
   frozen "plain BERT" [CLS] classifier; a linear model, so its lr is picked from
-  1e-3..3e-2 by dev QWK per fold and prompt) and with AvgL.
+  1e-3..3e-2 by dev QWK per fold and prompt) and with AvgL; ``last-reg`` and ``avgl-reg``
+  are their regression counterparts, so that every head is compared like for like.
 * ``mhmla-joint-cls`` / ``mhmla-joint-reg``: one MHMLA shared by the 8 prompts with an
   output layer per prompt, trained on all prompts together, best epoch by the dev QWK
   averaged over prompts: the configuration of the shipped scorer.
@@ -527,6 +528,11 @@ MODELS: dict[str, ModelSpec] = {
     "avgl-cls": ModelSpec("head", "AvgL (average of linearly transformed layers) at [CLS] + "
                           "classification; one model per prompt",
                           _head(head="avgl", objective="classification")),
+    "last-reg": ModelSpec("head", "last-layer [CLS] of the frozen encoder + sigmoid regression "
+                          "(lr chosen from 1e-3..3e-2 by dev QWK, as last-cls); one model per "
+                          "prompt", _head(head="last", objective="regression"), lrs=HEAD_LRS),
+    "avgl-reg": ModelSpec("head", "AvgL at [CLS] + sigmoid regression; one model per prompt",
+                          _head(head="avgl", objective="regression")),
     "mhmla-joint-cls": ModelSpec("joint", "one MHMLA (J=12) shared by the 8 prompts, an "
                                  "output layer per prompt, trained on all prompts (the shipped "
                                  "scorer's configuration)",
@@ -555,10 +561,10 @@ MODELS: dict[str, ModelSpec] = {
     "surface-ridge": ModelSpec("surface", "ridge regression on the surface features alone "
                                "(length, vocabulary counts; no encoder), alpha by dev QWK"),
 }
-DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
-                  "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface", "ridge-layers-mean",
-                  "ridge-layers-mean-surface", "ridge-layers-both-surface", "tfidf-ridge",
-                  "surface-ridge")
+DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", "avgl-reg",
+                  "mhmla-joint-cls", "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
+                  "ridge-layers-mean", "ridge-layers-mean-surface", "ridge-layers-both-surface",
+                  "tfidf-ridge", "surface-ridge")
 DEFAULT_MEMBERS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                    "mhmla-joint-reg", "ridge-layers")
 
