@@ -20,7 +20,7 @@ mhmla-eval aes --model runs/aes-shipped/aes-minilm-mhmla12 --fold 0 --no-cache \
 #    then the summary -> bench/results/aes_cpu-frozen-encoder-seeds.json (about 40 minutes)
 for s in 1 2; do
   mhmla-train aes --out "runs/aes-cpu-seed$s" --seed "$s" --threads "$THREADS" \
-    --models mhmla-cls,mhmla-reg,last-cls,avgl-cls,mhmla-joint-cls,mhmla-joint-reg \
+    --models mhmla-cls,mhmla-reg,last-cls,avgl-cls,last-reg,avgl-reg,mhmla-joint-cls,mhmla-joint-reg \
     --results "bench/results/aes_cpu-frozen-encoder-seed$s.json"
 done
 python bench/aes_seed_summary.py bench/results/aes_cpu-frozen-encoder.json \
