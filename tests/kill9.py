@@ -1,6 +1,6 @@
-"""Shared by the kill -9 tests of ``mhmla-serve tag`` and ``score``: run a command in a child
-process, SIGKILL it once its output has ``lines`` complete lines, and leave the output as a
-crash leaves it (with a torn last line)."""
+"""Shared by the kill -9 tests (``mhmla-serve tag`` and ``score``, and the records writer): run a
+command in a child process, SIGKILL it once its output has ``lines`` complete lines, and leave
+the output as a crash leaves it (with a torn last line)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 from mhmla_fast import serve
 
 
-def kill_after_lines(args: list[str], out: Path, total: int, lines: int = 100,
-                     timeout: float = 120) -> None:
-    """``python -m mhmla_fast.commands.serve *args`` killed with SIGKILL after ``lines`` output
-    lines (of ``total`` expected); a torn record is appended when the kill fell between lines."""
+def kill_command_after_lines(cmd: list[str], out: Path, total: int, lines: int = 100,
+                             timeout: float = 120) -> bytes:
+    """Run ``cmd`` (the package importable from this checkout) and SIGKILL it after ``lines``
+    output lines of ``total`` expected. Returns the output as the kill left it; a torn record is
+    then appended to ``out`` when the kill fell between lines."""
     env = {**os.environ, "PYTHONPATH": str(Path(serve.__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-m", "mhmla_fast.commands.serve", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     try:
         while not (out.exists() and out.read_bytes().count(b"\n") >= lines):
@@ -36,3 +36,11 @@ def kill_after_lines(args: list[str], out: Path, total: int, lines: int = 100,
     assert lines <= complete < total, "killed in the middle"
     if written.endswith(b"\n"):  # the kill fell between two lines: add the torn line it can leave
         out.write_bytes(written + b'{"index": %d, "id": "r' % (complete + 1))
+    return written
+
+
+def kill_after_lines(args: list[str], out: Path, total: int, lines: int = 100,
+                     timeout: float = 120) -> None:
+    """:func:`kill_command_after_lines` of ``python -m mhmla_fast.commands.serve *args``."""
+    kill_command_after_lines([sys.executable, "-m", "mhmla_fast.commands.serve", *args], out,
+                             total, lines, timeout)

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "aes_seed_summary.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("aes_seed_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench_script
 
 
 def _result(seed: int, qwk: dict[str, dict[str, float]], lr: float = 1e-3) -> dict:
@@ -32,7 +21,7 @@ def _result(seed: int, qwk: dict[str, dict[str, float]], lr: float = 1e-3) -> di
 
 
 def test_summary_matches_numpy_and_refuses_mismatched_runs(tmp_path, capsys):
-    bench = _load()
+    bench = load_bench_script("aes_seed_summary")
     rng = np.random.default_rng(0)
     values = rng.uniform(0.5, 0.8, size=(3, 2))  # seeds x prompts
     runs = [_result(s, {"mhmla-reg": {"3": values[s, 0], "4": values[s, 1]},

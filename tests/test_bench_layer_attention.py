@@ -4,7 +4,6 @@ stand-in op, a wall-clock timer and no memory probe."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,19 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench_scripts import load_bench_script
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "bench" / "benchmark_layer_attention.py"
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("benchmark_layer_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_bench_script("benchmark_layer_attention")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,24 +5,15 @@ the results file names its device, settings and commit."""
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "benchmark_serve_score_cpu.py"
+from bench_scripts import load_bench_script
+
 WORDS = "the a student school computer people think because many help write good".split()
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("benchmark_serve_score_cpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _write_tsv(path: Path, per_prompt: int) -> Path:
@@ -45,7 +36,7 @@ def _write_tsv(path: Path, per_prompt: int) -> Path:
 
 def test_score_benchmark_main_writes_a_checked_result(tiny_scorer_dir, tmp_path, monkeypatch,
                                                       capsys):
-    bench = _load_bench()
+    bench = load_bench_script("benchmark_serve_score_cpu")
     monkeypatch.setenv("MHMLA_COMMIT", "test-commit")
     tsv = _write_tsv(tmp_path / "asap.tsv", per_prompt=4)
     out = tmp_path / "score.json"
@@ -68,7 +59,7 @@ def test_score_benchmark_main_writes_a_checked_result(tiny_scorer_dir, tmp_path,
 
 
 def test_score_benchmark_names_its_results_by_device(tmp_path):
-    bench = _load_bench()
+    bench = load_bench_script("benchmark_serve_score_cpu")
     day = datetime.date(2026, 11, 22)
     assert bench.resolve_out_path(str(tmp_path), day).name == "aes_serve_cpu_2026-11-22.json"
     assert bench.resolve_out_path(str(tmp_path), day, "cuda:0").name == \

@@ -4,7 +4,6 @@ to end on 20 sentences and writes the JSON it promises."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import sys
@@ -20,7 +19,8 @@ from mhmla_fast.serve.hf_pipeline import (
     GedTaggerForTokenClassification, load_pipeline, pipeline_word_probs, tag_words, word_labels,
 )
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "benchmark_serve_cpu.py"
+from bench_scripts import load_bench_script
+
 SENTENCES = [
     ["He", "go", "to", "school", "every", "day", "."],
     ["They", "goes", "to", "the", "house", "and", "she", "see", "the", "dog", "."],
@@ -31,14 +31,6 @@ SENTENCES = [
 ]
 VOCAB = ("the a cat dog house school every day he she they we go goes went see sees postman "
          "letters unbelievably yesterday , . !").split()
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("benchmark_serve_cpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +111,7 @@ def _write_fce(path: Path, n: int) -> Path:
 
 def test_benchmark_main_writes_every_row_and_the_summary(tagger_dir, tmp_path, monkeypatch,
                                                          capsys):
-    bench = _load_bench()
+    bench = load_bench_script("benchmark_serve_cpu")
     monkeypatch.setenv("MHMLA_COMMIT", "test-commit")
     data = _write_fce(tmp_path / "fce-test.tsv", 20)
     out = tmp_path / "serve.json"
@@ -168,7 +160,7 @@ def test_benchmark_main_writes_every_row_and_the_summary(tagger_dir, tmp_path, m
 
 
 def test_onnx_rows_become_errors_without_onnxruntime(tagger_dir, tmp_path, monkeypatch):
-    bench = _load_bench()
+    bench = load_bench_script("benchmark_serve_cpu")
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # "import onnxruntime" fails
     export_dir, report = bench.prepare_onnx(Path(tagger_dir), None, tmp_path)
     assert export_dir is None
