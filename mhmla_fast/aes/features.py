@@ -96,7 +96,7 @@ def encoder_window(encoder: str) -> int:
     the window :class:`~mhmla_fast.aes.model.EssayScorer` picks by default."""
     from transformers import AutoConfig
 
-    from ..ged.model import resolve_encoder
+    from ..model_dir import resolve_encoder
 
     hf = AutoConfig.from_pretrained(resolve_encoder(encoder))
     return int(min(510, hf.max_position_embeddings - 2))

@@ -41,7 +41,6 @@ encoder tensors of the embedded MiniLM are not stored but read from the
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,11 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..ged.model import EMBEDDED_ENCODER, resolve_encoder
-from ..model_dir import (
-    frozen_encoder_keys, load_checked_state, read_model_state, require_model_dir, state_to_save,
-    write_model_dir,
-)
+from ..model_dir import EMBEDDED_ENCODER, ModelDirMixin, resolve_encoder
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
@@ -215,8 +210,13 @@ class ScorerHead(nn.Module):
         return raw.float()
 
 
-class EssayScorer(nn.Module):
-    """Encoder + :class:`ScorerHead` (see the module doc); one forward call per window batch."""
+class EssayScorer(ModelDirMixin, nn.Module):
+    """Encoder + :class:`ScorerHead` (see the module doc); one forward call per window batch.
+    ``save``/``load``: :class:`~mhmla_fast.model_dir.ModelDirMixin` (the tokenizer saved with
+    a scorer is attached as ``.tokenizer`` on load)."""
+
+    config_class = ScorerConfig
+    model_kind = "scorer"
 
     def __init__(self, config: ScorerConfig, *, pretrained: bool = True,
                  backend: str = "auto") -> None:
@@ -327,30 +327,10 @@ class EssayScorer(nn.Module):
 
     # --------------------------------------------------------------- save / load
 
-    def _frozen_base_keys(self) -> dict[str, str]:
-        """Frozen encoder tensors that the embedded package ships: scorer key -> base key."""
-        return frozen_encoder_keys(self) if self.config.encoder == EMBEDDED_ENCODER else {}
-
-    def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-             tokenizer=None) -> Path:
-        """Write ``config.json``, ``model.safetensors`` (in ``dtype``) and the tokenizer atomically."""
-        base = self._frozen_base_keys()
-        self.config.base_tensors = base
-        state = state_to_save(self, base, dtype)
-        return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32, backend: str = "auto") -> EssayScorer:
-        """Rebuild a saved scorer offline; its tokenizer is attached as ``.tokenizer``."""
-        path = require_model_dir(path, "scorer")
-        config = ScorerConfig.from_json((path / "config.json").read_text())
-        model = cls(config, pretrained=False, backend=backend)
-        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder))
-        load_checked_state(model, state, path)
+    def _after_load(self, path: Path) -> None:
+        """Attach the tokenizer saved in ``path``, if any."""
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-            model.tokenizer = load_tokenizer(str(path))
-        return model.to(device=device, dtype=dtype).eval()
+            self.tokenizer = load_tokenizer(str(path))
 
 
 def _load_encoder(config: ScorerConfig, pretrained: bool):

