@@ -1,5 +1,8 @@
 """Fused Triton kernels for multi-head multi-layer attention (MHMLA), forward and backward.
 
+Installed as ``mhmla_fast.kernels.layer_attention`` (the top-level ``kernels/`` folder of
+the repository is the package ``mhmla_fast.kernels``, see ``pyproject.toml``).
+
     v^l = h^l W_v^l + b_v^l,  k^l = relu(h^l W_k^l + b_k^l),  a^l = k^l W_a^l + b_a^l
     p^{l,j} = softmax_l(a^{l,j}),  c_j = sum_l p^{l,j} v^{l,j},  c = concat_j c_j
 
@@ -14,11 +17,19 @@ Plan (see DESIGN.md section 3):
   value GEMM tile h^l W_v^l, scaled by that row's and column's head weight, accumulated
   on chip; one write of c. Neither the L x N x H values nor the L x N x K keys are
   ever written to memory.
-* backward: one score-gradient kernel (recomputes v to get dp [L, N, J] and writes the
-  pre-activation z [L, N, K] it recomputed), the softmax backward on [L, N, J] (torch),
-  one input-gradient kernel (dh = dv W_v'
-  + dz W_k' with dv and dz built on chip from p, dc, da, z) and one weight-gradient
-  kernel per weight (reductions over N inside one program: deterministic, no atomics).
+* backward, GEMM-shaped, over chunks of tokens (at most ``BWD_CHUNK_ELEMENTS`` elements of
+  L x chunk x (H + K), so memory does not grow with N): the projections v and z of the chunk
+  are recomputed by two batched GEMMs (cuBLAS through ``torch.baddbmm``); the score-gradient
+  kernel reduces dp = <dc_j, v_j> per head; the softmax backward over the layers runs on the
+  tiny [L, chunk, J] tensors; the key-gradient kernel overwrites v with dv = p~ dc and z with
+  dz, and writes per-tile partial sums of dW_a; then dh = dv W_v' + dz W_k',
+  dW_v = h' dv and dW_k = h' dz are batched GEMMs again. Every reduction over tokens has a
+  fixed order (GEMMs, per-tile partials summed in tile order): weight gradients are
+  deterministic run to run.
+
+Tiles: on a GPU every kernel is autotuned over configs filtered by a ``keep`` rule (no config
+that would spill registers at BERT-base or MiniLM shape, see ``bench/compile_report.py``);
+under the interpreter (``TRITON_INTERPRET=1``) each kernel runs one fixed, tested config.
 
 Dropout masks are never stored: each is regenerated with ``tl.rand(seed, offset)`` from
 the element's flat offset in its [L, N, H], [L, N, K] or [L, N, J] tensor, identically in
@@ -29,6 +40,8 @@ This module registers the torch custom ops ``mhmla_fast::layer_attention_fwd`` a
 backend is wanted (``mhmla_fast.layer_attention`` does so lazily).
 """
 
+import functools
+import os
 from typing import Optional
 
 import torch
@@ -42,6 +55,8 @@ __all__ = [
     "layer_attention_fwd",
     "layer_attention_bwd",
     "layer_attention_dropout_masks",
+    "layer_attention_compile_cases",
+    "BWD_CHUNK_ELEMENTS",
 ]
 
 
@@ -84,27 +99,6 @@ def _load_head_weights(
     return _dropout(p, seed, offs, rate, scale, DROP)
 
 
-@triton.jit
-def _key_grad(
-    da,  # [BLOCK_N, BLOCK_J] score gradients of layer l
-    WA_ptr,  # [L, K, J] scorer weights
-    Z_ptr,  # [L, N, K] key pre-activations (recomputed by the score-gradient kernel)
-    l, rows, kk, N, K, J, seed, rate, scale,
-    DROP: tl.constexpr, BLOCK_J: tl.constexpr, ACC: tl.constexpr,
-):
-    """dz = (da W_a') * keep_k / (1 - rate) * [z > 0], a [BLOCK_N, BLOCK_K] tile (ACC)."""
-    jj = tl.arange(0, BLOCK_J)
-    wa_t = tl.load(
-        WA_ptr + (l * K + kk[None, :]) * J + jj[:, None],
-        mask=(jj[:, None] < J) & (kk[None, :] < K), other=0.0,
-    )  # [BLOCK_J, BLOCK_K] = W_a[kk, :]'
-    dk = tl.dot(da, wa_t.to(ACC), input_precision="ieee", out_dtype=ACC)
-    offs = (l * N + rows[:, None]) * K + kk[None, :]
-    z = tl.load(Z_ptr + offs, mask=(rows[:, None] < N) & (kk[None, :] < K), other=0.0)
-    dk = tl.where(z > 0, dk, 0.0)
-    return _dropout(dk, seed, offs, rate, scale, DROP)
-
-
 # ------------------------------------------------------------------ forward kernels
 
 
@@ -119,8 +113,9 @@ def _layer_attention_fwd_scores_kernel(
     N, H, K, J,
     seed_h, rate_h, scale_h, seed_k, rate_k, scale_k,
     DROP_H: tl.constexpr, DROP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
-    PREC: tl.constexpr, ACC: tl.constexpr,
+    N_BUCKET,  # autotuning key only: N rounded to a power of two
+    BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
@@ -163,8 +158,9 @@ def _layer_attention_fwd_values_kernel(
     L, N, H, J, D,
     seed_h, rate_h, scale_h, seed_p, rate_p, scale_p,
     DROP_H: tl.constexpr, DROP_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+    N_BUCKET,  # autotuning key only: N rounded to a power of two
     PREC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_o = tl.program_id(1)
@@ -200,199 +196,119 @@ def _layer_attention_fwd_values_kernel(
 #   dp~^{l,j} = <dc_j, v^{l,j}>,  dp = dp~ keep_p / (1 - r_p)  (+ the gradient of p if returned)
 #   delta_j = sum_l p^{l,j} dp^{l,j}  (from dp itself, not <dc_j, c_j>: exact where c was
 #             rounded to a 16-bit dtype, e.g. da == 0 exactly for L = 1)
-#   da^{l,j} = p^{l,j} (dp^{l,j} - delta_j)       dW_a^l = sum_n k^l' da^l,  db_a^l = sum_n da^l
+#   da^{l,j} = p^{l,j} (dp^{l,j} - delta_j)       dW_a^l = sum_n k~^l' da^l, db_a^l = sum_n da^l
 #   dz^l = (da^l W_a^l') * keep_k / (1 - r_k) * [z^l > 0]
+#        = (da^l W_a^l') / (1 - r_k) * [k~^l > 0]   with k~ = relu(z) keep_k / (1 - r_k)
 #                                                dW_k^l = sum_n h^l' dz^l, db_k^l = sum_n dz^l
 #   dh^l = (dv^l W_v^l' + dz^l W_k^l') * keep_h / (1 - r_h)
 #
-# where h^l in the weight gradients is the dropped-out input the forward used.
+# where h^l in the weight gradients is the dropped-out input the forward used. The launcher
+# runs it per chunk of M tokens (rows n0 .. n0 + M of N): v and z of the chunk come from two
+# batched GEMMs, the kernels below do everything between them, and dh, dW_v, dW_k are batched
+# GEMMs over the dv and dz the key-gradient kernel leaves in place of v and z.
 
 
 @triton.jit
 def _layer_attention_bwd_scores_kernel(
-    H_ptr,  # [L, N, H] hidden states
-    WV_ptr,  # [L, H, H] value weights
-    BV_ptr,  # [L, H] value biases
-    WK_ptr,  # [L, H, K] key weights
-    BK_ptr,  # [L, K] key biases
-    DC_ptr,  # [N, H] gradient of c
-    DP_ptr,  # [L, N, J] gradient of the undropped layer weights p (out, ACC)
-    Z_ptr,  # [L, N, K] recomputed key pre-activations (out, input dtype)
-    N, H, K, J, D,
-    seed_h, rate_h, scale_h, seed_p, rate_p, scale_p,
-    DROP_H: tl.constexpr, DROP_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
-    PREC: tl.constexpr, ACC: tl.constexpr,
+    V_ptr,  # [L, M, H] recomputed values v of the chunk
+    DC_ptr,  # [M, H] gradient of c (the chunk's rows)
+    DP_ptr,  # [L, M, J] gradient of the undropped layer weights p (out, ACC)
+    M, N, n0, H, J, D,
+    seed_p, rate_p, scale_p,
+    DROP_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    """dp^{l,j} = <dc_j, v^{l,j}> keep_p / (1 - r_p) for a [BLOCK_N] tile of tokens, layer l."""
     pid_n = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows[:, None] < M
     jj = tl.arange(0, BLOCK_J)
-    # dp~[n, j] = sum over head j's columns of dc * v, v recomputed tile by tile
+    dd = tl.arange(0, BLOCK_D)
     dp = tl.zeros((BLOCK_N, BLOCK_J), ACC)
-    for o0 in range(0, H, BLOCK_O):
-        oo = o0 + tl.arange(0, BLOCK_O)
-        v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
-        for i0 in range(0, H, BLOCK_I):
-            h = _load_hidden(H_ptr, l, rows, i0, N, H, seed_h, rate_h, scale_h, DROP_H, BLOCK_I)
-            ii = i0 + tl.arange(0, BLOCK_I)
-            w = tl.load(
-                WV_ptr + (l * H + ii[:, None]) * H + oo[None, :],
-                mask=(ii[:, None] < H) & (oo[None, :] < H), other=0.0,
-            )
-            v = tl.dot(h, w, v, input_precision=PREC, out_dtype=ACC)
-        v += tl.load(BV_ptr + l * H + oo, mask=oo < H, other=0.0).to(ACC)[None, :]
-        dc = tl.load(
-            DC_ptr + rows[:, None] * H + oo[None, :],
-            mask=(rows[:, None] < N) & (oo[None, :] < H), other=0.0,
-        ).to(ACC)
-        head_of = ((oo[:, None] // D) == jj[None, :]) & (oo[:, None] < H)  # [BLOCK_O, BLOCK_J]
-        dp = tl.dot(v * dc, head_of.to(ACC), dp, input_precision="ieee", out_dtype=ACC)
-    offs_p = (l * N + rows[:, None]) * J + jj[None, :]
-    mask_p = (rows[:, None] < N) & (jj[None, :] < J)
-    dp = _dropout(dp, seed_p, offs_p, rate_p, scale_p, DROP_P)
-    tl.store(DP_ptr + offs_p, dp, mask=mask_p)
-    # z = h W_k + b_k, stored for the input- and weight-gradient kernels
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
-        for i0 in range(0, H, BLOCK_I):
-            h = _load_hidden(H_ptr, l, rows, i0, N, H, seed_h, rate_h, scale_h, DROP_H, BLOCK_I)
-            ii = i0 + tl.arange(0, BLOCK_I)
-            w = tl.load(
-                WK_ptr + (l * H + ii[:, None]) * K + kk[None, :],
-                mask=(ii[:, None] < H) & (kk[None, :] < K), other=0.0,
-            )
-            z = tl.dot(h, w, z, input_precision=PREC, out_dtype=ACC)
-        z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(ACC)[None, :]
-        tl.store(
-            Z_ptr + (l * N + rows[:, None]) * K + kk[None, :], z.to(Z_ptr.dtype.element_ty),
-            mask=(rows[:, None] < N) & (kk[None, :] < K),
-        )
+    for j in range(0, J):
+        cols = j * D + dd
+        ok = row_ok & (dd[None, :] < D)
+        v = tl.load(V_ptr + (l * M + rows[:, None]) * H + cols[None, :], mask=ok, other=0.0)
+        dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
+        s = tl.sum(v.to(ACC) * dc.to(ACC), axis=1)
+        dp = tl.where(jj[None, :] == j, s[:, None], dp)
+    dp = _dropout(dp, seed_p, (l * N + n0 + rows[:, None]) * J + jj[None, :], rate_p, scale_p,
+                  DROP_P)
+    tl.store(DP_ptr + (l * M + rows[:, None]) * J + jj[None, :], dp,
+             mask=row_ok & (jj[None, :] < J))
 
 
 @triton.jit
-def _layer_attention_bwd_hidden_kernel(
-    WV_ptr,  # [L, H, H] value weights
-    WK_ptr,  # [L, H, K] key weights
+def _layer_attention_bwd_keys_kernel(
+    V_ptr,  # [L, M, H] in: recomputed values (unused); out: dv = p~ dc
+    Z_ptr,  # [L, M, K] in: recomputed key pre-activations z; out: dz
+    DC_ptr,  # [M, H] gradient of c (the chunk's rows)
+    P_ptr,  # [L, M, J] the chunk's layer weights p (ACC)
+    DA_ptr,  # [L, M, J] score gradients da (ACC)
     WA_ptr,  # [L, K, J] scorer weights
-    P_ptr,  # [L, N, J] layer weights p (ACC)
-    DC_ptr,  # [N, H] gradient of c
-    DA_ptr,  # [L, N, J] score gradients (ACC)
-    Z_ptr,  # [L, N, K] key pre-activations
-    DH_ptr,  # [L, N, H] gradient of the hidden states (out)
-    N, H, K, J, D,
-    seed_h, rate_h, scale_h, seed_k, rate_k, scale_k, seed_p, rate_p, scale_p,
-    DROP_H: tl.constexpr, DROP_K: tl.constexpr, DROP_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
-    PREC: tl.constexpr, ACC: tl.constexpr,
+    DWA_ptr,  # [T, L, K, J] dW_a summed over each token tile t (out, ACC)
+    L, M, N, n0, H, K, J, D,
+    seed_k, rate_k, scale_k, seed_p, rate_p, scale_p,
+    DROP_K: tl.constexpr, DROP_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    """dv = p~ dc over v; dz = (da W_a') [k~ > 0] / (1 - r_k) over z; per-tile dW_a = k~' da."""
     pid_n = tl.program_id(0)
-    pid_i = tl.program_id(1)
-    l = tl.program_id(2).to(tl.int64)
-    dtype = DH_ptr.dtype.element_ty
+    l = tl.program_id(1).to(tl.int64)
+    dtype = Z_ptr.dtype.element_ty
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ii = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    row_ok = rows[:, None] < M
     jj = tl.arange(0, BLOCK_J)
-    acc = tl.zeros((BLOCK_N, BLOCK_I), ACC)
-    # dv W_v', dv = p~ dc built on chip
-    for o0 in range(0, H, BLOCK_O):
-        oo = o0 + tl.arange(0, BLOCK_O)
-        pw = _load_head_weights(P_ptr, l, rows, oo, N, H, J, D, seed_p, rate_p, scale_p, DROP_P)
-        dc = tl.load(
-            DC_ptr + rows[:, None] * H + oo[None, :],
-            mask=(rows[:, None] < N) & (oo[None, :] < H), other=0.0,
-        ).to(ACC)
-        w_t = tl.load(
-            WV_ptr + (l * H + ii[None, :]) * H + oo[:, None],
-            mask=(ii[None, :] < H) & (oo[:, None] < H), other=0.0,
-        )  # [BLOCK_O, BLOCK_I] = W_v[ii, oo]'
-        acc = tl.dot((pw * dc).to(dtype), w_t, acc, input_precision=PREC, out_dtype=ACC)
-    # dz W_k', dz rebuilt from da, W_a and z
-    da = tl.load(
-        DA_ptr + (l * N + rows[:, None]) * J + jj[None, :],
-        mask=(rows[:, None] < N) & (jj[None, :] < J), other=0.0,
-    )
+    dd = tl.arange(0, BLOCK_D)
+    offs_j = (l * M + rows[:, None]) * J + jj[None, :]
+    ok_j = row_ok & (jj[None, :] < J)
+    p = tl.load(P_ptr + offs_j, mask=ok_j, other=0.0)
+    p = _dropout(p, seed_p, (l * N + n0 + rows[:, None]) * J + jj[None, :], rate_p, scale_p,
+                 DROP_P)
+    for j in range(0, J):
+        cols = j * D + dd
+        ok = row_ok & (dd[None, :] < D)
+        pj = tl.sum(tl.where(jj[None, :] == j, p, 0.0), axis=1)
+        dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
+        tl.store(V_ptr + (l * M + rows[:, None]) * H + cols[None, :],
+                 (pj[:, None] * dc.to(ACC)).to(dtype), mask=ok)
+    # the score gradient enters both products in the input dtype, as in eager autograd
+    da = tl.load(DA_ptr + offs_j, mask=ok_j, other=0.0).to(dtype)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        dz = _key_grad(da, WA_ptr, Z_ptr, l, rows, kk, N, K, J, seed_k, rate_k, scale_k,
-                       DROP_K, BLOCK_J, ACC)
-        w_t = tl.load(
-            WK_ptr + (l * H + ii[None, :]) * K + kk[:, None],
-            mask=(ii[None, :] < H) & (kk[:, None] < K), other=0.0,
-        )  # [BLOCK_K, BLOCK_I] = W_k[ii, kk]'
-        acc = tl.dot(dz.to(dtype), w_t, acc, input_precision=PREC, out_dtype=ACC)
-    offs = (l * N + rows[:, None]) * H + ii[None, :]
-    acc = _dropout(acc, seed_h, offs, rate_h, scale_h, DROP_H)
-    tl.store(DH_ptr + offs, acc.to(dtype), mask=(rows[:, None] < N) & (ii[None, :] < H))
+        offs = (l * M + rows[:, None]) * K + kk[None, :]
+        ok = row_ok & (kk[None, :] < K)
+        z = tl.load(Z_ptr + offs, mask=ok, other=0.0).to(ACC)
+        k = _dropout(tl.maximum(z, 0.0), seed_k, (l * N + n0 + rows[:, None]) * K + kk[None, :],
+                     rate_k, scale_k, DROP_K)
+        dwa = tl.dot(tl.trans(k.to(dtype)), da, input_precision=PREC, out_dtype=ACC)
+        tl.store(DWA_ptr + ((pid_n * L + l) * K + kk[:, None]) * J + jj[None, :], dwa,
+                 mask=(kk[:, None] < K) & (jj[None, :] < J))
+        wa_t = tl.load(
+            WA_ptr + (l * K + kk[None, :]) * J + jj[:, None],
+            mask=(jj[:, None] < J) & (kk[None, :] < K), other=0.0,
+        )  # [BLOCK_J, BLOCK_K] = W_a[kk, :]'
+        dk = tl.dot(da, wa_t.to(dtype), input_precision=PREC, out_dtype=ACC)
+        tl.store(Z_ptr + offs, tl.where(k > 0, dk * scale_k, 0.0).to(dtype), mask=ok)
 
 
 @triton.jit
-def _layer_attention_bwd_weights_kernel(
-    H_ptr,  # [L, N, H] hidden states
-    WA_ptr,  # [L, K, J] scorer weights
-    P_ptr,  # [L, N, J] layer weights p (ACC)
-    DC_ptr,  # [N, H] gradient of c
-    DA_ptr,  # [L, N, J] score gradients (ACC)
-    Z_ptr,  # [L, N, K] key pre-activations
-    DW_ptr,  # [L, I, O] weight gradient (out, ACC): dW_v, dW_k or dW_a by MODE
-    DB_ptr,  # [L, O] bias gradient (out, ACC)
-    N, H, K, J, D, I, O,
-    seed_h, rate_h, scale_h, seed_k, rate_k, scale_k, seed_p, rate_p, scale_p,
-    MODE: tl.constexpr,  # 0: value (I=H, O=H), 1: key (I=H, O=K), 2: scorer (I=K, O=J)
-    DROP_H: tl.constexpr, DROP_K: tl.constexpr, DROP_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_J: tl.constexpr,
-    PREC: tl.constexpr, ACC: tl.constexpr,
+def _layer_attention_dropout_rows_kernel(
+    X_ptr,  # [L, M, W] view of rows n0 .. n0 + M of an [L, N, W] tensor (row stride W)
+    Y_ptr,  # [L, M, W] output (may be X itself)
+    M, W, N, n0, stride_xl, stride_yl,
+    seed, rate, scale,
+    ACC: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pid_i = tl.program_id(0)
-    pid_o = tl.program_id(1)
-    l = tl.program_id(2).to(tl.int64)
-    dtype = H_ptr.dtype.element_ty
-    ii = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    oo = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-    jj = tl.arange(0, BLOCK_J)
-    acc = tl.zeros((BLOCK_I, BLOCK_O), ACC)
-    bias = tl.zeros((BLOCK_O,), ACC)
-    for n0 in range(0, N, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        row_ok = rows[:, None] < N
-        if MODE == 2:
-            offs = (l * N + rows[:, None]) * K + ii[None, :]
-            z = tl.load(Z_ptr + offs, mask=row_ok & (ii[None, :] < K), other=0.0).to(ACC)
-            a_op = _dropout(tl.maximum(z, 0.0), seed_k, offs, rate_k, scale_k, DROP_K)
-            b_op = tl.load(
-                DA_ptr + (l * N + rows[:, None]) * J + oo[None, :],
-                mask=row_ok & (oo[None, :] < J), other=0.0,
-            )
-            acc = tl.dot(tl.trans(a_op), b_op, acc, input_precision="ieee", out_dtype=ACC)
-        else:
-            i0 = pid_i * BLOCK_I
-            a_op = _load_hidden(H_ptr, l, rows, i0, N, H, seed_h, rate_h, scale_h, DROP_H, BLOCK_I)
-            if MODE == 0:
-                pw = _load_head_weights(P_ptr, l, rows, oo, N, H, J, D, seed_p, rate_p, scale_p,
-                                        DROP_P)
-                dc = tl.load(
-                    DC_ptr + rows[:, None] * H + oo[None, :],
-                    mask=row_ok & (oo[None, :] < H), other=0.0,
-                ).to(ACC)
-                b_op = pw * dc
-            else:
-                da = tl.load(
-                    DA_ptr + (l * N + rows[:, None]) * J + jj[None, :],
-                    mask=row_ok & (jj[None, :] < J), other=0.0,
-                )
-                b_op = _key_grad(da, WA_ptr, Z_ptr, l, rows, oo, N, K, J, seed_k, rate_k, scale_k,
-                                 DROP_K, BLOCK_J, ACC)
-            acc = tl.dot(tl.trans(a_op), b_op.to(dtype), acc, input_precision=PREC, out_dtype=ACC)
-        bias += tl.sum(b_op, axis=0)
-    tl.store(
-        DW_ptr + (l * I + ii[:, None]) * O + oo[None, :], acc,
-        mask=(ii[:, None] < I) & (oo[None, :] < O),
-    )
-    if pid_i == 0:
-        tl.store(DB_ptr + l * O + oo, bias, mask=oo < O)
+    """y = x keep / (1 - rate), keep drawn at the element's offset in the whole [L, N, W]."""
+    l = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * W
+    x = tl.load(X_ptr + l * stride_xl + offs, mask=ok, other=0.0)
+    y = _dropout(x.to(ACC), seed, (l * N + n0) * W + offs, rate, scale, True)
+    tl.store(Y_ptr + l * stride_yl + offs, y.to(Y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -406,25 +322,174 @@ def _layer_attention_dropout_masks_kernel(
     tl.store(KEEP_ptr + offs, keep.to(tl.int8), mask=offs < numel)
 
 
-# ------------------------------------------------------------------------ launchers
+# ------------------------------------------------------------------- tiles and configs
+#
+# Each kernel has a fixed config (the interpreter's, and the one the tests run) and, on a GPU,
+# candidates for ``triton.autotune`` kept by ``_keep``: the fp32 accumulators must leave
+# room in the 255 registers a thread has (so nothing spills), and the pipelined operand
+# tiles must fit in shared memory. ``bench/compile_report.py`` compiles every kept config
+# for sm_90 and fails on a spill or on a dot that does not become a Hopper wgmma.
 
 _ACC = {torch.float64: tl.float64}
 _SEED_STREAMS = 3  # h, k, p
+_SMEM_BYTES = 227 * 1024  # per block on sm_90
+_DROPOUT_BLOCK = 1024
+BWD_KEYS_BLOCK_N = 64  # token tile of the key-gradient kernel: fixes the dW_a partial count
+# Backward chunk: at most this many elements of L x chunk x (H + K) (v and z recomputed for a
+# chunk of tokens). 2^25 is 64 MiB in bf16: BERT-base shape takes 1,792 tokens at a time.
+BWD_CHUNK_ELEMENTS = 1 << 25
+
+
+def _fp32_regs(tiles: dict, warps: int, *accs: tuple[str, str]) -> float:
+    """fp32 accumulator registers per thread for the [A, B] tiles named in ``accs``."""
+    return sum(tiles[a] * tiles[b] for a, b in accs) / (32 * warps)
+
+
+def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
+    """Whether a candidate config of kernel ``name`` is worth compiling (see above)."""
+    if name == "fwd_scores":  # z [N, K] and a [N, J] on chip; h [N, I], W_k [I, K] staged
+        regs = _fp32_regs(tiles, warps, ("BLOCK_N", "BLOCK_K"), ("BLOCK_N", "BLOCK_J"))
+        smem = stages * 2 * (tiles["BLOCK_N"] + tiles["BLOCK_K"]) * tiles["BLOCK_I"]
+    elif name == "fwd_values":  # v and c [N, O] on chip; h [N, I], W_v [I, O] staged
+        regs = _fp32_regs(tiles, warps, ("BLOCK_N", "BLOCK_O"), ("BLOCK_N", "BLOCK_O"))
+        smem = stages * 2 * (tiles["BLOCK_N"] + tiles["BLOCK_O"]) * tiles["BLOCK_I"]
+    elif name == "bwd_scores":  # v, dc [N, D] tiles, dp [N, J]
+        regs = _fp32_regs(tiles, warps, ("BLOCK_N", "BLOCK_D"), ("BLOCK_N", "BLOCK_D"),
+                          ("BLOCK_N", "BLOCK_J"))
+        smem = 0
+    elif name == "bwd_keys":  # z, k, dk [N, K]; dW_a [K, J]; da [N, J]
+        regs = _fp32_regs(tiles, warps, ("BLOCK_N", "BLOCK_K"), ("BLOCK_N", "BLOCK_K"),
+                          ("BLOCK_N", "BLOCK_K"), ("BLOCK_K", "BLOCK_J"))
+        smem = 2 * 2 * tiles["BLOCK_N"] * tiles["BLOCK_K"]
+    else:
+        raise ValueError(f"no keep rule for kernel {name!r}")
+    return regs <= 128 and smem <= _SMEM_BYTES
+
+
+def _candidates(name: str) -> list[tuple[dict, int, int]]:
+    """(tiles, num_warps, num_stages) to autotune over for kernel ``name``, before ``_keep``."""
+    if name == "fwd_scores":
+        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128) for k in (64, 128)]
+    elif name == "fwd_values":
+        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128) for o in (64, 128)]
+    elif name == "bwd_scores":
+        return [(dict(BLOCK_N=n), w, 1) for n in (16, 32, 64) for w in (2, 4)]
+    elif name == "bwd_keys":
+        return [(dict(BLOCK_K=k), w, s) for k in (64, 128) for w in (4, 8) for s in (1, 2)]
+    else:
+        raise ValueError(f"no candidates for kernel {name!r}")
+    return [(t, w, s) for t in grid for w in (4, 8) for s in (3, 4)]
+
+
+# The fixed config per kernel: the interpreter's and the tests'.
+_FIXED = {
+    "fwd_scores": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64), 4, 3),
+    "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64), 4, 3),
+    "bwd_scores": (dict(BLOCK_N=32), 4, 1),
+    "bwd_keys": (dict(BLOCK_K=64), 4, 1),
+}
+_KERNELS = {
+    "fwd_scores": _layer_attention_fwd_scores_kernel,
+    "fwd_values": _layer_attention_fwd_values_kernel,
+    "bwd_scores": _layer_attention_bwd_scores_kernel,
+    "bwd_keys": _layer_attention_bwd_keys_kernel,
+}
+_AUTOTUNE_KEY = {
+    "fwd_scores": ["H", "K", "J", "N_BUCKET"],
+    "fwd_values": ["H", "J", "N_BUCKET"],
+    "bwd_scores": ["H", "J"],
+    "bwd_keys": ["H", "K", "J"],
+}
+_RESTORE = {"bwd_keys": ["V_ptr", "Z_ptr"]}  # overwritten in place: restored between trials
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def layer_attention_configs(name: str, shape: Optional[dict] = None) -> list[tuple[dict, int, int]]:
+    """The configs kernel ``name`` can launch: the fixed one under the interpreter, else every
+    kept candidate. ``shape`` (H, K, J) fills the per-shape constexprs (BLOCK_J, BLOCK_D)
+    that ``_keep`` needs; the BERT-base shape by default."""
+    shape = shape or dict(H=768, K=768, J=12)
+    fixed = _shape_constexprs(shape["H"], shape["J"])
+    if _interpreting():
+        tiles, w, s = _FIXED[name]
+        return [(dict(tiles), w, s)]
+    fixed["BLOCK_N"] = BWD_KEYS_BLOCK_N  # the key-gradient kernel's fixed token tile
+    return [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**fixed, **t}, w, s)]
+
+
+def _shape_constexprs(H: int, J: int) -> dict:
+    """Per-shape tile widths: heads padded to a power of two >= 16 (for tl.dot), one head's
+    D = H / J columns padded to a power of two."""
+    return dict(BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_D=triton.next_power_of_2(H // J))
+
+
+@functools.cache
+def _tuned(name: str):
+    """Kernel ``name`` autotuned over its kept configs (GPU only)."""
+    configs = [triton.Config(t, num_warps=w, num_stages=s) for t, w, s in layer_attention_configs(name)]
+    return triton.autotune(configs=configs, key=_AUTOTUNE_KEY[name],
+                           restore_value=_RESTORE.get(name, []))(_KERNELS[name])
+
+
+def _launch(name: str, grid, *args, **kwargs) -> None:
+    """Launch kernel ``name``: its fixed config under the interpreter, autotuned on a GPU.
+
+    ``grid`` maps the config's tiles to the launch grid.
+    """
+    if _interpreting():
+        tiles, warps, stages = _FIXED[name]
+        _KERNELS[name][grid(tiles)](*args, **kwargs, **tiles, num_warps=warps, num_stages=stages)
+    else:
+        _tuned(name)[grid](*args, **kwargs)
+
+
+def _n_bucket(n: int) -> int:
+    """The autotuning key for a token count: its power of two, clamped to [1024, 65536]."""
+    return min(max(triton.next_power_of_2(n), 1024), 65536)
+
+
+def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 12, H: int = 768,
+                                  K: int = 768, J: int = 12, dropout: bool = False) -> list[dict]:
+    """Every (kernel, config) a launch at this shape and dtype can use, as ``triton.compile``
+    inputs: ``{"kernel", "fn", "signature", "constexprs", "num_warps", "num_stages", "tiles"}``.
+
+    ``signature`` maps each argument to a Triton type ("*bf16", "*fp32", "i32", "fp32" or
+    "constexpr"); ``constexprs`` gives the constexpr values. For ``bench/compile_report.py``.
+    """
+    elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DWA_ptr"}
+    shape = _shape_constexprs(H, J)
+    common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
+    drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
+    cases = []
+    for name, fn in _KERNELS.items():
+        for tiles, warps, stages in layer_attention_configs(name, dict(H=H, K=K, J=J)):
+            extra = dict(BLOCK_N=BWD_KEYS_BLOCK_N) if name == "bwd_keys" else {}
+            values = {**common, **drops, **extra, **tiles}
+            consts = {a: values[a] for a in fn.arg_names if a in values}
+            signature = {}
+            for a in fn.arg_names:
+                if a in consts:
+                    signature[a] = "constexpr"
+                elif a.endswith("_ptr"):
+                    signature[a] = "*fp32" if a in acc_ptrs else f"*{elem}"
+                elif a.startswith(("rate", "scale")):
+                    signature[a] = "fp32"
+                else:
+                    signature[a] = "i32"
+            cases.append(dict(kernel=name, fn=fn, signature=signature, constexprs=consts,
+                              num_warps=warps, num_stages=stages, tiles=tiles))
+    return cases
+
+
+# ------------------------------------------------------------------------ launchers
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _blocks(H: int, K: int, J: int) -> dict:
-    """Tile sizes: 64-wide feature tiles, heads padded to a power of two >= 16 for tl.dot."""
-    return dict(
-        BLOCK_N=64,
-        BLOCK_I=64,
-        BLOCK_O=64,
-        BLOCK_K=64,
-        BLOCK_J=max(16, triton.next_power_of_2(J)),
-    )
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -443,15 +508,12 @@ def _rates(dropout: tuple[float, float, float], seed: int) -> dict:
 
 
 def _check_launchable(t: Tensor) -> None:
-    if t.device.type == "cpu":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise RuntimeError(
-                "the triton backend runs on CPU tensors only under the Triton interpreter: "
-                "set TRITON_INTERPRET=1 in the environment before importing mhmla_fast "
-                "(or use backend='torch' on CPU)"
-            )
+    if t.device.type == "cpu" and not _interpreting():
+        raise RuntimeError(
+            "the triton backend runs on CPU tensors only under the Triton interpreter: "
+            "set TRITON_INTERPRET=1 in the environment before importing mhmla_fast "
+            "(or use backend='torch' on CPU)"
+        )
 
 
 def layer_attention_fwd(
@@ -468,28 +530,47 @@ def layer_attention_fwd(
     L, N, H = hidden.shape
     K, J = w_k.shape[2], num_heads
     acc = _acc_dtype(hidden.dtype)
-    meta = _blocks(H, K, J)
+    shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(hidden.dtype), ACC=_ACC.get(hidden.dtype, tl.float32))
     r = _rates(dropout, seed)
     drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
     scores = torch.empty((L, N, J), device=hidden.device, dtype=acc)
-    grid = (triton.cdiv(N, meta["BLOCK_N"]), L)
-    _layer_attention_fwd_scores_kernel[grid](
+    _launch(
+        "fwd_scores", lambda m: (triton.cdiv(N, m["BLOCK_N"]), L),
         hidden, w_k, b_k, w_a, b_a, scores, N, H, K, J,
         r["seed_h"], r["rate_h"], r["scale_h"], r["seed_k"], r["rate_k"], r["scale_k"],
-        DROP_H=drop_h, DROP_K=drop_k, BLOCK_N=meta["BLOCK_N"], BLOCK_I=meta["BLOCK_I"],
-        BLOCK_K=meta["BLOCK_K"], BLOCK_J=meta["BLOCK_J"], **common,
+        DROP_H=drop_h, DROP_K=drop_k, N_BUCKET=_n_bucket(N), BLOCK_J=shape["BLOCK_J"], **common,
     )
     p = torch.softmax(scores, dim=0)
     c = torch.empty((N, H), device=hidden.device, dtype=hidden.dtype)
-    grid = (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(H, meta["BLOCK_O"]))
-    _layer_attention_fwd_values_kernel[grid](
+    _launch(
+        "fwd_values", lambda m: (triton.cdiv(N, m["BLOCK_N"]), triton.cdiv(H, m["BLOCK_O"])),
         hidden, w_v, b_v, p, c, L, N, H, J, H // J,
         r["seed_h"], r["rate_h"], r["scale_h"], r["seed_p"], r["rate_p"], r["scale_p"],
-        DROP_H=drop_h, DROP_P=drop_p, BLOCK_N=meta["BLOCK_N"], BLOCK_O=meta["BLOCK_O"],
-        BLOCK_I=meta["BLOCK_I"], **common,
+        DROP_H=drop_h, DROP_P=drop_p, N_BUCKET=_n_bucket(N), **common,
     )
     return c, p
+
+
+def _bwd_chunks(L: int, N: int, H: int, K: int) -> list[tuple[int, int]]:
+    """Token ranges [n0, n1) of the backward: L x (n1 - n0) x (H + K) <= BWD_CHUNK_ELEMENTS
+    (at least 64 tokens), equal sizes rounded up to a multiple of 64."""
+    most = max(64, BWD_CHUNK_ELEMENTS // (L * (H + K)))
+    count = triton.cdiv(N, most)
+    size = triton.cdiv(triton.cdiv(N, count), 64) * 64
+    return [(n0, min(N, n0 + size)) for n0 in range(0, N, size)]
+
+
+def _dropout_rows(x: Tensor, out: Tensor, N: int, n0: int, seed: int, rate: float,
+                  scale: float) -> Tensor:
+    """out = x keep / (1 - rate) for rows n0 .. n0 + M of an [L, N, W] tensor (views [L, M, W]
+    with unit row stride W), the keep mask drawn at the whole tensor's flat offsets."""
+    L, M, W = x.shape
+    _layer_attention_dropout_rows_kernel[(triton.cdiv(M * W, _DROPOUT_BLOCK), L)](
+        x, out, M, W, N, n0, x.stride(0), out.stride(0), seed, rate, scale,
+        ACC=_ACC.get(x.dtype, tl.float32), BLOCK=_DROPOUT_BLOCK,
+    )
+    return out
 
 
 def layer_attention_bwd(
@@ -500,54 +581,82 @@ def layer_attention_bwd(
     """Fused backward: (dh [L, N, H], dw_v, db_v, dw_k, db_k, dw_a, db_a).
 
     ``dc`` [N, H] is the gradient of c, ``dp`` [L, N, J] (or None) that of the returned
-    layer weights; the other arguments are the forward's inputs and its weights p. Only one
-    [L, N, K] buffer (the recomputed key pre-activations) and [L, N, J]-sized ones are
-    allocated besides the gradients themselves.
+    layer weights; the other arguments are the forward's inputs and its weights p. Works in
+    chunks of tokens (``_bwd_chunks``): besides the gradients it allocates v and z of one
+    chunk ([L, M, H] and [L, M, K]), h with dropout for one chunk when the forward dropped
+    it, [L, M, J]-sized score tensors, and fp32 weight-gradient accumulators when there is
+    more than one chunk (16-bit inputs).
     """
     _check_launchable(hidden)
     L, N, H = hidden.shape
     K, J = w_k.shape[2], num_heads
     D = H // J
-    acc = _acc_dtype(hidden.dtype)
-    meta = _blocks(H, K, J)
-    common = dict(PREC=_precision(hidden.dtype), ACC=_ACC.get(hidden.dtype, tl.float32))
+    dtype, dev = hidden.dtype, hidden.device
+    acc = _acc_dtype(dtype)
+    shape = _shape_constexprs(H, J)
+    common = dict(ACC=_ACC.get(dtype, tl.float32), BLOCK_J=shape["BLOCK_J"],
+                  BLOCK_D=shape["BLOCK_D"])
     r = _rates(dropout, seed)
-    drop = dict(zip(("DROP_H", "DROP_K", "DROP_P"), (rate > 0 for rate in dropout)))
-    seeds_hkp = (r["seed_h"], r["rate_h"], r["scale_h"], r["seed_k"], r["rate_k"], r["scale_k"],
-                 r["seed_p"], r["rate_p"], r["scale_p"])
+    drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
     dc = dc.contiguous()
-    dp_c = torch.empty((L, N, J), device=hidden.device, dtype=acc)
-    z = torch.empty((L, N, K), device=hidden.device, dtype=hidden.dtype)
-    bn = meta["BLOCK_N"]
-    _layer_attention_bwd_scores_kernel[(triton.cdiv(N, bn), L)](
-        hidden, w_v, b_v, w_k, b_k, dc, dp_c, z, N, H, K, J, D,
-        r["seed_h"], r["rate_h"], r["scale_h"], r["seed_p"], r["rate_p"], r["scale_p"],
-        DROP_H=drop["DROP_H"], DROP_P=drop["DROP_P"],
-        BLOCK_N=bn, BLOCK_O=meta["BLOCK_O"], BLOCK_I=meta["BLOCK_I"],
-        BLOCK_K=meta["BLOCK_K"], BLOCK_J=meta["BLOCK_J"], **common,
-    )
-    if dp is not None:  # a gradient flowing into the returned layer weights
-        dp_c += dp.to(acc)
-    da = p * (dp_c - (p * dp_c).sum(0, keepdim=True))  # softmax backward over the layers
+    chunks = _bwd_chunks(L, N, H, K)
     dh = torch.empty_like(hidden)
-    _layer_attention_bwd_hidden_kernel[(triton.cdiv(N, bn), triton.cdiv(H, meta["BLOCK_I"]), L)](
-        w_v, w_k, w_a, p, dc, da, z, dh, N, H, K, J, D, *seeds_hkp, **drop,
-        BLOCK_N=bn, BLOCK_I=meta["BLOCK_I"], BLOCK_O=meta["BLOCK_O"], BLOCK_K=meta["BLOCK_K"],
-        BLOCK_J=meta["BLOCK_J"], **common,
-    )
-    grads = []
-    for mode, (I, O) in enumerate(((H, H), (H, K), (K, J))):
-        block_o = meta["BLOCK_J"] if mode == 2 else meta["BLOCK_O"]
-        dw = torch.empty((L, I, O), device=hidden.device, dtype=acc)
-        db = torch.empty((L, O), device=hidden.device, dtype=acc)
-        grid = (triton.cdiv(I, meta["BLOCK_I"]), triton.cdiv(O, block_o), L)
-        _layer_attention_bwd_weights_kernel[grid](
-            hidden, w_a, p, dc, da, z, dw, db, N, H, K, J, D, I, O, *seeds_hkp,
-            MODE=mode, **drop, BLOCK_N=bn, BLOCK_I=meta["BLOCK_I"], BLOCK_O=block_o,
-            BLOCK_J=meta["BLOCK_J"], **common,
+    w_v_t, w_k_t = w_v.mT, w_k.mT
+    # weight gradients: straight into the input dtype for one chunk; else accumulated in acc
+    dw_v = dw_k = None
+    db_v = torch.zeros((L, H), device=dev, dtype=acc)
+    db_k = torch.zeros((L, K), device=dev, dtype=acc)
+    dw_a = torch.zeros((L, K, J), device=dev, dtype=acc)
+    db_a = torch.zeros((L, J), device=dev, dtype=acc)
+    for n0, n1 in chunks:
+        M = n1 - n0
+        h = hidden[:, n0:n1]
+        if drop_h:
+            h = _dropout_rows(h, torch.empty((L, M, H), device=dev, dtype=dtype), N, n0,
+                              r["seed_h"], r["rate_h"], r["scale_h"])
+        v = torch.baddbmm(b_v.unsqueeze(1), h, w_v)  # [L, M, H]
+        z = torch.baddbmm(b_k.unsqueeze(1), h, w_k)  # [L, M, K]
+        dc_m = dc[n0:n1]
+        dp_m = torch.empty((L, M, J), device=dev, dtype=acc)
+        _launch(
+            "bwd_scores", lambda m: (triton.cdiv(M, m["BLOCK_N"]), L),
+            v, dc_m, dp_m, M, N, n0, H, J, D, r["seed_p"], r["rate_p"], r["scale_p"],
+            DROP_P=drop_p, **common,
         )
-        grads += [dw.to(hidden.dtype), db.to(hidden.dtype)]
-    return (dh, *grads)
+        if dp is not None:  # a gradient flowing into the returned layer weights
+            dp_m += dp[:, n0:n1]
+        p_m = p[:, n0:n1].contiguous()
+        da = p_m * (dp_m - (p_m * dp_m).sum(0, keepdim=True))  # softmax backward over layers
+        db_a += da.sum(1)
+        tiles = triton.cdiv(M, BWD_KEYS_BLOCK_N)
+        dw_a_tiles = torch.empty((tiles, L, K, J), device=dev, dtype=acc)
+        _launch(
+            "bwd_keys", lambda m: (tiles, L),
+            v, z, dc_m, p_m, da, w_a, dw_a_tiles, L, M, N, n0, H, K, J, D,
+            r["seed_k"], r["rate_k"], r["scale_k"], r["seed_p"], r["rate_p"], r["scale_p"],
+            DROP_K=drop_k, DROP_P=drop_p, BLOCK_N=BWD_KEYS_BLOCK_N, PREC=_precision(dtype),
+            **common,
+        )
+        dv, dz = v, z  # overwritten in place by the key-gradient kernel
+        dw_a += dw_a_tiles.sum(0)
+        dh_m = torch.bmm(dv, w_v_t, out=dh[:, n0:n1])
+        dh_m.baddbmm_(dz, w_k_t)
+        if drop_h:
+            _dropout_rows(dh_m, dh_m, N, n0, r["seed_h"], r["rate_h"], r["scale_h"])
+        if len(chunks) == 1:
+            dw_v, dw_k = torch.bmm(h.mT, dv), torch.bmm(h.mT, dz)
+        elif dw_v is None:
+            dw_v, dw_k = torch.bmm(h.mT, dv).to(acc), torch.bmm(h.mT, dz).to(acc)
+        elif dtype == acc:
+            dw_v.baddbmm_(h.mT, dv)
+            dw_k.baddbmm_(h.mT, dz)
+        else:
+            dw_v += torch.bmm(h.mT, dv)
+            dw_k += torch.bmm(h.mT, dz)
+        db_v += dv.sum(1, dtype=acc)
+        db_k += dz.sum(1, dtype=acc)
+    grads = (dw_v, db_v, dw_k, db_k, dw_a, db_a)
+    return (dh, *(g.to(dtype) for g in grads))
 
 
 def layer_attention_dropout_masks(
@@ -556,7 +665,8 @@ def layer_attention_dropout_masks(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The keep masks (int8, 1 = kept) the kernels use for ``seed``: [L,N,H], [L,N,K], [L,N,J].
 
-    For tests and debugging: the kernels themselves never materialise them.
+    For tests, debugging and the eager backward of ``backend="auto"``: the fused kernels
+    themselves never materialise them.
     """
     r = _rates(dropout, seed)
     out = []
@@ -564,8 +674,8 @@ def layer_attention_dropout_masks(
         keep = torch.empty(shape, dtype=torch.int8, device=device)
         _check_launchable(keep)
         numel = keep.numel()
-        _layer_attention_dropout_masks_kernel[(triton.cdiv(numel, 1024),)](
-            keep, numel, r[f"seed_{name}"], r[f"rate_{name}"], BLOCK=1024,
+        _layer_attention_dropout_masks_kernel[(triton.cdiv(numel, _DROPOUT_BLOCK),)](
+            keep, numel, r[f"seed_{name}"], r[f"rate_{name}"], BLOCK=_DROPOUT_BLOCK,
         )
         out.append(keep)
     return tuple(out)
@@ -612,42 +722,89 @@ def _(dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, num_heads, dropout_h, dro
     return tuple(torch.empty_like(t) for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a))
 
 
+IMPLEMENTATIONS = ("triton", "torch")
+
+
+def _reference_replaying_masks(inputs, num_heads, dropout, seed):
+    """The eager reference on the fused kernels' dropout masks for ``seed``: (c, p)."""
+    from mhmla_fast.reference import layer_attention_reference
+
+    hidden, w_k = inputs[0], inputs[3]
+    masks = None
+    if any(rate > 0 for rate in dropout):
+        L, N, H = hidden.shape
+        shapes = ((L, N, H), (L, N, w_k.shape[2]), (L, N, num_heads))
+        keep = layer_attention_dropout_masks(*shapes, dropout, seed, hidden.device)
+        masks = tuple(m if rate > 0 else None for m, rate in zip(keep, dropout))
+    return layer_attention_reference(
+        *inputs, num_heads, dropout_h=dropout[0], dropout_k=dropout[1], dropout_p=dropout[2],
+        training=masks is not None, masks=masks,
+    )
+
+
 class LayerAttentionFunction(torch.autograd.Function):
-    """Autograd over the fused ops; saves the inputs and p [L, N, J], nothing L x N x H."""
+    """Autograd over the layer-attention ops with one implementation per direction.
+
+    ``kernels`` = (forward, backward), each ``"triton"`` (the fused ops) or ``"torch"`` (the
+    eager reference on the same dropout masks, which the fused kernels' seed regenerates), so
+    ``backend="auto"`` can take the faster one in each direction. Saves the inputs and
+    p [L, N, J], nothing L x N x H.
+    """
 
     @staticmethod
     def forward(ctx, hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout_h, dropout_k,
-                dropout_p, seed):
-        c, p = torch.ops.mhmla_fast.layer_attention_fwd(
-            hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout_h, dropout_k, dropout_p,
-            seed,
-        )
+                dropout_p, seed, kernels):
+        dropout = (dropout_h, dropout_k, dropout_p)
+        if kernels[0] == "triton":
+            c, p = torch.ops.mhmla_fast.layer_attention_fwd(
+                hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, *dropout, seed,
+            )
+        else:
+            c, p = _reference_replaying_masks((hidden, w_v, b_v, w_k, b_k, w_a, b_a),
+                                              num_heads, dropout, int(seed.item()))
         ctx.save_for_backward(hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed)
         ctx.c_shape = c.shape
-        ctx.config = (num_heads, dropout_h, dropout_k, dropout_p)
+        ctx.config = (num_heads, *dropout)
+        ctx.backward_kernels = kernels[1]
         ctx.set_materialize_grads(False)
         return c, p
 
     @staticmethod
     def backward(ctx, dc, dp):
         hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed = ctx.saved_tensors
+        inputs = (hidden, w_v, b_v, w_k, b_k, w_a, b_a)
         if dc is None:
             dc = hidden.new_zeros(ctx.c_shape)
-        grads = torch.ops.mhmla_fast.layer_attention_bwd(
-            dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, *ctx.config, seed,
-        )
-        return (*grads, None, None, None, None, None)
+        if ctx.backward_kernels == "triton":
+            grads = torch.ops.mhmla_fast.layer_attention_bwd(dc, dp, *inputs, p, *ctx.config, seed)
+        else:
+            num_heads, *dropout = ctx.config
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in inputs]
+                c, p_ref = _reference_replaying_masks(leaves, num_heads, dropout, int(seed.item()))
+                outs, douts = [c], [dc]
+                if dp is not None:
+                    outs.append(p_ref)
+                    douts.append(dp)
+                grads = torch.autograd.grad(outs, leaves, douts, allow_unused=True)
+            grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
+        return (*grads, None, None, None, None, None, None)
 
 
 def layer_attention_triton(
     hidden: Tensor, w_v: Tensor, b_v: Tensor, w_k: Tensor, b_k: Tensor, w_a: Tensor,
     b_a: Tensor, num_heads: int, *, dropout: tuple[float, float, float] = (0.0, 0.0, 0.0),
-    seed: Optional[int] = None,
+    seed: Optional[int] = None, kernels: tuple[str, str] = ("triton", "triton"),
 ) -> tuple[Tensor, Tensor]:
     """Differentiable fused MHMLA on validated [L, N, H] inputs: (c [N, H], p [L, N, J]).
 
     ``seed`` fixes the dropout masks (drawn from torch's default generator if None).
+    ``kernels`` = (forward, backward) implementations, each "triton" or "torch" (see
+    ``LayerAttentionFunction``).
     """
+    kernels = tuple(kernels)
+    if len(kernels) != 2 or any(k not in IMPLEMENTATIONS for k in kernels):
+        raise ValueError(f"kernels: expected (forward, backward) from {IMPLEMENTATIONS}, got {kernels!r}")
     if not any(rate > 0 for rate in dropout):
         seed_t = torch.zeros((), dtype=torch.int64)  # no dropout: draw nothing from the RNG
     elif seed is None:
@@ -655,4 +812,4 @@ def layer_attention_triton(
     else:
         seed_t = torch.tensor(int(seed), dtype=torch.int64)
     args = [t.contiguous() for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a)]
-    return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t)
+    return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t, kernels)

@@ -8,11 +8,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .dispatch import BACKENDS, layer_attention_kernels
 from .reference import layer_attention_reference
 
 __all__ = ["layer_attention", "BACKENDS"]
-
-BACKENDS = ("auto", "torch", "triton")
 
 
 def _shape(t: Tensor) -> list[int]:
@@ -144,7 +143,8 @@ def layer_attention(
         training: apply dropout.
         return_weights: also return the layer weights p.
         backend: "torch" (eager reference, any device), "triton" (fused kernels: CUDA, or
-            CPU under TRITON_INTERPRET=1), "auto" (triton on CUDA, torch elsewhere).
+            CPU under TRITON_INTERPRET=1), "auto" (per device and direction, the
+            implementation measured fastest: ``mhmla_fast.dispatch.AUTO_KERNELS``).
         block_diagonal: per-head scoring from the head's own K/J slice of the keys.
 
     Returns:
@@ -162,21 +162,21 @@ def layer_attention(
     L, N, H, K = _check(hidden, params, num_heads, block_diagonal, rates, backend)
     lead = hidden.shape[1:-1]
     flat = hidden.reshape(L, N, H)
-    if backend == "auto":
-        backend = "triton" if flat.is_cuda else "torch"
+    kernels = layer_attention_kernels(backend, flat.device)
     dropout = tuple(float(r) if training else 0.0 for r in rates.values())
-    if backend == "torch":
+    if kernels == ("torch", "torch"):
         c, p = layer_attention_reference(
             flat, w_v, b_v, w_k, b_k, w_a, b_a, num_heads,
             dropout_h=dropout[0], dropout_k=dropout[1], dropout_p=dropout[2],
             training=training, block_diagonal=block_diagonal,
         )
     else:
-        from .kernels.layer_attention import layer_attention_triton
+        from mhmla_fast.kernels.layer_attention import layer_attention_triton
 
         if block_diagonal:
             w_a = _block_diagonal_dense(w_a)
-        c, p = layer_attention_triton(flat, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout=dropout)
+        c, p = layer_attention_triton(flat, w_v, b_v, w_k, b_k, w_a, b_a, num_heads,
+                                      dropout=dropout, kernels=kernels)
     c = c.reshape(*lead, H)
     if not return_weights:
         return c

@@ -212,7 +212,12 @@ def test_triton_gradcheck_float64():
 
 
 @needs_triton
-def test_triton_weight_gradients_are_deterministic():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_triton_weight_gradients_are_deterministic(monkeypatch, chunked):
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    if chunked:
+        monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", 3 * (64 + 48) * 64)
     ts = make_inputs(3, 150, 64, 48, 4, device=DEVICE)
     grad_c = torch.randn(150, 64, dtype=torch.float64, device=DEVICE)
     first = run(ts, 4, "triton", grad_c)
@@ -265,19 +270,103 @@ def test_large_scores_stay_finite(dtype):
     torch.testing.assert_close(c.double(), ref_c, rtol=tol, atol=tol * 10)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_backward_in_token_chunks_matches_reference(monkeypatch, dtype):
+    """The backward over several token chunks (uneven last chunk) equals the one-chunk rule."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    L, N, H, K, J = 3, 150, 48, 40, 4
+    monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", L * (H + K) * 64)
+    assert kernels._bwd_chunks(L, N, H, K) == [(0, 64), (64, 128), (128, 150)]
+    base = make_inputs(L, N, H, K, J, dtype=torch.float64, device=DEVICE, seed=11)
+    g = torch.Generator().manual_seed(6)
+    grad_c = torch.randn(N, H, generator=g, dtype=torch.float64).to(DEVICE)
+    grad_p = torch.randn(N, L, J, generator=g, dtype=torch.float64).to(DEVICE)
+    oracle = run(base, J, "torch", grad_c, grad_p)
+    eager = run([t.to(dtype) for t in base], J, "torch", grad_c, grad_p)
+    fused = run([t.to(dtype) for t in base], J, "triton", grad_c, grad_p)
+    floor = 1e-5 if dtype == torch.float32 else 1e-3
+    for i, name in enumerate(("c", "p") + tuple(f"d{n}" for n in NAMES)):
+        assert_close_to_oracle(name, fused[i], eager[i], oracle[i], 2.0 if i < 2 else 3.0, floor)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernels", [("triton", "torch"), ("torch", "triton"), ("torch", "torch")])
+def test_mixed_directions_match_the_fused_op(kernels):
+    """A fused forward with an eager backward (or the reverse) replays the same dropout masks,
+    so every direction mix gives the fused op's outputs and gradients."""
+    from mhmla_fast.kernels.layer_attention import layer_attention_triton
+
+    L, N, H, K, J = 3, 45, 48, 40, 4
+    rates = (0.3, 0.2, 0.4)
+    ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=4)
+    grad_c = torch.randn(N, H, device=DEVICE)
+    grad_p = torch.randn(L, N, J, device=DEVICE)
+
+    def go(kern):
+        xs = leaves(ts)
+        c, p = layer_attention_triton(*xs, J, dropout=rates, seed=77, kernels=kern)
+        return [c, p, *torch.autograd.grad((c * grad_c).sum() + (p * grad_p).sum(), xs)]
+
+    fused, mixed = go(("triton", "triton")), go(kernels)
+    for name, a, b in zip(("c", "p") + NAMES, fused, mixed):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(ValueError, match="kernels: expected"):
+        layer_attention_triton(*ts, J, kernels=("triton", "cuda"))
+
+
+def test_auto_backend_follows_the_measured_table(monkeypatch):
+    from mhmla_fast import dispatch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert dispatch.layer_attention_kernels("auto", cpu) == ("torch", "torch")
+    assert dispatch.layer_attention_kernels("auto", cuda) == dispatch.AUTO_KERNELS["cuda"]
+    assert dispatch.layer_attention_kernels("triton", cpu) == ("triton", "triton")
+    assert dispatch.layer_attention_kernels("torch", cuda) == ("torch", "torch")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        dispatch.layer_attention_kernels("fast", cpu)
+    # every entry of the table is a pair of implementations
+    assert all(pair[0] in ("torch", "triton") and pair[1] in ("torch", "triton")
+               for pair in dispatch.AUTO_KERNELS.values())
+
+
+@needs_triton
+def test_auto_backend_runs_the_pair_the_table_names(monkeypatch):
+    """With the table saying (fused forward, eager backward) for this device, "auto" runs
+    exactly that: the forward equals the fused op bit for bit, the gradients eager's."""
+    from mhmla_fast import dispatch
+
+    L, N, H, K, J = 2, 30, 24, 16, 4
+    ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=8)
+    grad_c = torch.randn(N, H, device=DEVICE, dtype=torch.float64)
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type, ("triton", "torch"))
+    auto = run(ts, J, "auto", grad_c)
+    fused = run(ts, J, "triton", grad_c)
+    eager = run(ts, J, "torch", grad_c)
+    assert torch.equal(auto[0], fused[0]) and torch.equal(auto[1], fused[1])
+    for name, a, b in zip(NAMES, auto[2:], eager[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ------------------------------------------------------------------------------ dropout
 
 
 @needs_triton
-def test_triton_dropout_backward_replays_forward_masks():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_triton_dropout_backward_replays_forward_masks(monkeypatch, chunked):
     """With the kernels' masks, the reference reproduces the fused forward and every gradient.
 
-    A backward that drew different masks than its forward would fail this.
+    A backward that drew different masks than its forward (in any token chunk) would fail this.
     """
+    import mhmla_fast.kernels.layer_attention as kernels
     from mhmla_fast.kernels.layer_attention import (layer_attention_dropout_masks,
                                                     layer_attention_triton)
 
     L, N, H, K, J = 3, 70, 48, 40, 4
+    if chunked:
+        monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", L * (H + K) * 64)
+        assert len(kernels._bwd_chunks(L, N, H, K)) == 2
     rates = (0.3, 0.2, 0.4)
     ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE))
     grad_c = torch.randn(N, H, device=DEVICE)

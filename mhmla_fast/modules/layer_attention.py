@@ -44,7 +44,8 @@ class FusedLayerAttention(nn.Module):
         dropout: rate of the dropout on h^l, k^l and on the layer weights p during
             training (paper: 0.3); in ``"avgl"`` and ``"last"`` modes on h^l only.
         block_diagonal: head j scores only from its own K/J slice of k^l.
-        backend: ``"auto"`` (fused Triton on CUDA, eager elsewhere), ``"torch"``, ``"triton"``.
+        backend: ``"auto"`` (per device and direction the implementation measured fastest,
+            see ``mhmla_fast.dispatch``), ``"torch"`` (eager), ``"triton"`` (fused).
 
     Parameters, per selected layer: ``w_v`` [L, H, H], ``b_v`` [L, H], ``w_k`` [L, H, K],
     ``b_k`` [L, K], ``w_a`` [L, K, J] ([L, K/J, J] block-diagonal), ``b_a`` [L, J]. Weights

@@ -1,0 +1,193 @@
+"""Compile report of the layer-attention kernels for an H100 (sm_90), on a machine without a GPU.
+
+    python bench/compile_report.py                      # table + bench/results/compile_report_sm90.json
+    python bench/compile_report.py --json OUT.json --shapes bert-base --dropout off
+
+For every kernel of ``mhmla_fast.kernels.layer_attention`` and every config it can launch (the
+autotuning candidates its ``keep`` rule admits), at BERT-base (L = 12, H = K = 768, J = 12)
+and MiniLM (L = 6, H = K = 384, J = 12) shape, in bf16, with dropout off and on (training
+launches the dropout variants), this compiles the kernel with ``triton.compile`` for
+``GPUTarget("cuda", 90, 32)`` and records:
+
+    registers     per thread (cuobjdump --dump-resource-usage of the cubin)
+    spill_bytes   the local-memory stack frame (STACK); > 0 means registers spilled
+    shared_bytes  shared memory per block (Triton's metadata)
+    dots          tl.dot sites in the kernel (TTGIR ``tt.dot`` plus ``ttng.warp_group_dot``)
+    wgmma_dots    of those, lowered to Hopper's asynchronous warp-group MMA
+    wgmma_ptx     ``wgmma.mma_async`` instructions in the PTX
+
+A config fails the gate when it spills or when one of its dots is not a wgmma (an ``mma.sync``
+or FMA dot is several times slower on Hopper). The exit status is 1 when any config fails, so
+``tests/test_compile_report.py`` runs it as CI's compile gate.
+
+Triton must not be in interpreter mode: this script removes ``TRITON_INTERPRET`` from its own
+environment before importing Triton (under the interpreter ``@triton.jit`` functions cannot be
+compiled), so it can be started from a test session that has it set. Compiles run in a pool of
+processes and land in Triton's on-disk cache, so a second run takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # before Triton is imported: compile, do not interpret
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "compile_report_sm90.json"
+SHAPES = {
+    "bert-base": dict(L=12, H=768, K=768, J=12),
+    "minilm": dict(L=6, H=384, K=384, J=12),
+}
+ARCH = 90
+
+
+def _kernels_module():
+    try:
+        import mhmla_fast.kernels.layer_attention as kernels
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        import mhmla_fast.kernels.layer_attention as kernels
+    return kernels
+
+
+def _cuobjdump() -> str:
+    import triton.backends.nvidia as nvidia
+
+    path = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not path.exists():
+        raise FileNotFoundError(f"cuobjdump not found at {path} (it ships with Triton's NVIDIA backend)")
+    return str(path)
+
+
+def _case_key(case: dict) -> tuple:
+    consts = tuple(sorted((k, str(v)) for k, v in case["constexprs"].items()))
+    return case["kernel"], consts, case["num_warps"], case["num_stages"]
+
+
+def compile_case(job: tuple[str, dict, bool, int]) -> dict:
+    """Compile case ``index`` of ``layer_attention_compile_cases(shape, dropout)`` for sm_90."""
+    shape_name, shape, dropout, index = job
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = _kernels_module()
+    case = kernels.layer_attention_compile_cases(torch.bfloat16, dropout=dropout, **shape)[index]
+    fn = case["fn"]
+    row = {"kernel": case["kernel"], "shape": shape_name, "dtype": "bf16", "dropout": dropout,
+           "tiles": case["tiles"], "num_warps": case["num_warps"], "num_stages": case["num_stages"]}
+    try:
+        src = ASTSource(fn=fn, signature=case["signature"],
+                        constexprs={(fn.arg_names.index(k),): v for k, v in case["constexprs"].items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", ARCH, 32),
+                                  options=dict(num_warps=case["num_warps"], num_stages=case["num_stages"]))
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is a finding
+        return {**row, "error": f"{type(e).__name__}: {str(e)[:300]}", "passed": False}
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+        cubin = f.name
+    try:
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin], capture_output=True,
+                               text=True, check=True).stdout
+    finally:
+        os.unlink(cubin)
+
+    def field(name: str) -> int | None:
+        m = re.search(rf"{name}:(\d+)", usage)
+        return int(m.group(1)) if m else None
+
+    ttgir = compiled.asm["ttgir"]
+    plain = len(re.findall(r"= tt\.dot ", ttgir))
+    wgmma = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
+    row.update(registers=field("REG"), spill_bytes=field("STACK"), shared_bytes=compiled.metadata.shared,
+               dots=plain + wgmma, wgmma_dots=wgmma, wgmma_ptx=compiled.asm["ptx"].count("wgmma.mma_async"),
+               error=None)
+    reasons = []
+    if row["spill_bytes"] is None or row["spill_bytes"] > 0:
+        reasons.append(f"spills {row['spill_bytes']} bytes")
+    if plain:
+        reasons.append(f"{plain} of {plain + wgmma} dots are not wgmma")
+    row["passed"] = not reasons
+    row["failure"] = "; ".join(reasons) or None
+    return row
+
+
+def run_report(shapes: list[str], dropouts: list[bool], workers: int | None = None) -> list[dict]:
+    """Compile every distinct (kernel, config) of the given shapes and dropout settings."""
+    import torch
+
+    kernels = _kernels_module()
+    jobs, seen = [], set()
+    for name in shapes:
+        for dropout in dropouts:
+            for i, case in enumerate(kernels.layer_attention_compile_cases(
+                    torch.bfloat16, dropout=dropout, **SHAPES[name])):
+                key = _case_key(case)
+                if key not in seen:  # the same constexprs compile to the same binary
+                    seen.add(key)
+                    jobs.append((name, SHAPES[name], dropout, i))
+    with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        return list(pool.map(compile_case, jobs))
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'kernel':11s} {'shape':9s} {'drop':4s} {'tiles':34s} {'w':>2s} {'s':>2s} {'regs':>4s} "
+            f"{'spill':>5s} {'smem KB':>7s} {'dots':>4s} {'wgmma':>5s}  verdict")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tiles = ",".join(f"{k.removeprefix('BLOCK_')}={v}" for k, v in r["tiles"].items())
+        verdict = "ok" if r["passed"] else f"FAIL: {r.get('failure') or r.get('error')}"
+        lines.append(
+            f"{r['kernel']:11s} {r['shape']:9s} {'on' if r['dropout'] else 'off':4s} {tiles:34s} "
+            f"{r['num_warps']:2d} {r['num_stages']:2d} {r.get('registers') or '-':>4} "
+            f"{r.get('spill_bytes') if r.get('spill_bytes') is not None else '-':>5} "
+            f"{(r.get('shared_bytes') or 0) / 1024:7.1f} {r.get('dots', '-'):>4} {r.get('wgmma_dots', '-'):>5}  {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="compile_report.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    p.add_argument("--dropout", choices=("off", "on", "both"), default="both")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the rows (default: %(default)s)")
+    p.add_argument("--no-json", action="store_true", help="print only")
+    p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
+    args = p.parse_args(argv)
+    dropouts = {"off": [False], "on": [True], "both": [False, True]}[args.dropout]
+
+    import torch
+    import triton
+
+    rows = run_report(args.shapes, dropouts, args.workers)
+    print(format_rows(rows))
+    failed = [r for r in rows if not r["passed"]]
+    print(f"\n{len(rows)} configs compiled for sm_{ARCH}; {len(failed)} failed the gate (spill or non-wgmma dot)")
+    if not args.no_json:
+        from mhmla_fast.provenance import git_commit  # noqa: PLC0415
+
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        header = {"target": f"cuda sm_{ARCH} (H100), compiled on a CPU", "dtype": "bf16",
+                  "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+                  "date": datetime.date.today().isoformat(), "shapes": {s: SHAPES[s] for s in args.shapes},
+                  "gate": "fails on any spill_bytes > 0 or any dot not lowered to wgmma"}
+        out.write_text(json.dumps({"report": "layer_attention_compile", "header": header, "rows": rows},
+                                  indent=1) + "\n")
+        print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
