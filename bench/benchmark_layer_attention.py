@@ -4,10 +4,16 @@
     python bench/benchmark_layer_attention.py --quick         # BERT-base, bf16, N = 4096 only
     python bench/benchmark_layer_attention.py --out DIR_OR_FILE.json --shapes minilm --dtypes fp16
 
-Providers (all on the same random inputs, checked against eager once before timing):
-    eager    backend="torch" (the eager PyTorch reference)
-    compile  torch.compile (default mode, static shapes) of a function calling backend="torch"
-    fused    backend="triton" (fused forward and backward kernels through autograd)
+Providers (all on the same random inputs; all but ``cublas`` checked against eager once before timing):
+    eager        backend="torch" (the eager PyTorch reference)
+    compile      torch.compile (default mode, static shapes) of a function calling backend="torch"
+    compile-max  the same function under torch.compile(mode="max-autotune-no-cudagraphs")
+    fused        backend="triton" (fused forward and backward kernels through autograd)
+    auto         backend="auto" (what a user gets by default: the per-device, per-direction policy)
+    cublas       the "cuBLAS line": torch.bmm of the two projections alone, v = h W_v and
+                 z = h W_k for all L layers (no bias, ReLU, scores, softmax or sum); backward is
+                 autograd through those two bmm. A floor for the counted GEMMs, not the head:
+                 never compared numerically with eager.
 
 Modes:
     forward    the forward as run in training (inputs require grad, autograd records)
@@ -26,7 +32,13 @@ FLOP convention ("model FLOPs"; a GEMM [M x K] @ [K x N] is 2*M*N*K FLOPs):
     full     = 3 * forward
     Not counted: the score GEMM k W_a (2*L*N*K*J, 0.8% of the forward at BERT-base), the
     softmax, the weighted sum, biases and ReLU, and any recomputation a backward does. So the
-    TFLOP/s figures are a slight underestimate of the arithmetic actually done.
+    TFLOP/s figures are a slight underestimate of the arithmetic actually done. The cuBLAS line
+    runs exactly the counted GEMMs, so its TFLOP/s is what cuBLAS reaches on them.
+
+Summaries written beside the rows: ``speedups`` (other provider's median / fused's, and the
+same for auto), ``targets`` (the op issue's, PASS/FAIL/n-a), ``direction_winners`` (eager or
+fused per direction, the input of the ``auto`` policy) and ``determinism`` (fused weight
+gradients bitwise equal over two identical runs).
 
 On a machine without a CUDA GPU this prints a message to stderr and exits 0, writing nothing.
 See bench/README.md for every output field and the targets.
@@ -71,27 +83,71 @@ SHAPES = {
 }
 DTYPE_NAMES = ("bf16", "fp16")
 N_SWEEP = (1024, 2048, 4096, 8192, 16384)  # tokens; 4096 = batch 32 x 128
-PROVIDERS = ("eager", "compile", "fused")
+PROVIDERS = ("eager", "compile", "compile-max", "fused", "auto", "cublas")
+# What fused (and auto) are compared with in the summary: other median / their median.
+BASELINES = ("eager", "compile", "compile-max", "cublas")
 MODES = ("forward", "backward", "full")
 ALL_MODES = MODES + ("inference",)
 QUANTILES = (0.5, 0.2, 0.8)  # median, 20th, 80th percentile
 INPUT_NAMES = ("hidden", "w_v", "b_v", "w_k", "b_k", "w_a", "b_a")
+WEIGHT_NAMES = INPUT_NAMES[1:]
+PROJECTION_INPUTS = (0, 1, 3)  # the cuBLAS line differentiates hidden, w_v and w_k only
 MATMUL_CEILING_SIZE = 8192
 COPY_CEILING_BYTES = 1 << 30
+
+CUBLAS_NOTE = ("reference line: torch.bmm of the two projections alone (h W_v and h W_k, no bias, ReLU, "
+               "scores, softmax or sum), a different function from the head, so it is not compared "
+               "with eager; its incoming gradient is dc repeated over the L layers")
 
 FLOP_CONVENTION = (
     "model FLOPs, a GEMM [M x K] @ [K x N] = 2*M*N*K: forward = 2*L*N*H*(H+K) (the value and "
     "key projections); backward = 2 * forward (dX and dW of both projections); full = 3 * "
     "forward; inference = forward. Not counted: the score GEMM (2*L*N*K*J), softmax, weighted "
-    "sum, biases, ReLU, and recomputation in the backward."
+    "sum, biases, ReLU, and recomputation in the backward. The same count for every provider "
+    "(the cuBLAS line runs exactly the counted GEMMs)."
 )
 
-# Targets from the op issue, stated for an H100 at BERT-base shape in bf16.
-TARGETS = {
-    "forward": {"fused_vs_eager": 3.0, "fused_vs_compile": 1.5, "fused_ratio_to_matmul_ceiling": 0.60},
-    "full": {"fused_vs_eager": 2.5, "fused_mem_over_eager_max": 1.0 / 3.0},
-}
+
+@dataclass(frozen=True)
+class Target:
+    """One check: ``value <op> threshold`` on a field of a ``speedups`` entry of ``mode``."""
+
+    mode: str
+    metric: str
+    op: str  # "<=", ">=" or ">"
+    threshold: float
+
+    def passed(self, value: float | None) -> bool | None:
+        """True / False, or None when the value was not measured."""
+        if value is None:
+            return None
+        return {"<=": value <= self.threshold, ">=": value >= self.threshold,
+                ">": value > self.threshold}[self.op]
+
+    def text(self) -> str:
+        return f"{self.op} {self.threshold:.3g}"
+
+
+# Targets from the op issue, stated for an H100 at BERT-base shape in bf16, N = 4096 (headline).
 TARGET_SHAPE, TARGET_DTYPE, TARGET_HEADLINE_N = "bert-base", "bf16", 4096
+HEADLINE_TARGETS = (
+    Target("forward", "fused_ms", "<=", 0.20),
+    Target("forward", "fused_vs_eager", ">=", 3.0),
+    Target("forward", "fused_vs_compile_max", ">=", 1.65),
+    Target("full", "fused_ms", "<=", 0.60),
+    Target("full", "fused_vs_eager", ">=", 2.8),
+    Target("full", "fused_vs_compile_max", ">=", 1.75),
+    Target("full", "fused_mem_over_eager", "<=", 1.0 / 3.0),
+)
+# ... and at every measured N in [1024, 16384], both shapes, bf16 and fp16, forward and full:
+# fused faster than eager and than compile-max.
+SWEEP_SHAPES, SWEEP_DTYPES, SWEEP_N_RANGE = ("bert-base", "minilm"), ("bf16", "fp16"), (1024, 16384)
+SWEEP_TARGETS = tuple(Target(mode, metric, ">", 1.0) for mode in ("forward", "full")
+                      for metric in ("fused_vs_eager", "fused_vs_compile_max"))
+TARGETS = {"headline": HEADLINE_TARGETS, "sweep": SWEEP_TARGETS}
+
+# The auto policy's evidence: the mode that measures each direction.
+DIRECTIONS = {"forward": "forward", "backward": "backward"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,6 +177,23 @@ def layer_attention_min_bytes(L: int, N: int, H: int, K: int, J: int, elem_bytes
     params = L * (H * H + H + H * K + K + K * J + J)
     fwd = L * N * H + params + N * H
     bwd = 2 * L * N * H + 2 * params + 2 * N * H
+    per_mode = {"forward": fwd, "inference": fwd, "backward": bwd, "full": fwd + bwd}
+    if mode not in per_mode:
+        raise ValueError(f"mode: expected one of {sorted(per_mode)}, got {mode!r}")
+    return per_mode[mode] * elem_bytes
+
+
+def projection_min_bytes(L: int, N: int, H: int, K: int, elem_bytes: int, mode: str) -> int:
+    """Fewest bytes of the cuBLAS line (the two projections alone), as for the head.
+
+    forward: read hidden [L,N,H], w_v [L,H,H], w_k [L,H,K]; write v [L,N,H] and z [L,N,K].
+    backward: read hidden, w_v, w_k, dv [L,N,H], dz [L,N,K]; write dhidden [L,N,H], dw_v, dw_k.
+    full: both.
+    """
+    weights = L * H * (H + K)
+    outputs = L * N * (H + K)
+    fwd = L * N * H + weights + outputs
+    bwd = L * N * H + weights + outputs + L * N * H + weights
     per_mode = {"forward": fwd, "inference": fwd, "backward": bwd, "full": fwd + bwd}
     if mode not in per_mode:
         raise ValueError(f"mode: expected one of {sorted(per_mode)}, got {mode!r}")
@@ -234,13 +307,48 @@ def measure_copy_ceiling(timer: CudaTimer, nbytes: int = COPY_CEILING_BYTES) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def make_provider(name: str, op: Callable, num_heads: int, op_kwargs: dict) -> Callable:
-    """The callable ``inputs -> c`` for one provider (a fresh torch.compile for "compile")."""
-    if name == "eager":
-        return lambda *t: op(*t, num_heads, backend="torch", **op_kwargs)
-    if name == "fused":
-        return lambda *t: op(*t, num_heads, backend="triton", **op_kwargs)
-    if name == "compile":
+@dataclass
+class Provider:
+    """One way of computing what is timed.
+
+    ``fn(*inputs)`` takes the seven inputs (hidden, w_v, b_v, w_k, b_k, w_a, b_a) and returns
+    c [N, H] (or, for the cuBLAS line, the tuple (v [L,N,H], z [L,N,K])). Backward modes
+    differentiate ``inputs[i] for i in wrt`` with the incoming gradient
+    ``incoming_grad(dc, inputs)`` (dc itself by default). ``compared``: checked against eager.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    wrt: tuple[int, ...] = tuple(range(len(INPUT_NAMES)))
+    incoming_grad: Callable[[Any, tuple], Any] | None = None
+    compared: bool = True
+
+    @property
+    def wrt_names(self) -> tuple[str, ...]:
+        return tuple(INPUT_NAMES[i] for i in self.wrt)
+
+
+def projection_incoming_grads(grad_out: Any, inputs: tuple) -> tuple[Any, Any]:
+    """The cuBLAS line's incoming gradients, made once outside any timed region: dv [L, N, H]
+    is dc [N, H] repeated over the L layers; dz [L, N, K] is the same tensor when K == H (the
+    benchmark's shapes), else dc's columns repeated cyclically up to K."""
+    L = inputs[0].shape[0]
+    N, H = grad_out.shape
+    K = inputs[3].shape[-1]
+    dv = grad_out.unsqueeze(0).expand(L, N, H).contiguous()
+    if K == H:
+        return dv, dv
+    cols = grad_out.repeat(1, -(-K // H))[:, :K]
+    return dv, cols.unsqueeze(0).expand(L, N, K).contiguous()
+
+
+def make_provider(name: str, op: Callable, num_heads: int, op_kwargs: dict) -> Provider:
+    """The :class:`Provider` called ``name`` (a fresh torch.compile for "compile" and
+    "compile-max", so that each (shape, dtype, N) gets its own static-shape graph)."""
+    if name in ("eager", "fused", "auto"):
+        backend = {"eager": "torch", "fused": "triton", "auto": "auto"}[name]
+        return Provider(name, lambda *t: op(*t, num_heads, backend=backend, **op_kwargs))
+    if name in ("compile", "compile-max"):
         import torch
 
         torch._dynamo.reset()  # one static-shape graph per (shape, dtype, N); no recompile limit hit
@@ -248,7 +356,16 @@ def make_provider(name: str, op: Callable, num_heads: int, op_kwargs: dict) -> C
         def reference(*t):
             return op(*t, num_heads, backend="torch", **op_kwargs)
 
-        return torch.compile(reference, dynamic=False)
+        kwargs = {"mode": "max-autotune-no-cudagraphs"} if name == "compile-max" else {}
+        return Provider(name, torch.compile(reference, dynamic=False, **kwargs))
+    if name == "cublas":
+        import torch
+
+        def projections(hidden, w_v, b_v, w_k, b_k, w_a, b_a):
+            return torch.bmm(hidden, w_v), torch.bmm(hidden, w_k)
+
+        return Provider(name, projections, wrt=PROJECTION_INPUTS, incoming_grad=projection_incoming_grads,
+                        compared=False)
     raise ValueError(f"provider: expected one of {PROVIDERS}, got {name!r}")
 
 
@@ -328,6 +445,28 @@ def check_provider(fn: Callable, inputs: tuple, grad_out: Any, refs: References,
     return res
 
 
+def check_weight_grad_determinism(fn: Callable, inputs: tuple, grad_out: Any, seed: int) -> dict:
+    """Two identical forward + backward runs (all seven inputs differentiated, as in training;
+    the RNG reseeded with ``seed`` before each, so dropout masks repeat) must give bitwise-equal
+    weight gradients (w_v, b_v, w_k, b_k, w_a, b_a), as a two-stage reduction does and atomics
+    need not.
+
+    Returns ``weight_grads_deterministic`` (bool) and ``weight_grads_max_abs_diff``
+    ({weight name: max |g1 - g2|}, all 0.0 when deterministic)."""
+    import torch
+
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        runs.append(torch.autograd.grad(fn(*inputs), inputs, grad_out)[1:])
+    equal = [torch.equal(a, b) for a, b in zip(*runs)]
+    return {
+        "weight_grads_deterministic": all(equal),
+        "weight_grads_max_abs_diff": {n: (0.0 if same else _max_abs_diff(a, b))
+                                      for n, same, a, b in zip(WEIGHT_NAMES, equal, *runs)},
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # Measuring one (provider, mode)
 # ----------------------------------------------------------------------------------------------
@@ -347,17 +486,18 @@ def _warm(call: Callable[[], Any], device: str, times: int = 2) -> None:
     _sync(device)
 
 
-def _retain_graph_works(out: Any, inputs: tuple, grad_out: Any) -> tuple[bool, str | None]:
+def _retain_graph_works(out: Any, wrt: tuple, grad_out: Any,
+                        names: tuple[str, ...] = INPUT_NAMES) -> tuple[bool, str | None]:
     """Two backward calls on one graph must both run and agree (a graph that frees or
     overwrites what it saved would fail or drift here)."""
     import torch
 
     try:
-        g1 = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
-        g2 = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+        g1 = torch.autograd.grad(out, wrt, grad_out, retain_graph=True)
+        g2 = torch.autograd.grad(out, wrt, grad_out, retain_graph=True)
     except RuntimeError as e:
         return False, _error_text(e)
-    for name, a, b in zip(INPUT_NAMES, g1, g2):
+    for name, a, b in zip(names, g1, g2):
         if not bool(torch.isfinite(b).all()):
             return False, f"second backward gave non-finite d{name}"
         scale = float(a.detach().double().abs().max().item())
@@ -367,11 +507,15 @@ def _retain_graph_works(out: Any, inputs: tuple, grad_out: Any) -> tuple[bool, s
 
 
 def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, device: str,
-                 timer: Any, peak_probe: Callable | None) -> dict:
-    """Warm up, measure the peak extra memory of one call, then time. Returns ms p50/p20/p80,
+                 timer: Any, peak_probe: Callable | None, wrt: tuple | None = None,
+                 wrt_names: tuple[str, ...] = INPUT_NAMES) -> dict:
+    """Warm up, measure the peak extra memory of one call, then time. Backward modes
+    differentiate ``wrt`` (default: all ``inputs``) with incoming gradient ``grad_out`` (a
+    tensor, or a tuple matching a tuple of outputs). Returns ms p50/p20/p80,
     peak_extra_bytes (None without a probe) and, for backward, how it was timed."""
     import torch
 
+    wrt = inputs if wrt is None else wrt
     res: dict[str, Any] = {"backward_timing": None, "backward_timing_note": None}
     if mode in ("forward", "inference", "full"):
         if mode == "forward":
@@ -383,7 +527,7 @@ def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, devic
                     return fn(*inputs)
         else:
             def call():
-                return torch.autograd.grad(fn(*inputs), inputs, grad_out)
+                return torch.autograd.grad(fn(*inputs), wrt, grad_out)
         _warm(call, device)
         res["peak_extra_bytes"] = peak_probe(call) if peak_probe else None
         res["ms"] = timer.bench(call)
@@ -391,10 +535,10 @@ def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, devic
     if mode != "backward":
         raise ValueError(f"mode: expected one of {ALL_MODES}, got {mode!r}")
     out = fn(*inputs)
-    ok, why = _retain_graph_works(out, inputs, grad_out)
+    ok, why = _retain_graph_works(out, wrt, grad_out, wrt_names)
     if ok:
         def call():
-            return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+            return torch.autograd.grad(out, wrt, grad_out, retain_graph=True)
 
         _warm(call, device)
         res["peak_extra_bytes"] = peak_probe(call) if peak_probe else None
@@ -407,7 +551,7 @@ def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, devic
         return fn(*inputs)
 
     def run(o):
-        return torch.autograd.grad(o, inputs, grad_out)
+        return torch.autograd.grad(o, wrt, grad_out)
 
     state = setup()
     res["peak_extra_bytes"] = peak_probe(lambda: run(state)) if peak_probe else None
@@ -480,11 +624,68 @@ def run_benchmark(cfg: BenchConfig, op: Callable, *, device: str, timer: Any, pe
 def _row(base: dict, provider: str, mode: str, **fields: Any) -> dict:
     row = {**base, "provider": provider, "mode": mode,
            "ms_p50": None, "ms_p20": None, "ms_p80": None, "flops": None, "tflops": None,
-           "ratio_to_matmul_ceiling": None, "min_bytes": None, "gbps": None, "peak_extra_mem_mb": None, "max_abs_diff": None, "max_abs_err_fp64": None,
+           "ratio_to_matmul_ceiling": None, "min_bytes": None, "gbps": None, "peak_extra_mem_mb": None,
+           "max_abs_diff": None, "max_abs_err_fp64": None,
            "grad_max_abs_diff": None, "grad_max_abs_err_fp64": None, "check_note": None,
-           "backward_timing": None, "backward_timing_note": None, "error": None}
+           "backward_timing": None, "backward_timing_note": None,
+           "weight_grads_deterministic": None, "weight_grads_max_abs_diff": None, "determinism_note": None,
+           "error": None}
     row.update(fields)
     return row
+
+
+def _group_inputs(cfg: BenchConfig, op: Callable, shape: Shape, dtype: Any, n: int, need_grads: bool,
+                  device: str) -> tuple[tuple, Any, References | None, str | None]:
+    """Inputs, dc, the eager references (None with dropout) and the rows' check note."""
+    inputs, grad_out = make_inputs(shape, n, dtype, device, cfg.seed + n)
+    refs = compute_references(op, inputs, grad_out, shape.J, need_grads) if cfg.dropout == 0 else None
+    check_note = None
+    if refs is None:
+        check_note = "skipped: dropout > 0 (masks differ between providers)"
+    elif refs.fp64_error:
+        check_note = f"no float64 oracle: {refs.fp64_error}"
+    return inputs, grad_out, refs, check_note
+
+
+def _build_and_check(cfg: BenchConfig, prov: Provider, inputs: tuple, grad_out: Any, refs: References | None,
+                     need_grads: bool, device: str) -> tuple[dict, dict]:
+    """Run the provider once (its first warm-up), compare it with eager where it is a version
+    of the head, and for "fused" check that its weight gradients are deterministic. Returns
+    the row fields of the comparison and of the determinism check."""
+    if prov.compared and refs is not None:
+        check = check_provider(prov.fn, inputs, grad_out, refs, need_grads)
+    else:
+        check = {"check_note": CUBLAS_NOTE} if not prov.compared else {}
+        _warm(lambda: prov.fn(*inputs), device, times=1)
+    det: dict[str, Any] = {}
+    if prov.name == "fused":
+        try:
+            det = check_weight_grad_determinism(prov.fn, inputs, grad_out, cfg.seed)
+            if cfg.dropout > 0:
+                det["determinism_note"] = "dropout > 0: the RNG was reseeded before each run"
+        except Exception as e:  # noqa: BLE001 - recorded, the timing goes on
+            det = {"determinism_note": f"check failed: {_error_text(e)}"}
+        _free_memory(device)
+    return check, det
+
+
+def _measured_row(base: dict, provider: Provider, mode: str, shape: Shape, n: int, elem_bytes: int, res: dict,
+                  ceiling_tflops: float | None, **fields: Any) -> dict:
+    p50, p20, p80 = res["ms"]
+    flops = layer_attention_flops(shape.L, n, shape.H, shape.K, mode)
+    tflops = flops / (p50 * 1e-3) / 1e12
+    if provider.name == "cublas":
+        nbytes = projection_min_bytes(shape.L, n, shape.H, shape.K, elem_bytes, mode)
+    else:
+        nbytes = layer_attention_min_bytes(shape.L, n, shape.H, shape.K, shape.J, elem_bytes, mode)
+    peak = res["peak_extra_bytes"]
+    return _row(
+        base, provider.name, mode, ms_p50=p50, ms_p20=p20, ms_p80=p80, flops=flops, tflops=tflops,
+        ratio_to_matmul_ceiling=(tflops / ceiling_tflops) if ceiling_tflops else None,
+        min_bytes=nbytes, gbps=nbytes / (p50 * 1e-3) / 1e9,
+        peak_extra_mem_mb=(peak / 2**20) if peak is not None else None,
+        backward_timing=res["backward_timing"], backward_timing_note=res["backward_timing_note"], **fields,
+    )
 
 
 def _run_group(cfg: BenchConfig, op: Callable, shape: Shape, dtype: Any, n: int, base: dict, tag: str,
@@ -492,60 +693,49 @@ def _run_group(cfg: BenchConfig, op: Callable, shape: Shape, dtype: Any, n: int,
                ceiling_tflops: float | None, log: Callable[[str], None]) -> list[dict]:
     rows: list[dict] = []
     try:
-        inputs, grad_out = make_inputs(shape, n, dtype, device, cfg.seed + n)
-        refs = compute_references(op, inputs, grad_out, shape.J, need_grads) if cfg.dropout == 0 else None
+        inputs, grad_out, refs, check_note = _group_inputs(cfg, op, shape, dtype, n, need_grads, device)
     except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest N
         err = f"inputs/reference: {_error_text(e)}"
         log(f"{tag} {err}")
         _free_memory(device)
         return [_row(base, p, m, error=err) for p in cfg.providers for m in cfg.modes]
-    check_note = None
-    if refs is None:
-        check_note = "skipped: dropout > 0 (masks differ between providers)"
-    elif refs.fp64_error:
-        check_note = f"no float64 oracle: {refs.fp64_error}"
     elem_bytes = inputs[0].element_size()
-    for provider in cfg.providers:
+    for name in cfg.providers:
+        note = {"check_note": check_note}
         try:
-            fn = make_provider(provider, op, shape.J, op_kwargs)
-            if refs is not None:
-                check = check_provider(fn, inputs, grad_out, refs, need_grads)
-            else:
-                check = {}
-                _warm(lambda: fn(*inputs), device, times=1)
+            prov = make_provider(name, op, shape.J, op_kwargs)
+            wrt = tuple(inputs[i] for i in prov.wrt)
+            incoming = prov.incoming_grad(grad_out, inputs) if prov.incoming_grad else grad_out
+            check, det = _build_and_check(cfg, prov, inputs, grad_out, refs, need_grads, device)
         except Exception as e:  # noqa: BLE001 - a broken provider is recorded, the run goes on
             err = f"build/check: {_error_text(e)}"
-            log(f"{tag} {provider}: {err}")
-            rows.extend(_row(base, provider, m, error=err, check_note=check_note) for m in cfg.modes)
+            log(f"{tag} {name}: {err}")
+            if name == "cublas":
+                note = {"check_note": CUBLAS_NOTE}
+            rows.extend(_row(base, name, m, error=err, **note) for m in cfg.modes)
             _free_memory(device)
             continue
+        fields = {**note, **check, **det}
+        if det:
+            verdict = {True: "bitwise equal", False: "DIFFER", None: "not checked"}
+            log(f"{tag} fused weight gradients over two runs: "
+                f"{verdict[det.get('weight_grads_deterministic')]}")
         for mode in cfg.modes:
             try:
-                res = measure_mode(mode, fn, inputs, grad_out, device=device, timer=timer, peak_probe=peak_probe)
+                res = measure_mode(mode, prov.fn, inputs, incoming, device=device, timer=timer,
+                                   peak_probe=peak_probe, wrt=wrt, wrt_names=prov.wrt_names)
             except Exception as e:  # noqa: BLE001
                 err = _error_text(e)
-                log(f"{tag} {provider} {mode}: {err}")
-                rows.append(_row(base, provider, mode, error=err, check_note=check_note, **check))
+                log(f"{tag} {name} {mode}: {err}")
+                rows.append(_row(base, name, mode, error=err, **fields))
                 _free_memory(device)
                 continue
-            p50, p20, p80 = res["ms"]
-            flops = layer_attention_flops(shape.L, n, shape.H, shape.K, mode)
-            tflops = flops / (p50 * 1e-3) / 1e12
-            nbytes = layer_attention_min_bytes(shape.L, n, shape.H, shape.K, shape.J, elem_bytes, mode)
-            peak = res["peak_extra_bytes"]
-            row = _row(
-                base, provider, mode, ms_p50=p50, ms_p20=p20, ms_p80=p80, flops=flops, tflops=tflops,
-                ratio_to_matmul_ceiling=(tflops / ceiling_tflops) if ceiling_tflops else None,
-                min_bytes=nbytes, gbps=nbytes / (p50 * 1e-3) / 1e9,
-                peak_extra_mem_mb=(peak / 2**20) if peak is not None else None,
-                check_note=check_note, backward_timing=res["backward_timing"],
-                backward_timing_note=res["backward_timing_note"], **check,
-            )
+            row = _measured_row(base, prov, mode, shape, n, elem_bytes, res, ceiling_tflops, **fields)
             rows.append(row)
-            log(f"{tag} {provider:8s} {mode:9s} {p50:9.3f} ms  {tflops:7.1f} TFLOP/s"
-                + (f"  {row['peak_extra_mem_mb']:9.1f} MiB" if peak is not None else ""))
+            log(f"{tag} {name:11s} {mode:9s} {row['ms_p50']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s"
+                + (f"  {row['peak_extra_mem_mb']:9.1f} MiB" if row["peak_extra_mem_mb"] is not None else ""))
             _free_memory(device)
-        del fn
+        del prov, wrt, incoming
         _free_memory(device)
     del inputs, grad_out, refs
     return rows
@@ -562,58 +752,180 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
+def _field(provider: str) -> str:
+    """A provider's name as a JSON field stem: compile-max -> compile_max."""
+    return provider.replace("-", "_")
+
+
+def _verdict(passed: list[bool | None]) -> bool | None:
+    """False if any check failed; True if there were checks and all passed; else None."""
+    if any(p is False for p in passed):
+        return False
+    if passed and all(p is True for p in passed):
+        return True
+    return None
+
+
+def _median(row: dict | None) -> float | None:
+    if row is None or row.get("error") is not None:
+        return None
+    return row.get("ms_p50")
+
+
 def summarize_speedups(rows: list[dict]) -> list[dict]:
-    """For each (shape, dtype, N, mode): fused vs eager and fused vs compile (ratio of median
-    times, > 1 means fused is faster) and fused's peak extra memory over theirs."""
+    """For each (shape, dtype, N, mode):
+
+    - ``<provider>_ms``: every provider's median (``compile_max_ms`` for compile-max);
+    - ``fused_vs_<b>`` = b's median / fused's for b in eager, compile, compile-max, cublas
+      (> 1: fused is faster; against the cuBLAS line, which runs only the two projection GEMMs,
+      expect < 1: it says how close fused comes to the bare GEMMs), and ``auto_vs_<b>`` the
+      same for auto;
+    - ``fused_mem_over_eager``, ``fused_mem_over_compile``, ``auto_mem_over_eager``: ratios of
+      peak extra memory (< 1: needs less);
+    - ``fused_ratio_to_matmul_ceiling``; ``weight_grads_deterministic`` from fused's
+      determinism check of this (shape, dtype, N).
+
+    None where a provider was not run or failed.
+    """
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        key = (r["shape"], r["dtype"], r["N"], r["mode"])
-        groups.setdefault(key, {})
-        if r.get("error") is None and r.get("ms_p50") is not None:
-            groups[key][r["provider"]] = r
+        groups.setdefault((r["shape"], r["dtype"], r["N"], r["mode"]), {})[r["provider"]] = r
     out = []
     for (shape, dtype, n, mode), by in groups.items():
+        ok = {p: r for p, r in by.items() if _median(r) is not None}
+
         def ms(p):
-            return by[p]["ms_p50"] if p in by else None
+            return ok[p]["ms_p50"] if p in ok else None
 
         def mem(p):
-            return by[p]["peak_extra_mem_mb"] if p in by else None
+            return ok[p]["peak_extra_mem_mb"] if p in ok else None
 
-        out.append({
-            "shape": shape, "dtype": dtype, "N": n, "mode": mode,
-            "eager_ms": ms("eager"), "compile_ms": ms("compile"), "fused_ms": ms("fused"),
-            "fused_vs_eager": _ratio(ms("eager"), ms("fused")),
-            "fused_vs_compile": _ratio(ms("compile"), ms("fused")),
-            "fused_mem_over_eager": _ratio(mem("fused"), mem("eager")),
-            "fused_mem_over_compile": _ratio(mem("fused"), mem("compile")),
-            "fused_ratio_to_matmul_ceiling": by["fused"]["ratio_to_matmul_ceiling"] if "fused" in by else None,
-        })
+        entry: dict[str, Any] = {"shape": shape, "dtype": dtype, "N": n, "mode": mode}
+        entry.update({f"{_field(p)}_ms": ms(p) for p in PROVIDERS})
+        for sub in ("fused", "auto"):
+            entry.update({f"{sub}_vs_{_field(b)}": _ratio(ms(b), ms(sub)) for b in BASELINES})
+            entry[f"{sub}_mem_over_eager"] = _ratio(mem(sub), mem("eager"))
+            if sub == "fused":
+                entry["fused_mem_over_compile"] = _ratio(mem("fused"), mem("compile"))
+        entry["fused_ratio_to_matmul_ceiling"] = ok["fused"]["ratio_to_matmul_ceiling"] if "fused" in ok else None
+        entry["weight_grads_deterministic"] = by["fused"].get("weight_grads_deterministic") if "fused" in by else None
+        out.append(entry)
     return out
 
 
+def _target_check(kind: str, shape: str, dtype: str, n: int, target: Target, entry: dict | None) -> dict:
+    value = entry.get(target.metric) if entry is not None else None
+    return {"kind": kind, "shape": shape, "dtype": dtype, "N": n, "mode": target.mode, "metric": target.metric,
+            "value": value, "target": target.text(), "passed": target.passed(value), "headline": kind == "headline"}
+
+
 def evaluate_targets(speedups: list[dict], device_name: str) -> dict:
-    """The op issue's targets (H100, BERT-base, bf16) checked at every measured N."""
-    checks = []
-    for s in speedups:
-        if (s["shape"], s["dtype"]) != (TARGET_SHAPE, TARGET_DTYPE) or s["mode"] not in TARGETS:
-            continue
-        for metric, threshold in TARGETS[s["mode"]].items():
-            if metric.endswith("_max"):
-                key, value = metric[: -len("_max")], s[metric[: -len("_max")]]
-                passed = None if value is None else value <= threshold
-                op_text = "<="
-            else:
-                key, value = metric, s[metric]
-                passed = None if value is None else value >= threshold
-                op_text = ">="
-            checks.append({"N": s["N"], "mode": s["mode"], "metric": key, "value": value,
-                           "target": f"{op_text} {threshold:.3g}", "passed": passed,
-                           "headline": s["N"] == TARGET_HEADLINE_N})
+    """The op issue's targets.
+
+    ``headline``: :data:`HEADLINE_TARGETS` at BERT-base, bf16, N = 4096 (always listed; n/a
+    where not measured). ``sweep``: :data:`SWEEP_TARGETS` (fused faster than eager and than
+    compile-max, forward and full) at every measured N in [1024, 16384] of both shapes, bf16
+    and fp16. ``headline_passed`` / ``sweep_passed``: False if any check failed, True if all
+    passed, None otherwise; ``sweep_complete``: the whole default grid (N_SWEEP x both shapes x
+    both dtypes) was measured for every sweep check.
+    """
+    by_key = {(s["shape"], s["dtype"], s["N"], s["mode"]): s for s in speedups}
+    checks = [_target_check("headline", TARGET_SHAPE, TARGET_DTYPE, TARGET_HEADLINE_N, t,
+                            by_key.get((TARGET_SHAPE, TARGET_DTYPE, TARGET_HEADLINE_N, t.mode)))
+              for t in HEADLINE_TARGETS]
+    lo, hi = SWEEP_N_RANGE
+    measured = []
+    for shape, dtype, n, _ in by_key:
+        if shape in SWEEP_SHAPES and dtype in SWEEP_DTYPES and lo <= n <= hi and (shape, dtype, n) not in measured:
+            measured.append((shape, dtype, n))
+    sweep = [_target_check("sweep", shape, dtype, n, t, by_key.get((shape, dtype, n, t.mode)))
+             for shape, dtype, n in measured for t in SWEEP_TARGETS]
+    values = {(c["shape"], c["dtype"], c["N"], c["mode"], c["metric"]) for c in sweep if c["value"] is not None}
+    complete = all((shape, dtype, n, t.mode, t.metric) in values for shape in SWEEP_SHAPES for dtype in SWEEP_DTYPES
+                   for n in N_SWEEP for t in SWEEP_TARGETS)
     return {
         "stated_for": f"NVIDIA H100, {TARGET_SHAPE}, {TARGET_DTYPE} (headline N = {TARGET_HEADLINE_N} = 32 x 128)",
+        "sweep_rule": (f"at every measured N in [{lo}, {hi}], shapes {' and '.join(SWEEP_SHAPES)}, dtypes "
+                       f"{' and '.join(SWEEP_DTYPES)}, modes forward and full: fused_vs_eager > 1 and "
+                       "fused_vs_compile_max > 1"),
         "measured_on": device_name,
         "on_target_device": "H100" in device_name,
-        "checks": checks,
+        "headline_passed": _verdict([c["passed"] for c in checks]),
+        "sweep_passed": _verdict([c["passed"] for c in sweep]),
+        "sweep_complete": complete,
+        "checks": checks + sweep,
+    }
+
+
+def direction_winners(rows: list[dict], device_name: str) -> dict:
+    """Which of eager and fused is faster, per (shape, dtype, N) and direction: the evidence
+    for the ``auto`` backend's per-device, per-direction choice.
+
+    Direction ``forward`` is measured by mode forward, ``backward`` by mode backward. Each
+    entry: both medians (and auto's, to see what auto picked), ``winner`` ("fused", "eager",
+    "tie", or None when either failed or was not run), ``ratio`` = the slower median / the
+    faster (>= 1) and ``fused_vs_eager`` = eager / fused. ``recommendation[direction]`` is
+    "triton" only if fused won every entry of that direction (at least one), else "torch";
+    ``tally`` counts fused's wins.
+    """
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        for direction, mode in DIRECTIONS.items():
+            if r["mode"] == mode and r["provider"] in ("eager", "fused", "auto"):
+                groups.setdefault((r["shape"], r["dtype"], r["N"], direction), {})[r["provider"]] = r
+    entries = []
+    for (shape, dtype, n, direction), by in groups.items():
+        if "eager" not in by and "fused" not in by:
+            continue
+        eager_ms, fused_ms = _median(by.get("eager")), _median(by.get("fused"))
+        winner, ratio, note = None, None, None
+        if eager_ms is None or fused_ms is None:
+            missing = [p for p, v in (("eager", eager_ms), ("fused", fused_ms)) if v is None]
+            note = " and ".join(missing) + " not measured (failed or not run)"
+        elif fused_ms < eager_ms:
+            winner, ratio = "fused", eager_ms / fused_ms
+        elif eager_ms < fused_ms:
+            winner, ratio = "eager", fused_ms / eager_ms
+        else:
+            winner, ratio = "tie", 1.0
+        entries.append({"shape": shape, "dtype": dtype, "N": n, "direction": direction,
+                        "mode": DIRECTIONS[direction], "eager_ms": eager_ms, "fused_ms": fused_ms,
+                        "auto_ms": _median(by.get("auto")), "winner": winner, "ratio": ratio,
+                        "fused_vs_eager": _ratio(eager_ms, fused_ms), "note": note})
+    recommendation, tally = {}, {}
+    for direction in DIRECTIONS:
+        mine = [e for e in entries if e["direction"] == direction]
+        wins = sum(e["winner"] == "fused" for e in mine)
+        recommendation[direction] = "triton" if mine and wins == len(mine) else "torch"
+        tally[direction] = {"fused_wins": wins, "entries": len(mine)}
+    return {
+        "device": device_name,
+        "rule": "per direction: 'triton' only if fused had the lower median at every measured shape, dtype "
+                "and N of that direction (forward: mode forward; backward: mode backward), else 'torch'",
+        "recommendation": recommendation,
+        "tally": tally,
+        "entries": entries,
+    }
+
+
+def summarize_determinism(rows: list[dict]) -> dict:
+    """Fused's weight-gradient determinism per (shape, dtype, N) and overall
+    (``weight_grads_deterministic``: False if any check found a difference, True if every
+    check ran and found none, None if none ran)."""
+    entries: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["shape"], r["dtype"], r["N"])
+        if r["provider"] != "fused" or key in entries:
+            continue
+        entries[key] = {"shape": r["shape"], "dtype": r["dtype"], "N": r["N"],
+                        "weight_grads_deterministic": r.get("weight_grads_deterministic"),
+                        "weight_grads_max_abs_diff": r.get("weight_grads_max_abs_diff"),
+                        "note": r.get("determinism_note") or r.get("error")}
+    return {
+        "check": "two identical forward + backward runs of fused; the weight gradients (w_v, b_v, w_k, b_k, "
+                 "w_a, b_a) must be bitwise equal",
+        "weight_grads_deterministic": _verdict([e["weight_grads_deterministic"] for e in entries.values()]),
+        "entries": list(entries.values()),
     }
 
 
@@ -626,14 +938,14 @@ def _fmt(x: Any, spec: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'shape':9s} {'dtype':5s} {'N':>6s} {'provider':8s} {'mode':9s} {'p50 ms':>9s} "
+    head = (f"{'shape':9s} {'dtype':5s} {'N':>6s} {'provider':11s} {'mode':9s} {'p50 ms':>9s} "
             f"{'p20-p80 ms':>17s} {'TFLOP/s':>8s} {'ceil':>5s} {'mem MiB':>9s} {'diff':>8s} {'err64':>8s}  error")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = (f"{r['ms_p20']:.3f}-{r['ms_p80']:.3f}" if r["ms_p20"] is not None else "-")
         ratio = r["ratio_to_matmul_ceiling"]
         lines.append(
-            f"{r['shape']:9s} {r['dtype']:5s} {r['N']:6d} {r['provider']:8s} {r['mode']:9s} "
+            f"{r['shape']:9s} {r['dtype']:5s} {r['N']:6d} {r['provider']:11s} {r['mode']:9s} "
             f"{_fmt(r['ms_p50'], '.3f'):>9s} {spread:>17s} {_fmt(r['tflops'], '.1f'):>8s} "
             f"{(_fmt(100 * ratio, '.0f') + '%') if ratio is not None else '-':>5s} "
             f"{_fmt(r['peak_extra_mem_mb'], '.1f'):>9s} {_fmt(r['max_abs_diff'], '.1e'):>8s} "
@@ -642,27 +954,67 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+_VERDICT = {True: "PASS", False: "FAIL", None: "n/a"}
+
+
 def format_speedups(speedups: list[dict], targets: dict | None = None) -> str:
-    head = (f"{'shape':9s} {'dtype':5s} {'N':>6s} {'mode':9s} {'fused/eager':>11s} {'fused/compile':>13s} "
-            f"{'mem f/e':>8s} {'fused ceil':>10s}")
-    lines = ["speedup = other's median time / fused's (> 1: fused faster); mem f/e = fused's peak "
-             "extra memory / eager's", head, "-" * len(head)]
+    cols = [("f/eager", "fused_vs_eager"), ("f/compile", "fused_vs_compile"), ("f/c-max", "fused_vs_compile_max"),
+            ("f/cublas", "fused_vs_cublas"), ("a/eager", "auto_vs_eager"), ("a/c-max", "auto_vs_compile_max")]
+    head = (f"{'shape':9s} {'dtype':5s} {'N':>6s} {'mode':9s} " + " ".join(f"{c:>9s}" for c, _ in cols)
+            + f" {'mem f/e':>8s} {'f ceil':>6s} {'det':>4s}")
+    lines = ["speedup = other's median time / fused's (f) or auto's (a) (> 1: faster than the other); "
+             "mem f/e = fused's peak extra memory / eager's; det = fused weight gradients bitwise "
+             "reproducible", head, "-" * len(head)]
     for s in speedups:
         ceil = s["fused_ratio_to_matmul_ceiling"]
+        det = {True: "yes", False: "NO", None: "-"}[s.get("weight_grads_deterministic")]
         lines.append(
-            f"{s['shape']:9s} {s['dtype']:5s} {s['N']:6d} {s['mode']:9s} {_fmt(s['fused_vs_eager'], '.2f'):>11s} "
-            f"{_fmt(s['fused_vs_compile'], '.2f'):>13s} {_fmt(s['fused_mem_over_eager'], '.3f'):>8s} "
-            f"{(_fmt(100 * ceil, '.0f') + '%') if ceil is not None else '-':>10s}"
+            f"{s['shape']:9s} {s['dtype']:5s} {s['N']:6d} {s['mode']:9s} "
+            + " ".join(f"{_fmt(s[k], '.2f'):>9s}" for _, k in cols)
+            + f" {_fmt(s['fused_mem_over_eager'], '.3f'):>8s} "
+            f"{(_fmt(100 * ceil, '.0f') + '%') if ceil is not None else '-':>6s} {det:>4s}"
         )
     if targets and targets["checks"]:
         lines.append("")
         lines.append(f"targets (stated for {targets['stated_for']}; measured on {targets['measured_on']}):")
         for c in targets["checks"]:
-            verdict = {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
             mark = " *" if c["headline"] else ""
-            lines.append(f"  N={c['N']:6d} {c['mode']:8s} {c['metric']:30s} {_fmt(c['value'], '.3f'):>8s} "
-                         f"(target {c['target']}) {verdict}{mark}")
-        lines.append("  * headline shape")
+            lines.append(f"  {c['shape']:9s} {c['dtype']:5s} N={c['N']:6d} {c['mode']:8s} {c['metric']:22s} "
+                         f"{_fmt(c['value'], '.3f'):>8s} (target {c['target']}) {_VERDICT[c['passed']]}{mark}")
+        lines.append("  * headline")
+        lines.append(f"  headline: {_VERDICT[targets['headline_passed']]}; sweep ({targets['sweep_rule']}): "
+                     f"{_VERDICT[targets['sweep_passed']]}"
+                     + ("" if targets["sweep_complete"] else " (the grid was not measured in full)"))
+    return "\n".join(lines)
+
+
+def format_direction_winners(winners: dict) -> str:
+    lines = [f"direction winners on {winners['device']} (ratio = slower median / faster):"]
+    head = (f"  {'direction':9s} {'shape':9s} {'dtype':5s} {'N':>6s} {'eager ms':>9s} {'fused ms':>9s} "
+            f"{'auto ms':>9s} {'winner':>7s} {'ratio':>6s}")
+    lines += [head, "  " + "-" * (len(head) - 2)]
+    for direction in DIRECTIONS:
+        for e in (e for e in winners["entries"] if e["direction"] == direction):
+            times = " ".join(f"{_fmt(e[k], '.3f'):>9s}" for k in ("eager_ms", "fused_ms", "auto_ms"))
+            lines.append(f"  {direction:9s} {e['shape']:9s} {e['dtype']:5s} {e['N']:6d} {times} "
+                         f"{e['winner'] or '-':>7s} {_fmt(e['ratio'], '.2f'):>6s}"
+                         + (f"  ({e['note']})" if e["note"] else ""))
+    for direction, backend in winners["recommendation"].items():
+        t = winners["tally"][direction]
+        lines.append(f"  recommendation for auto, {direction}: {backend} "
+                     f"(fused won {t['fused_wins']} of {t['entries']})")
+    return "\n".join(lines)
+
+
+def format_determinism(determinism: dict) -> str:
+    verdict = {True: "bitwise equal", False: "DIFFER", None: "not checked"}
+    lines = [f"fused weight gradients over two identical runs: {verdict[determinism['weight_grads_deterministic']]}"]
+    for e in determinism["entries"]:
+        if e["weight_grads_deterministic"] is not True:
+            diffs = e["weight_grads_max_abs_diff"] or {}
+            differing = ", ".join(f"{k} {v:.2e}" for k, v in diffs.items() if v) or e["note"] or "-"
+            lines.append(f"  {e['shape']} {e['dtype']} N={e['N']}: {verdict[e['weight_grads_deterministic']]} "
+                         f"({differing})")
     return "\n".join(lines)
 
 
@@ -724,9 +1076,12 @@ def _rate(text: str) -> float:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="benchmark_layer_attention.py",
-        description="Time mhmla_fast.layer_attention (eager, torch.compile, fused Triton) on a CUDA GPU: "
-                    "median ms with 20th/80th percentiles, TFLOP/s against the measured bf16 matmul "
-                    "ceiling, peak extra memory, and the difference from eager. Writes one JSON file.",
+        description="Time mhmla_fast.layer_attention (eager, torch.compile default and max-autotune, fused "
+                    "Triton, backend auto, and the cuBLAS line of the two projections alone) on a CUDA "
+                    "GPU: median ms with 20th/80th percentiles, TFLOP/s against the measured bf16 matmul "
+                    "ceiling, peak extra memory, and the difference from eager; then the speedups, the "
+                    "op issue's targets, the per-direction winners (eager or fused, for backend auto) and "
+                    "fused's weight-gradient determinism. Writes one JSON file.",
         epilog=f"FLOP convention: {FLOP_CONVENTION} See bench/README.md.",
     )
     p.add_argument("--quick", action="store_true",
@@ -739,7 +1094,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", choices=DTYPE_NAMES, default=None, help="default: bf16 fp16")
     p.add_argument("--n", nargs="+", type=_positive_int, default=None, dest="ns",
                    help=f"token counts N (default: {' '.join(map(str, N_SWEEP))})")
-    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
+                   help=f"default: {' '.join(PROVIDERS)} (compile-max autotunes for minutes per shape, dtype and N)")
     p.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
                    help="default: forward backward full ('inference' = forward under no_grad, opt-in)")
     p.add_argument("--dropout", type=_rate, default=0.0,
@@ -830,6 +1186,8 @@ def main(argv: list[str] | None = None) -> int:
                          ceiling_tflops=ceiling_tflops, meta=meta, log=_log)
     speedups = summarize_speedups(rows)
     targets = evaluate_targets(speedups, device_name)
+    winners = direction_winners(rows, device_name)
+    determinism = summarize_determinism(rows)
 
     now = datetime.datetime.now(datetime.timezone.utc)
     header = {
@@ -853,12 +1211,17 @@ def main(argv: list[str] | None = None) -> int:
                    "providers": cfg.providers, "modes": cfg.modes, "dropout": cfg.dropout, "seed": cfg.seed,
                    "argv": list(sys.argv[1:] if argv is None else argv)},
     }
-    result = {"benchmark": "layer_attention", "schema_version": 1, "header": header, "rows": rows,
-              "speedups": speedups, "targets": targets}
+    result = {"benchmark": "layer_attention", "schema_version": 2, "header": header, "rows": rows,
+              "speedups": speedups, "targets": targets, "direction_winners": winners,
+              "determinism": determinism}
 
     print(format_table(rows))
     print()
     print(format_speedups(speedups, targets))
+    print()
+    print(format_direction_winners(winners))
+    print()
+    print(format_determinism(determinism))
     path = resolve_out_path(args.out, device_name, now.date())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False) + "\n")

@@ -74,16 +74,18 @@ def _case_key(case: dict) -> tuple:
     return case["kernel"], consts, case["num_warps"], case["num_stages"]
 
 
-def compile_case(job: tuple[str, dict, bool, int]) -> dict:
-    """Compile case ``index`` of ``layer_attention_compile_cases(shape, dropout)`` for sm_90."""
-    shape_name, shape, dropout, index = job
+def compile_case(job: tuple[str, dict, bool, bool, int]) -> dict:
+    """Compile case ``index`` of ``layer_attention_compile_cases(shape, dropout, candidates)``
+    for sm_90."""
+    shape_name, shape, dropout, candidates, index = job
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernels = _kernels_module()
-    case = kernels.layer_attention_compile_cases(torch.bfloat16, dropout=dropout, **shape)[index]
+    case = kernels.layer_attention_compile_cases(torch.bfloat16, dropout=dropout,
+                                                 candidates=candidates, **shape)[index]
     fn = case["fn"]
     row = {"kernel": case["kernel"], "shape": shape_name, "dtype": "bf16", "dropout": dropout,
            "tiles": case["tiles"], "num_warps": case["num_warps"], "num_stages": case["num_stages"]}
@@ -123,8 +125,11 @@ def compile_case(job: tuple[str, dict, bool, int]) -> dict:
     return row
 
 
-def run_report(shapes: list[str], dropouts: list[bool], workers: int | None = None) -> list[dict]:
-    """Compile every distinct (kernel, config) of the given shapes and dropout settings."""
+def run_report(shapes: list[str], dropouts: list[bool], workers: int | None = None,
+               candidates: bool = False, only: list[str] | None = None) -> list[dict]:
+    """Compile every distinct (kernel, config) of the given shapes and dropout settings
+    (``candidates``: every autotuning candidate, not only the kept ones; ``only``: these
+    kernels)."""
     import torch
 
     kernels = _kernels_module()
@@ -132,11 +137,13 @@ def run_report(shapes: list[str], dropouts: list[bool], workers: int | None = No
     for name in shapes:
         for dropout in dropouts:
             for i, case in enumerate(kernels.layer_attention_compile_cases(
-                    torch.bfloat16, dropout=dropout, **SHAPES[name])):
+                    torch.bfloat16, dropout=dropout, candidates=candidates, **SHAPES[name])):
                 key = _case_key(case)
+                if only and case["kernel"] not in only:
+                    continue
                 if key not in seen:  # the same constexprs compile to the same binary
                     seen.add(key)
-                    jobs.append((name, SHAPES[name], dropout, i))
+                    jobs.append((name, SHAPES[name], dropout, candidates, i))
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(compile_case, jobs))
 
@@ -164,13 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the rows (default: %(default)s)")
     p.add_argument("--no-json", action="store_true", help="print only")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
+    p.add_argument("--kernels", nargs="+", default=None,
+                   help="only these kernels (fwd_scores fwd_values bwd_scores bwd_keys)")
+    p.add_argument("--candidates", action="store_true",
+                   help="every autotuning candidate, also those the keep rule rejects (to calibrate it)")
     args = p.parse_args(argv)
     dropouts = {"off": [False], "on": [True], "both": [False, True]}[args.dropout]
 
     import torch
     import triton
 
-    rows = run_report(args.shapes, dropouts, args.workers)
+    rows = run_report(args.shapes, dropouts, args.workers, args.candidates, args.kernels)
     print(format_rows(rows))
     failed = [r for r in rows if not r["passed"]]
     print(f"\n{len(rows)} configs compiled for sm_{ARCH}; {len(failed)} failed the gate (spill or non-wgmma dot)")
@@ -180,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         header = {"target": f"cuda sm_{ARCH} (H100), compiled on a CPU", "dtype": "bf16",
+                  "configs": "every autotuning candidate" if args.candidates else "the kept configs",
                   "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
                   "date": datetime.date.today().isoformat(), "shapes": {s: SHAPES[s] for s in args.shapes},
                   "gate": "fails on any spill_bytes > 0 or any dot not lowered to wgmma"}

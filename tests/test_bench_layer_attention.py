@@ -1,6 +1,7 @@
-"""CPU tests of bench/benchmark_layer_attention.py: the no-GPU exit, the FLOP count, and the
-sweep's bookkeeping (rows, checks against eager, error rows, speedups) run on CPU with a
-stand-in op, a wall-clock timer and no memory probe."""
+"""CPU tests of bench/benchmark_layer_attention.py: the no-GPU exit, the FLOP and byte counts,
+argument parsing, the sweep's bookkeeping (rows, checks against eager, the cuBLAS line, the
+determinism check, error rows) run on CPU with a stand-in op, a wall-clock timer and no memory
+probe, and the summaries (speedups, targets, direction winners) on synthetic rows."""
 
 from __future__ import annotations
 
@@ -72,13 +73,19 @@ def test_importing_the_script_does_no_work():
 def test_quick_and_default_arguments():
     args = bench.parse_args(["--quick"])
     assert (args.shapes, args.dtypes, args.ns) == (["bert-base"], ["bf16"], [4096])
-    assert args.providers == ["eager", "compile", "fused"] and args.modes == ["forward", "backward", "full"]
+    assert args.providers == ["eager", "compile", "compile-max", "fused", "auto", "cublas"]
+    assert args.modes == ["forward", "backward", "full"]
     args = bench.parse_args([])
     assert args.shapes == ["bert-base", "minilm"] and args.dtypes == ["bf16", "fp16"]
     assert args.ns == [1024, 2048, 4096, 8192, 16384]
     assert bench.parse_args(["--quick", "--n", "8192"]).ns == [8192]
     with pytest.raises(SystemExit):
         bench.parse_args(["--dropout", "1.0"])
+    assert bench.parse_args(["--providers", "compile-max", "cublas"]).providers == ["compile-max", "cublas"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--providers", "cudnn"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--n", "0"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,6 +120,42 @@ def test_min_bytes_by_hand():
     assert bench.layer_attention_min_bytes(1, 2, 2, 2, 1, 2, "forward") == fwd
     assert bench.layer_attention_min_bytes(1, 2, 2, 2, 1, 2, "backward") == bwd
     assert bench.layer_attention_min_bytes(1, 2, 2, 2, 1, 2, "full") == fwd + bwd
+
+
+def test_projection_min_bytes_by_hand():
+    # The cuBLAS line, L = 2, N = 3, H = 4, K = 5, 2-byte elements.
+    weights = 2 * 4 * 4 + 2 * 4 * 5  # w_v, w_k
+    fwd = (2 * 3 * 4 + weights + 2 * 3 * 4 + 2 * 3 * 5) * 2  # read hidden, weights; write v, z
+    bwd = (2 * 3 * 4 + weights + 2 * 3 * (4 + 5) + 2 * 3 * 4 + weights) * 2  # + dv, dz; write dh, dW
+    assert bench.projection_min_bytes(2, 3, 4, 5, 2, "forward") == fwd
+    assert bench.projection_min_bytes(2, 3, 4, 5, 2, "backward") == bwd
+    assert bench.projection_min_bytes(2, 3, 4, 5, 2, "full") == fwd + bwd
+    with pytest.raises(ValueError):
+        bench.projection_min_bytes(1, 1, 1, 1, 2, "sideways")
+
+
+def test_projection_incoming_grads():
+    dc = torch.arange(6.0).reshape(3, 2)  # N = 3, H = 2
+    hidden, w_k = torch.zeros(4, 3, 2), torch.zeros(4, 2, 2)
+    dv, dz = bench.projection_incoming_grads(dc, (hidden, None, None, w_k))
+    assert dv.shape == (4, 3, 2) and dv.is_contiguous() and dz is dv
+    assert all(torch.equal(dv[layer], dc) for layer in range(4))
+    dv, dz = bench.projection_incoming_grads(dc, (hidden, None, None, torch.zeros(4, 2, 5)))  # K = 5
+    assert dz.shape == (4, 3, 5) and dz.is_contiguous()
+    assert torch.equal(dz[1], torch.tensor([[0.0, 1, 0, 1, 0], [2, 3, 2, 3, 2], [4, 5, 4, 5, 4]]))
+
+
+def test_make_provider_names():
+    def op(*args, backend="auto", **kw):
+        return backend
+
+    for name, backend in (("eager", "torch"), ("fused", "triton"), ("auto", "auto")):
+        prov = bench.make_provider(name, op, 3, {})
+        assert prov.fn() == backend and prov.compared and prov.wrt_names == bench.INPUT_NAMES
+    cublas = bench.make_provider("cublas", op, 3, {})
+    assert not cublas.compared and cublas.wrt_names == ("hidden", "w_v", "w_k")
+    with pytest.raises(ValueError, match="provider"):
+        bench.make_provider("cudnn", op, 3, {})
 
 
 def test_quantiles_match_linear_interpolation():
@@ -246,26 +289,247 @@ def test_a_failing_or_wrong_provider_is_recorded_and_the_run_goes_on():
     assert rows[1]["max_abs_diff"] == pytest.approx(1.0, abs=0.02)
 
 
-def test_targets_are_evaluated_for_bert_base_bf16():
-    def row(provider, mode, ms, mem, ratio=None):
-        return {"shape": "bert-base", "dtype": "bf16", "N": 4096, "mode": mode, "provider": provider,
-                "ms_p50": ms, "peak_extra_mem_mb": mem, "ratio_to_matmul_ceiling": ratio, "error": None}
+class _DriftingGrad(torch.autograd.Function):
+    """Identity whose backward adds a call-counted drift: run-to-run different gradients, as
+    atomics in a weight-gradient reduction would give (reseeding the RNG cannot hide it)."""
 
-    rows = [row("eager", "forward", 3.0, 900.0), row("compile", "forward", 1.5, 500.0),
-            row("fused", "forward", 1.0, 100.0, ratio=0.65),
-            row("eager", "full", 10.0, 3000.0), row("compile", "full", 6.0, 2000.0),
-            row("fused", "full", 5.0, 1200.0)]
-    targets = bench.evaluate_targets(bench.summarize_speedups(rows), "NVIDIA H100 80GB HBM3")
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _DriftingGrad.calls += 1
+        return g + 1e-3 * _DriftingGrad.calls
+
+
+def test_cublas_auto_and_determinism_rows():
+    def op(*args, backend="auto", **kw):
+        return _reference_op(*args, backend="torch", **kw)
+
+    rows, logs = _run(op, ["eager", "fused", "auto", "cublas"])
+    assert [(r["provider"], r["mode"]) for r in rows] == [
+        (p, m) for p in ("eager", "fused", "auto", "cublas") for m in ("forward", "backward", "full")]
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        # every provider is charged the same counted FLOPs
+        assert r["flops"] == bench.layer_attention_flops(3, 37, 12, 8, r["mode"])
+    for mode in ("forward", "backward", "full"):
+        cub = by["cublas", mode]
+        # a reference line: not compared with eager, and it says why
+        for key in ("max_abs_diff", "max_abs_err_fp64", "grad_max_abs_diff", "grad_max_abs_err_fp64"):
+            assert cub[key] is None
+        assert "reference line" in cub["check_note"] and "not compared" in cub["check_note"]
+        assert cub["min_bytes"] == bench.projection_min_bytes(3, 37, 12, 8, 2, mode)
+        assert by["auto", mode]["max_abs_diff"] == 0.0
+        assert set(by["auto", mode]["grad_max_abs_diff"]) == set(bench.INPUT_NAMES)
+    assert by["cublas", "backward"]["backward_timing"] == "retain_graph"
+    # determinism: recorded on fused rows only
+    for mode in ("forward", "backward", "full"):
+        assert by["fused", mode]["weight_grads_deterministic"] is True
+        assert by["fused", mode]["weight_grads_max_abs_diff"] == {n: 0.0 for n in bench.WEIGHT_NAMES}
+        for p in ("eager", "auto", "cublas"):
+            assert by[p, mode]["weight_grads_deterministic"] is None
+    assert any("bitwise equal" in line for line in logs)
+    speedups = bench.summarize_speedups(rows)
+    assert all(s["weight_grads_deterministic"] is True for s in speedups)
+    assert all(s["fused_vs_cublas"] == pytest.approx(s["cublas_ms"] / s["fused_ms"]) for s in speedups)
+    det = bench.summarize_determinism(rows)
+    assert det["weight_grads_deterministic"] is True and len(det["entries"]) == 1
+
+
+def test_nondeterministic_weight_grads_are_reported():
+    def op(hidden, w_v, *rest, backend="auto", **kw):
+        if backend == "triton":
+            w_v = _DriftingGrad.apply(w_v)
+        return _reference_op(hidden, w_v, *rest, backend="torch", **kw)
+
+    rows, logs = _run(op, ["fused"], modes=["forward"])
+    (fused,) = rows
+    assert fused["weight_grads_deterministic"] is False
+    diffs = fused["weight_grads_max_abs_diff"]
+    assert 0.0 < diffs["w_v"] < 0.02  # a 1e-3 drift, rounded in bf16
+    assert all(diffs[n] == 0.0 for n in bench.WEIGHT_NAMES if n != "w_v")
+    assert any("DIFFER" in line for line in logs)
+    det = bench.summarize_determinism(rows)
+    assert det["weight_grads_deterministic"] is False
+    assert "DIFFER" in bench.format_determinism(det) and "w_v" in bench.format_determinism(det)
+
+
+def test_a_failing_determinism_check_does_not_stop_the_timing():
+    calls = {"n": 0}
+
+    def op(*args, backend="auto", **kw):
+        c = _reference_op(*args, backend="torch", **kw)
+        if backend == "triton":
+            calls["n"] += 1
+            if calls["n"] == 2:  # call 1 is check_provider's; call 2 the first determinism run
+                raise RuntimeError("out of memory (pretend)")
+        return c
+
+    rows, _ = _run(op, ["fused"], modes=["forward"])
+    (fused,) = rows
+    assert fused["error"] is None and fused["ms_p50"] is not None
+    assert fused["weight_grads_deterministic"] is None
+    assert "pretend" in fused["determinism_note"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries on synthetic rows
+# ----------------------------------------------------------------------------------------------
+
+
+def _srow(provider, mode, ms, mem=None, *, shape="bert-base", dtype="bf16", n=4096, error=None, ratio=None,
+          det=None):
+    return {"shape": shape, "dtype": dtype, "N": n, "mode": mode, "provider": provider,
+            "ms_p50": None if error else ms, "peak_extra_mem_mb": None if error else mem,
+            "ratio_to_matmul_ceiling": ratio, "error": error,
+            "weight_grads_deterministic": det if provider == "fused" else None}
+
+
+def test_summary_ratios_for_fused_and_auto():
+    rows = [_srow("eager", "full", 8.0, 900.0), _srow("compile", "full", 4.0, 600.0),
+            _srow("compile-max", "full", 2.0, 500.0), _srow("fused", "full", 1.0, 300.0, ratio=0.5, det=True),
+            _srow("auto", "full", 8.0, 900.0), _srow("cublas", "full", 0.5, 700.0),
+            _srow("eager", "forward", 3.0, 100.0), _srow("fused", "forward", 1.5, 50.0, det=True),
+            _srow("compile-max", "forward", None, error="compile failed"),
+            _srow("auto", "forward", None, error="boom")]
+    full, forward = bench.summarize_speedups(rows)
+    assert (full["mode"], forward["mode"]) == ("full", "forward")
+    assert full["eager_ms"] == 8.0 and full["compile_max_ms"] == 2.0 and full["cublas_ms"] == 0.5
+    assert full["fused_vs_eager"] == 8.0 and full["fused_vs_compile"] == 4.0
+    assert full["fused_vs_compile_max"] == 2.0 and full["fused_vs_cublas"] == 0.5
+    assert full["fused_mem_over_eager"] == pytest.approx(1 / 3) and full["fused_mem_over_compile"] == 0.5
+    assert full["auto_vs_eager"] == 1.0 and full["auto_vs_compile_max"] == 0.25
+    assert full["auto_vs_cublas"] == 0.0625 and full["auto_mem_over_eager"] == 1.0
+    assert full["fused_ratio_to_matmul_ceiling"] == 0.5 and full["weight_grads_deterministic"] is True
+    # not run (compile, cublas) or failed (compile-max, auto): null
+    assert forward["fused_vs_eager"] == 2.0 and forward["fused_mem_over_eager"] == 0.5
+    for key in ("compile_ms", "compile_max_ms", "auto_ms", "cublas_ms", "fused_vs_compile", "fused_vs_compile_max",
+                "fused_vs_cublas", "auto_vs_eager", "auto_vs_compile_max", "auto_mem_over_eager"):
+        assert forward[key] is None, key
+    text = bench.format_speedups([full, forward])
+    assert "f/c-max" in text and "a/eager" in text
+
+
+def _headline_rows(fwd_fused, full_fused, *, full_mem=(900.0, 300.0)):
+    return [_srow("eager", "forward", 0.9, 100.0), _srow("compile-max", "forward", 0.33, 100.0),
+            _srow("fused", "forward", fwd_fused, 20.0),
+            _srow("eager", "full", 1.68, full_mem[0]), _srow("compile-max", "full", 1.05, 600.0),
+            _srow("fused", "full", full_fused, full_mem[1])]
+
+
+def test_headline_targets():
+    # forward: 0.2 ms, 4.5x eager, 1.65x compile-max: all on the edge; full: 0.6 ms, 2.8x eager,
+    # 1.75x compile-max, memory exactly 1/3 of eager's
+    targets = bench.evaluate_targets(bench.summarize_speedups(_headline_rows(0.2, 0.6)), "NVIDIA H100 80GB HBM3")
     assert targets["on_target_device"] is True
-    got = {(c["mode"], c["metric"]): c["passed"] for c in targets["checks"]}
-    assert got == {
-        ("forward", "fused_vs_eager"): True,  # 3.0 >= 3
-        ("forward", "fused_vs_compile"): True,  # 1.5 >= 1.5
-        ("forward", "fused_ratio_to_matmul_ceiling"): True,  # 0.65 >= 0.60
-        ("full", "fused_vs_eager"): False,  # 2.0 < 2.5
-        ("full", "fused_mem_over_eager"): False,  # 0.4 > 1/3
-    }
-    assert "targets" in bench.format_speedups(bench.summarize_speedups(rows), targets)
+    headline = {(c["mode"], c["metric"]): c for c in targets["checks"] if c["kind"] == "headline"}
+    assert set(headline) == {
+        ("forward", "fused_ms"), ("forward", "fused_vs_eager"), ("forward", "fused_vs_compile_max"),
+        ("full", "fused_ms"), ("full", "fused_vs_eager"), ("full", "fused_vs_compile_max"),
+        ("full", "fused_mem_over_eager")}
+    assert all(c["passed"] is True and c["headline"] for c in headline.values()), headline
+    assert headline["forward", "fused_ms"]["target"] == "<= 0.2"
+    assert headline["full", "fused_vs_compile_max"]["value"] == pytest.approx(1.75)
+    assert targets["headline_passed"] is True
+    # a bit slower and a bit more memory: the ms, speedup and memory checks fail
+    targets = bench.evaluate_targets(
+        bench.summarize_speedups(_headline_rows(0.21, 0.61, full_mem=(900.0, 301.0))), "NVIDIA H200")
+    assert targets["on_target_device"] is False and targets["headline_passed"] is False
+    failed = {(c["mode"], c["metric"]) for c in targets["checks"] if c["kind"] == "headline" and c["passed"] is False}
+    assert failed == {("forward", "fused_ms"), ("forward", "fused_vs_compile_max"), ("full", "fused_ms"),
+                      ("full", "fused_vs_eager"), ("full", "fused_vs_compile_max"), ("full", "fused_mem_over_eager")}
+    assert "FAIL" in bench.format_speedups(bench.summarize_speedups(_headline_rows(0.21, 0.61)), targets)
+
+
+def test_headline_targets_not_measured_are_na():
+    rows = [_srow("eager", "forward", 2.0, shape="minilm"), _srow("fused", "forward", 1.0, shape="minilm")]
+    targets = bench.evaluate_targets(bench.summarize_speedups(rows), "NVIDIA H100 80GB HBM3")
+    headline = [c for c in targets["checks"] if c["kind"] == "headline"]
+    assert len(headline) == 7 and all(c["passed"] is None and c["value"] is None for c in headline)
+    assert targets["headline_passed"] is None
+    assert "n/a" in bench.format_speedups(bench.summarize_speedups(rows), targets)
+
+
+def test_sweep_targets_at_every_measured_n():
+    rows = []
+    for shape in ("bert-base", "minilm"):
+        for dtype in ("bf16", "fp16"):
+            for n in (512, 1024, 16384, 32768):
+                for mode in ("forward", "full", "backward"):
+                    fused = 1.2 if (shape, dtype, n, mode) == ("minilm", "fp16", 16384, "full") else 0.5
+                    rows += [_srow("eager", mode, 1.0, shape=shape, dtype=dtype, n=n),
+                             _srow("fused", mode, fused, shape=shape, dtype=dtype, n=n)]
+                    if (shape, n) != ("bert-base", 1024):
+                        rows.append(_srow("compile-max", mode, 0.8, shape=shape, dtype=dtype, n=n))
+    targets = bench.evaluate_targets(bench.summarize_speedups(rows), "NVIDIA H100 80GB HBM3")
+    sweep = [c for c in targets["checks"] if c["kind"] == "sweep"]
+    # N in [1024, 16384] only; modes forward and full; two metrics
+    assert {c["N"] for c in sweep} == {1024, 16384} and {c["mode"] for c in sweep} == {"forward", "full"}
+    assert len(sweep) == 2 * 2 * 2 * 2 * 2
+    assert all(c["target"] == "> 1" and not c["headline"] for c in sweep)
+    verdicts = {(c["shape"], c["dtype"], c["N"], c["mode"], c["metric"]): c["passed"] for c in sweep}
+    assert verdicts["minilm", "fp16", 16384, "full", "fused_vs_eager"] is False  # 1.0 / 1.2
+    assert verdicts["minilm", "fp16", 16384, "full", "fused_vs_compile_max"] is False
+    assert verdicts["bert-base", "bf16", 1024, "forward", "fused_vs_compile_max"] is None  # compile-max not run
+    assert verdicts["bert-base", "fp16", 16384, "forward", "fused_vs_compile_max"] is True  # 0.8 / 0.5
+    assert sum(v is True for v in verdicts.values()) == 32 - 2 - 4
+    assert targets["sweep_passed"] is False and targets["sweep_complete"] is False
+
+
+def test_sweep_complete_and_passed():
+    rows = []
+    for shape in ("bert-base", "minilm"):
+        for dtype in ("bf16", "fp16"):
+            for n in bench.N_SWEEP:
+                for mode in ("forward", "full"):
+                    rows += [_srow(p, mode, ms, shape=shape, dtype=dtype, n=n)
+                             for p, ms in (("eager", 1.0), ("compile-max", 0.7), ("fused", 0.6))]
+    targets = bench.evaluate_targets(bench.summarize_speedups(rows), "NVIDIA H100 80GB HBM3")
+    assert targets["sweep_complete"] is True and targets["sweep_passed"] is True
+    assert targets["headline_passed"] is False  # 0.6 ms forward > 0.20, 1.67x eager < 3
+    # a ratio of exactly 1 is not faster
+    rows = [_srow("eager", "forward", 1.0, n=2048), _srow("compile-max", "forward", 1.0, n=2048),
+            _srow("fused", "forward", 1.0, n=2048)]
+    sweep = [c for c in bench.evaluate_targets(bench.summarize_speedups(rows), "x")["checks"] if c["kind"] == "sweep"]
+    assert [c["passed"] for c in sweep] == [False, False, None, None]  # forward; full not measured
+
+
+def test_direction_winners():
+    rows = []
+    for n in (1024, 4096):
+        rows += [_srow("eager", "forward", 2.0, n=n), _srow("fused", "forward", 1.0, n=n),
+                 _srow("auto", "forward", 2.0, n=n), _srow("compile", "forward", 0.1, n=n),
+                 _srow("eager", "backward", 2.0, n=n), _srow("fused", "backward", 4.0 if n == 4096 else 1.0, n=n),
+                 _srow("eager", "full", 9.0, n=n), _srow("fused", "full", 1.0, n=n)]
+    winners = bench.direction_winners(rows, "NVIDIA H100 80GB HBM3")
+    assert winners["device"] == "NVIDIA H100 80GB HBM3"
+    entries = {(e["direction"], e["N"]): e for e in winners["entries"]}
+    assert set(entries) == {("forward", 1024), ("forward", 4096), ("backward", 1024), ("backward", 4096)}
+    assert entries["forward", 1024]["winner"] == "fused" and entries["forward", 1024]["ratio"] == 2.0
+    assert entries["forward", 1024]["auto_ms"] == 2.0 and entries["forward", 1024]["fused_vs_eager"] == 2.0
+    assert entries["backward", 4096]["winner"] == "eager" and entries["backward", 4096]["ratio"] == 2.0
+    assert entries["backward", 4096]["fused_vs_eager"] == 0.5 and entries["backward", 4096]["mode"] == "backward"
+    assert winners["recommendation"] == {"forward": "triton", "backward": "torch"}
+    assert winners["tally"] == {"forward": {"fused_wins": 2, "entries": 2}, "backward": {"fused_wins": 1, "entries": 2}}
+    text = bench.format_direction_winners(winners)
+    assert "recommendation for auto, forward: triton" in text and "backward: torch" in text
+
+    # a failed fused measurement, a tie, and a direction never measured: all "torch"
+    rows = [_srow("eager", "forward", 1.0), _srow("fused", "forward", 1.0),
+            _srow("eager", "forward", 1.0, n=8192), _srow("fused", "forward", None, n=8192, error="oom")]
+    winners = bench.direction_winners(rows, "gpu")
+    assert [e["winner"] for e in winners["entries"]] == ["tie", None]
+    assert "fused not measured" in winners["entries"][1]["note"] and winners["entries"][1]["ratio"] is None
+    assert winners["recommendation"] == {"forward": "torch", "backward": "torch"}
+    assert winners["tally"]["backward"] == {"fused_wins": 0, "entries": 0}
+    # fused wins everywhere but eager was not run: no evidence, "torch"
+    winners = bench.direction_winners([_srow("fused", "backward", 1.0)], "gpu")
+    assert winners["entries"][0]["winner"] is None and winners["recommendation"]["backward"] == "torch"
 
 
 def test_main_end_to_end_with_a_pretend_gpu(tmp_path, monkeypatch, capsys):
@@ -290,7 +554,7 @@ def test_main_end_to_end_with_a_pretend_gpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run_benchmark", lambda *a, **kw: run(*a, **{**kw, "device": "cpu"}))
 
     assert bench.main(["--shapes", "minilm", "--dtypes", "fp16", "--n", "8", "--providers", "eager", "fused",
-                       "--out", str(tmp_path)]) == 0
+                       "auto", "cublas", "--out", str(tmp_path)]) == 0
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and files[0].name.startswith("layer_attention_nvidia-h100-80gb-hbm3_")
     data = json.loads(files[0].read_text())
@@ -299,13 +563,24 @@ def test_main_end_to_end_with_a_pretend_gpu(tmp_path, monkeypatch, capsys):
                 "flop_convention"):
         assert key in header
     assert header["commit"] == "0123abc" and header["matmul_ceiling_bf16_tflops"] == 800.0
-    assert len(data["rows"]) == 2 * 3
+    assert data["schema_version"] == 2
+    assert len(data["rows"]) == 4 * 3
     for r in data["rows"]:
         for key in ("device", "torch", "triton", "cuda", "commit", "shape", "dtype", "provider", "mode",
                     "ms_p50", "ms_p20", "ms_p80", "tflops", "ratio_to_matmul_ceiling", "peak_extra_mem_mb",
-                    "max_abs_diff", "error"):
+                    "max_abs_diff", "weight_grads_deterministic", "error"):
             assert key in r
         assert r["error"] is None and r["peak_extra_mem_mb"] == 3.0
         assert r["ratio_to_matmul_ceiling"] == pytest.approx(r["tflops"] / 800.0)
     assert {(s["mode"], s["N"]) for s in data["speedups"]} == {("forward", 8), ("backward", 8), ("full", 8)}
-    assert "wrote" in capsys.readouterr().out
+    assert all(s["weight_grads_deterministic"] is True for s in data["speedups"])
+    assert data["determinism"]["weight_grads_deterministic"] is True
+    # N = 8 is outside the sweep's range and not the headline: every check n/a, none dropped
+    assert data["targets"]["headline_passed"] is None and data["targets"]["sweep_passed"] is None
+    assert len(data["targets"]["checks"]) == len(bench.HEADLINE_TARGETS)
+    winners = data["direction_winners"]
+    assert {(e["direction"], e["N"]) for e in winners["entries"]} == {("forward", 8), ("backward", 8)}
+    assert set(winners["recommendation"]) == {"forward", "backward"}
+    out = capsys.readouterr().out
+    assert "wrote" in out and "direction winners" in out and "recommendation for auto" in out
+    assert "fused weight gradients over two identical runs: bitwise equal" in out
