@@ -191,6 +191,55 @@ def test_triton_matches_reference(L, N, H, K, J, dtype):
         assert_close_to_oracle(name, fused[i], eager[i], oracle[i], factor, floor)
 
 
+GPU_BF16_GRID = [
+    # L, N, H, K, J: MiniLM and BERT-base head shapes with N not a multiple of any tile
+    (6, 333, 384, 384, 12),
+    (12, 517, 768, 768, 12),
+    (13, 70, 120, 72, 3),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="bf16 kernels run on a GPU (the interpreter's bf16 arithmetic is unreliable)")
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("L,N,H,K,J", GPU_BF16_GRID)
+def test_triton_matches_reference_bf16_on_gpu(L, N, H, K, J, dropout, monkeypatch):
+    """bf16 on the GPU, by the same rule as fp32/fp16; with dropout, against the reference on
+    the kernels' own masks (forward and all seven gradients, several backward chunks)."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", L * (H + K) * 128)
+    base = make_inputs(L, N, H, K, J, dtype=torch.float64, device="cuda", seed=L + N)
+    g = torch.Generator().manual_seed(9)
+    grad_c = torch.randn(N, H, generator=g, dtype=torch.float64).cuda()
+    grad_p = torch.randn(N, L, J, generator=g, dtype=torch.float64).cuda()
+    if not dropout:
+        oracle = run(base, J, "torch", grad_c, grad_p)
+        eager = run([t.bfloat16() for t in base], J, "torch", grad_c, grad_p)
+        fused = run([t.bfloat16() for t in base], J, "triton", grad_c, grad_p)
+    else:
+        rates = (0.3, 0.3, 0.3)
+        masks = kernels.layer_attention_dropout_masks((L, N, H), (L, N, K), (L, N, J), rates, 5,
+                                                      "cuda")
+
+        def go(ts, fused_op):
+            ts = leaves(ts)
+            if fused_op:
+                c, p = kernels.layer_attention_triton(*ts, J, dropout=rates, seed=5)
+            else:
+                c, p = layer_attention_reference(*ts, J, dropout_h=rates[0], dropout_k=rates[1],
+                                                 dropout_p=rates[2], training=True, masks=masks)
+            p = p.permute(1, 0, 2)
+            loss = (c.double() * grad_c).sum() + (p.double() * grad_p).sum()
+            return [c, p, *torch.autograd.grad(loss, ts)]
+
+        oracle = go(base, False)
+        eager = go([t.bfloat16() for t in base], False)
+        fused = go([t.bfloat16() for t in base], True)
+    for i, name in enumerate(("c", "p") + tuple(f"d{n}" for n in NAMES)):
+        assert_close_to_oracle(name, fused[i], eager[i], oracle[i], 2.0 if i < 2 else 3.0, 4e-3)
+
+
 @needs_triton
 def test_triton_block_diagonal_matches_reference():
     L, N, H, K, J = 3, 21, 48, 36, 3

@@ -128,14 +128,15 @@ def test_backward_reaches_every_parameter_and_casts_to_input_dtype():
 @pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="Triton needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("block_diagonal", [False, True])
 def test_triton_backend_matches_torch_backend(block_diagonal):
-    hs = tuple(h.detach() for h in tiny_bert_hidden_states())
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the triton backend's device
+    hs = tuple(h.detach().to(device) for h in tiny_bert_hidden_states())
     torch.manual_seed(1)
     eager = FusedLayerAttention(48, 3, num_heads=4, backend="torch",
-                                block_diagonal=block_diagonal).eval()
+                                block_diagonal=block_diagonal).to(device).eval()
     fused = FusedLayerAttention(48, 3, num_heads=4, backend="triton",
-                                block_diagonal=block_diagonal).eval()
+                                block_diagonal=block_diagonal).to(device).eval()
     fused.load_state_dict(eager.state_dict())
-    head = nn.Linear(48, 2)
+    head = nn.Linear(48, 2).to(device)
     for mod in (eager, fused):
         head(mod(hs)).logsumexp(-1).sum().backward()
     torch.testing.assert_close(fused(hs), eager(hs), rtol=1e-5, atol=1e-5)

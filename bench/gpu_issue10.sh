@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The layer-attention measurements issue 10 needs, for a lent GPU session (device tool `run`).
+# Each stage fits one device call (<= 10 min); results go under $OUT (default bench/results/gpu).
+#
+#   bash bench/gpu_issue10.sh setup        # editable install without deps (the machine has torch/triton)
+#   bash bench/gpu_issue10.sh tests        # op + module tests on the GPU (bf16 included), log to $OUT
+#   bash bench/gpu_issue10.sh quick        # BERT-base bf16 N=4096: all six providers, the headline
+#   bash bench/gpu_issue10.sh sweep bert-base bf16   # one shape x dtype of the N sweep (eager, compile-max, fused)
+#   bash bench/gpu_issue10.sh profile      # torch.profiler table of one fused forward + backward
+#
+# Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
+# the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
+# commit (the device's copy of the tree has no .git).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+stage=${1:?stage: setup, tests, quick, sweep SHAPE DTYPE or profile}
+case "$stage" in
+  setup)
+    pip install -q --no-deps --no-build-isolation --no-index -e . ;;
+  tests)
+    python -m pytest -q -rs tests/test_layer_attention.py tests/test_layer_attention_module.py \
+      tests/test_compile_report.py 2>&1 | tee "$OUT/tests_gpu.log" ;;
+  quick)
+    python bench/benchmark_layer_attention.py --quick --out "$OUT/" 2>&1 | tee "$OUT/quick.log" ;;
+  sweep)
+    shape=${2:?shape}; dtype=${3:?dtype}
+    python bench/benchmark_layer_attention.py --shapes "$shape" --dtypes "$dtype" \
+      --providers eager compile-max fused --modes forward backward full \
+      --out "$OUT/" 2>&1 | tee "$OUT/sweep_${shape}_${dtype}.log" ;;
+  profile)
+    python - <<'PY' 2>&1 | tee "$OUT/profile_fused_bert_base_bf16.txt"
+import torch
+from torch.profiler import ProfilerActivity, profile
+from mhmla_fast import layer_attention
+L, N, H, K, J = 12, 4096, 768, 768, 12
+g = torch.Generator(device="cuda").manual_seed(0)
+def r(*s, scale=1.0):
+    return (torch.randn(*s, device="cuda", generator=g) * scale).bfloat16().requires_grad_()
+ts = [r(L, N, H), r(L, H, H, scale=H**-0.5), r(L, H, scale=0.02), r(L, H, K, scale=H**-0.5),
+      r(L, K, scale=0.02), r(L, K, J, scale=K**-0.5), r(L, J, scale=0.02)]
+dc = torch.randn(N, H, device="cuda", generator=g).bfloat16()
+for backend in ("torch", "triton"):
+    for _ in range(3):  # compile + autotune outside the profile
+        torch.autograd.grad(layer_attention(*ts, J, backend=backend), ts, dc)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            torch.autograd.grad(layer_attention(*ts, J, backend=backend), ts, dc)
+        torch.cuda.synchronize()
+    print(f"=== backend={backend}: 5 x (forward + backward), {torch.cuda.get_device_name()}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+PY
+    ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
