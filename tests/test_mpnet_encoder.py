@@ -1,0 +1,87 @@
+"""A non-BERT encoder end to end: a tiny random MPNet (the architecture of all-mpnet-base-v2,
+the paper's 12 x 768 shape; no token type ids, positions offset by the padding index, <s> and
+</s> specials) through word-piece alignment, the tagger, training, save/load and the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhmla_fast.ged.model import GedTagger, TaggerConfig, encode_sentences, encode_words, load_tokenizer
+from mhmla_fast.ged.train import TrainConfig, train
+
+VOCAB = ["<s>", "<pad>", "</s>", "<unk>", "[UNK]", "<mask>", ".", ",", "he", "she", "they", "we",
+         "go", "##es", "to", "school", "##s", "every", "day", "the", "house", "a", "cat", "see",
+         "went", "dog"]
+
+
+@pytest.fixture(scope="module")
+def tiny_mpnet(tmp_path_factory):
+    from transformers import MPNetConfig, MPNetModel, MPNetTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny-mpnet")
+    tok = MPNetTokenizerFast(vocab={piece: i for i, piece in enumerate(VOCAB)}, do_lower_case=True)
+    torch.manual_seed(0)
+    cfg = MPNetConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, intermediate_size=48, max_position_embeddings=68,
+                      pad_token_id=tok.pad_token_id)
+    MPNetModel(cfg, add_pooling_layer=False).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def test_word_pieces_align_to_words(tiny_mpnet):
+    tok = load_tokenizer(tiny_mpnet)
+    assert "token_type_ids" not in tok.model_input_names
+    (ids, index), = encode_sentences(tok, [["He", "goes", "to", "schools", "."]], 32)
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert pieces == ["<s>", "he", "go", "##es", "to", "school", "##s", ".", "</s>"]
+    assert index == [-1, 0, 1, -1, 2, 3, -1, 4, -1]  # first piece of each word; specials -1
+    # a word the vocabulary cannot spell still keeps its position (as the unknown token)
+    (_, index), = encode_sentences(tok, [["he", "zzz", "."]], 32)
+    assert [w for w in index if w >= 0] == [0, 1, 2]
+
+
+def write_fce(path, n, seed):
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        subj = rng.choice(["he", "she", "they", "we"])
+        verb = rng.choice(["go", "goes"])
+        err = (subj in ("he", "she")) == (verb == "go")
+        rest = [rng.choice(["the", "house", "a", "cat", "dog", "school", "every", "day"])
+                for _ in range(rng.randint(1, 5))]
+        toks = [(subj, 0), (verb, int(err))] + [(w, 0) for w in rest] + [(".", 0)]
+        lines += [f"{w}\t{'i' if e else 'c'}" for w, e in toks] + [""]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_mpnet_tagger_trains_saves_loads_and_serves(tmp_path, tiny_mpnet):
+    from mhmla_fast.serve.engine import Engine
+
+    cfg = TrainConfig(train=str(write_fce(tmp_path / "train.tsv", 96, 0)),
+                      dev=str(write_fce(tmp_path / "dev.tsv", 24, 1)), out=str(tmp_path / "run"),
+                      encoder=tiny_mpnet, num_heads=4, epochs=2, batch_size=8, lr=2e-3,
+                      max_length=32, seed=3, checkpoint_every=1000, progress=False, backend="torch")
+    best = train(cfg)
+    model = GedTagger.load(best).eval()
+    assert model.encoder.config.model_type == "mpnet"
+    assert model.head.num_layers == 2 and model.head.w_v.shape == (2, 32, 32)
+    tok = load_tokenizer(best)
+    batch = encode_words(tok, [["he", "go", "to", "school", "."]], 32)
+    with torch.no_grad():
+        logits, p = model(batch["input_ids"], batch["attention_mask"], return_weights=True)
+    assert logits.shape == (1, batch["input_ids"].shape[1], 2) and p.shape[-2:] == (2, 4)
+    torch.testing.assert_close(p.sum(-2), torch.ones_like(p.sum(-2)))
+    # the engine (raw text -> words -> pieces) gives the tagger's own word probabilities
+    engine = Engine.load(best, backend="torch", device="cpu")
+    result, = engine.tag_texts(["he go to school ."])
+    assert result.tokens == ["he", "go", "to", "school", "."]
+    first = batch["word_index"][0] >= 0
+    expected = logits.softmax(-1)[0, first, 1].numpy()
+    assert len(result.probs) == 5
+    torch.testing.assert_close(torch.tensor(result.probs, dtype=torch.float32),
+                               torch.from_numpy(expected), rtol=1e-4, atol=1e-5)
