@@ -20,15 +20,16 @@ Plan (see DESIGN.md section 3):
   one-hot head map, so the weights arrive in the accumulator's layout), accumulated on chip;
   one write of c. Neither the L x N x H values nor the L x N x K keys are
   ever written to memory.
-* backward, GEMM-shaped, over chunks of tokens (at most ``BWD_CHUNK_ELEMENTS`` elements of
-  L x chunk x (H + K), so memory does not grow with N): the projections v and z of the chunk
-  are recomputed by two batched GEMMs (cuBLAS through ``torch.baddbmm``); the score-gradient
-  kernel reduces dp = <dc_j, v_j> per head; the softmax backward over the layers runs on the
-  tiny [L, chunk, J] tensors; the key-gradient kernel overwrites v with dv = p~ dc and z with
-  dz, and writes per-tile partial sums of dW_a; then dh = dv W_v' + dz W_k',
-  dW_v = h' dv and dW_k = h' dz are batched GEMMs again. Every reduction over tokens has a
-  fixed order (GEMMs, per-tile partials summed in tile order): weight gradients are
-  deterministic run to run.
+* backward, GEMM-shaped, over groups of G layers (at most ``BWD_GROUP_ELEMENTS`` elements of
+  G x N x (H + K), so the scratch memory is a fraction of the L x N x H the gradient dh takes):
+  pass 1 recomputes v of a group by one batched GEMM (cuBLAS through ``torch.baddbmm``) and the
+  score-gradient kernel reduces dp = <dc_j, v_j> per head; the softmax backward over the
+  layers runs on the tiny [L, N, J] tensors; pass 2 recomputes z of a group, the key-gradient
+  kernel writes dv = p~ dc and overwrites z with dz (and per-tile partial sums of dW_a), then
+  dh = dv W_v' + dz W_k', dW_v = h' dv and dW_k = h' dz are batched GEMMs over all N tokens.
+  Every reduction over tokens has a fixed order (GEMMs, per-tile partials summed in tile
+  order): weight gradients are deterministic run to run, and each is one reduction rounded
+  once to the input dtype, as in eager autograd.
 
 Tiles: on a GPU every kernel is autotuned over configs filtered by a ``keep`` rule (no config
 that would spill registers at BERT-base or MiniLM shape, see ``bench/compile_report.py``);
@@ -59,7 +60,7 @@ __all__ = [
     "layer_attention_bwd",
     "layer_attention_dropout_masks",
     "layer_attention_compile_cases",
-    "BWD_CHUNK_ELEMENTS",
+    "BWD_GROUP_ELEMENTS",
 ]
 
 
@@ -202,113 +203,114 @@ def _layer_attention_fwd_values_kernel(
 #                                                dW_k^l = sum_n h^l' dz^l, db_k^l = sum_n dz^l
 #   dh^l = (dv^l W_v^l' + dz^l W_k^l') * keep_h / (1 - r_h)
 #
-# where h^l in the weight gradients is the dropped-out input the forward used. The launcher
-# runs it per chunk of M tokens (rows n0 .. n0 + M of N): v and z of the chunk come from two
-# batched GEMMs, the kernels below do everything between them, and dh, dW_v, dW_k are batched
-# GEMMs over the dv and dz the key-gradient kernel leaves in place of v and z.
+# where h^l in the weight gradients is the dropped-out input the forward used. delta couples
+# the layers, so the launcher makes two passes over groups of G layers (layers l0 .. l0 + G):
+# pass 1 recomputes v of a group with one batched GEMM and reduces dp (score-gradient kernel);
+# the softmax backward runs on the [L, N, J] tensors; pass 2 recomputes z of a group, the
+# key-gradient kernel writes dv and dz (and per-tile dW_a), and dh, dW_v and dW_k of the group
+# are batched GEMMs over all N tokens (one reduction, as eager's).
 
 
 @triton.jit
 def _layer_attention_bwd_scores_kernel(
-    V_ptr,  # [L, M, H] recomputed values v of the chunk
-    DC_ptr,  # [M, H] gradient of c (the chunk's rows)
-    DP_ptr,  # [L, M, J] gradient of the undropped layer weights p (out, ACC)
-    M, N, n0, H, J, D,
+    V_ptr,  # [G, N, H] recomputed values v of layers l0 .. l0 + G
+    DC_ptr,  # [N, H] gradient of c
+    DP_ptr,  # [L, N, J] gradient of the undropped layer weights p (out, ACC)
+    N, H, J, D, l0,
     seed_p, rate_p, scale_p,
     DROP_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """dp^{l,j} = <dc_j, v^{l,j}> keep_p / (1 - r_p) for a [BLOCK_N] tile of tokens, layer l."""
     pid_n = tl.program_id(0)
-    l = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)  # layer within the group
+    l = l0 + g
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows[:, None] < M
+    row_ok = rows[:, None] < N
     jj = tl.arange(0, BLOCK_J)
     dd = tl.arange(0, BLOCK_D)
     dp = tl.zeros((BLOCK_N, BLOCK_J), ACC)
     for j in range(0, J):
         cols = j * D + dd
         ok = row_ok & (dd[None, :] < D)
-        v = tl.load(V_ptr + (l * M + rows[:, None]) * H + cols[None, :], mask=ok, other=0.0)
+        v = tl.load(V_ptr + g * N * H + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
         dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
         s = tl.sum(v.to(ACC) * dc.to(ACC), axis=1)
         dp = tl.where(jj[None, :] == j, s[:, None], dp)
-    dp = _dropout(dp, seed_p, (l * N + n0 + rows[:, None]) * J + jj[None, :], rate_p, scale_p,
-                  DROP_P)
-    tl.store(DP_ptr + (l * M + rows[:, None]) * J + jj[None, :], dp,
-             mask=row_ok & (jj[None, :] < J))
+    offs = l * N * J + rows[:, None] * J + jj[None, :]
+    dp = _dropout(dp, seed_p, offs, rate_p, scale_p, DROP_P)
+    tl.store(DP_ptr + offs, dp, mask=row_ok & (jj[None, :] < J))
 
 
 @triton.jit
 def _layer_attention_bwd_keys_kernel(
-    V_ptr,  # [L, M, H] in: recomputed values (unused); out: dv = p~ dc
-    Z_ptr,  # [L, M, K] in: recomputed key pre-activations z; out: dz
-    DC_ptr,  # [M, H] gradient of c (the chunk's rows)
-    P_ptr,  # [L, M, J] the chunk's layer weights p (ACC)
-    DA_ptr,  # [L, M, J] score gradients da (ACC)
+    DV_ptr,  # [G, N, H] dv = p~ dc of layers l0 .. l0 + G (out)
+    Z_ptr,  # [G, N, K] in: recomputed key pre-activations z; out: dz
+    DC_ptr,  # [N, H] gradient of c
+    P_ptr,  # [L, N, J] layer weights p (ACC)
+    DA_ptr,  # [L, N, J] score gradients da (ACC)
     WA_ptr,  # [L, K, J] scorer weights
-    DWA_ptr,  # [T, L, K, J] dW_a summed over each token tile t (out, ACC)
-    L, M, N, n0, H, K, J, D,
+    DWA_ptr,  # [T, G, K, J] dW_a of the group summed over each token tile t (out, ACC)
+    G, N, H, K, J, D, l0,
     seed_k, rate_k, scale_k, seed_p, rate_p, scale_p,
     DROP_K: tl.constexpr, DROP_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """dv = p~ dc over v; dz = (da W_a') [k~ > 0] / (1 - r_k) over z; per-tile dW_a = k~' da."""
+    """dv = p~ dc; dz = (da W_a') [k~ > 0] / (1 - r_k) over z; per-tile dW_a = k~' da."""
     pid_n = tl.program_id(0)
-    l = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)  # layer within the group
+    l = l0 + g
     dtype = Z_ptr.dtype.element_ty
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows[:, None] < M
+    row_ok = rows[:, None] < N
     jj = tl.arange(0, BLOCK_J)
     dd = tl.arange(0, BLOCK_D)
-    offs_j = (l * M + rows[:, None]) * J + jj[None, :]
+    offs_j = l * N * J + rows[:, None] * J + jj[None, :]
     ok_j = row_ok & (jj[None, :] < J)
     p = tl.load(P_ptr + offs_j, mask=ok_j, other=0.0)
-    p = _dropout(p, seed_p, (l * N + n0 + rows[:, None]) * J + jj[None, :], rate_p, scale_p,
-                 DROP_P)
+    p = _dropout(p, seed_p, offs_j, rate_p, scale_p, DROP_P)
     for j in range(0, J):
         cols = j * D + dd
         ok = row_ok & (dd[None, :] < D)
         pj = tl.sum(tl.where(jj[None, :] == j, p, 0.0), axis=1)
         dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
-        tl.store(V_ptr + (l * M + rows[:, None]) * H + cols[None, :],
+        tl.store(DV_ptr + g * N * H + rows[:, None] * H + cols[None, :],
                  (pj[:, None] * dc.to(ACC)).to(dtype), mask=ok)
     # the score gradient enters both products in the input dtype, as in eager autograd
     da = tl.load(DA_ptr + offs_j, mask=ok_j, other=0.0).to(dtype)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        offs = (l * M + rows[:, None]) * K + kk[None, :]
+        offs = rows[:, None] * K + kk[None, :]
         ok = row_ok & (kk[None, :] < K)
-        z = tl.load(Z_ptr + offs, mask=ok, other=0.0).to(ACC)
-        k = _dropout(tl.maximum(z, 0.0), seed_k, (l * N + n0 + rows[:, None]) * K + kk[None, :],
-                     rate_k, scale_k, DROP_K)
+        z = tl.load(Z_ptr + g * N * K + offs, mask=ok, other=0.0).to(ACC)
+        k = _dropout(tl.maximum(z, 0.0), seed_k, l * N * K + offs, rate_k, scale_k, DROP_K)
         dwa = tl.dot(tl.trans(k.to(dtype)), da, input_precision=PREC, out_dtype=ACC)
-        tl.store(DWA_ptr + ((pid_n * L + l) * K + kk[:, None]) * J + jj[None, :], dwa,
+        tl.store(DWA_ptr + ((pid_n * G + g) * K + kk[:, None]) * J + jj[None, :], dwa,
                  mask=(kk[:, None] < K) & (jj[None, :] < J))
         wa_t = tl.load(
-            WA_ptr + (l * K + kk[None, :]) * J + jj[:, None],
+            WA_ptr + l * K * J + kk[None, :] * J + jj[:, None],
             mask=(jj[:, None] < J) & (kk[None, :] < K), other=0.0,
         )  # [BLOCK_J, BLOCK_K] = W_a[kk, :]'
         dk = tl.dot(da, wa_t.to(dtype), input_precision=PREC, out_dtype=ACC)
-        tl.store(Z_ptr + offs, tl.where(k > 0, dk * scale_k, 0.0).to(dtype), mask=ok)
+        tl.store(Z_ptr + g * N * K + offs, tl.where(k > 0, dk * scale_k, 0.0).to(dtype), mask=ok)
 
 
 @triton.jit
-def _layer_attention_dropout_rows_kernel(
-    X_ptr,  # [L, M, W] view of rows n0 .. n0 + M of an [L, N, W] tensor (row stride W)
-    Y_ptr,  # [L, M, W] output (may be X itself)
-    M, W, N, n0, stride_xl, stride_yl,
+def _layer_attention_dropout_layers_kernel(
+    X_ptr,  # [G, N, W] layers l0 .. l0 + G of an [L, N, W] tensor
+    Y_ptr,  # [G, N, W] output (may be X itself)
+    NW, l0,  # NW = N * W elements per layer
     seed, rate, scale,
     ACC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """y = x keep / (1 - rate), keep drawn at the element's offset in the whole [L, N, W]."""
-    l = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < M * W
-    x = tl.load(X_ptr + l * stride_xl + offs, mask=ok, other=0.0)
-    y = _dropout(x.to(ACC), seed, (l * N + n0) * W + offs, rate, scale, True)
-    tl.store(Y_ptr + l * stride_yl + offs, y.to(Y_ptr.dtype.element_ty), mask=ok)
+    ok = offs < NW
+    x = tl.load(X_ptr + g * NW + offs, mask=ok, other=0.0)
+    y = _dropout(x.to(ACC), seed, (l0 + g) * NW + offs, rate, scale, True)
+    tl.store(Y_ptr + g * NW + offs, y.to(Y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -337,9 +339,10 @@ _SEED_STREAMS = 3  # h, k, p
 _SMEM_BYTES = 227 * 1024  # per block on sm_90
 _DROPOUT_BLOCK = 1024
 BWD_KEYS_BLOCK_N = 64  # token tile of the key-gradient kernel: fixes the dW_a partial count
-# Backward chunk: at most this many elements of L x chunk x (H + K) (v and z recomputed for a
-# chunk of tokens). 2^25 is 64 MiB in bf16: BERT-base shape takes 1,792 tokens at a time.
-BWD_CHUNK_ELEMENTS = 1 << 25
+# Backward layer group: at most this many elements of G x N x (H + K) (v and z recomputed for
+# G layers at a time; at least one layer). 2^25 is 64 MiB in bf16: at BERT-base shape and
+# N = 4096 that is 5 layers per group (3 groups). Fewer elements: less memory, more launches.
+BWD_GROUP_ELEMENTS = 1 << 25
 # fp32 elements of one [rows, cols] tile per thread that a kernel may hold, per kernel:
 # the forward GEMMs hold one or two accumulators; the backward kernels three tiles at once
 _TILE_PER_THREAD = {"fwd_scores": 32, "fwd_values": 32, "bwd_scores": 16, "bwd_keys": 16}
@@ -398,7 +401,7 @@ _AUTOTUNE_KEY = {
     "bwd_scores": ["H", "J", "DROP_P"],
     "bwd_keys": ["H", "K", "J", "DROP_K", "DROP_P"],
 }
-_RESTORE = {"bwd_keys": ["V_ptr", "Z_ptr"]}  # overwritten in place: restored between trials
+_RESTORE = {"bwd_keys": ["Z_ptr"]}  # overwritten in place: restored between autotuning trials
 
 
 def _interpreting() -> bool:
@@ -545,8 +548,8 @@ def layer_attention_fwd(
     r = _rates(dropout, seed)
     drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
     if drop_h:  # h~ once (as eager does), not regenerated inside every GEMM tile
-        hidden = _dropout_rows(hidden, torch.empty_like(hidden), N, 0, r["seed_h"], r["rate_h"],
-                               r["scale_h"])
+        hidden = _dropout_layers(hidden, torch.empty_like(hidden), 0, r["seed_h"], r["rate_h"],
+                                 r["scale_h"])
     scores = torch.empty((L, N, J), device=hidden.device, dtype=acc)
     _launch(
         "fwd_scores", lambda m: (triton.cdiv(N, m["BLOCK_N"]), L),
@@ -563,23 +566,21 @@ def layer_attention_fwd(
     return c, p
 
 
-def _bwd_chunks(L: int, N: int, H: int, K: int) -> list[tuple[int, int]]:
-    """Token ranges [n0, n1) of the backward: L x (n1 - n0) x (H + K) <= BWD_CHUNK_ELEMENTS
-    (at least 64 tokens), equal sizes rounded up to a multiple of 64."""
-    most = max(64, BWD_CHUNK_ELEMENTS // (L * (H + K)))
-    count = triton.cdiv(N, most)
-    size = triton.cdiv(triton.cdiv(N, count), 64) * 64
-    return [(n0, min(N, n0 + size)) for n0 in range(0, N, size)]
+def _bwd_layer_groups(L: int, N: int, H: int, K: int) -> list[tuple[int, int]]:
+    """Layer ranges [l0, l1) of the backward: G x N x (H + K) <= BWD_GROUP_ELEMENTS (at least
+    one layer), in groups of equal size but the last."""
+    size = min(L, max(1, BWD_GROUP_ELEMENTS // (N * (H + K))))
+    return [(l0, min(L, l0 + size)) for l0 in range(0, L, size)]
 
 
-def _dropout_rows(x: Tensor, out: Tensor, N: int, n0: int, seed: int, rate: float,
-                  scale: float) -> Tensor:
-    """out = x keep / (1 - rate) for rows n0 .. n0 + M of an [L, N, W] tensor (views [L, M, W]
-    with unit row stride W), the keep mask drawn at the whole tensor's flat offsets."""
-    L, M, W = x.shape
-    _layer_attention_dropout_rows_kernel[(triton.cdiv(M * W, _DROPOUT_BLOCK), L)](
-        x, out, M, W, N, n0, x.stride(0), out.stride(0), seed, rate, scale,
-        ACC=_ACC.get(x.dtype, tl.float32), BLOCK=_DROPOUT_BLOCK,
+def _dropout_layers(x: Tensor, out: Tensor, l0: int, seed: int, rate: float,
+                    scale: float) -> Tensor:
+    """out = x keep / (1 - rate) for layers l0 .. l0 + G ([G, N, W], contiguous) of an
+    [L, N, W] tensor, the keep mask drawn at the whole tensor's flat offsets."""
+    G, N, W = x.shape
+    _layer_attention_dropout_layers_kernel[(triton.cdiv(N * W, _DROPOUT_BLOCK), G)](
+        x, out, N * W, l0, seed, rate, scale, ACC=_ACC.get(x.dtype, tl.float32),
+        BLOCK=_DROPOUT_BLOCK,
     )
     return out
 
@@ -592,11 +593,11 @@ def layer_attention_bwd(
     """Fused backward: (dh [L, N, H], dw_v, db_v, dw_k, db_k, dw_a, db_a).
 
     ``dc`` [N, H] is the gradient of c, ``dp`` [L, N, J] (or None) that of the returned
-    layer weights; the other arguments are the forward's inputs and its weights p. Works in
-    chunks of tokens (``_bwd_chunks``): besides the gradients it allocates v and z of one
-    chunk ([L, M, H] and [L, M, K]), h with dropout for one chunk when the forward dropped
-    it, [L, M, J]-sized score tensors, and fp32 weight-gradient accumulators when there is
-    more than one chunk (16-bit inputs).
+    layer weights; the other arguments are the forward's inputs and its weights p. Works on
+    groups of G layers (``_bwd_layer_groups``): besides the gradients it allocates one
+    [G, N, H] and one [G, N, K] buffer (and a [G, N, H] one for h with dropout when the
+    forward dropped it) and [L, N, J]-sized score tensors. Every weight gradient is one GEMM
+    over all N tokens, written in the input dtype, as eager autograd computes it.
     """
     _check_launchable(hidden)
     L, N, H = hidden.shape
@@ -610,64 +611,63 @@ def layer_attention_bwd(
     r = _rates(dropout, seed)
     drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
     dc = dc.contiguous()
-    chunks = _bwd_chunks(L, N, H, K)
-    dh = torch.empty_like(hidden)
-    w_v_t, w_k_t = w_v.mT, w_k.mT
-    # weight gradients: straight into the input dtype for one chunk; else accumulated in acc
-    dw_v = dw_k = None
-    db_v = torch.zeros((L, H), device=dev, dtype=acc)
-    db_k = torch.zeros((L, K), device=dev, dtype=acc)
-    dw_a = torch.zeros((L, K, J), device=dev, dtype=acc)
-    db_a = torch.zeros((L, J), device=dev, dtype=acc)
-    for n0, n1 in chunks:
-        M = n1 - n0
-        h = hidden[:, n0:n1]
-        if drop_h:
-            h = _dropout_rows(h, torch.empty((L, M, H), device=dev, dtype=dtype), N, n0,
-                              r["seed_h"], r["rate_h"], r["scale_h"])
-        v = torch.baddbmm(b_v.unsqueeze(1), h, w_v)  # [L, M, H]
-        z = torch.baddbmm(b_k.unsqueeze(1), h, w_k)  # [L, M, K]
-        dc_m = dc[n0:n1]
-        dp_m = torch.empty((L, M, J), device=dev, dtype=acc)
+    groups = _bwd_layer_groups(L, N, H, K)
+    most = max(l1 - l0 for l0, l1 in groups)
+    v_buf = torch.empty((most, N, H), device=dev, dtype=dtype)  # v in pass 1, dv in pass 2
+    z_buf = torch.empty((most, N, K), device=dev, dtype=dtype)  # z, then dz
+    h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
+
+    def group_hidden(l0: int, l1: int) -> Tensor:
+        """h~ of layers l0 .. l1: the forward's dropped-out input."""
+        if not drop_h:
+            return hidden[l0:l1]
+        return _dropout_layers(hidden[l0:l1], h_buf[: l1 - l0], l0, r["seed_h"], r["rate_h"],
+                               r["scale_h"])
+
+    # pass 1: dp of every layer
+    dp_all = torch.empty((L, N, J), device=dev, dtype=acc)
+    for l0, l1 in groups:
+        v = torch.baddbmm(b_v[l0:l1].unsqueeze(1), group_hidden(l0, l1), w_v[l0:l1],
+                          out=v_buf[: l1 - l0])
         _launch(
-            "bwd_scores", lambda m: (triton.cdiv(M, m["BLOCK_N"]), L),
-            v, dc_m, dp_m, M, N, n0, H, J, D, r["seed_p"], r["rate_p"], r["scale_p"],
+            "bwd_scores", lambda m: (triton.cdiv(N, m["BLOCK_N"]), l1 - l0),
+            v, dc, dp_all, N, H, J, D, l0, r["seed_p"], r["rate_p"], r["scale_p"],
             DROP_P=drop_p, **common,
         )
-        if dp is not None:  # a gradient flowing into the returned layer weights
-            dp_m += dp[:, n0:n1]
-        p_m = p[:, n0:n1].contiguous()
-        da = p_m * (dp_m - (p_m * dp_m).sum(0, keepdim=True))  # softmax backward over layers
-        db_a += da.sum(1)
-        tiles = triton.cdiv(M, BWD_KEYS_BLOCK_N)
-        dw_a_tiles = torch.empty((tiles, L, K, J), device=dev, dtype=acc)
+    if dp is not None:  # a gradient flowing into the returned layer weights
+        dp_all += dp
+    da = p * (dp_all - (p * dp_all).sum(0, keepdim=True))  # softmax backward over the layers
+    db_a = da.sum(1)
+    # pass 2: everything else, group by group
+    dh = torch.empty_like(hidden)
+    dw_v, dw_k = torch.empty_like(w_v), torch.empty_like(w_k)
+    db_v, db_k = torch.empty_like(b_v), torch.empty_like(b_k)
+    dw_a = torch.empty((L, K, J), device=dev, dtype=acc)
+    tiles = triton.cdiv(N, BWD_KEYS_BLOCK_N)
+    dw_a_buf = torch.empty(tiles * most * K * J, device=dev, dtype=acc)
+    for l0, l1 in groups:
+        G = l1 - l0
+        h = group_hidden(l0, l1)
+        dv = v_buf[:G]
+        dz = torch.baddbmm(b_k[l0:l1].unsqueeze(1), h, w_k[l0:l1], out=z_buf[:G])  # z for now
+        dw_a_tiles = dw_a_buf[: tiles * G * K * J].view(tiles, G, K, J)
         _launch(
-            "bwd_keys", lambda m: (tiles, L),
-            v, z, dc_m, p_m, da, w_a, dw_a_tiles, L, M, N, n0, H, K, J, D,
+            "bwd_keys", lambda m: (tiles, G),
+            dv, dz, dc, p, da, w_a, dw_a_tiles, G, N, H, K, J, D, l0,
             r["seed_k"], r["rate_k"], r["scale_k"], r["seed_p"], r["rate_p"], r["scale_p"],
             DROP_K=drop_k, DROP_P=drop_p, BLOCK_N=BWD_KEYS_BLOCK_N, PREC=_precision(dtype),
             **common,
         )
-        dv, dz = v, z  # overwritten in place by the key-gradient kernel
-        dw_a += dw_a_tiles.sum(0)
-        dh_m = torch.bmm(dv, w_v_t, out=dh[:, n0:n1])
-        dh_m.baddbmm_(dz, w_k_t)
+        torch.sum(dw_a_tiles, 0, out=dw_a[l0:l1])
+        dh_g = torch.bmm(dv, w_v[l0:l1].mT, out=dh[l0:l1])
+        dh_g.baddbmm_(dz, w_k[l0:l1].mT)
         if drop_h:
-            _dropout_rows(dh_m, dh_m, N, n0, r["seed_h"], r["rate_h"], r["scale_h"])
-        if len(chunks) == 1:
-            dw_v, dw_k = torch.bmm(h.mT, dv), torch.bmm(h.mT, dz)
-        elif dw_v is None:
-            dw_v, dw_k = torch.bmm(h.mT, dv).to(acc), torch.bmm(h.mT, dz).to(acc)
-        elif dtype == acc:
-            dw_v.baddbmm_(h.mT, dv)
-            dw_k.baddbmm_(h.mT, dz)
-        else:
-            dw_v += torch.bmm(h.mT, dv)
-            dw_k += torch.bmm(h.mT, dz)
-        db_v += dv.sum(1, dtype=acc)
-        db_k += dz.sum(1, dtype=acc)
-    grads = (dw_v, db_v, dw_k, db_k, dw_a, db_a)
-    return (dh, *(g.to(dtype) for g in grads))
+            _dropout_layers(dh_g, dh_g, l0, r["seed_h"], r["rate_h"], r["scale_h"])
+        torch.bmm(h.mT, dv, out=dw_v[l0:l1])
+        torch.bmm(h.mT, dz, out=dw_k[l0:l1])
+        torch.sum(dv, 1, out=db_v[l0:l1])
+        torch.sum(dz, 1, out=db_k[l0:l1])
+    return dh, dw_v, db_v, dw_k, db_k, dw_a.to(dtype), db_a.to(dtype)
 
 
 def layer_attention_dropout_masks(

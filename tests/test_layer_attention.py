@@ -205,10 +205,10 @@ GPU_BF16_GRID = [
 @pytest.mark.parametrize("L,N,H,K,J", GPU_BF16_GRID)
 def test_triton_matches_reference_bf16_on_gpu(L, N, H, K, J, dropout, monkeypatch):
     """bf16 on the GPU, by the same rule as fp32/fp16; with dropout, against the reference on
-    the kernels' own masks (forward and all seven gradients, several backward chunks)."""
+    the kernels' own masks (forward and all seven gradients, several backward layer groups)."""
     import mhmla_fast.kernels.layer_attention as kernels
 
-    monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", L * (H + K) * 128)
+    monkeypatch.setattr(kernels, "BWD_GROUP_ELEMENTS", N * (H + K) * 5)  # groups of 5 layers
     base = make_inputs(L, N, H, K, J, dtype=torch.float64, device="cuda", seed=L + N)
     g = torch.Generator().manual_seed(9)
     grad_c = torch.randn(N, H, generator=g, dtype=torch.float64).cuda()
@@ -261,12 +261,12 @@ def test_triton_gradcheck_float64():
 
 
 @needs_triton
-@pytest.mark.parametrize("chunked", [False, True])
-def test_triton_weight_gradients_are_deterministic(monkeypatch, chunked):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_triton_weight_gradients_are_deterministic(monkeypatch, grouped):
     import mhmla_fast.kernels.layer_attention as kernels
 
-    if chunked:
-        monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", 3 * (64 + 48) * 64)
+    if grouped:
+        monkeypatch.setattr(kernels, "BWD_GROUP_ELEMENTS", 150 * (64 + 48))
     ts = make_inputs(3, 150, 64, 48, 4, device=DEVICE)
     grad_c = torch.randn(150, 64, dtype=torch.float64, device=DEVICE)
     first = run(ts, 4, "triton", grad_c)
@@ -321,13 +321,13 @@ def test_large_scores_stay_finite(dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_backward_in_token_chunks_matches_reference(monkeypatch, dtype):
-    """The backward over several token chunks (uneven last chunk) equals the one-chunk rule."""
+def test_triton_backward_in_layer_groups_matches_reference(monkeypatch, dtype):
+    """The backward over several layer groups (uneven last group) meets the one-group rule."""
     import mhmla_fast.kernels.layer_attention as kernels
 
-    L, N, H, K, J = 3, 150, 48, 40, 4
-    monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", L * (H + K) * 64)
-    assert kernels._bwd_chunks(L, N, H, K) == [(0, 64), (64, 128), (128, 150)]
+    L, N, H, K, J = 5, 150, 48, 40, 4
+    monkeypatch.setattr(kernels, "BWD_GROUP_ELEMENTS", N * (H + K) * 2)
+    assert kernels._bwd_layer_groups(L, N, H, K) == [(0, 2), (2, 4), (4, 5)]
     base = make_inputs(L, N, H, K, J, dtype=torch.float64, device=DEVICE, seed=11)
     g = torch.Generator().manual_seed(6)
     grad_c = torch.randn(N, H, generator=g, dtype=torch.float64).to(DEVICE)
@@ -338,6 +338,10 @@ def test_triton_backward_in_token_chunks_matches_reference(monkeypatch, dtype):
     floor = 1e-5 if dtype == torch.float32 else 1e-3
     for i, name in enumerate(("c", "p") + tuple(f"d{n}" for n in NAMES)):
         assert_close_to_oracle(name, fused[i], eager[i], oracle[i], 2.0 if i < 2 else 3.0, floor)
+    monkeypatch.setattr(kernels, "BWD_GROUP_ELEMENTS", 1)  # at least one layer per group
+    assert kernels._bwd_layer_groups(L, N, H, K) == [(i, i + 1) for i in range(L)]
+    monkeypatch.setattr(kernels, "BWD_GROUP_ELEMENTS", 1 << 40)
+    assert kernels._bwd_layer_groups(L, N, H, K) == [(0, L)]
 
 
 @needs_triton
@@ -402,20 +406,20 @@ def test_auto_backend_runs_the_pair_the_table_names(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("chunked", [False, True])
-def test_triton_dropout_backward_replays_forward_masks(monkeypatch, chunked):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_triton_dropout_backward_replays_forward_masks(monkeypatch, grouped):
     """With the kernels' masks, the reference reproduces the fused forward and every gradient.
 
-    A backward that drew different masks than its forward (in any token chunk) would fail this.
+    A backward that drew different masks than its forward (in any layer group) would fail this.
     """
     import mhmla_fast.kernels.layer_attention as kernels
     from mhmla_fast.kernels.layer_attention import (layer_attention_dropout_masks,
                                                     layer_attention_triton)
 
     L, N, H, K, J = 3, 70, 48, 40, 4
-    if chunked:
-        monkeypatch.setattr(kernels, "BWD_CHUNK_ELEMENTS", L * (H + K) * 64)
-        assert len(kernels._bwd_chunks(L, N, H, K)) == 2
+    if grouped:
+        monkeypatch.setattr(kernels, "BWD_GROUP_ELEMENTS", N * (H + K) * 2)
+        assert len(kernels._bwd_layer_groups(L, N, H, K)) == 2
     rates = (0.3, 0.2, 0.4)
     ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE))
     grad_c = torch.randn(N, H, device=DEVICE)
