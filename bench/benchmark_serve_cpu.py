@@ -14,7 +14,11 @@ number of intra-op threads):
                   sentences padded to the batch's longest: what a user writes by hand. Its
                   word probabilities are the reference every other path is compared with.
     engine        ``Engine.load(backend="torch", dtype="float32")``, one row per
-                  ``--budgets`` token budget (4096 8192 16384)
+                  ``--budgets`` token budget (4096 8192 16384) and ``--chunks`` size: the
+                  sentences go to ``Engine.tag_tokens`` in calls of 512 (what ``mhmla-serve tag``
+                  does with its default ``--batch-size 512``: each call is packed on its own) and
+                  all in one call (0); the two differ in padding, see
+                  bench/results/onnx_cpu_discrepancy.md
     engine onnx   the engine on ONNX Runtime, fp32 and int8 (``model.onnx`` /
                   ``model.int8.onnx`` of ``--onnx-dir``, of ``--model`` when it is an export,
                   or exported into a temporary directory with ``export_onnx(int8=True)``);
@@ -23,6 +27,9 @@ number of intra-op threads):
 Speed: sentences/s = sentences / wall time of one pass over all of them (tokenisation,
 batching and the word mapping included, model loading and export excluded), the median of
 ``--repeats`` (3) passes after a warm-up pass over the first ``--warmup`` (256) sentences.
+Each row also records the process CPU seconds of its passes (``cpu_s``) and ``cores_busy`` =
+CPU / wall: on a shared machine a row that got fewer cores than ``--threads`` shows it there
+(wall-clock speed then says more about the neighbours than about the path).
 The labels of a path come from its first timed pass.
 
 Quality: F0.5 of the error class (``ged_scores``) at the model's stored threshold
@@ -49,6 +56,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import sys
@@ -68,6 +76,7 @@ TARGET_SPEEDUP = 1.6
 PROB_TOL = 1e-4
 PIPELINE_BATCH_SIZES = (1, 8, 32, 64)
 TOKEN_BUDGETS = (4096, 8192, 16384)
+ENGINE_CHUNKS = (512, 0)  # sentences per engine call: the CLI's default, and all at once
 
 WordProbs = list[np.ndarray]
 
@@ -94,6 +103,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", type=int, nargs="+", default=list(TOKEN_BUDGETS),
                    help="engine token budgets (padded pieces per batch)")
     p.add_argument("--max-batch", type=int, default=256, help="engine rows per batch")
+    p.add_argument("--chunks", type=int, nargs="+", default=list(ENGINE_CHUNKS),
+                   help="sentences per engine call (0: all in one call); 512 is what "
+                   "`mhmla-serve tag` sends with its default --batch-size")
     p.add_argument("--onnx-dir", default=None,
                    help="an existing ONNX export directory (default: export to a temp dir)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX rows")
@@ -107,6 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--threads must be at least 1")
     if min(args.pipeline_batch_sizes) < 1 or min(args.budgets) < 1:
         p.error("batch sizes and budgets must be at least 1")
+    if min(args.chunks) < 0:
+        p.error("--chunks must be 0 (all in one call) or positive")
     return args
 
 
@@ -141,21 +155,29 @@ def resolve_out_path(out: str | None, today: datetime.date) -> Path:
 # ------------------------------------------------------------------------------ timing
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def time_passes(tag: Callable[[list[list[str]]], WordProbs], sentences: list[list[str]], *,
-                repeats: int, warmup: int) -> tuple[list[float], WordProbs]:
+                repeats: int, warmup: int) -> tuple[list[float], WordProbs, list[float]]:
     """Warm up on the first ``warmup`` sentences, then time ``repeats`` full passes; the wall
-    times in seconds and the first timed pass's word probabilities."""
+    times in seconds, the first timed pass's word probabilities and the CPU seconds of each
+    pass."""
     if warmup > 0:
         tag(sentences[:warmup])
-    times, first = [], None
+    times, cpus, first = [], [], None
     for _ in range(repeats):
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
         probs = tag(sentences)
         times.append(time.perf_counter() - t0)
+        cpus.append(_cpu_seconds() - c0)
         if first is None:
             first = probs
-    return times, first
+    return times, first, cpus
 
 
 # ------------------------------------------------------------------------------- paths
@@ -195,10 +217,15 @@ def pipeline_tagger(pipe, batch_size: int) -> Callable[[list[list[str]]], WordPr
     return lambda sentences: tag_words(pipe, sentences, batch_size=batch_size)
 
 
-def engine_tagger(engine) -> Callable[[list[list[str]]], WordProbs]:
-    """``Engine.tag_tokens`` (the public call), probabilities from its results."""
-    return lambda sentences: [np.asarray(r.probs, dtype=np.float64)
-                              for r in engine.tag_tokens(sentences)]
+def engine_tagger(engine, chunk: int = 0) -> Callable[[list[list[str]]], WordProbs]:
+    """``Engine.tag_tokens`` (the public call) on ``chunk`` sentences per call (0: all in one
+    call), probabilities from its results."""
+    def tag(sentences: list[list[str]]) -> WordProbs:
+        step = chunk or max(1, len(sentences))
+        return [np.asarray(r.probs, dtype=np.float64) for k in range(0, len(sentences), step)
+                for r in engine.tag_tokens(sentences[k:k + step])]
+
+    return tag
 
 
 def with_budget(engine, token_budget: int, max_batch: int):
@@ -206,7 +233,8 @@ def with_budget(engine, token_budget: int, max_batch: int):
     from mhmla_fast.serve.engine import Engine
 
     return Engine(engine.runner, engine.tokenizer, max_pieces=engine.max_pieces,
-                  threshold=engine.threshold, token_budget=token_budget, max_batch=max_batch)
+                  threshold=engine.threshold, token_budget=token_budget, max_batch=max_batch,
+                  max_padding=engine.max_padding)
 
 
 def prepare_onnx(model_dir: Path, onnx_dir: str | None, tmp: Path) -> tuple[Path | None, dict]:
@@ -251,15 +279,12 @@ def prepare_onnx(model_dir: Path, onnx_dir: str | None, tmp: Path) -> tuple[Path
 
 
 def onnx_engine(export_dir: Path, dtype: str, threads: int, threshold: float):
-    """``Engine.load(export_dir, backend="onnx")``, its runner given ``threads`` intra-op
-    threads when its default (physical cores) differs."""
+    """``Engine.load(export_dir, backend="onnx")`` on the CPU with ``threads`` intra-op
+    threads."""
     from mhmla_fast.serve.engine import Engine
-    from mhmla_fast.serve.onnx_export import OnnxRunner
 
-    engine = Engine.load(export_dir, backend="onnx", dtype=dtype, threshold=threshold)
-    if getattr(engine.runner, "threads", threads) != threads:
-        engine.runner = OnnxRunner.from_model_dir(export_dir, dtype=dtype, threads=threads)
-    return engine
+    return Engine.load(export_dir, backend="onnx", device="cpu", dtype=dtype, threads=threads,
+                       threshold=threshold)
 
 
 # ------------------------------------------------------------------------- comparisons
@@ -305,12 +330,15 @@ def measured_row(base: dict, tag: Callable[[list[list[str]]], WordProbs],
     """Time one path and fill in its speed; errors become ``row["error"]``."""
     row = dict(base, error=None)
     try:
-        times, probs = time_passes(tag, sentences, repeats=args.repeats, warmup=args.warmup)
+        times, probs, cpus = time_passes(tag, sentences, repeats=args.repeats,
+                                         warmup=args.warmup)
     except Exception as e:  # noqa: BLE001 - recorded, the other rows go on
         row["error"] = f"{type(e).__name__}: {e}"
         return row, None
     wall = statistics.median(times)
     row.update(times_s=[round(t, 4) for t in times], wall_s=round(wall, 4),
+               cpu_s=[round(c, 3) for c in cpus],
+               cores_busy=round(statistics.median(c / t for c, t in zip(cpus, times)), 2),
                sentences_per_s=len(sentences) / wall, words_per_s=n_words / wall)
     return row, probs
 
@@ -394,14 +422,14 @@ def _fmt(x: Any, spec: str) -> str:
 
 def format_table(rows: list[dict], summary: dict) -> str:
     """A plain-text table of the rows and the headline ratio."""
-    head = (f"{'path':<12} {'backend':<7} {'dtype':<7} {'setting':<26} {'sent/s':>8} "
-            f"{'words/s':>9} {'wall s':>7} {'F0.5@t':>7} {'F0.5@.5':>7} {'diff':>5} "
+    head = (f"{'path':<12} {'backend':<7} {'dtype':<7} {'setting':<40} {'sent/s':>8} "
+            f"{'words/s':>9} {'wall s':>7} {'cores':>5} {'F0.5@t':>7} {'F0.5@.5':>7} {'diff':>5} "
             f"{'max|dp|':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         setting = ",".join(f"{k}={v}" for k, v in r["setting"].items())
         first = (f"{r['path']:<12} {r.get('backend', ''):<7} {r.get('dtype', ''):<7} "
-                 f"{setting:<26} ")
+                 f"{setting:<40} ")
         if r.get("error"):
             lines.append(first + f"ERROR {r['error'][:100]}")
             continue
@@ -409,7 +437,8 @@ def format_table(rows: list[dict], summary: dict) -> str:
         diff = vs.get("differing_words", {}).get("stored")
         lines.append(first + (
             f"{_fmt(r.get('sentences_per_s'), '8.1f')} {_fmt(r.get('words_per_s'), '9.0f')} "
-            f"{_fmt(r.get('wall_s'), '7.2f')} {_fmt(r['f05']['stored']['f05'], '7.4f')} "
+            f"{_fmt(r.get('wall_s'), '7.2f')} {_fmt(r.get('cores_busy'), '5.2f')} "
+            f"{_fmt(r['f05']['stored']['f05'], '7.4f')} "
             f"{_fmt(r['f05']['0.5']['f05'], '7.4f')} {_fmt(diff, '5d')} "
             f"{_fmt(vs.get('max_abs_prob_diff'), '8.1e')}"))
     ratio = summary.get("engine_vs_best_pipeline")
@@ -480,6 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "warmup_sentences": min(args.warmup, len(sentences)),
                      "timed": "one pass over all sentences: tokenisation, batching, model, "
                               "word mapping; model loading and export excluded",
+                     "chunks": "sentences per Engine.tag_tokens call (0: all in one call; "
+                               "512: as mhmla-serve tag --batch-size 512)",
                      "prob_tol": PROB_TOL},
     }
     print(f"{len(sentences)} sentences, {n_words} words from {data}; {threads} threads; "
@@ -532,13 +563,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     del pipe
 
     # the engine on torch fp32
-    engine = Engine.load(model_dir, backend="torch", dtype="float32")
-    for budget in args.budgets:
+    engine = Engine.load(model_dir, backend="torch", device="cpu", dtype="float32")
+    for budget, chunk in [(b, c) for b in args.budgets for c in args.chunks]:
         base = {"path": "engine", "backend": "torch", "dtype": "float32",
-                "setting": {"token_budget": budget, "max_batch": args.max_batch},
+                "setting": {"token_budget": budget, "max_batch": args.max_batch, "chunk": chunk},
                 "threads": torch.get_num_threads()}
-        row, probs = measured_row(base, engine_tagger(with_budget(engine, budget, args.max_batch)),
-                                  sentences, n_words, args)
+        row, probs = measured_row(
+            base, engine_tagger(with_budget(engine, budget, args.max_batch), chunk),
+            sentences, n_words, args)
         finish(row, probs)
         vs = row.get("vs_reference")
         row["check_passed"] = bool(vs) and vs["max_abs_prob_diff"] <= PROB_TOL \
@@ -558,17 +590,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            or "no ONNX export")
                     eng = onnx_engine(export_dir, dtype, threads, thresholds["stored"])
                 except Exception as e:  # noqa: BLE001
-                    for budget in args.budgets:
+                    for budget, chunk in [(b, c) for b in args.budgets for c in args.chunks]:
                         finish(error_row(dict(base_kw, setting={
-                            "token_budget": budget, "max_batch": args.max_batch}),
-                            f"{type(e).__name__}: {e}"), None)
+                            "token_budget": budget, "max_batch": args.max_batch,
+                            "chunk": chunk}), f"{type(e).__name__}: {e}"), None)
                     continue
-                for budget in args.budgets:
+                for budget, chunk in [(b, c) for b in args.budgets for c in args.chunks]:
                     base = dict(base_kw, setting={"token_budget": budget,
-                                                  "max_batch": args.max_batch},
+                                                  "max_batch": args.max_batch, "chunk": chunk},
                                 threads=getattr(eng.runner, "threads", None))
                     finish(*measured_row(base, engine_tagger(with_budget(eng, budget,
-                                                                           args.max_batch)),
+                                                                           args.max_batch),
+                                                             chunk),
                                          sentences, n_words, args))
                 del eng
     header["onnx"] = onnx_report

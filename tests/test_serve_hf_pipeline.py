@@ -132,14 +132,17 @@ def test_benchmark_main_writes_every_row_and_the_summary(tagger_dir, tmp_path, m
     kinds = [(r["path"], r.get("backend"), r.get("dtype")) for r in rows]
     assert kinds.count(("plain_torch", "torch", "float32")) == 1
     assert kinds.count(("hf_pipeline", "torch", "float32")) == 2
-    assert kinds.count(("engine", "torch", "float32")) == 2
-    assert kinds.count(("engine", "onnx", "float32")) == 2  # measured or error rows
-    assert kinds.count(("engine", "onnx", "int8")) == 2
+    assert kinds.count(("engine", "torch", "float32")) == 4  # 2 budgets x chunks 512 and 0
+    assert kinds.count(("engine", "onnx", "float32")) == 4  # measured or error rows
+    assert kinds.count(("engine", "onnx", "int8")) == 4
+    assert sorted(r["setting"]["chunk"] for r in rows if r["path"] == "engine"
+                  and r["backend"] == "torch") == [0, 0, 512, 512]
     for r in rows:
         if r["path"] != "engine" or r["backend"] != "onnx":
             assert r["error"] is None, r
         if r["error"] is None:
-            assert r["sentences_per_s"] > 0 and len(r["times_s"]) == 1
+            assert r["sentences_per_s"] > 0 and len(r["times_s"]) == len(r["cpu_s"]) == 1
+            assert r["cpu_s"][0] > 0 and r["cores_busy"] > 0
             assert set(r["f05"]) == {"stored", "0.5"}
             assert 0.0 <= r["f05"]["0.5"]["f05"] <= 1.0
             assert r["vs_reference"]["missing_words"] == 0

@@ -201,3 +201,37 @@ def test_dynamo_exporter_also_validates(tagger_dir, tmp_path):
     meta = json.loads((tmp_path / "dyn" / "export.json").read_text())
     assert meta["exporter"] == "dynamo" and meta["validation"]["max_abs_diff"] <= 1e-4
     assert path.is_file() and not (tmp_path / "dyn" / "model.int8.onnx").exists()
+
+
+def test_onnx_runner_honours_device_dtype_kernels_and_threads(export_dir, monkeypatch):
+    import onnxruntime as ort
+
+    runner = make_runner(export_dir, backend="onnx", device="cpu", threads=1)
+    assert runner.device == "cpu" and runner.threads == 1
+    assert runner.session.get_providers() == ["CPUExecutionProvider"]
+    int8 = make_runner(export_dir, backend="onnx", device="cpu", dtype="int8", kernels="torch")
+    assert int8.path.name == "model.int8.onnx"
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert make_runner(export_dir, backend="onnx").device == "cpu"  # the default on a CPU build
+    with pytest.raises(ValueError, match=r"^device: 'cuda:1' with the onnx backend needs "
+                                         r"onnxruntime's CUDAExecutionProvider"):
+        OnnxRunner.from_model_dir(export_dir, device="cuda:1")
+    with pytest.raises(ValueError, match=r"^kernels: the onnx backend .*eager"):
+        make_runner(export_dir, backend="onnx", kernels="triton")
+    assert onnx_export._providers("cuda:1") == [
+        ("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+    assert onnx_export._providers("cpu") == ["CPUExecutionProvider"]
+
+
+def test_engine_on_an_export_imports_no_torch(export_dir):
+    """The ONNX path needs neither torch nor the model classes: start-up stays short."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from mhmla_fast.serve.engine import Engine; "
+            f"e = Engine.load({str(export_dir)!r}, backend='onnx', threads=1); "
+            "r = e.tag_texts(['He go to school .']); assert r[0].tokens[0] == 'He'; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -282,3 +282,36 @@ def test_engine_matches_onnx_runtime(export_dir, plugin):
         real = mask.astype(bool)
         assert got.shape == ids.shape and got.dtype == np.float32
         assert np.abs(got[real] - want[real]).max() <= 2e-3  # TF32 may be on in TensorRT
+
+
+def test_a_plan_is_held_to_the_dtype_and_kernels_it_was_built_with(tmp_path, monkeypatch):
+    """dtype and kernels are checked against model.plan.json before TensorRT is imported."""
+    meta = {"precision": {"fp16": False, "bf16": True}, "layer_attention_plugin": False}
+    assert te.plan_precisions(meta) == ("bfloat16",)
+    assert te.plan_precisions({"precision": {}}) == ("float32",)
+    te.check_plan_options(meta, dtype=None, kernels="auto")
+    te.check_plan_options(meta, dtype="bfloat16", kernels="torch")
+    with pytest.raises(ValueError, match=r"^dtype: this tensorrt plan was built for bfloat16, "
+                                         r"not 'float32'.*--precision fp32"):
+        te.check_plan_options(meta, dtype="float32")
+    with pytest.raises(ValueError, match=r"^kernels: 'triton' with the tensorrt backend needs "
+                                         r"a plan built with the layer-attention plugin"):
+        te.check_plan_options(meta, dtype=None, kernels="triton")
+    with pytest.raises(ValueError, match=r"^kernels: 'torch' with the tensorrt backend"):
+        te.check_plan_options(dict(meta, layer_attention_plugin=True), dtype=None,
+                              kernels="torch")
+
+    from mhmla_fast.serve.runners import make_runner
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # refused before TensorRT is needed
+    (tmp_path / te.PLAN_FILE).write_bytes(b"")
+    te.write_engine_meta(tmp_path / te.PLAN_FILE, te.engine_meta(
+        onnx_path="model.onnx", profiles=[te.ShapeProfile((1, 1), (8, 64), (8, 64))],
+        fp16=True, bf16=False, workspace=1 << 20, plugin=False, tensorrt_version="10.7",
+        device_name="NVIDIA H100", capability=(9, 0)))
+    with pytest.raises(ValueError, match=r"^dtype: this tensorrt plan was built for float16"):
+        make_runner(tmp_path, backend="tensorrt", dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"^device: the tensorrt backend runs on CUDA"):
+        make_runner(tmp_path, backend="tensorrt", device="cpu")
+    with pytest.raises(RuntimeError, match="TensorRT is not installed"):  # options fine
+        make_runner(tmp_path, backend="tensorrt", dtype="float16")

@@ -405,23 +405,14 @@ def collate_windows(windows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tens
 
 def token_budget_batches(lengths: Sequence[int], token_budget: int,
                          max_batch: int | None = None) -> list[list[int]]:
-    """Indices sorted by length, cut so that ``batch size * longest <= token_budget``.
-
-    Longest first (the largest batch shows memory trouble at once); a single item longer
-    than the budget is a batch of its own.
+    """Indices sorted by length, cut so that ``batch size * longest <= token_budget``: the
+    packer of tagging (:func:`mhmla_fast.serve.packing.pack_by_token_budget`), longest first
+    (the largest batch shows memory trouble at once); a single item longer than the budget is
+    a batch of its own.
     """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and ((len(cur) + 1) * longest > token_budget or (max_batch and len(cur) >= max_batch)):
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
+    from ..packing import pack_by_token_budget
+
+    return pack_by_token_budget(lengths, token_budget, max_batch or None, longest_first=True)
 
 
 def combine_windows(

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..devices import resolve_device
 from .data import SCORE_RANGES, Essay, normalise_score, read_asap, read_folds, split_essays
 from .metrics import exact_agreement, quadratic_weighted_kappa
 from .model import EssayScorer, ScorerConfig, ScorerHead, combine_windows
@@ -965,7 +966,7 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(resolve_device())  # the serving rule: cuda when available, else cpu
     torch.manual_seed(cfg.seed)
     scfg = ScorerConfig(encoder=cfg.encoder, head=cfg.head, num_heads=cfg.num_heads,
                         dropout=cfg.dropout, pooling=cfg.pooling, objective=cfg.objective,

@@ -49,7 +49,14 @@
     ``--layer-attention-plugin``); ``--model`` may instead be an ONNX export, built in place.
 
 The model is ``--model DIR`` (a tagger directory, or an ONNX/TensorRT export for those
-backends), by default the tagger shipped in the package.
+backends), by default the tagger shipped in the package. ``tag``, ``score`` and ``http`` load it
+with the one serving contract of :mod:`mhmla_fast.serve.options`: ``--backend`` is the runtime
+(torch, onnx, tensorrt; the scorer runs on torch only), ``--device`` (default: cuda when the
+backend can use a GPU, else cpu), ``--dtype`` (default: bfloat16 for torch on cuda, else
+float32), ``--kernels`` the layer-attention head's implementation (auto, torch, triton) and
+``--threads`` the runtime's CPU threads. An option the backend cannot honour (e.g. ``--device
+cuda`` with an onnxruntime that has no CUDA provider, ``--kernels triton`` with onnx) is a usage
+error (exit 2) naming it.
 
 Exit status: 0 all went well; 1 ``tag``/``score`` found malformed input lines (each has its
 error record) or an export failed; 2 usage error, missing or unloadable model, unusable input or
@@ -113,22 +120,31 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-def _set_threads(threads: int | None) -> None:
-    """``torch.set_num_threads(threads)`` when given (None: leave torch's choice)."""
-    if threads:
-        import torch
+def check_options(args: argparse.Namespace, *, scorer: bool = False) -> None:
+    """``--backend``/``--device``/``--dtype``/``--kernels`` checked by the one serving rule
+    (:func:`mhmla_fast.serve.options.resolve_options`; for ``score`` through
+    :func:`mhmla_fast.serve.score.scorer_options`) before anything is loaded; an option the
+    backend cannot honour is a UsageError naming it."""
+    from ..serve.options import resolve_options
+    from ..serve.score import scorer_options
 
-        torch.set_num_threads(threads)
+    check = scorer_options if scorer else resolve_options
+    try:
+        check(args.backend, args.device, args.dtype, args.kernels)
+    except ValueError as err:
+        raise UsageError(f"--{err}") from err
 
 
 def load_engine(args: argparse.Namespace):
-    """The engine for ``args`` (model, backend, device, dtype, threshold, threads, budget)."""
+    """The engine for ``args``: ``Engine.load`` with the model, the load contract (backend,
+    device, dtype, kernels, threads), the threshold and the token budget."""
     from ..serve.engine import Engine
 
+    check_options(args)
     path = resolve_model_dir(args.model)
-    _set_threads(args.threads)
     try:
         engine = Engine.load(path, backend=args.backend, device=args.device, dtype=args.dtype,
+                             kernels=args.kernels, threads=args.threads,
                              threshold=args.threshold, token_budget=args.token_budget)
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the model from {path} ({args.backend}): "
@@ -162,12 +178,14 @@ def resolve_scorer_dir(model: str | None, option: str = "--model") -> Path:
     return path
 
 
-def load_scorer_dir(path: Path, device: str | None, dtype: str | None = None):
-    """``serve.score.load_scorer(path)``; any failure becomes a UsageError naming ``path``."""
+def load_scorer_dir(path: Path, args: argparse.Namespace, *, dtype: str | None = None):
+    """``serve.score.load_scorer(path)`` with ``args``' device, kernels and threads (and
+    ``dtype``); any failure becomes a UsageError naming ``path``."""
     from ..serve.score import load_scorer
 
     try:
-        return load_scorer(path, device=device, dtype=dtype)
+        return load_scorer(path, device=args.device, dtype=dtype, kernels=args.kernels,
+                           threads=args.threads)
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the essay scorer from {path}: "
                          f"{type(err).__name__}: {err}") from err
@@ -177,23 +195,38 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", metavar="DIR", default=None,
                    help="tagger directory or export (default: the shipped model)")
-    g.add_argument("--backend", default="torch", choices=("torch", "onnx", "tensorrt"))
-    g.add_argument("--dtype", default=None, help="torch: float32/bfloat16/float16; "
-                   "onnx: float32 or int8 (default: the backend's)")
+    _add_backend_option(g)
+    g.add_argument("--dtype", default=None, help="torch: float32/bfloat16/float16 (default "
+                   "bfloat16 on cuda, float32 on cpu); onnx: float32 (default) or int8; "
+                   "tensorrt: the precision the plan was built with")
     g.add_argument("--threshold", type=float, default=None,
                    help="error-probability threshold (default: the model's tuned one)")
     _add_compute_options(g)
 
 
+def _add_backend_option(g, help: str | None = None) -> None:
+    from ..serve.options import BACKENDS
+
+    g.add_argument("--backend", default="torch", choices=BACKENDS, help=help or (
+        "the runtime: torch (default), onnx (ONNX Runtime on an export made by `export "
+        "--onnx`), tensorrt (a plan made by `export --tensorrt`)"))
+
+
 def _add_compute_options(g) -> None:
-    """``--device``, ``--token-budget`` and ``--threads``: where and how big the forward passes
-    of ``tag`` and ``score`` are."""
-    g.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 "
-                   "(default: cuda when available)")
+    """``--device``, ``--kernels``, ``--token-budget`` and ``--threads``: where and how the
+    forward passes of ``tag`` and ``score`` run."""
+    from ..serve.options import KERNELS
+
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when the "
+                   "backend can use a GPU, else cpu)")
+    g.add_argument("--kernels", default="auto", choices=KERNELS,
+                   help="the layer-attention head's implementation: auto (fused Triton on "
+                   "cuda, eager on cpu; default), torch (eager), triton (fused)")
     g.add_argument("--token-budget", type=_positive, default=8192,
                    help="padded word pieces per forward pass (default 8192)")
     g.add_argument("--threads", type=_positive, default=None,
-                   help="torch CPU threads (default: torch's choice; fewer on a shared machine)")
+                   help="CPU threads of the runtime (torch or ONNX Runtime intra-op; default: "
+                   "the runtime's choice; fewer on a shared machine)")
 
 
 def _add_file_options(p: argparse.ArgumentParser) -> None:
@@ -410,9 +443,9 @@ def run_score(args: argparse.Namespace) -> int:
         records = iter_input_records(inputs, "score")
     except (OSError, ValueError) as err:
         raise UsageError(str(err)) from err
+    check_options(args, scorer=True)
     path = resolve_scorer_dir(args.model)
-    _set_threads(args.threads)
-    scorer = load_scorer_dir(path, args.device, args.dtype)  # before the output is opened
+    scorer = load_scorer_dir(path, args, dtype=args.dtype)  # before the output is opened
     writer = open_output(args.output, args.resume)
     progress = not args.no_progress
     total = _count_lines(inputs) if progress else None
@@ -458,7 +491,8 @@ def run_http(args: argparse.Namespace) -> int:
 def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
     """(directory, scorer) for ``http``: ``--scorer DIR``; nothing with ``--no-scorer``; else the
     shipped scorer when it is installed (a note on stderr when it is not). The scorer runs on
-    ``--device`` (default: cuda when available) in float32."""
+    torch on ``--device`` with ``--kernels`` and the default dtype (``--dtype`` is the
+    tagger's); see :mod:`mhmla_fast.serve.options`."""
     from ..serve.score import default_scorer_path
 
     if args.no_scorer:
@@ -469,8 +503,7 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
               file=sys.stderr)
         return None, None
     path = resolve_scorer_dir(args.scorer, "--scorer")
-    device = args.device if args.backend == "torch" else None
-    return path, load_scorer_dir(path, device)
+    return path, load_scorer_dir(path, args)
 
 
 # ----------------------------------------------------------------------------------- export
@@ -554,8 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("scorer")
     g.add_argument("--model", metavar="DIR", default=None,
                    help="essay-scorer directory (default: the shipped scorer)")
+    _add_backend_option(g, help="the runtime: the scorer runs on torch only (default)")
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
-                   help="scorer weights and compute (default float32)")
+                   help="scorer weights and compute (default bfloat16 on cuda, float32 on cpu)")
     _add_compute_options(g)
     p.set_defaults(run=run_score)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from .model import GedTagger, collate, encode_sentences
+if TYPE_CHECKING:  # importing this module must stay cheap: default_model_path needs no torch
+    from .model import GedTagger
 
 __all__ = ["default_model_path", "layer_weight_stats"]
 
@@ -18,7 +19,6 @@ def default_model_path() -> Path:
     return Path(__file__).resolve().parents[1] / "models" / "ged-minilm-mhmla12"
 
 
-@torch.no_grad()
 def layer_weight_stats(model: GedTagger, tokenizer, sentences: Sequence[Sequence[str]], *,
                        batch_size: int = 64, max_length: int = 512) -> np.ndarray:
     """Average layer weight p [L, J] over the first word piece of every word.
@@ -26,6 +26,15 @@ def layer_weight_stats(model: GedTagger, tokenizer, sentences: Sequence[Sequence
     Fig. 2 of the paper (per head) and the workshop paper's per-layer averages (the
     row means of this matrix) are read off it.
     """
+    import torch
+
+    with torch.no_grad():
+        return _layer_weight_stats(model, tokenizer, sentences, batch_size, max_length)
+
+
+def _layer_weight_stats(model, tokenizer, sentences, batch_size, max_length) -> np.ndarray:
+    from .model import collate, encode_sentences
+
     model.eval()
     encoded = encode_sentences(tokenizer, sentences, max_length)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))

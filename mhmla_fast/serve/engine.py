@@ -7,7 +7,8 @@ Throughput by construction:
   of overlap) and never truncated: each word takes its probability from the window in
   which its first piece sits farthest from a window edge;
 * windows are sorted by length and packed into batches of at most ``token_budget``
-  padded pieces (and ``max_batch`` rows), so padding is minimal;
+  padded pieces (and ``max_batch`` rows), so padding is minimal (``packing.py``, the packer
+  that scoring uses too);
 * results come back in input order.
 
 The network itself is a *runner* (``runners.py``): eager torch on CPU or GPU, ONNX
@@ -17,6 +18,7 @@ probabilities [B, T].
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,9 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..packing import pack_by_token_budget
 from .tokenize import word_tokenize
 
-__all__ = ["TagResult", "Engine", "plan_windows"]
+__all__ = ["TagResult", "Engine", "plan_windows", "load_tokenizer", "read_tagger_config",
+           "default_tagger_path"]
+
+TAGGER_FORMAT = "mhmla-ged-tagger/1"  # config.json "format" of a tagger (ged.model)
 
 
 @dataclass
@@ -69,6 +75,38 @@ def plan_windows(n_pieces: int, window: int) -> list[tuple[int, int]]:
     return spans
 
 
+def default_tagger_path() -> Path:
+    """The shipped tagger's directory (``ged.predict.default_model_path``)."""
+    from ..ged.predict import default_model_path
+
+    return default_model_path()
+
+
+def read_tagger_config(path: str | os.PathLike) -> dict:
+    """``config.json`` of a tagger or export directory as a dict (ValueError when it is not a
+    GED tagger's). Read without the model classes, so that loading an ONNX or TensorRT engine
+    does not import torch."""
+    file = Path(path) / "config.json"
+    data = json.loads(file.read_text())
+    if data.get("format") != TAGGER_FORMAT:
+        raise ValueError(f"{file}: not an mhmla GED tagger (format {data.get('format')!r})")
+    return data
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The word-piece tokenizer saved in a tagger or export directory (its ``tokenizer.json``,
+    through transformers' fast tokenizer class, which needs no torch), else
+    ``ged.model.load_tokenizer`` (the encoder's)."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from ..ged.model import load_tokenizer as load_encoder_tokenizer
+
+    return load_encoder_tokenizer(path)
+
+
 class Engine:
     """Tag texts with a GED tagger through a runner.
 
@@ -80,37 +118,51 @@ class Engine:
         threshold: error-probability decision threshold (the model's dev-tuned one by
             default; 0.5 is the paper's argmax).
         token_budget: padded pieces per batch; max_batch: rows per batch.
+        max_padding: a batch of 8 rows or more is closed before its padded pieces exceed
+            ``1 + max_padding`` times its real ones (None: only the budget and max_batch
+            cut; see ``packing.pack_by_token_budget``).
     """
 
     def __init__(self, runner, tokenizer, *, max_pieces: int = 512, threshold: float = 0.5,
-                 token_budget: int = 8192, max_batch: int = 256):
+                 token_budget: int = 8192, max_batch: int = 256,
+                 max_padding: float | None = 0.2):
         if max_pieces < 4:
             raise ValueError(f"max_pieces: expected at least 4, got {max_pieces}")
         self.runner, self.tokenizer = runner, tokenizer
         self.max_pieces, self.threshold = max_pieces, float(threshold)
         self.token_budget, self.max_batch = int(token_budget), int(max_batch)
+        self.max_padding = max_padding
         self.cls_id, self.sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
         self.pad_id = tokenizer.pad_token_id or 0
         self._unk = tokenizer.unk_token or "[UNK]"
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike | None = None, *, backend: str = "torch",
-             device: str | None = None, dtype: str | None = None, threshold: float | None = None,
-             **kw) -> Engine:
-        """An engine on a tagger directory (default: the shipped model) and a backend:
-        "torch" (CPU or GPU), "onnx" (a directory holding ``model.onnx``, made by
-        ``mhmla-serve export --onnx DIR``) or "tensorrt" (a directory with a built plan)."""
-        from ..ged.model import TaggerConfig, load_tokenizer
-        from ..ged.predict import default_model_path
-        from . import runners
+             device: str | None = None, dtype: str | None = None, kernels: str = "auto",
+             threads: int | None = None, threshold: float | None = None, **kw) -> Engine:
+        """An engine on a tagger directory (default: the shipped model) and a runtime.
 
-        path = Path(model_dir) if model_dir else default_model_path()
-        config = TaggerConfig.from_json((path / "config.json").read_text())
+        The one load contract of serving (:mod:`.options`): ``backend`` "torch" (CPU or GPU),
+        "onnx" (a directory holding ``model.onnx``, made by ``mhmla-serve export --onnx DIR``)
+        or "tensorrt" (a directory with a built plan); ``device`` (default: CUDA when the
+        backend can use it), ``dtype`` (default: bfloat16 for torch on CUDA, else float32),
+        ``kernels`` (the head: "auto", "torch", "triton"), ``threads`` (CPU threads of the
+        runtime). An option the backend cannot honour raises ValueError naming it, before
+        anything is loaded. Other keywords go to :class:`Engine`."""
+        from . import runners
+        from .options import resolve_options
+
+        opts = resolve_options(backend, device, dtype, kernels)
+        path = Path(model_dir) if model_dir else default_tagger_path()
+        config = read_tagger_config(path)
         tokenizer = load_tokenizer(path)
-        runner = runners.make_runner(path, backend=backend, device=device, dtype=dtype)
+        runner = runners.make_runner(path, backend=opts.backend, device=opts.device,
+                                     dtype=opts.dtype, kernels=opts.kernels, threads=threads)
         if threshold is None:
-            threshold = config.threshold if config.threshold is not None else 0.5
-        kw.setdefault("max_pieces", int(config.encoder_config.get("max_position_embeddings", 512)))
+            threshold = config.get("threshold")
+            threshold = 0.5 if threshold is None else threshold
+        kw.setdefault("max_pieces",
+                      int(config.get("encoder_config", {}).get("max_position_embeddings", 512)))
         return cls(runner, tokenizer, threshold=threshold, **kw)
 
     # ------------------------------------------------------------------ encoding
@@ -149,16 +201,12 @@ class Engine:
                 continue
             for start, end in plan_windows(len(ids), window):
                 rows.append((s, start, end))
-        rows.sort(key=lambda r: r[2] - r[1])
         probs = [np.zeros(len(words), dtype=np.float32) for words in sentences]
         margin = [np.full(len(words), -1, dtype=np.int64) for words in sentences]
-        i = 0
-        while i < len(rows):
-            j = i + 1
-            while (j < len(rows) and j - i < self.max_batch
-                   and (j - i + 1) * (rows[j][2] - rows[j][1] + 2) <= self.token_budget):
-                j += 1
-            batch = rows[i:j]
+        lengths = [end - start + 2 for _, start, end in rows]  # with [CLS] and [SEP]
+        for picked in pack_by_token_budget(lengths, self.token_budget, self.max_batch,
+                                           max_padding=self.max_padding):
+            batch = [rows[k] for k in picked]
             T = max(e - s for _, s, e in batch) + 2
             input_ids = np.full((len(batch), T), self.pad_id, dtype=np.int64)
             mask = np.zeros((len(batch), T), dtype=np.int64)
@@ -175,7 +223,6 @@ class Engine:
                 better = edge > margin[s][words]
                 margin[s][words[better]] = edge[better]
                 probs[s][words[better]] = out[r, pos[better] + 1]
-            i = j
         return probs
 
     def _result(self, tokens, probs, offsets=None, text=None) -> TagResult:

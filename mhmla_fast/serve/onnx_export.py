@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .options import resolve_options
+
 __all__ = [
     "ExportValidationError", "OnnxRunner", "export_onnx", "validate_onnx", "validation_batches",
     "error_probability_module", "load_tagger_for_export", "torch_to_onnx", "example_inputs",
@@ -418,26 +420,30 @@ class OnnxRunner:
     Args:
         onnx_path: an exported ``model.onnx`` / ``model.int8.onnx``.
         threads: intra-op threads (default: physical cores); inter-op 1, sequential.
-        providers: ONNX Runtime execution providers (default: CUDA when the installed
-            onnxruntime has it, then CPU).
+        device: "cpu" or "cuda[:N]" (default: :func:`.options.resolve_device`, i.e. CUDA when
+            the installed onnxruntime has its CUDA provider); ValueError when onnxruntime
+            cannot run there.
+        providers: ONNX Runtime execution providers, instead of ``device`` (for tests and
+            special set-ups).
     """
 
     def __init__(self, onnx_path: str | os.PathLike, *, threads: int | None = None,
-                 providers: Sequence[str] | None = None):
+                 device: str | None = None, providers: Sequence | None = None):
         import onnxruntime as ort
 
         self.path = Path(onnx_path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such ONNX file")
+        if providers is None:
+            self.device = resolve_options("onnx", device, "float32").device
+            providers = _providers(self.device)
+        else:
+            self.device = "cuda" if any("CUDA" in str(p) for p in providers) else "cpu"
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.intra_op_num_threads = int(threads) if threads else physical_cores()
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        if providers is None:
-            available = ort.get_available_providers()
-            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
-                         if p in available] or available
         self.session = ort.InferenceSession(str(self.path), opts, providers=list(providers))
         names = [i.name for i in self.session.get_inputs()]
         if names != list(INPUT_NAMES):
@@ -445,25 +451,30 @@ class OnnxRunner:
         self.threads = opts.intra_op_num_threads
 
     @classmethod
-    def from_model_dir(cls, path: str | os.PathLike, dtype: str | None = None,
-                       **kw) -> OnnxRunner:
+    def from_model_dir(cls, path: str | os.PathLike, dtype: str | None = None, *,
+                       device: str | None = None, kernels: str = "auto",
+                       threads: int | None = None, **kw) -> OnnxRunner:
         """The runner on an export directory: ``model.onnx``, or ``model.int8.onnx`` for
-        ``dtype="int8"``. Raises FileNotFoundError saying how to export when it is missing."""
+        ``dtype="int8"``, on ``device`` (see :class:`OnnxRunner`). ``kernels`` may only be
+        "auto" or "torch" (the graph holds the eager head). Raises ValueError for an option
+        ONNX Runtime cannot honour, FileNotFoundError saying how to export when the graph is
+        missing."""
         path = Path(path)
-        if dtype in (None, "float32", "fp32"):
-            name, flag = ONNX_FILE, ""
-        elif dtype == "int8":
-            name, flag = INT8_FILE, " --int8"
-        else:
-            raise ValueError(f"dtype: the ONNX backend has 'float32' (default) and 'int8', "
+        if dtype not in (None, "float32", "fp32", "int8"):
+            raise ValueError(f"dtype: the onnx backend has 'float32' (default) and 'int8', "
                              f"got {dtype!r}")
+        opts = resolve_options("onnx", device, dtype, kernels)
+        if opts.dtype == "float32":
+            name, flag = ONNX_FILE, ""
+        else:
+            name, flag = INT8_FILE, " --int8"
         file = path / name
         if not file.is_file():
             raise FileNotFoundError(
                 f"{path}: no ONNX export ({name} is missing). Export the tagger first: "
                 f"mhmla-serve export --onnx{flag} {path} (or mhmla_fast.serve.onnx_export."
                 f"export_onnx({str(path)!r}, {str(path)!r}{', int8=True' if flag else ''}))")
-        return cls(file, **kw)
+        return cls(file, device=opts.device, threads=threads, **kw)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -475,5 +486,13 @@ class OnnxRunner:
         return np.asarray(out, dtype=np.float32)
 
     def __repr__(self) -> str:
-        return f"OnnxRunner({str(self.path)!r}, threads={self.threads})"
+        return f"OnnxRunner({str(self.path)!r}, device={self.device!r}, threads={self.threads})"
+
+
+def _providers(device: str) -> list:
+    """ONNX Runtime execution providers for a resolved ``device`` ("cpu", "cuda", "cuda:N")."""
+    if device.startswith("cuda"):
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
 

@@ -1,6 +1,8 @@
 """Runners: the network behind the engine, ``(input_ids, attention_mask) -> P(error)``.
 
-Every runner takes int64 arrays [B, T] and returns float32 error probabilities [B, T].
+Every runner takes int64 arrays [B, T] and returns float32 error probabilities [B, T]. All are
+made by :func:`make_runner` with the one load contract of :mod:`.options` (backend, device,
+dtype, kernels, threads); an option a runner cannot honour is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -10,29 +12,38 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TorchRunner", "make_runner", "BACKENDS"]
+from .options import BACKENDS, resolve_options
 
-BACKENDS = ("torch", "onnx", "tensorrt")
+__all__ = ["TorchRunner", "make_runner", "set_torch_threads", "BACKENDS"]
+
+
+def set_torch_threads(threads: int | None) -> None:
+    """``torch.set_num_threads(threads)`` when given (None: leave torch's choice)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 class TorchRunner:
-    """Eager PyTorch: CPU (fp32) or CUDA (bf16 by default, SDPA attention, the fused head)."""
+    """Eager PyTorch: CPU (fp32) or CUDA (bf16 by default, SDPA attention); ``kernels`` is the
+    head's implementation ("auto": fused Triton on CUDA, eager elsewhere; "torch"; "triton").
+    Device and dtype defaults: :func:`.options.resolve_options`."""
 
     def __init__(self, model_dir: str | os.PathLike, *, device: str | None = None,
-                 dtype: str | None = None):
+                 dtype: str | None = None, kernels: str = "auto", threads: int | None = None):
+        opts = resolve_options("torch", device, dtype, kernels)
         import torch
 
         from ..ged.model import GedTagger
 
+        set_torch_threads(threads)
         self.torch = torch
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        try:
-            self.dtype = getattr(torch, dtype)
-        except AttributeError:
-            raise ValueError(f"dtype: unknown torch dtype {dtype!r}") from None
-        self.model = GedTagger.load(model_dir, device=self.device, dtype=self.dtype)
+        self.device = torch.device(opts.device)
+        self.dtype = getattr(torch, opts.dtype)
+        self.kernels = opts.kernels
+        self.model = GedTagger.load(model_dir, device=self.device, dtype=self.dtype,
+                                    backend=opts.kernels)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         torch = self.torch
@@ -44,16 +55,24 @@ class TorchRunner:
 
 
 def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
-                device: str | None = None, dtype: str | None = None):
-    """The runner for ``backend`` on a tagger directory (or an export of one)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+                device: str | None = None, dtype: str | None = None, kernels: str = "auto",
+                threads: int | None = None):
+    """The runner for ``backend`` on a tagger directory (or an export of one).
+
+    ``device``/``dtype``/``kernels``: see :mod:`.options`; ``threads``: CPU threads (torch's
+    intra-op threads; ONNX Runtime's intra-op threads; TensorRT: torch's, for the host side).
+    Raises ValueError naming the option when ``backend`` cannot honour one."""
+    opts = resolve_options(backend, device, dtype, kernels)
     if backend == "torch":
-        return TorchRunner(model_dir, device=device, dtype=dtype)
+        return TorchRunner(model_dir, device=opts.device, dtype=opts.dtype, kernels=opts.kernels,
+                           threads=threads)
     if backend == "onnx":
         from .onnx_export import OnnxRunner
 
-        return OnnxRunner.from_model_dir(Path(model_dir), dtype=dtype)
+        return OnnxRunner.from_model_dir(Path(model_dir), device=opts.device, dtype=opts.dtype,
+                                         kernels=opts.kernels, threads=threads)
     from .tensorrt_engine import TensorRTRunner
 
-    return TensorRTRunner.from_model_dir(Path(model_dir), device=device)
+    set_torch_threads(threads)
+    return TensorRTRunner.from_model_dir(Path(model_dir), device=opts.device, dtype=opts.dtype,
+                                         kernels=opts.kernels)

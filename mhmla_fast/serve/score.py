@@ -18,10 +18,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "check_prompts", "default_scorer_path", "load_scorer", "resolve_device",
-           "score_essays", "score_records", "unsupported_prompt"]
+from .options import TORCH_DTYPES, ServeOptions, resolve_options
 
-DTYPES = ("float32", "bfloat16", "float16")
+__all__ = ["DTYPES", "check_prompts", "default_scorer_path", "load_scorer", "score_essays",
+           "score_records", "scorer_options", "unsupported_prompt"]
+
+DTYPES = TORCH_DTYPES
 
 
 def default_scorer_path() -> Path:
@@ -31,29 +33,35 @@ def default_scorer_path() -> Path:
     return default_model_path()
 
 
-def resolve_device(device: str | None) -> str:
-    """``device`` as given, else ``"cuda"`` when a CUDA GPU is usable, else ``"cpu"``."""
-    if device:
-        return device
-    import torch
+def scorer_options(backend: str = "torch", device: str | None = None, dtype: str | None = None,
+                   kernels: str = "auto") -> ServeOptions:
+    """The scorer's options resolved by the serving rule (:func:`.options.resolve_options`);
+    ValueError naming the option for one the scorer cannot honour (any backend but torch)."""
+    if backend != "torch":
+        raise ValueError(f"backend: the essay scorer runs on 'torch' only (it has no ONNX or "
+                         f"TensorRT export), got {backend!r}")
+    return resolve_options("torch", device, dtype, kernels)
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
+def load_scorer(path: str | Path, *, backend: str = "torch", device: str | None = None,
+                dtype: str | None = None, kernels: str = "auto", threads: int | None = None):
+    """``EssayScorer.load(path)`` with the load contract of tagging (:mod:`.options`): on
+    ``device`` (default: CUDA when available), in ``dtype`` (one of :data:`DTYPES`; default
+    bfloat16 on CUDA, float32 on the CPU), with the head's ``kernels`` ("auto", "torch",
+    "triton") and ``threads`` torch CPU threads; in eval mode with its tokenizer attached.
 
-def load_scorer(path: str | Path, *, device: str | None = None, dtype: str | None = None):
-    """``EssayScorer.load(path)`` on ``device`` (default: :func:`resolve_device`) in ``dtype``
-    (one of :data:`DTYPES`, default float32), in eval mode with its tokenizer attached.
-
-    Raises ValueError for an unknown dtype; load errors (not a scorer directory, bad weights)
-    propagate from ``EssayScorer.load``."""
+    The scorer runs on torch only: ``backend`` "onnx" or "tensorrt" is a ValueError, as is an
+    unknown dtype or kernels name. Load errors (not a scorer directory, bad weights) propagate
+    from ``EssayScorer.load``."""
+    opts = scorer_options(backend, device, dtype, kernels)
     import torch
 
     from ..aes.model import EssayScorer
+    from .runners import set_torch_threads
 
-    name = dtype or "float32"
-    if name not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
-    return EssayScorer.load(path, device=resolve_device(device), dtype=getattr(torch, name))
+    set_torch_threads(threads)
+    return EssayScorer.load(path, device=opts.device, dtype=getattr(torch, opts.dtype),
+                            backend=opts.kernels)
 
 
 def unsupported_prompt(prompt: int, prompts: Sequence[int]) -> str | None:

@@ -68,12 +68,14 @@ from pathlib import Path
 import numpy as np
 
 from .onnx_export import INPUT_NAMES, ONNX_FILE, OUTPUT_NAME
+from .options import resolve_options
 
 __all__ = [
     "ShapeProfile", "plan_profiles", "choose_profile", "plan_calls", "build_engine",
     "build_engine_dir", "TensorRTRunner", "register_layer_attention_plugin",
     "export_plugin_onnx", "layer_attention_plugin_forward", "engine_meta", "read_engine_meta",
-    "write_engine_meta", "meta_path", "check_engine_compatible", "has_plugin_api",
+    "write_engine_meta", "meta_path", "check_engine_compatible", "check_plan_options",
+    "plan_precisions", "has_plugin_api",
     "PLAN_FILE", "PLUGIN_ONNX_FILE", "PLUGIN_ID",
 ]
 
@@ -267,6 +269,36 @@ def check_engine_compatible(meta: dict, *, tensorrt_version: str,
                            + ". Rebuild it on this machine (build_engine_dir).")
 
 
+def plan_precisions(meta: dict) -> tuple[str, ...]:
+    """The dtypes a plan was built for: "float16"/"bfloat16" for its reduced-precision flags,
+    else ("float32",)."""
+    prec = meta.get("precision", {})
+    built = tuple(name for flag, name in (("fp16", "float16"), ("bf16", "bfloat16"))
+                  if prec.get(flag))
+    return built or ("float32",)
+
+
+def check_plan_options(meta: dict, *, dtype: str | None, kernels: str = "auto") -> None:
+    """Raise ValueError naming the option when a plan cannot honour ``dtype`` (its precision is
+    fixed when it is built: ``mhmla-serve export --tensorrt DIR --precision ...``) or
+    ``kernels`` ("triton": the fused head needs a plan built with the layer-attention plugin;
+    "torch": one built without it). None / "auto" accept any plan."""
+    built = plan_precisions(meta)
+    if dtype is not None and dtype not in built:
+        flag = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(dtype, dtype)
+        raise ValueError(f"dtype: this tensorrt plan was built for {' or '.join(built)}, not "
+                         f"{dtype!r}; rebuild it with mhmla-serve export --tensorrt DIR "
+                         f"--precision {flag}, or leave dtype unset")
+    plugin = bool(meta.get("layer_attention_plugin"))
+    if kernels == "triton" and not plugin:
+        raise ValueError("kernels: 'triton' with the tensorrt backend needs a plan built with "
+                         "the layer-attention plugin (mhmla-serve export --tensorrt DIR "
+                         "--layer-attention-plugin); this one compiles the eager head")
+    if kernels == "torch" and plugin:
+        raise ValueError("kernels: 'torch' with the tensorrt backend needs a plan built without "
+                         "the layer-attention plugin; this one holds the fused (Triton) head")
+
+
 # ---------------------------------------------------------------- TensorRT imports
 
 
@@ -313,7 +345,7 @@ def layer_attention_plugin_forward(hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_hea
     hidden [L, N, H]; w_v [L, H, H]; b_v [L, H]; w_k [L, H, K]; b_k [L, K]; w_a [L, K, J]
     (dense); b_a [L, J]; out [N, H], all of one dtype on one device.
     """
-    from ..kernels.layer_attention import layer_attention_fwd
+    from mhmla_fast.kernels.layer_attention import layer_attention_fwd
 
     c, _ = layer_attention_fwd(hidden, w_v, b_v, w_k, b_k, w_a, b_a, int(num_heads),
                                (0.0, 0.0, 0.0), 0)
@@ -602,10 +634,13 @@ class TensorRTRunner:
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike, *, device: str | None = None,
-                       ) -> TensorRTRunner:
+                       dtype: str | None = None, kernels: str = "auto") -> TensorRTRunner:
         """The runner on an engine directory's ``model.plan``; FileNotFoundError saying how
-        to build it when missing (checked before TensorRT is imported)."""
+        to build it when missing. ``dtype`` and ``kernels`` must be what the plan was built
+        with (:func:`check_plan_options`; None / "auto": whatever it was). Both are checked
+        before TensorRT is imported."""
         path = Path(path)
+        opts = resolve_options("tensorrt", device, dtype, kernels)
         plan = path / PLAN_FILE
         if not plan.is_file():
             first = ("" if (path / ONNX_FILE).is_file()
@@ -614,7 +649,8 @@ class TensorRTRunner:
                 f"{path}: no TensorRT engine ({PLAN_FILE} is missing). On the GPU machine that "
                 f"will serve, {first}build it: python -c \"from mhmla_fast.serve.tensorrt_engine "
                 f"import build_engine_dir; build_engine_dir('{path}')\"")
-        return cls(plan, device=device)
+        check_plan_options(read_engine_meta(plan), dtype=opts.dtype, kernels=opts.kernels)
+        return cls(plan, device=opts.device)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         torch = self.torch

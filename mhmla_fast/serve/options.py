@@ -1,0 +1,113 @@
+"""The one serving contract: which runtime, device, dtype and head kernels a model is loaded with.
+
+Every loader of ``serve/`` (``Engine.load`` for tagging, ``score.load_scorer`` for scoring, and
+through them the ``mhmla-serve`` commands and the HTTP app) takes the same four options and
+resolves them here, once:
+
+    backend   the runtime: "torch" (eager PyTorch), "onnx" (ONNX Runtime on an export),
+              "tensorrt" (a TensorRT plan built from the export)
+    device    default: "cuda" when the backend can reach a CUDA GPU (torch: a usable
+              ``torch.cuda`` device; ONNX Runtime: its CUDA execution provider is installed;
+              TensorRT: always), else "cpu"
+    dtype     default: "bfloat16" for torch on CUDA, "float32" otherwise (ONNX: "float32" or
+              "int8", the two graphs of an export; TensorRT: the precision it was built with)
+    kernels   the layer-attention head's implementation: "auto" (per device and direction the
+              one measured faster, ``mhmla_fast.dispatch``), "torch" (eager), "triton" (fused)
+
+An option a backend cannot honour is a ValueError naming the option and the backend, never
+dropped. The device rule itself lives in ``mhmla_fast.devices`` (training uses it too).
+:func:`resolve_options` does the checks that need no model file; the TensorRT runner
+checks dtype and kernels against the plan it loads. Importing this module imports neither torch
+nor ONNX Runtime; each check imports only the runtime it asks about.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import devices
+from ..devices import cuda_available, resolve_device  # noqa: F401 - re-exported
+
+__all__ = ["BACKENDS", "KERNELS", "TORCH_DTYPES", "ONNX_DTYPES", "ServeOptions",
+           "cuda_available", "resolve_device", "resolve_dtype", "resolve_options"]
+
+BACKENDS = ("torch", "onnx", "tensorrt")
+KERNELS = ("auto", "torch", "triton")  # = mhmla_fast.functional.BACKENDS (not imported: torch)
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+ONNX_DTYPES = ("float32", "int8")
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+            "float": "float32"}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Resolved options: ``device`` and ``dtype`` are never None (TensorRT's dtype may be None:
+    "whatever the plan was built with")."""
+
+    backend: str
+    device: str
+    dtype: str | None
+    kernels: str
+
+
+def _device_type(device: str) -> str:
+    return device.split(":", 1)[0]
+
+
+def resolve_dtype(dtype: str | None, device: str, backend: str = "torch") -> str | None:
+    """``dtype`` normalised ("fp32" -> "float32", ...), else the default: "bfloat16" for torch
+    on CUDA, "float32" for torch elsewhere and for ONNX, None for TensorRT (the plan's)."""
+    if dtype:
+        return _ALIASES.get(str(dtype), str(dtype))
+    if backend == "tensorrt":
+        return None
+    if backend == "torch" and _device_type(device) == "cuda":
+        return "bfloat16"
+    return "float32"
+
+
+def resolve_options(backend: str = "torch", device: str | None = None,
+                    dtype: str | None = None, kernels: str | None = "auto") -> ServeOptions:
+    """Check ``backend``/``device``/``dtype``/``kernels`` and fill in the defaults.
+
+    Raises ValueError naming the option and the backend when the backend cannot honour it:
+    an unknown backend, dtype or kernels name; ONNX on CUDA without onnxruntime's CUDA provider
+    (or on any other device); ONNX with ``kernels="triton"`` (the exported graph holds the eager
+    head); TensorRT off CUDA; ``kernels="triton"`` on a CPU device (the Triton kernels need a
+    GPU, or ``TRITON_INTERPRET=1``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    kernels = kernels or "auto"
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
+    device = devices.resolve_device(device, backend)
+    kind = _device_type(device)
+    dtype = resolve_dtype(dtype, device, backend)
+    if backend == "torch":
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype: the torch backend has {TORCH_DTYPES}, got {dtype!r}")
+        if kernels == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels: 'triton' runs on a CUDA device (the torch backend got "
+                             f"device {device!r}); use kernels 'auto' or 'torch' on the CPU")
+    elif backend == "onnx":
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device: the onnx backend runs on 'cpu' or 'cuda', got {device!r}")
+        if kind == "cuda" and not devices.cuda_available("onnx"):
+            raise ValueError(f"device: {device!r} with the onnx backend needs onnxruntime's "
+                             "CUDAExecutionProvider (pip install onnxruntime-gpu); the installed "
+                             "onnxruntime runs on the CPU only: use device 'cpu'")
+        if dtype not in ONNX_DTYPES:
+            raise ValueError(f"dtype: the onnx backend has {ONNX_DTYPES} (the graphs of an "
+                             f"export), got {dtype!r}")
+        if kernels == "triton":
+            raise ValueError("kernels: the onnx backend runs the exported graph, which holds the "
+                             "eager ('torch') head; 'triton' is not available there (use the "
+                             "torch backend, or tensorrt with --layer-attention-plugin)")
+    else:  # tensorrt; dtype and kernels are checked against the plan by the runner
+        if kind != "cuda":
+            raise ValueError(f"device: the tensorrt backend runs on CUDA, got {device!r}")
+        if dtype is not None and dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype: the tensorrt backend has {TORCH_DTYPES} (the precision "
+                             f"its plan was built with), got {dtype!r}")
+    return ServeOptions(backend, device, dtype, kernels)

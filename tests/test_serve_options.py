@@ -1,0 +1,281 @@
+"""The one serving contract (``mhmla_fast.serve.options``): every loader takes backend, device,
+dtype and kernels, resolves the defaults by one rule ("cuda if available" written once), and an
+option a backend cannot honour is a ValueError naming the option and the backend, never dropped.
+Also: the command line turns those errors into exit 2, the head's kernels reach the model, and
+the start-up path imports no torch where it does not need it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mhmla_fast import devices
+from mhmla_fast.serve import options
+from mhmla_fast.serve.options import resolve_dtype, resolve_options
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mhmla_fast"
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Neither torch nor ONNX Runtime sees a CUDA GPU."""
+    monkeypatch.setattr(devices, "cuda_available", lambda backend="torch": False)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """torch and ONNX Runtime both see a CUDA GPU."""
+    monkeypatch.setattr(devices, "cuda_available", lambda backend="torch": True)
+
+
+# ---------------------------------------------------------------------- defaults
+
+
+def test_defaults_follow_one_rule(no_gpu):
+    assert resolve_options() == options.ServeOptions("torch", "cpu", "float32", "auto")
+    assert resolve_options("onnx") == options.ServeOptions("onnx", "cpu", "float32", "auto")
+    assert resolve_options("tensorrt").device == "cuda"  # TensorRT has no CPU
+    assert resolve_options("tensorrt").dtype is None  # whatever the plan was built with
+
+
+def test_defaults_on_a_gpu(gpu):
+    assert resolve_options() == options.ServeOptions("torch", "cuda", "bfloat16", "auto")
+    assert resolve_options("onnx") == options.ServeOptions("onnx", "cuda", "float32", "auto")
+    assert resolve_options(device="cpu").dtype == "float32"
+    assert resolve_options(device="cuda:1", dtype="fp16").dtype == "float16"  # aliases
+
+
+def test_dtype_rule_and_aliases():
+    assert resolve_dtype(None, "cuda:0") == "bfloat16"
+    assert resolve_dtype(None, "cpu") == "float32"
+    assert resolve_dtype(None, "cuda", "onnx") == "float32"
+    assert resolve_dtype("bf16", "cpu") == "bfloat16" and resolve_dtype("fp32", "cuda") == "float32"
+
+
+def test_cuda_available_asks_the_backends_own_runtime(monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert devices.cuda_available("onnx") is False
+    monkeypatch.setattr(ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert devices.cuda_available("onnx") is True
+
+
+def test_kernels_match_the_heads_backends():
+    from mhmla_fast.functional import BACKENDS
+
+    assert options.KERNELS == BACKENDS
+
+
+# ------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(backend="jax"), r"^backend: .*'jax'"),
+    (dict(kernels="cuda"), r"^kernels: .*'cuda'"),
+    (dict(dtype="int8"), r"^dtype: the torch backend .*'int8'"),
+    (dict(backend="onnx", dtype="bfloat16"), r"^dtype: the onnx backend .*'bfloat16'"),
+    (dict(backend="onnx", device="cuda"), r"^device: 'cuda' with the onnx backend needs "
+                                          r"onnxruntime's CUDAExecutionProvider"),
+    (dict(backend="onnx", device="mps"), r"^device: the onnx backend .*'mps'"),
+    (dict(backend="onnx", device="cpu", kernels="triton"), r"^kernels: the onnx backend"),
+    (dict(backend="tensorrt", device="cpu"), r"^device: the tensorrt backend runs on CUDA"),
+    (dict(backend="tensorrt", dtype="int8"), r"^dtype: the tensorrt backend"),
+])
+def test_options_a_backend_cannot_honour_are_errors(no_gpu, kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        resolve_options(**kw)
+
+
+def test_triton_kernels_on_the_cpu_need_the_interpreter(no_gpu, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"^kernels: 'triton' runs on a CUDA device"):
+        resolve_options(device="cpu", kernels="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_options(device="cpu", kernels="triton").kernels == "triton"
+
+
+def test_cuda_if_available_is_written_once():
+    """No other module of the package picks a device with its own ``torch.cuda.is_available()``
+    rule: they call ``mhmla_fast.devices.resolve_device``; and nothing under ``ged/`` or ``aes/``
+    imports from ``serve/`` (the layering runs one way)."""
+    rule = re.compile(r"""["']cuda["']\s+if\s+[\w.]*cuda\.is_available\(\)""")
+    copies = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+              if rule.search(p.read_text(encoding="utf-8"))]
+    assert copies == [], copies
+    assert "torch.cuda.is_available()" in (PACKAGE / "devices.py").read_text()
+    upward = re.compile(r"from\s+(\.\.serve|mhmla_fast\.serve)\b|import\s+mhmla_fast\.serve\b")
+    layered = [str(p.relative_to(PACKAGE)) for sub in ("ged", "aes") for p in (PACKAGE / sub).rglob("*.py")
+               if upward.search(p.read_text(encoding="utf-8"))]
+    assert layered == [], layered
+
+
+# ------------------------------------------------------------- the loaders
+
+
+def test_the_torch_runner_honours_kernels_dtype_and_threads(tiny_tagger_dir, monkeypatch):
+    import torch
+
+    from mhmla_fast.serve.runners import make_runner
+
+    threads = torch.get_num_threads()
+    try:
+        eager = make_runner(tiny_tagger_dir, device="cpu", kernels="torch", threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert eager.model.head.backend == "torch" and eager.kernels == "torch"
+    assert eager.dtype is torch.float32 and eager.device.type == "cpu"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fused = make_runner(tiny_tagger_dir, device="cpu", dtype="float16",
+                        kernels="triton")
+    assert fused.model.head.backend == "triton" and fused.dtype is torch.float16
+    assert next(fused.model.parameters()).dtype is torch.float16
+    with pytest.raises(ValueError, match="^dtype: the torch backend"):
+        make_runner(tiny_tagger_dir, device="cpu", dtype="int8")
+
+
+def test_engine_load_refuses_before_loading(tiny_tagger_dir, no_gpu):
+    from mhmla_fast.serve.engine import Engine
+
+    with pytest.raises(ValueError, match="^device: 'cuda' with the onnx backend"):
+        Engine.load(tiny_tagger_dir, backend="onnx", device="cuda")
+    with pytest.raises(ValueError, match="^kernels: the onnx backend"):
+        Engine.load(tiny_tagger_dir, backend="onnx", kernels="triton")
+
+
+def test_scorer_takes_the_same_contract(tiny_scorer_dir, no_gpu):
+    import torch
+
+    from mhmla_fast.serve.score import load_scorer
+
+    scorer = load_scorer(tiny_scorer_dir, kernels="torch", device="cpu")
+    assert scorer.head.layer_attention.backend == "torch"
+    assert next(scorer.parameters()).dtype is torch.float32  # the rule's CPU default
+    for backend in ("onnx", "tensorrt"):
+        with pytest.raises(ValueError, match=rf"^backend: the essay scorer runs on 'torch' only"
+                                             rf".*'{backend}'"):
+            load_scorer(tiny_scorer_dir, backend=backend)
+    with pytest.raises(ValueError, match="^dtype: the torch backend"):
+        load_scorer(tiny_scorer_dir, dtype="int8")
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_the_cli_refuses_what_a_backend_cannot_honour(tmp_path, tiny_tagger_dir, tiny_scorer_dir,
+                                                      no_gpu, capsys):
+    from mhmla_fast.commands.serve import main
+
+    src = tmp_path / "in.txt"
+    src.write_text("He go to school .\n")
+    out = tmp_path / "out.jsonl"
+    cases = [
+        (["tag", str(src), "--backend", "onnx", "--device", "cuda"],
+         "--device: 'cuda' with the onnx backend needs onnxruntime's CUDAExecutionProvider"),
+        (["tag", str(src), "--backend", "onnx", "--kernels", "triton"], "--kernels: the onnx"),
+        (["tag", str(src), "--backend", "tensorrt", "--device", "cpu"],
+         "--device: the tensorrt backend runs on CUDA"),
+        (["tag", str(src), "--dtype", "int8"], "--dtype: the torch backend"),
+        (["score", str(src), "--backend", "onnx", "--model", str(tiny_scorer_dir)],
+         "--backend: the essay scorer runs on 'torch' only"),
+        (["http", "--backend", "onnx", "--device", "cuda"], "--device: 'cuda' with the onnx"),
+    ]
+    for argv, message in cases:
+        if argv[0] != "http":
+            argv = [*argv, "--output", str(out)]
+        assert main([*argv, "--model", str(tiny_tagger_dir)] if "--model" not in argv
+                    else argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+        assert not out.exists(), "a refused option leaves no output file"
+
+
+def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagger_dir,
+                                                             tiny_scorer_dir, monkeypatch):
+    from mhmla_fast.commands import serve as cli
+    from mhmla_fast.serve import engine, score
+
+    seen = {}
+    real_engine, real_scorer = engine.Engine.load.__func__, score.load_scorer
+
+    def spy_engine(cls, path, **kw):
+        seen["engine"] = kw
+        return real_engine(cls, path, **kw)
+
+    def spy_scorer(path, **kw):
+        seen["scorer"] = kw
+        return real_scorer(path, **kw)
+
+    monkeypatch.setattr(engine.Engine, "load", classmethod(spy_engine))
+    monkeypatch.setattr(score, "load_scorer", spy_scorer)
+    src = tmp_path / "in.txt"
+    src.write_text("He go to school .\n")
+    assert cli.main(["tag", str(src), "-o", str(tmp_path / "t.jsonl"), "--model",
+                     str(tiny_tagger_dir), "--kernels", "torch", "--device", "cpu",
+                     "--threads", "1", "--no-progress"]) == 0
+    assert seen["engine"] == dict(backend="torch", device="cpu", dtype=None, kernels="torch",
+                                  threads=1, threshold=None, token_budget=8192)
+    essays = tmp_path / "essays.jsonl"
+    essays.write_text('{"text": "a b c", "prompt": 1}\n')
+    assert cli.main(["score", str(essays), "-o", str(tmp_path / "s.jsonl"), "--model",
+                     str(tiny_scorer_dir), "--kernels", "torch", "--device", "cpu",
+                     "--threads", "1", "--no-progress"]) == 0
+    assert seen["scorer"] == dict(device="cpu", dtype=None, kernels="torch", threads=1)
+
+
+# ------------------------------------------------------------------ start-up
+
+
+def test_importing_the_cli_imports_no_torch():
+    """``mhmla-serve --help`` and the ONNX path must not pay for torch at import time."""
+    code = ("import sys, mhmla_fast.commands.serve as s; s.build_parser(); "
+            "import mhmla_fast.serve.engine, mhmla_fast.serve.runners, mhmla_fast.serve.score; "
+            "bad = [m for m in ('torch', 'transformers', 'onnxruntime') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ one packer
+
+
+def test_one_packer_cuts_by_token_budget():
+    from mhmla_fast.packing import pack_by_token_budget
+
+    lengths = [5, 40, 3, 40, 12, 7, 100, 1, 12]
+    for longest_first in (False, True):
+        for budget, max_batch in [(85, None), (100, 3), (24, 2), (1, None), (10_000, 4)]:
+            batches = pack_by_token_budget(lengths, budget, max_batch, longest_first=longest_first)
+            assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+            flat = [lengths[i] for b in batches for i in b]
+            assert flat == sorted(flat, reverse=longest_first)
+            for b in batches:
+                assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget
+                assert max_batch is None or len(b) <= max_batch
+    assert pack_by_token_budget([], 10) == []
+    assert pack_by_token_budget([2, 2, 2, 2], 6) == [[0, 1, 2], [3]]  # greedy, stable
+    with pytest.raises(ValueError, match="^token_budget"):
+        pack_by_token_budget([1], 0)
+
+
+def test_tagging_and_scoring_share_the_packer(tiny_engine, tiny_scorer, monkeypatch):
+    from mhmla_fast.serve import engine as engine_module
+    from mhmla_fast import packing
+
+    calls = []
+    real = packing.pack_by_token_budget
+
+    def spy(lengths, token_budget, max_batch=None, **kw):
+        calls.append((len(lengths), token_budget, kw.get("longest_first", False)))
+        return real(lengths, token_budget, max_batch, **kw)
+
+    monkeypatch.setattr(packing, "pack_by_token_budget", spy)
+    monkeypatch.setattr(engine_module, "pack_by_token_budget", spy)
+    tiny_engine.tag_texts(["He go to school .", "A cat ."])
+    tiny_scorer.predict_scores(["An essay .", "Another one ."], [1, 2], token_budget=512)
+    assert calls == [(2, tiny_engine.token_budget, False), (2, 512, True)]
