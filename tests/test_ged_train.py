@@ -122,3 +122,56 @@ def test_resume_refuses_a_different_run(tmp_path, tiny_encoder):
     other = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, lr=1e-4)
     with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
         train(other)
+
+
+def test_linear_schedule_warms_up_then_decays_to_zero(tmp_path):
+    from mhmla_fast.ged.train import lr_factor
+
+    cfg = TrainConfig(train="t", dev="d", out="o", lr_schedule="linear", warmup_ratio=0.1)
+    factors = [lr_factor(cfg, s, 100) for s in range(100)]
+    assert factors[:10] == [pytest.approx((s + 1) / 10) for s in range(10)]
+    assert factors[10] == pytest.approx(1.0) and factors[-1] == pytest.approx(1 / 90)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert lr_factor(TrainConfig(train="t", dev="d", out="o"), 57, 100) == 1.0
+    with pytest.raises(ValueError, match="warmup_ratio: needs lr_schedule='linear'"):
+        TrainConfig(train="t", dev="d", out="o", warmup_ratio=0.1)
+    with pytest.raises(ValueError, match="lr_schedule: expected one of"):
+        TrainConfig(train="t", dev="d", out="o", lr_schedule="cosine")
+    with pytest.raises(ValueError, match="layer_lr_decay"):
+        TrainConfig(train="t", dev="d", out="o", layer_lr_decay=0.0)
+
+
+def test_layer_wise_learning_rates(tiny_encoder):
+    from mhmla_fast.ged.model import TaggerConfig
+    from mhmla_fast.ged.train import layer_lr_groups
+
+    model = GedTagger(TaggerConfig(encoder=tiny_encoder, num_heads=4))
+    cfg = TrainConfig(train="t", dev="d", out="o", lr=1e-3, layer_lr_decay=0.5)
+    groups = layer_lr_groups(model, cfg)
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    L = 2
+    assert lr_of[id(named["head.w_v"])] == 1e-3 and lr_of[id(named["classifier.weight"])] == 1e-3
+    for i in range(L):
+        key = next(k for k in named if k.startswith(f"encoder.encoder.layer.{i}."))
+        assert lr_of[id(named[key])] == pytest.approx(1e-3 * 0.5 ** (L - i)), key
+    emb = next(k for k in named if ".embeddings." in k)
+    assert lr_of[id(named[emb])] == pytest.approx(1e-3 * 0.5 ** (L + 1))
+    assert sum(len(g["params"]) for g in groups) == len(named)
+    # one group of everything when the decay is 1
+    assert len(layer_lr_groups(model, TrainConfig(train="t", dev="d", out="o"))) == 1
+
+
+def test_linear_schedule_run_resumes_exactly(tmp_path, tiny_encoder):
+    kw = dict(epochs=2, lr_schedule="linear", warmup_ratio=0.2, layer_lr_decay=0.8)
+    full = train(config(tmp_path, tiny_encoder, tmp_path / "full", **kw))
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "resumed", **kw)
+    train(cfg, stop_after_steps=11)
+    resumed = train(cfg)
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+    # with a schedule the length of the run sets the learning rates: a changed --epochs is refused
+    cfg.epochs = 3
+    with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
+        train(cfg)

@@ -38,6 +38,13 @@ def add_ged_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--max-train-sentences", type=int, default=None, help="a prefix, for quick runs")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "linear"),
+                   help="constant (the paper) or linear warm-up then linear decay to 0")
+    p.add_argument("--warmup-ratio", type=float, default=0.0,
+                   help="fraction of all steps spent warming up (with --lr-schedule linear)")
+    p.add_argument("--layer-lr-decay", type=float, default=1.0,
+                   help="encoder layer i of L trains at lr * decay^(L - i), embeddings at "
+                        "decay^(L + 1); the head at lr (default 1: one learning rate)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
 
@@ -49,16 +56,17 @@ def run_ged(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = TrainConfig(
-        train=args.train or _fce("train"), dev=args.dev or _fce("dev"), out=args.out,
-        encoder=args.encoder, head=args.head, num_heads=args.heads, key_size=args.key_size,
-        dropout=args.dropout, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-        weight_decay=args.weight_decay, max_length=args.max_length, seed=args.seed,
-        freeze_word_embeddings=args.freeze_word_embeddings,
-        checkpoint_every=args.checkpoint_every, max_train_sentences=args.max_train_sentences,
-        backend=args.backend, progress=not args.no_progress,
-    )
     try:
+        cfg = TrainConfig(
+            train=args.train or _fce("train"), dev=args.dev or _fce("dev"), out=args.out,
+            encoder=args.encoder, head=args.head, num_heads=args.heads, key_size=args.key_size,
+            dropout=args.dropout, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+            weight_decay=args.weight_decay, max_length=args.max_length, seed=args.seed,
+            freeze_word_embeddings=args.freeze_word_embeddings,
+            checkpoint_every=args.checkpoint_every, max_train_sentences=args.max_train_sentences,
+            backend=args.backend, progress=not args.no_progress, lr_schedule=args.lr_schedule,
+            warmup_ratio=args.warmup_ratio, layer_lr_decay=args.layer_lr_decay,
+        )
         best = train(cfg)
     except (FileNotFoundError, ValueError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Recipe (Kaneko & Komachi 2019): Adam, lr 5e-5, batch 32, 5 epochs, max length 128 word
 pieces, dropout 0.3 in the layer attention, cross-entropy on each word's first piece,
-the best epoch chosen by F0.5 on the dev set. Batches are length-bucketed (sentences of
+the best epoch chosen by F0.5 on the dev set. Options beyond the paper: a linear warm-up and
+decay of the learning rate, and layer-wise learning rates (lower for lower encoder layers). Batches are length-bucketed (sentences of
 similar length together, batch order shuffled). The run writes into ``out``:
 
 * ``checkpoint.json`` + ``checkpoint-<step>.safetensors``: model, optimizer and RNG
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +30,15 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
+from ..devices import resolve_device
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
 from .model import IGNORE, GedTagger, TaggerConfig, collate, encode_sentences, load_tokenizer
 
-__all__ = ["TrainConfig", "train", "predict_word_probs", "length_bucketed_batches"]
+__all__ = [
+    "TrainConfig", "train", "predict_word_probs", "length_bucketed_batches", "lr_factor",
+    "layer_lr_groups", "LR_SCHEDULES",
+]
 
 
 @dataclass
@@ -60,7 +65,65 @@ class TrainConfig:
     max_train_sentences: int | None = None
     backend: str = "auto"
     progress: bool = True
+    # learning-rate schedule (the paper: constant): "linear" warms up over the first
+    # warmup_ratio of all steps, then decays linearly to 0 at the last step
+    lr_schedule: str = "constant"
+    warmup_ratio: float = 0.0
+    # layer-wise learning rates: encoder layer i of L gets lr * layer_lr_decay^(L - i), the
+    # embeddings lr * layer_lr_decay^(L + 1); the head and classifier get lr (1.0: one lr)
+    layer_lr_decay: float = 1.0
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio: expected a fraction in [0, 1), got {self.warmup_ratio!r}")
+        if self.warmup_ratio > 0 and self.lr_schedule == "constant":
+            raise ValueError("warmup_ratio: needs lr_schedule='linear' (the constant schedule has no warm-up)")
+        if not 0.0 < self.layer_lr_decay <= 1.0:
+            raise ValueError(f"layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay!r}")
+
+
+LR_SCHEDULES = ("constant", "linear")
+
+
+def lr_factor(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """The multiplier of every group's base lr at optimizer step ``step`` (0-based) of
+    ``total_steps``: 1 for "constant"; for "linear", (step + 1) / warmup during the first
+    ``warmup = round(warmup_ratio * total_steps)`` steps, then (total - step) / (total - warmup)."""
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    warmup = round(cfg.warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+
+def layer_lr_groups(model: GedTagger, cfg: TrainConfig) -> list[dict]:
+    """Optimizer parameter groups with layer-wise learning rates (see ``layer_lr_decay``).
+
+    Encoder layers are recognised by ``encoder.layer.<i>.`` in the parameter name (BERT,
+    RoBERTa, ELECTRA, MPNet, ...), embeddings by ``embeddings.``; anything else in the
+    encoder (e.g. MPNet's relative attention bias) and the head and classifier get ``lr``.
+    """
+    import re
+
+    L = model.encoder.config.num_hidden_layers
+    by_scale: dict[float, list] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        scale = 1.0
+        if name.startswith("encoder."):
+            m = re.search(r"(?:^|\.)layer\.(\d+)\.", name)
+            if m:
+                scale = cfg.layer_lr_decay ** (L - int(m.group(1)))
+            elif ".embeddings." in name or name.startswith("encoder.embeddings"):
+                scale = cfg.layer_lr_decay ** (L + 1)
+        by_scale.setdefault(scale, []).append(param)
+    return [{"params": ps, "lr": cfg.lr * scale, "base_lr": cfg.lr * scale}
+            for scale, ps in sorted(by_scale.items(), reverse=True)]
 
 
 def length_bucketed_batches(lengths: Sequence[int], batch_size: int, seed: int,
@@ -117,12 +180,12 @@ def evaluate(model, tokenizer, sentences: Sequence[Sentence], **kw) -> tuple[dic
 
 
 def _make_optimizer(model, cfg: TrainConfig, device: torch.device):
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = layer_lr_groups(model, cfg)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
     try:  # fused AdamW (CPU and CUDA in recent torch); weight_decay 0 makes it the paper's Adam
-        return torch.optim.AdamW(params, fused=True, **kw)
+        return torch.optim.AdamW(groups, fused=True, **kw)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(params, **kw)
+        return torch.optim.AdamW(groups, **kw)
 
 
 def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
@@ -135,7 +198,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(resolve_device())  # the serving rule: cuda when available, else cpu
     torch.manual_seed(cfg.seed)
 
     train_set = read_ged(cfg.train)
@@ -158,10 +221,13 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     meta = load_checkpoint(out, model, optimizer)
     if meta is not None:
         if meta["config"] != json.loads(json.dumps(asdict(cfg))):
-            # the number of epochs may change on resume: epoch e's batches depend only on
-            # (seed, e), so a shorter run is a prefix of a longer one
-            diff = {k: (meta["config"].get(k), v) for k, v in asdict(cfg).items()
-                    if meta["config"].get(k) != v and k not in ("progress", "epochs")}
+            # the number of epochs may change on resume (with the constant schedule): epoch
+            # e's batches depend only on (seed, e), so a shorter run is a prefix of a longer
+            # one; a field a checkpoint predates has its default
+            defaults = {f.name: getattr(TrainConfig("", "", ""), f.name) for f in fields(TrainConfig)}
+            free = ("progress", "epochs") if cfg.lr_schedule == "constant" else ("progress",)
+            diff = {k: (meta["config"].get(k, defaults[k]), v) for k, v in asdict(cfg).items()
+                    if meta["config"].get(k, defaults[k]) != v and k not in free}
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
@@ -183,6 +249,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     if epoch > cfg.epochs:
         raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already (epoch {epoch})")
 
+    # every epoch has the same number of batches (a function of the lengths and batch size)
+    total_steps = cfg.epochs * len(length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, 0))
     while epoch < cfg.epochs:
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, epoch)
         model.train()
@@ -202,6 +270,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
                                    ignore_index=IGNORE)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            factor = lr_factor(cfg, global_step, total_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = group.setdefault("base_lr", cfg.lr) * factor
             optimizer.step()
             loss_sum += loss.item()
             step_in_epoch += 1
