@@ -1104,6 +1104,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="input seed (each N adds N to it)")
     p.add_argument("--warmup-ms", type=_positive_int, default=25, help="do_bench warm-up budget, ms")
     p.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench repetition budget, ms")
+    p.add_argument("--bwd-group-elements", type=_positive_int, default=None,
+                   help="the fused backward's layer-group budget (kernels.layer_attention."
+                        "BWD_GROUP_ELEMENTS; default: the module's, 2^25): fewer elements use less "
+                        "memory and more launches; recorded in the header")
     args = p.parse_args(argv)
     if args.shapes is None:
         args.shapes = ["bert-base"] if args.quick else list(SHAPES)
@@ -1150,6 +1154,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot import mhmla_fast.layer_attention: {e}", file=sys.stderr)
         return 1
 
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    if args.bwd_group_elements is not None:
+        kernels.BWD_GROUP_ELEMENTS = args.bwd_group_elements
     started = time.time()
     device_name = torch.cuda.get_device_name()
     props = torch.cuda.get_device_properties(0)
@@ -1207,6 +1215,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"rep={args.rep_ms}) ms; L2 flushed before each run",
         "peak_extra_mem": "max_memory_allocated() after reset_peak_memory_stats() minus memory_allocated() "
                           "before one call, MiB (2^20 bytes); inputs (and for backward the built graph) excluded",
+        "bwd_group_elements": kernels.BWD_GROUP_ELEMENTS,
         "config": {"shapes": [vars(s) for s in cfg.shapes], "dtypes": cfg.dtypes, "N": cfg.ns,
                    "providers": cfg.providers, "modes": cfg.modes, "dropout": cfg.dropout, "seed": cfg.seed,
                    "argv": list(sys.argv[1:] if argv is None else argv)},

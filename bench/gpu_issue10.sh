@@ -6,6 +6,7 @@
 #   bash bench/gpu_issue10.sh tests        # op + module tests on the GPU (bf16 included), log to $OUT
 #   bash bench/gpu_issue10.sh quick        # BERT-base bf16 N=4096: all six providers, the headline
 #   bash bench/gpu_issue10.sh sweep bert-base bf16   # one shape x dtype of the N sweep (eager, compile-max, fused)
+#   bash bench/gpu_issue10.sh memory       # BERT-base bf16 N=4096, fused only, three backward group budgets
 #   bash bench/gpu_issue10.sh profile      # torch.profiler table of one fused forward + backward
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
@@ -30,6 +31,11 @@ case "$stage" in
     python bench/benchmark_layer_attention.py --shapes "$shape" --dtypes "$dtype" \
       --providers eager compile-max fused --modes forward backward full \
       --out "$OUT/" 2>&1 | tee "$OUT/sweep_${shape}_${dtype}.log" ;;
+  memory)  # the speed/memory trade-off of the backward's layer groups (2^23: 1 layer at BERT-base)
+    for budget in 8388608 16777216 33554432 67108864; do
+      python bench/benchmark_layer_attention.py --quick --providers eager fused --modes full \
+        --bwd-group-elements $budget --out "$OUT/" 2>&1 | tee -a "$OUT/memory.log"
+    done ;;
   profile)
     python - <<'PY' 2>&1 | tee "$OUT/profile_fused_bert_base_bf16.txt"
 import torch
