@@ -15,7 +15,8 @@ Plan (see DESIGN.md section 3):
 * forward, scores kernel (grid: token tiles x L): z = h W_k + b_k tiled over K, relu,
   key dropout, a = k W_a + b_a accumulated on chip; writes only the [L, N, J] scores.
 * softmax over the L layers of the tiny [L, N, J] score tensor (torch).
-* forward, values kernel (grid: token tiles x H column tiles): for every layer the
+* forward, values kernel (grid: H column tiles x token tiles, columns fastest so that the
+  programs reading the same rows of h run together and share them in L2): for every layer the
   value GEMM tile h^l W_v^l, scaled by that row's and column's head weight (p [N, J] times a
   one-hot head map, so the weights arrive in the accumulator's layout), accumulated on chip;
   one write of c. Neither the L x N x H values nor the L x N x K keys are
@@ -153,8 +154,10 @@ def _layer_attention_fwd_values_kernel(
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_o = tl.program_id(1)
+    # column tiles vary fastest: the H / BLOCK_O programs that read the same [L, BLOCK_N, H]
+    # rows of h run together and share them through L2 (W_v, 2 L H^2 bytes, stays in L2)
+    pid_o = tl.program_id(0)
+    pid_n = tl.program_id(1)
     dtype = H_ptr.dtype.element_ty
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     oo = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -559,7 +562,7 @@ def layer_attention_fwd(
     p = torch.softmax(scores, dim=0)
     c = torch.empty((N, H), device=hidden.device, dtype=hidden.dtype)
     _launch(
-        "fwd_values", lambda m: (triton.cdiv(N, m["BLOCK_N"]), triton.cdiv(H, m["BLOCK_O"])),
+        "fwd_values", lambda m: (triton.cdiv(H, m["BLOCK_O"]), triton.cdiv(N, m["BLOCK_N"])),
         hidden, w_v, b_v, p, c, L, N, H, J, H // J, r["seed_p"], r["rate_p"], r["scale_p"],
         DROP_P=drop_p, N_BUCKET=_n_bucket(N), BLOCK_J=shape["BLOCK_J"], **common,
     )
