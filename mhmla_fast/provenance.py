@@ -31,7 +31,7 @@ def git_commit() -> str:
 
 def cpu_info() -> dict:
     """CPU model name (from /proc/cpuinfo), logical and physical cores, usable cores."""
-    from .serve.onnx_export import physical_cores
+    from .devices import physical_cores
 
     model = None
     try:

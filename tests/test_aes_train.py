@@ -340,7 +340,7 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
     assert mhmla_train(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
                         "--export-shipped", str(shipped), "--epochs", "2", "--quiet"]) == 0
     cfg = json.loads((shipped / "config.json").read_text())
-    assert cfg["freeze_encoder"] and cfg["prompts"] == [3, 4]
+    assert cfg["encoder_spec"]["freeze"] == "all" and cfg["prompts"] == [3, 4]  # new keys
     assert set(cfg["training"]["test_qwk"]) == {"3", "4"} and cfg["training"]["fold"] == 0
     selection = cfg["training"]["objective_selection"]  # both heads tried, the better dev kept
     assert set(selection) == {"classification", "regression"}

@@ -175,3 +175,25 @@ def test_linear_schedule_run_resumes_exactly(tmp_path, tiny_encoder):
     cfg.epochs = 3
     with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
         train(cfg)
+
+
+def test_a_checkpoint_in_the_flat_layout_of_before_resumes(tmp_path, tiny_encoder):
+    """Checkpoints written before issue 15 store the config flat (``head``, ``num_heads``,
+    ``encoder``, ``max_length``, ...): they still resume, and a changed head is still refused."""
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
+    train(cfg, stop_after_steps=2)
+    meta_file = tmp_path / "run" / "checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    nested = meta["config"]
+    flat = {k: v for k, v in nested.items() if k not in ("encoder_spec", "layer_attention")}
+    flat.update(encoder=nested["encoder_spec"]["name_or_path"],
+                max_length=nested["encoder_spec"]["max_length"], freeze_word_embeddings=False,
+                head=nested["layer_attention"]["mode"], key_size=None,
+                num_heads=nested["layer_attention"]["num_heads"],
+                dropout=nested["layer_attention"]["dropout"])
+    for key in ("lr_schedule", "warmup_ratio", "layer_lr_decay"):  # older still: not there
+        flat.pop(key)
+    meta_file.write_text(json.dumps({**meta, "config": flat}))
+    with pytest.raises(ValueError, match="layer_attention.dropout"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, dropout=0.1))
+    assert train(cfg).is_dir()

@@ -96,7 +96,7 @@ def encoder_window(encoder: str) -> int:
     the window :class:`~mhmla_fast.aes.model.EssayScorer` picks by default."""
     from transformers import AutoConfig
 
-    from ..model_dir import resolve_encoder
+    from ..encoder import resolve_encoder
 
     hf = AutoConfig.from_pretrained(resolve_encoder(encoder))
     return int(min(510, hf.max_position_embeddings - 2))
@@ -205,7 +205,7 @@ def build_feature_cache(
     ends the call after writing that many new shards (to test resuming) and returns the
     essays done so far.
     """
-    from .model import ScorerConfig, _load_encoder, load_tokenizer
+    from ..encoder import load_encoder, load_tokenizer
 
     if len(essay_ids) != len(texts):
         raise ValueError(f"{len(essay_ids)} essay ids but {len(texts)} texts")
@@ -238,9 +238,8 @@ def build_feature_cache(
         if stop_after_shards is not None and written >= stop_after_shards:
             break
         if model is None:
-            cfg = ScorerConfig(encoder=encoder)
-            model = _load_encoder(cfg, pretrained=True).to(device).eval()
-            meta["encoder_config"] = cfg.encoder_config
+            model, meta["encoder_config"] = load_encoder(encoder)
+            model = model.to(device).eval()
         feats, index = encode_window_features(model, tokenizer, [texts[i] for i in chunk],
                                               window=window, token_budget=token_budget,
                                               device=device, pooling=pooling)

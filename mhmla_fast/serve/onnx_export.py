@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..devices import physical_cores
 from .options import resolve_options
 
 __all__ = [
@@ -74,37 +75,6 @@ _SIDE_FILES = (
 
 class ExportValidationError(RuntimeError):
     """ONNX Runtime's output differs from torch's by more than the tolerance."""
-
-
-def physical_cores() -> int:
-    """Physical CPU cores usable by this process (hyper-threads not counted)."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count() or 1
-    cores = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            phys = None
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "physical id":
-                    phys = value.strip()
-                elif key == "core id":
-                    cores.add((phys, value.strip()))
-    except OSError:
-        pass
-    if not cores:
-        try:
-            import psutil
-
-            n = psutil.cpu_count(logical=False)
-            if n:
-                cores = set(range(n))
-        except ImportError:
-            pass
-    return max(1, min(usable, len(cores))) if cores else max(1, usable)
 
 
 # ------------------------------------------------------------------------- the graph

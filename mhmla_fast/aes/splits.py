@@ -1,0 +1,112 @@
+"""ASAP for the protocols: the data files, cached windows of essays (:class:`FeatureSplit`),
+feature caches per prompt, and QWK per prompt."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .data import SCORE_RANGES, Essay
+from .metrics import quadratic_weighted_kappa
+
+__all__ = ["PROTOCOL", "PROMPTS", "Log", "asap_files", "FeatureSplit", "feature_split",
+           "joined_features", "qwk", "split_qwk", "load_prompt_caches"]
+
+PROTOCOL = "cpu-frozen-encoder"
+PROMPTS = tuple(sorted(SCORE_RANGES))
+Log = Callable[[str], None]
+
+
+def asap_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """(essay TSV, folds folder) under the shared data folder or an ``asap_aes`` folder."""
+    from ..paths import shared_data_dir
+
+    root = Path(data_dir) if data_dir else shared_data_dir()
+    if (root / "asap_aes").is_dir():
+        root = root / "asap_aes"
+    tsv = root / "training_set_rel3.nea_utf8.tsv"
+    if not tsv.is_file():
+        tsv = root / "training_set_rel3.tsv"
+    return tsv, root / "nea_folds"
+
+
+def joined_features(splits: dict[str, FeatureSplit], features: str) -> FeatureSplit:
+    """The split whose per-layer vectors are ``features`` ("cls", "mean" or "cls+mean":
+    both concatenated along the hidden axis, [W, L+1, 2H]) from ``{pooling: split}``."""
+    parts = [splits[p] for p in features.split("+")]
+    first = parts[0]
+    for other in parts[1:]:
+        if not np.array_equal(other.essay_index, first.essay_index) or not np.array_equal(
+                other.ids, first.ids):
+            raise ValueError("feature caches of different poolings hold different windows")
+    if len(parts) == 1:
+        return first
+    return FeatureSplit(torch.cat([x.features for x in parts], -1), first.essay_index,
+                        first.scores, first.prompts, first.ids)
+
+
+@dataclass
+class FeatureSplit:
+    """Cached windows of some essays: features [W, L+1, H], essay_index [W] (0..E-1),
+    gold scores, prompts and ids [E]."""
+
+    features: Tensor
+    essay_index: np.ndarray
+    scores: np.ndarray
+    prompts: np.ndarray
+    ids: np.ndarray
+
+    @property
+    def window_prompts(self) -> np.ndarray:
+        return self.prompts[self.essay_index]
+
+    @classmethod
+    def concat(cls, parts: Sequence[FeatureSplit]) -> FeatureSplit:
+        offsets = np.cumsum([0] + [len(p.ids) for p in parts])
+        return cls(torch.cat([p.features for p in parts]),
+                   np.concatenate([p.essay_index + o for p, o in zip(parts, offsets)]),
+                   np.concatenate([p.scores for p in parts]),
+                   np.concatenate([p.prompts for p in parts]),
+                   np.concatenate([p.ids for p in parts]))
+
+
+def feature_split(cache, essays: Sequence[Essay]) -> FeatureSplit:
+    """The cached windows of ``essays`` (a :class:`~.features.CachedFeatures`)."""
+    feats, index = cache.select([e.essay_id for e in essays])
+    return FeatureSplit(feats, index, np.array([e.score for e in essays], dtype=np.int64),
+                        np.array([e.prompt for e in essays], dtype=np.int64),
+                        np.array([e.essay_id for e in essays], dtype=np.int64))
+
+
+def qwk(gold: np.ndarray, pred: np.ndarray, prompt: int) -> float:
+    lo, hi = SCORE_RANGES[int(prompt)]
+    return quadratic_weighted_kappa(gold, pred, lo, hi)
+
+
+def split_qwk(split: FeatureSplit, pred: np.ndarray) -> dict[int, float]:
+    """QWK per prompt of the split."""
+    return {int(p): qwk(split.scores[split.prompts == p], pred[split.prompts == p], int(p))
+            for p in np.unique(split.prompts)}
+
+
+def load_prompt_caches(essays: Sequence[Essay], prompts: Sequence[int], cache_dir: str | os.PathLike,
+                       encoder: str, *, token_budget: int = 8192, pooling: str = "cls",
+                       log: Log | None = print) -> dict:
+    """One feature cache per prompt (built or resumed as needed): ``{prompt: CachedFeatures}``."""
+    from .features import build_feature_cache
+
+    caches = {}
+    for p in prompts:
+        chosen = [e for e in essays if e.prompt == p]
+        if log:
+            log(f"prompt {p}: {pooling} feature cache of {len(chosen)} essays")
+        caches[p] = build_feature_cache(cache_dir, [e.essay_id for e in chosen],
+                                        [e.text for e in chosen], encoder=encoder,
+                                        token_budget=token_budget, pooling=pooling, progress=log)
+    return caches

