@@ -88,7 +88,9 @@ METRIC_LABELS = {"f05": "F0.5 at argmax", "f05_threshold": "F0.5 at the dev-tune
 # training settings that may differ between seeds of one system (where and how, not what)
 RECIPE_FREE = {"seed", "out", "progress", "backend", "checkpoint_every", "eval_batch_size"}
 # and between MHMLA and a baseline it is compared with
-HEAD_FIELDS = {"head", "num_heads", "key_size"}
+# (flat keys of runs before the configs were grouped, and the grouped keys of runs after)
+HEAD_FIELDS = {"head", "num_heads", "key_size",
+               "layer_attention.mode", "layer_attention.num_heads", "layer_attention.key_size"}
 PAPER_TABLE2 = (  # BERT-base, F0.5 at argmax: FCE, CoNLL14-1, CoNLL14-2, JFLEG (5 runs each)
     ("paper, BERT-base, last layer", (59.47, 33.97, 42.93, 63.45)),
     ("paper, BERT-base, AvgL", (60.20, 34.33, 42.88, 63.52)),
@@ -173,7 +175,13 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
 
 def _recipe(run: Run, ignore: set[str]) -> dict:
     config = (run.result.get("training") or {}).get("config") or {}
-    out = {k: v for k, v in config.items() if k not in ignore}
+    flat = {}
+    for k, v in config.items():  # grouped settings ("layer_attention": {...}) compared per field
+        if isinstance(v, dict) and k in ("layer_attention", "encoder_spec"):
+            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            flat[k] = v
+    out = {k: v for k, v in flat.items() if k not in ignore}
     for k in ("train", "dev"):  # the data folder differs between machines; the file must not
         if isinstance(out.get(k), str):
             out[k] = Path(out[k]).name

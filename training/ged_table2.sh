@@ -63,8 +63,8 @@ one() {  # HEAD J SEED EPOCHS: train (or resume), then ged-suite; a failure is l
   mkdir -p "$RUNS" "$RESULTS"
   echo "start  $run"
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of words
-  if mhmla-train ged --out "$run" --encoder "$ENCODER" --head "$head" --heads "$j" \
-       --epochs "$epochs" --freeze-word-embeddings --seed "$seed" \
+  if mhmla-train ged --out "$run" --encoder "$ENCODER" --mode "$head" --num-heads "$j" \
+       --epochs "$epochs" --freeze word_embeddings --seed "$seed" \
        ${THREADS:+--threads "$THREADS"} $TRAIN_ARGS >>"$run.log" 2>&1 \
      && { [ "$res" -nt "$run/best/config.json" ] \
           || mhmla-eval ged-suite --model "$run/best" --out "$res" >>"$run.log" 2>&1; }; then
