@@ -141,11 +141,12 @@ def stratified_sample(essays: Sequence[Any], n: int, seed: int) -> list[Any]:
 
 def count_windows(model_dir: Path, texts: Sequence[str]) -> tuple[list[int], list[int]]:
     """Word pieces (no special tokens) and windows of each text, by the scorer's tokenizer and
-    window (``config.json``'s ``window``; 510 when unset)."""
-    from mhmla_fast.aes.model import load_tokenizer
+    window (``ScorerConfig.window`` read from ``config.json`` by the library, whichever config
+    format it has; 510 when unset)."""
+    from mhmla_fast.aes.model import ScorerConfig, load_tokenizer
     from mhmla_fast.aes.windows import split_windows
 
-    window = json.loads((model_dir / "config.json").read_text()).get("window") or 510
+    window = ScorerConfig.from_json((model_dir / "config.json").read_text()).window or 510
     tok = load_tokenizer(str(model_dir))
     pieces = [len(ids) for ids in tok(list(texts), add_special_tokens=False, truncation=False,
                                       verbose=False)["input_ids"]]
@@ -241,6 +242,8 @@ def header(args: argparse.Namespace, model: Path, tsv: Path) -> dict[str, Any]:
 
     prov = provenance()
     cfg = json.loads((model / "config.json").read_text())
+    cfg = {**cfg, **{k: v for group in ("encoder_spec", "layer_attention")  # nested formats
+                     for k, v in (cfg.get(group) or {}).items()}}
     device: dict[str, Any] = {**cpu_info(), "load_average_start": load_average()}
     if args.device != "cpu":
         import torch
@@ -252,8 +255,9 @@ def header(args: argparse.Namespace, model: Path, tsv: Path) -> dict[str, Any]:
         "torch": prov["torch"], "transformers": prov["transformers"], "python": prov["python"],
         "commit": prov["commit"], "date": prov["date"], "command": prov["command"],
         "model": str(model),
-        "model_config": {k: cfg.get(k) for k in ("head", "num_heads", "pooling", "objective",
-                                                 "prompts", "window", "freeze_encoder")},
+        "model_config": {k: cfg.get(k) for k in ("head", "mode", "num_heads", "pooling",
+                                                 "objective", "prompts", "window", "max_length",
+                                                 "freeze_encoder", "freeze")},
         "data": str(tsv),
         "settings": {"threads": args.threads, "batch_essays": args.batch_essays,
                      "token_budget": args.token_budget, "device": args.device,
