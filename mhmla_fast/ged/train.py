@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import resolve_device
+from ..distributed import init_distributed, shard
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
 from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
@@ -214,6 +215,10 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(resolve_device())  # the serving rule: cuda when available, else cpu
+    dist_ctx = init_distributed(device.type)  # None: one process (no torchrun)
+    if dist_ctx is not None and device.type == "cuda":
+        device = torch.device("cuda", dist_ctx.local_rank)
+    main_rank = dist_ctx is None or dist_ctx.main
     torch.manual_seed(cfg.seed)
 
     train_set = read_ged(cfg.train)
@@ -231,6 +236,13 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     labels = [s.labels for s in train_set]
     lengths = [len(ids) for ids, _ in encoded]
     optimizer = _make_optimizer(model, cfg, device)
+    net = model
+    if dist_ctx is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(  # layers left out of the selection get no gradient
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=cfg.layer_attention.layers is not None)
 
     meta = load_checkpoint(out, model, optimizer)
     if meta is not None:
@@ -254,6 +266,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     steps_this_call = 0
 
     def checkpoint():
+        if not main_rank:  # rank 0 writes; every rank holds the same weights and optimizer state
+            return
         save_checkpoint(out, model, optimizer, {
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
@@ -272,22 +286,29 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
         if not (log and log[-1].get("_open")):
             log.append({"epoch": epoch + 1, "_open": True, "_loss_sum": 0.0})
         bar = tqdm(total=len(batches), initial=step_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                   disable=not cfg.progress, unit="batch", dynamic_ncols=True)
+                   disable=not (cfg.progress and main_rank), unit="batch", dynamic_ncols=True)
         while step_in_epoch < len(batches):
             idx = batches[step_in_epoch]
-            batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id,
-                            [labels[i] for i in idx])
-            with autocast:
-                logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].to(device).flatten(),
-                                   ignore_index=IGNORE)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if dist_ctx is None:
+                batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id,
+                                [labels[i] for i in idx])
+                with autocast:
+                    logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+                loss = F.cross_entropy(logits.float().flatten(0, 1),
+                                       batch["labels"].to(device).flatten(), ignore_index=IGNORE)
+                loss.backward()
+                step_loss = loss.item()
+            else:
+                # dropout masks from (seed, step, rank) alone, so a resumed run draws the same
+                torch.manual_seed(cfg.seed * 1_000_003 + global_step * 64 + dist_ctx.rank)
+                step_loss = _distributed_step(net, dist_ctx, idx, encoded, labels, lengths,
+                                              tokenizer.pad_token_id, device, autocast)
             factor = lr_factor(cfg, global_step, total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = group.setdefault("base_lr", cfg.lr) * factor
             optimizer.step()
-            loss_sum += loss.item()
+            loss_sum += step_loss
             step_in_epoch += 1
             global_step += 1
             steps_this_call += 1
@@ -303,6 +324,11 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
                 bar.close()
                 return out / "best"
         bar.close()
+        if not main_rank:  # rank 0 evaluates, logs and saves; the others wait for it
+            torch.distributed.barrier()
+            epoch += 1
+            step_in_epoch = 0
+            continue
         dev_scores, _ = evaluate(model, tokenizer, dev_set, batch_size=cfg.eval_batch_size,
                                  device=device)
         record = log[-1]
@@ -324,8 +350,13 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
         if cfg.progress:
             print(f"epoch {epoch}: loss {record['train_loss']:.4f}, dev P {dev_scores['precision']:.4f} "
                   f"R {dev_scores['recall']:.4f} F0.5 {dev_scores['f05']:.4f}", flush=True)
+        if dist_ctx is not None:
+            torch.distributed.barrier()
 
     best_dir = out / "best"
+    if not main_rank:
+        torch.distributed.barrier()  # rank 0 tunes the threshold
+        return best_dir
     final = json.loads((best_dir / "config.json").read_text())
     if final.get("threshold") is None:
         # encoder_spec.freeze is in the saved config: the re-save again leaves them out
@@ -337,4 +368,29 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
         best_model.config.threshold = float(threshold)
         best_model.config.training["dev_at_threshold"] = scores.to_dict()
         best_model.save(best_dir, tokenizer=tokenizer)
+    if dist_ctx is not None:
+        torch.distributed.barrier()
     return best_dir
+
+
+def _distributed_step(net, ctx, idx, encoded, labels, lengths, pad_id, device, autocast) -> float:
+    """Forward and backward of this rank's shard of the global batch ``idx`` under DDP; returns
+    the global batch's mean loss (for the log).
+
+    The rank's loss is its cross-entropy sum times world size over the global token count, so
+    DDP's average of the ranks' gradients is the gradient of the global mean loss (see
+    ``mhmla_fast.distributed``). A rank whose shard is empty runs one sentence with weight 0:
+    every rank must take part in the gradient all-reduce.
+    """
+    mine = shard(idx, lengths, ctx.rank, ctx.world_size)
+    weight = 1.0 if mine else 0.0
+    mine = mine or [idx[0]]
+    batch = collate([encoded[i] for i in mine], pad_id, [labels[i] for i in mine])
+    with autocast:
+        logits = net(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+    gold = batch["labels"].to(device).flatten()
+    ce = F.cross_entropy(logits.float().flatten(0, 1), gold, ignore_index=IGNORE, reduction="sum")
+    totals = torch.stack([ce.detach(), (gold != IGNORE).sum().to(ce.dtype)]) * weight
+    torch.distributed.all_reduce(totals)  # global loss sum and token count
+    (ce * weight * ctx.world_size / totals[1].clamp_min(1)).backward()
+    return (totals[0] / totals[1].clamp_min(1)).item()

@@ -1,0 +1,69 @@
+"""Data-parallel training under ``torchrun``: the process group, each rank's share of a global
+batch, and the loss normaliser that makes the ranks' gradients add up to the single-process one.
+
+    torchrun --nproc-per-node N -m mhmla_fast.commands.train ged ...
+
+With ``WORLD_SIZE`` > 1 in the environment (torchrun sets it, with ``RANK``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``), :func:`init_distributed` joins the process group: NCCL
+when the device is a GPU (each rank on ``cuda:LOCAL_RANK``), gloo on the CPU. Every rank reads
+the whole data set and builds the same length-bucketed global batches (they depend only on the
+seed and the epoch); :func:`shard` deals each global batch out by length, so every rank gets as
+many sentences (one more at most) of similar lengths, and equal work. The loss of a rank is its
+token cross-entropy *sum* divided by the global batch's token count and multiplied by the world
+size: DistributedDataParallel averages gradients over the ranks, so the result is exactly the
+gradient of the global batch's mean loss, the single-process quantity (tested with 2 gloo
+processes against one process).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["DistContext", "init_distributed", "shard", "world_size_from_env"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the group: ``rank`` of ``world_size``, ``local_rank`` on its node."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 writes checkpoints, logs and the best model, and evaluates."""
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    """``WORLD_SIZE`` as torchrun sets it (1 when absent)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device_type: str) -> DistContext | None:
+    """Join the process group when ``WORLD_SIZE`` > 1 (None otherwise: a single process).
+
+    ``device_type`` "cuda" uses NCCL and selects ``cuda:LOCAL_RANK``; anything else uses gloo.
+    """
+    if world_size_from_env() <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def shard(batch: Sequence[int], lengths: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s share of a global batch of sentence indices: the batch sorted by length
+    (then index), every ``world_size``-th sentence from position ``rank``. May be empty when
+    the batch has fewer sentences than ranks."""
+    order = sorted(batch, key=lambda i: (lengths[i], i))
+    return order[rank::world_size]
