@@ -228,6 +228,36 @@ def test_validation_and_size_limits():
         assert m[("mhmla_http_requests_total", (("path", "/v1/tag"), ("status", "422")))] == 10
 
 
+def test_wrong_content_type_415_deep_nesting_422_and_offline_docs():
+    app = create_app(StubEngine(), max_request_bytes=1_000_000)
+    with serving(app) as (url, _):
+        post = lambda path="/v1/tag", **kw: httpx.post(url + path, timeout=30, **kw)  # noqa: E731
+        body = b'{"texts": ["a b"]}'
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                      "application/json; charset=latin-1", None):
+            headers = {"content-type": ctype} if ctype else {}
+            r = post(content=body, headers=headers)
+            assert r.status_code == 415, (ctype, r.text)
+            assert "Content-Type: application/json" in r.json()["detail"]
+            assert post("/v1/score", content=body, headers=headers).status_code == 415
+        for ctype in ("application/json", "application/json; charset=UTF-8",
+                      "application/vnd.api+json", "Application/JSON"):
+            r = post(content=body, headers={"content-type": ctype})
+            assert r.status_code == 200, (ctype, r.text)
+        deep = b'{"texts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # beats the parser's stack
+        r = post(content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["type"] == "json_invalid"
+        assert "nested too deeply" in r.json()["detail"][0]["msg"]
+
+        page = httpx.get(url + "/docs", timeout=30)
+        assert page.status_code == 200
+        assert 'the OpenAPI description of this API is at <a href="/openapi.json">' in page.text
+        spec = httpx.get(url + "/openapi.json", timeout=30).json()  # self-contained, offline
+        assert "/v1/tag" in spec["paths"]
+        assert httpx.get(url + "/redoc", timeout=30).status_code == 404
+
+
 def test_a_lying_content_length_is_caught_by_counting_the_body():
     sent: list[dict] = []
 

@@ -6,7 +6,9 @@ All inputs are hand-made and written into ``tmp_path``.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from mhmla_fast.serve.records import (
+    InputFingerprint,
     InputRecord,
     OutputCorruptError,
     OutputExistsError,
@@ -42,6 +45,25 @@ def read_jsonl(path: Path | str) -> list[dict]:
 
 def errors_of(records: list[InputRecord]) -> list[tuple[int, str | None]]:
     return [(r.line, r.error) for r in records]
+
+
+HINT = " (--format text reads such lines as plain text)"  # after "invalid JSON" in format "auto"
+
+
+def ours(path: Path, data: str | bytes, records: int | None = None, src: str | None = None,
+         made_from: dict | None = None) -> None:
+    """Make ``path`` an output of ours holding ``data`` (as a crash leaves it): its sidecar
+    vouches for ``records`` input records (default: one per line of ``data``), fingerprinted
+    from ``src`` when given."""
+    data = data if isinstance(data, bytes) else data.encode("utf-8")
+    n = data.count(b"\n") + (not data.endswith(b"\n")) if records is None else records
+    fp = InputFingerprint()
+    for rec in itertools.islice(iter_input_records([src]), n) if src else ():
+        fp.update(rec)
+    path.unlink(missing_ok=True)
+    with ResumableJsonlWriter(str(path), made_from=made_from) as w:
+        w.vouch(n, fp.hexdigest())
+    path.write_bytes(data)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -91,7 +113,10 @@ def test_every_malformed_tag_line_becomes_an_error_record(tmp_path):
         b'{"text": "last", "id": "e1"}',
     ]
     src = write(tmp_path / "bad.jsonl", b"\n".join(lines) + b"\n")
-    records = list(iter_input_records([src], kind="tag"))
+    records = list(iter_input_records([src], kind="tag", format="jsonl"))
+    assert list(iter_input_records([src], kind="tag")) == [  # "auto": the same, with a hint
+        dataclasses.replace(r, error=r.error + HINT) if "invalid JSON: E" in (r.error or "") else r
+        for r in records]
     at = f"{src}: line"
     assert errors_of(records) == [
         (1, None),
@@ -254,7 +279,7 @@ def test_writer_syncs_every_n_records(tmp_path, monkeypatch):
 def test_resume_drops_a_torn_last_line(tmp_path, tail):
     out = tmp_path / "o.jsonl"
     good = "".join(json.dumps({"index": i, "id": i, "v": "é" * i}) + "\n" for i in range(1, 4)).encode()
-    write(out, good + tail)
+    ours(out, good + tail, records=4)
     with ResumableJsonlWriter(str(out), resume=True) as w:
         assert (w.done, w.last_id, w.next_index) == (3, 3, 4)
         assert out.read_bytes() == good  # truncated at once
@@ -272,16 +297,19 @@ def test_resume_of_missing_or_empty_output_starts_at_one(tmp_path):
 
 def test_resume_rejects_damaged_or_foreign_output(tmp_path):
     out = tmp_path / "o.jsonl"
-    write(out, '{"index": 1}\n{"index": 2\n{"index": 3}\n')
+    ours(out, '{"index": 1}\n{"index": 2\n{"index": 3}\n')
     with pytest.raises(OutputCorruptError, match="line 2: not a complete JSON record, and more lines follow"):
         ResumableJsonlWriter(str(out), resume=True)
-    write(out, '{"index": 1}\n{"index": 3}\n')
+    ours(out, '{"index": 1}\n{"index": 3}\n')
     with pytest.raises(OutputCorruptError, match='line 2: expected a record with "index": 2, found 3'):
         ResumableJsonlWriter(str(out), resume=True)
-    write(out, '{"index": 1}\n[2]\n{"index": 3}\n')
+    ours(out, '{"index": 1}\n[2]\n{"index": 3}\n')
     with pytest.raises(OutputCorruptError, match="line 2: .*found None"):
         ResumableJsonlWriter(str(out), resume=True)
     assert out.read_text() == '{"index": 1}\n[2]\n{"index": 3}\n'  # untouched
+    ours(out, '{"index": 1}\n{"index": 2}\n', records=1)  # more records than the sidecar covers
+    with pytest.raises(OutputCorruptError, match="holds 2 records but .*vouches for 1 input records"):
+        ResumableJsonlWriter(str(out), resume=True)
 
 
 def test_stdout_output(capsysbinary):
@@ -320,7 +348,7 @@ def make_input(tmp_path: Path, n: int = 23) -> str:
     return write(tmp_path / "in.txt", "\n".join(lines) + "\n")
 
 
-BROKEN = "invalid JSON: Expecting property name enclosed in double quotes at column 2"  # "{broken"
+BROKEN = "invalid JSON: Expecting property name enclosed in double quotes at column 2" + HINT  # "{broken"
 
 
 def expected_output(src: str, n: int = 23) -> list[dict]:
@@ -365,7 +393,7 @@ def test_run_records_resume_after_a_torn_last_line(tmp_path):
     expected = expected_output(src)
     out = tmp_path / "out.jsonl"
     head = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in expected[:9])
-    write(out, head + json.dumps(expected[9])[:17])  # records 1-9 complete, 10 torn
+    ours(out, head + json.dumps(expected[9])[:17], records=12, src=src)  # 1-9 complete, 10 torn
     seen: list[list[int]] = []
     with ResumableJsonlWriter(str(out), resume=True) as w:
         assert w.done == 9
@@ -378,15 +406,22 @@ def test_run_records_resume_after_a_torn_last_line(tmp_path):
 def test_run_records_resume_against_other_input_fails(tmp_path):
     src = make_input(tmp_path)
     out = tmp_path / "out.jsonl"
-    write(out, "".join(json.dumps(r) + "\n" for r in expected_output(src)[:7]))
-    other = write(tmp_path / "other.txt", "".join(f"line {i}\n" for i in range(1, 30)))
-    with ResumableJsonlWriter(str(out), resume=True) as w:  # record 7 had id "doc7"
-        with pytest.raises(ResumeMismatchError, match="record 7 has id 'doc7' but input record 7"):
+    written = "".join(json.dumps(r) + "\n" for r in expected_output(src)[:7])
+    ours(out, written, records=8, src=src)
+    # same ids, one other text: the old id check could not see it
+    other = write(tmp_path / "other.txt", Path(src).read_text().replace("line 8\n", "LINE 8\n"))
+    with ResumableJsonlWriter(str(out), resume=True) as w:
+        with pytest.raises(ResumeMismatchError, match="was made from other input: the first 8 "):
             run_records(iter_input_records([other]), upper_batch([]), w, batch_size=2, progress=False)
     short = write(tmp_path / "short.txt", "a\nb\n")
     with ResumableJsonlWriter(str(out), resume=True) as w:
-        with pytest.raises(ResumeMismatchError, match="already holds 7 records but the input has only 2"):
+        with pytest.raises(ResumeMismatchError, match="made from 8 input records but the input has only 2"):
             run_records(iter_input_records([short]), upper_batch([]), w, batch_size=2, progress=False)
+    assert out.read_text() == written  # refused: nothing written
+    moved = write(tmp_path / "moved.txt", Path(src).read_bytes())  # same lines, another name
+    with ResumableJsonlWriter(str(out), resume=True) as w:
+        run_records(iter_input_records([moved]), upper_batch([]), w, batch_size=2, progress=False)
+    assert [r["index"] for r in read_jsonl(out)] == list(range(1, 24))
 
 
 def test_run_records_bounds_the_records_waiting_behind_a_batch(tmp_path):

@@ -17,7 +17,13 @@
     overwritten without it). ``--pretty`` prints a readable view to standard output instead:
     ``<index> [id] <text>`` with the flagged errors in red when standard output is a terminal
     (``NO_COLOR`` turns colour off) and in ``[[...]]`` otherwise. A progress bar with records/s
-    goes to standard error (not with ``--no-progress``, nor with ``--pretty`` on a terminal).
+    goes to standard error (not with ``--no-progress``, nor with ``--pretty`` on a terminal),
+    with the word pieces encoded so far (they move within one long record). ``--format
+    auto|text|jsonl`` and ``--encoding`` say how lines are read; ``--max-chars N`` skips longer
+    records, or with ``--over-long cap`` tags their first N characters (``"capped_from"``).
+    ``FILE.meta.json`` records what ``--output FILE`` was made from (model fingerprint,
+    options, input fingerprint; :mod:`mhmla_fast.serve.records`): ``--resume`` refuses other
+    input, model or options, a file without it (never truncated), and a second writer.
 
 ``score``
     Essay scores with an :class:`~mhmla_fast.aes.model.EssayScorer` (``--model DIR``, by default
@@ -120,17 +126,18 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-def check_options(args: argparse.Namespace, *, scorer: bool = False) -> None:
+def check_options(args: argparse.Namespace, *, scorer: bool = False):
     """``--backend``/``--device``/``--dtype``/``--kernels`` checked by the one serving rule
     (:func:`mhmla_fast.serve.options.resolve_options`; for ``score`` through
     :func:`mhmla_fast.serve.score.scorer_options`) before anything is loaded; an option the
-    backend cannot honour is a UsageError naming it."""
+    backend cannot honour is a UsageError naming it. Returns the resolved
+    :class:`~mhmla_fast.serve.options.ServeOptions`."""
     from ..serve.options import resolve_options
     from ..serve.score import scorer_options
 
     check = scorer_options if scorer else resolve_options
     try:
-        check(args.backend, args.device, args.dtype, args.kernels)
+        return check(args.backend, args.device, args.dtype, args.kernels)
     except ValueError as err:
         raise UsageError(f"--{err}") from err
 
@@ -229,30 +236,53 @@ def _add_compute_options(g) -> None:
                    "the runtime's choice; fewer on a shared machine)")
 
 
-def _add_file_options(p: argparse.ArgumentParser) -> None:
-    """Input files, ``--output`` and ``--resume`` of ``tag`` and ``score``."""
+def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> None:
+    """Input files, ``--format``, ``--encoding``, ``--output``, ``--resume`` and ``--max-chars``
+    of ``tag`` and ``score``."""
     p.add_argument("inputs", nargs="*", metavar="FILE", help="input files; - or none: stdin")
+    p.add_argument("--format", default="auto", choices=formats,
+                   help="what an input line is: auto (default: a line starting with { is a JSON "
+                   "object, any other line plain text)" + (", text (every line is plain text)"
+                                                           if "text" in formats else "")
+                   + ", jsonl (every line must be a JSON object)")
+    p.add_argument("--encoding", default="utf-8",
+                   help="input encoding (default utf-8; any ASCII-compatible codec, e.g. "
+                   "latin-1, cp1252, shift_jis)")
     p.add_argument("-o", "--output", metavar="FILE", default=None,
-                   help="JSONL output (default: standard output)")
+                   help="JSONL output (default: standard output); FILE.meta.json records what "
+                   "it was made from")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted --output instead of refusing to touch it")
+                   help="continue an interrupted --output made from the same input, model and "
+                   "options (anything else is refused) instead of refusing to touch it")
+    p.add_argument("--max-chars", type=_positive, default=None, metavar="N",
+                   help="records longer than N characters are skipped (an error record) or, with "
+                   "--over-long cap, cut to their first N characters (default: no limit)")
+    p.add_argument("--over-long", default="skip", choices=("skip", "cap"),
+                   help="with --max-chars: skip over-long records (default) or cap them")
 
 
 # -------------------------------------------------------------------------------------- tag
 
 
-def tag_records(engine: Any, records: Sequence[Any]) -> list[dict]:
+def tag_records(engine: Any, records: Sequence[Any], report: Any = None) -> list[dict]:
     """Result dicts (``TagResult.to_dict()``) of valid input records, in order: the raw texts in
-    one ``engine.tag_texts`` call, the token lists in one ``engine.tag_tokens`` call."""
+    one ``engine.tag_texts`` call, the token lists in one ``engine.tag_tokens`` call (``report``:
+    called with the word pieces of each forward pass, for the progress bar). A record cut by
+    ``--max-chars``/``--over-long cap`` gets ``"capped_from"``: its original length."""
     out: list[Any] = [None] * len(records)
     texts = [k for k, r in enumerate(records) if r.text is not None]
     tokens = [k for k, r in enumerate(records) if r.text is None]
+    kw = {"on_pieces": report} if report is not None else {}
     if texts:
-        for k, res in zip(texts, engine.tag_texts([records[k].text for k in texts])):
+        for k, res in zip(texts, engine.tag_texts([records[k].text for k in texts], **kw)):
             out[k] = res.to_dict()
     if tokens:
-        for k, res in zip(tokens, engine.tag_tokens([list(records[k].tokens) for k in tokens])):
+        for k, res in zip(tokens, engine.tag_tokens([list(records[k].tokens) for k in tokens],
+                                                    **kw)):
             out[k] = res.to_dict()
+    for rec, res in zip(records, out):
+        if rec.capped_from is not None:
+            res["capped_from"] = rec.capped_from
     return out
 
 
@@ -338,19 +368,28 @@ def _stdout_is_tty() -> bool:
         return False
 
 
-def run_tag(args: argparse.Namespace) -> int:
-    from ..serve.records import iter_input_records
+def read_inputs(args: argparse.Namespace, inputs: Sequence[str], kind: str):
+    """The input records of ``tag``/``score`` (:func:`~mhmla_fast.serve.records.iter_input_records`
+    with ``--format`` and ``--encoding``, then ``--max-chars``/``--over-long``); bad arguments and
+    missing files become UsageError."""
+    from ..serve.records import iter_input_records, limit_length
 
+    try:
+        records = iter_input_records(inputs, kind, format=args.format, encoding=args.encoding)
+    except (OSError, ValueError) as err:
+        raise UsageError(str(err).replace("format: ", "--format: ", 1)
+                         .replace("encoding: ", "--encoding: ", 1)) from err
+    return limit_length(records, args.max_chars, args.over_long)
+
+
+def run_tag(args: argparse.Namespace) -> int:
     if args.pretty and (args.output or args.resume):
         raise UsageError("--pretty prints to standard output; it cannot be combined with "
                          "--output/--resume")
     if args.resume and not args.output:
         raise UsageError("--resume needs --output FILE")
     inputs = args.inputs or ["-"]
-    try:
-        records = iter_input_records(inputs, "tag")
-    except (OSError, ValueError) as err:
-        raise UsageError(str(err)) from err
+    records = read_inputs(args, inputs, "tag")
     path, engine = load_engine(args)  # before the output is opened: a bad model leaves no file
     progress = not args.no_progress and not (args.pretty and _stdout_is_tty())
     total = _count_lines(inputs) if progress else None
@@ -358,36 +397,56 @@ def run_tag(args: argparse.Namespace) -> int:
         colour = _stdout_is_tty() and not os.environ.get("NO_COLOR")
         writer: Any = PrettyWriter(sys.stdout, colour)
 
-        def process(batch):
-            results = tag_records(engine, batch)
+        def process(batch, report=None):
+            results = tag_records(engine, batch, report)
             for rec, res in zip(batch, results):
                 res["_text"] = rec.text
             return results
     else:
-        writer = open_output(args.output, args.resume)
+        dtype = check_options(args).dtype
+        writer = open_output(args.output, args.resume, lambda: made_from(
+            "tag", path, args, dtype=dtype, threshold=float(engine.threshold)))
 
-        def process(batch):
-            return tag_records(engine, batch)
+        def process(batch, report=None):
+            return tag_records(engine, batch, report)
 
     return drive_records(records, process, writer, args.batch_size, output=args.output,
                          progress=progress, total=total, desc=f"tagging ({path.name})",
-                         verb="tagging")
+                         verb="tagging", count_pieces=progress)
 
 
-def open_output(output: str | None, resume: bool):
+def open_output(output: str | None, resume: bool, made_from: Any = None):
     """The :class:`~mhmla_fast.serve.records.ResumableJsonlWriter` of ``--output`` (None or
-    ``-``: standard output); refusals (existing output, bad resume) become UsageError."""
+    ``-``: standard output); ``made_from`` (a dict, or a function making it, called only for a
+    file) goes to its sidecar. Refusals (existing output, other input or settings on resume, a
+    file that is not ours, another writer holding the lock) become UsageError."""
     from ..serve.records import ResumableJsonlWriter
 
+    if callable(made_from):
+        made_from = made_from() if output not in (None, "-") else None
     try:
-        return ResumableJsonlWriter(output or "-", resume=resume)
+        return ResumableJsonlWriter(output or "-", resume=resume, made_from=made_from)
     except (OSError, ValueError) as err:
         raise UsageError(str(err)) from err
 
 
+def made_from(command: str, model: Path, args: argparse.Namespace, **settings: Any) -> dict:
+    """What an output of ``command`` is made from, for its sidecar: the model directory's
+    fingerprint and every option that changes records (``--format``, ``--encoding``,
+    ``--max-chars``, ``--over-long``, ``--backend`` and ``settings``, e.g. the resolved dtype and
+    threshold). Batch sizes, token budgets, threads, device and kernels are left out: they change
+    probabilities only within float rounding (a resumed run may use other ones)."""
+    from ..serve.records import check_encoding, directory_fingerprint
+
+    return {"command": command, "model_sha256": directory_fingerprint(model),
+            "backend": args.backend, "format": args.format,
+            "encoding": check_encoding(args.encoding), "max_chars": args.max_chars,
+            "over_long": args.over_long if args.max_chars else None, **settings}
+
+
 def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
                   output: str | None, progress: bool, total: int | None, desc: str,
-                  verb: str, unit: str = "rec") -> int:
+                  verb: str, unit: str = "rec", count_pieces: bool = False) -> int:
     """Run :func:`~mhmla_fast.serve.records.run_records` and turn its outcome into the exit
     status of ``tag``/``score`` (``verb`` is "tagging" or "scoring" in the messages): 0, 1 when
     some input lines were malformed, 3 when it stopped on an error, 130 interrupted, 141 broken
@@ -398,7 +457,7 @@ def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
     resume_hint = f"; rerun with --resume to continue {output}" if to_file else ""
     try:
         summary = run_records(records, process, writer, batch_size, progress=progress,
-                              total=total, desc=desc, unit=unit)
+                              total=total, desc=desc, unit=unit, count_pieces=count_pieces)
         writer.close()
     except ResumeMismatchError as err:
         _close_quietly(writer)
@@ -431,7 +490,6 @@ def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
 def run_score(args: argparse.Namespace) -> int:
     """``mhmla-serve score``: essays (JSONL) -> ``{"index", "id", "prompt", "score"}`` records
     (or error records) in input order; returns the exit status (see :func:`drive_records`)."""
-    from ..serve.records import iter_input_records
     from ..serve.score import check_prompts, score_records
 
     if args.resume and not args.output:
@@ -439,14 +497,12 @@ def run_score(args: argparse.Namespace) -> int:
     if args.input and args.inputs:
         raise UsageError("give the input files either as arguments or with --input, not both")
     inputs = args.inputs or ([args.input] if args.input else ["-"])
-    try:
-        records = iter_input_records(inputs, "score")
-    except (OSError, ValueError) as err:
-        raise UsageError(str(err)) from err
-    check_options(args, scorer=True)
+    records = read_inputs(args, inputs, "score")
+    opts = check_options(args, scorer=True)
     path = resolve_scorer_dir(args.model)
     scorer = load_scorer_dir(path, args, dtype=args.dtype)  # before the output is opened
-    writer = open_output(args.output, args.resume)
+    writer = open_output(args.output, args.resume, lambda: made_from(
+        "score", path, args, dtype=opts.dtype))
     progress = not args.no_progress
     total = _count_lines(inputs) if progress else None
 
@@ -564,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tag", help="tag plain-text or JSONL files into JSONL",
                        description="Tag one text per line (plain text, or JSON objects with "
                        "\"text\" or \"tokens\" and an optional \"id\") into JSONL in input order.")
-    _add_file_options(p)
+    _add_file_options(p, formats=("auto", "text", "jsonl"))
     p.add_argument("--pretty", action="store_true",
                    help="print a readable view to standard output instead of JSONL")
     p.add_argument("--batch-size", type=_positive, default=512,
@@ -577,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Score one essay per line (JSON objects with \"text\", "
                        "\"prompt\" 1-8 and an optional \"id\") into JSONL records "
                        "{\"index\", \"id\", \"prompt\", \"score\"} in input order.")
-    _add_file_options(p)
+    _add_file_options(p, formats=("auto", "jsonl"))
     p.add_argument("-i", "--input", metavar="FILE", default=None,
                    help="the input file (the same as one FILE argument; - is stdin)")
     p.add_argument("--batch-essays", type=_positive, default=64,

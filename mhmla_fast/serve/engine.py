@@ -3,9 +3,17 @@
 Throughput by construction:
 
 * every input is word-pieced once, in one batched tokenizer call;
-* inputs longer than the encoder's limit are cut into overlapping windows (half a window
-  of overlap) and never truncated: each word takes its probability from the window in
-  which its first piece sits farthest from a window edge;
+* inputs longer than the encoder's limit are cut into overlapping windows and never
+  truncated: windows of ``long_window`` pieces (254 by default, at most the encoder's limit)
+  overlapping by a quarter window, so a long text costs about 1.33x its pieces (not 2x, as
+  half-window overlap did) and every window is short enough for attention's quadratic cost
+  to stay small; each word takes its probability from the window in which its first piece
+  sits farthest from a window edge (so at least an eighth of a window of context on each
+  side). Texts that fit the encoder are one window, as before;
+* a long input is word-pieced in chunks of words and kept as int32 arrays, and its windows are
+  packed like any others, so memory grows with the batch, plus a few bytes per piece of the
+  text (not with a Python object per piece); ``on_pieces`` reports progress as windows are
+  encoded;
 * windows are sorted by length and packed into batches of at most ``token_budget``
   padded pieces (and ``max_batch`` rows), so padding is minimal (``packing.py``, the packer
   that scoring uses too);
@@ -21,13 +29,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..packing import pack_by_token_budget
-from .tokenize import word_tokenize
+from .tokenize import Token, word_tokenize
 
 __all__ = ["TagResult", "Engine", "plan_windows", "load_tokenizer", "read_tagger_config",
            "default_tagger_path"]
@@ -57,12 +66,17 @@ class TagResult:
         return d
 
 
-def plan_windows(n_pieces: int, window: int) -> list[tuple[int, int]]:
-    """[start, end) spans of at most ``window`` pieces covering [0, n) with half-window
-    overlap; the last window ends at n (full length where n >= window)."""
+def plan_windows(n_pieces: int, window: int, overlap: int | None = None
+                 ) -> list[tuple[int, int]]:
+    """[start, end) spans of at most ``window`` pieces covering [0, n), consecutive windows
+    overlapping by ``overlap`` pieces (default: half a window); the last window ends at n
+    (full length where n >= window)."""
     if n_pieces <= window:
         return [(0, n_pieces)]
-    stride = max(1, window // 2)
+    overlap = window // 2 if overlap is None else overlap
+    if not 0 <= overlap < window:
+        raise ValueError(f"overlap: expected 0 <= overlap < window ({window}), got {overlap}")
+    stride = max(1, window - overlap)
     spans = []
     start = 0
     while True:
@@ -107,6 +121,36 @@ def load_tokenizer(path: str | os.PathLike):
     return load_encoder_tokenizer(path)
 
 
+def _is_separator(ch: str) -> bool:
+    """A separator of ``tokenize`` rule 1: it ends a token and belongs to none."""
+    return ch.isspace() or ch == "\u200b"
+
+
+def word_tokenize_chunked(text: str, chunk: int = 1 << 16) -> list[Token]:
+    """``word_tokenize(text)``, computed on pieces of about ``chunk`` characters cut at
+    separators (where no token can span the cut, so the tokens are the same), which bounds the
+    tokenizer's working memory on a long text. A piece without a separator grows to the next
+    one."""
+    if len(text) <= chunk:
+        return word_tokenize(text)
+    out: list[Token] = []
+    a, n = 0, len(text)
+    while a < n:
+        b = min(a + chunk, n)
+        if b < n:
+            c = b
+            while c > a and not _is_separator(text[c]):
+                c -= 1
+            if c == a:
+                c = b
+                while c < n and not _is_separator(text[c]):
+                    c += 1
+            b = c
+        out.extend(Token(t.text, t.start + a, t.end + a) for t in word_tokenize(text[a:b]))
+        a = b
+    return out
+
+
 class Engine:
     """Tag texts with a GED tagger through a runner.
 
@@ -121,13 +165,23 @@ class Engine:
         max_padding: a batch of 8 rows or more is closed before its padded pieces exceed
             ``1 + max_padding`` times its real ones (None: only the budget and max_batch
             cut; see ``packing.pack_by_token_budget``).
+        long_window: pieces per window of an input longer than ``max_pieces - 2`` (capped at
+            ``max_pieces - 2``); consecutive windows overlap by a quarter of it.
     """
+
+    ENCODE_CHUNK = 2048  # words per tokenizer call for a long input
 
     def __init__(self, runner, tokenizer, *, max_pieces: int = 512, threshold: float = 0.5,
                  token_budget: int = 8192, max_batch: int = 256,
-                 max_padding: float | None = 0.2):
+                 max_padding: float | None = 0.2, long_window: int = 254):
         if max_pieces < 4:
             raise ValueError(f"max_pieces: expected at least 4, got {max_pieces}")
+        if long_window < 4:
+            raise ValueError(f"long_window: expected at least 4, got {long_window}")
+        self.long_window = min(int(long_window), max_pieces - 2)
+        # the engine windows long inputs itself: transformers' "Token indices sequence length is
+        # longer than the specified maximum ... will result in indexing errors" is false here
+        tokenizer.model_max_length = int(1e30)
         self.runner, self.tokenizer = runner, tokenizer
         self.max_pieces, self.threshold = max_pieces, float(threshold)
         self.token_budget, self.max_batch = int(token_budget), int(max_batch)
@@ -167,8 +221,26 @@ class Engine:
 
     # ------------------------------------------------------------------ encoding
 
-    def _encode(self, sentences: Sequence[Sequence[str]]) -> list[tuple[list[int], np.ndarray]]:
-        """Per sentence: piece ids (no special tokens) and the word each piece starts (-1)."""
+    def _encode(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per sentence: piece ids (no special tokens) and the word each piece starts (-1), as
+        int32/int64 arrays; sentences of more than ``ENCODE_CHUNK`` words are word-pieced in
+        chunks of words (the same pieces: words are pieced one by one)."""
+        out: list[Any] = [None] * len(sentences)
+        short = [k for k, s in enumerate(sentences) if len(s) <= self.ENCODE_CHUNK]
+        for k, enc in zip(short, self._encode_batch([sentences[k] for k in short])):
+            out[k] = enc
+        for k, words in enumerate(sentences):
+            if out[k] is not None:
+                continue
+            ids, first = [], []
+            for a in range(0, len(words), self.ENCODE_CHUNK):
+                (i, f), = self._encode_batch([words[a:a + self.ENCODE_CHUNK]])
+                ids.append(i)
+                first.append(np.where(f >= 0, f + a, -1))
+            out[k] = (np.concatenate(ids), np.concatenate(first))
+        return out
+
+    def _encode_batch(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
         if not sentences:
             return []
         tok = self.tokenizer
@@ -186,20 +258,24 @@ class Engine:
                 if w is not None and w != prev:
                     first[q] = w
                 prev = w
-            out.append((list(ids), first))
+            out.append((np.asarray(ids, dtype=np.int32), first))
         return out
 
     # ------------------------------------------------------------------- tagging
 
-    def word_probs(self, sentences: Sequence[Sequence[str]]) -> list[np.ndarray]:
-        """Error probability of every word of every sentence, in input order."""
+    def word_probs(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[np.ndarray]:
+        """Error probability of every word of every sentence, in input order (``on_pieces(n)``:
+        called after each forward pass with its ``n`` real word pieces)."""
         encoded = self._encode(sentences)
         window = self.max_pieces - 2
         rows = []  # (sentence, start, end)
         for s, (ids, _) in enumerate(encoded):
-            if not ids:
+            if not len(ids):
                 continue
-            for start, end in plan_windows(len(ids), window):
+            if len(ids) <= window:
+                rows.append((s, 0, len(ids)))
+                continue
+            for start, end in plan_windows(len(ids), self.long_window, self.long_window // 4):
                 rows.append((s, start, end))
         probs = [np.zeros(len(words), dtype=np.float32) for words in sentences]
         margin = [np.full(len(words), -1, dtype=np.int64) for words in sentences]
@@ -211,10 +287,13 @@ class Engine:
             input_ids = np.full((len(batch), T), self.pad_id, dtype=np.int64)
             mask = np.zeros((len(batch), T), dtype=np.int64)
             for r, (s, start, end) in enumerate(batch):
-                ids = encoded[s][0][start:end]
-                input_ids[r, : len(ids) + 2] = [self.cls_id, *ids, self.sep_id]
-                mask[r, : len(ids) + 2] = 1
+                n = end - start
+                input_ids[r, 0], input_ids[r, n + 1] = self.cls_id, self.sep_id
+                input_ids[r, 1 : n + 1] = encoded[s][0][start:end]
+                mask[r, : n + 2] = 1
             out = np.asarray(self.runner(input_ids, mask), dtype=np.float32)
+            if on_pieces is not None:
+                on_pieces(int(mask.sum()) - 2 * len(batch))
             for r, (s, start, end) in enumerate(batch):
                 first = encoded[s][1][start:end]
                 pos = np.nonzero(first >= 0)[0]  # window positions of first pieces
@@ -243,19 +322,20 @@ class Engine:
                 k += 1
         return TagResult(list(tokens), labels, [float(p) for p in probs], offsets, spans)
 
-    def tag_tokens(self, sentences: Sequence[Sequence[str]]) -> list[TagResult]:
-        """Tag pre-tokenised sentences (lists of words)."""
+    def tag_tokens(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[TagResult]:
+        """Tag pre-tokenised sentences (lists of words); ``on_pieces``: see :meth:`word_probs`."""
         for i, s in enumerate(sentences):
             if isinstance(s, str) or not all(isinstance(w, str) and w for w in s):
                 raise ValueError(f"sentences[{i}]: expected a list of non-empty strings")
-        probs = self.word_probs(sentences)
+        probs = self.word_probs(sentences, on_pieces)
         return [self._result(s, p) for s, p in zip(sentences, probs)]
 
-    def tag_texts(self, texts: Iterable[str]) -> list[TagResult]:
-        """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them."""
+    def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
+        """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
+        ``on_pieces``: see :meth:`word_probs`."""
         texts = list(texts)
-        toks = [word_tokenize(t) for t in texts]
-        probs = self.word_probs([[t.text for t in ts] for ts in toks])
+        toks = [word_tokenize_chunked(t) for t in texts]
+        probs = self.word_probs([[t.text for t in ts] for ts in toks], on_pieces)
         return [
             self._result([t.text for t in ts], p, [(t.start, t.end) for t in ts], text)
             for text, ts, p in zip(texts, toks, probs)

@@ -11,8 +11,10 @@ Endpoints (:func:`create_app`)
     ``labels`` ("c"/"i"), ``probs`` (6 decimals), ``spans``, and ``offsets`` ([start, end)
     code-point offsets) for raw texts. An empty list gives ``{"results": []}``.
 
-    Statuses: 200; 422 malformed JSON or a body that breaks the schema (strings holding lone
-    surrogates included; the error list does not echo the input back); 413 a body larger than
+    Statuses: 200; 415 a ``Content-Type`` other than ``application/json`` (or ``*/*+json``;
+    a ``charset`` other than UTF-8 too; a missing one too); 422 malformed JSON, JSON nested too
+    deeply to parse (``"type": "json_invalid"``), or a body that breaks the schema (strings holding
+    lone surrogates included; the error list does not echo the input back); 413 a body larger than
     ``max_request_bytes`` (by ``Content-Length`` and by the bytes actually received, so a chunked
     or lying client is caught) or more than ``max_texts_per_request`` texts/sentences; 503 with
     ``Retry-After`` when the queue is full or the server is shutting down; 500 when the engine
@@ -24,7 +26,8 @@ Endpoints (:func:`create_app`)
     the prompt's scale (``mhmla_fast.aes.data.SCORE_RANGES``) and ``id`` the essay's own, else its
     1-based position in the request. An empty list gives ``{"results": []}``.
 
-    Statuses: 200; 422 a body that breaks the schema (``"text"`` missing, not a string or blank;
+    Statuses: 200; 415 and 422 for the body as for ``/v1/tag``; 422 a body that breaks the
+    schema (``"text"`` missing, not a string or blank;
     ``"prompt"`` not an integer 1..8 (no strings, floats or booleans); ``"id"`` not a string or
     integer; unknown fields), or a prompt the scorer has no output layer for (``loc`` points at
     the essay's ``prompt``); 413 a body over ``max_request_bytes`` or more than
@@ -46,7 +49,10 @@ Endpoints (:func:`create_app`)
     ``mhmla_score_request_seconds`` (``/v1/score`` latency), ``mhmla_essays_scored_total``,
     ``mhmla_score_batch_essays``, ``mhmla_score_batch_requests`` and ``mhmla_score_batch_seconds``.
 
-``GET /docs``, ``GET /openapi.json``: the OpenAPI description, from the pydantic models.
+``GET /openapi.json``: the OpenAPI description, from the pydantic models; it needs nothing else.
+``GET /docs``: Swagger UI on it. Swagger UI's script and style come from cdn.jsdelivr.net (this
+server sends no other assets), so the page says, above the viewer, that offline the description
+is at ``/openapi.json``. (No ``/redoc``: one CDN page is enough.)
 
 Micro-batching (:class:`MicroBatcher`)
 --------------------------------------
@@ -88,7 +94,9 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
 )
@@ -114,6 +122,8 @@ TAG_PATH = "/v1/tag"
 SCORE_PATH = "/v1/score"
 RETRY_AFTER_S = 1
 KINDS = ("texts", "sentences", "essays")  # input kinds; "essays" are scored, the others tagged
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for what json.loads
+# raised other than a JSONDecodeError (RecursionError for deep nesting): answered 422 here
 NO_SCORER = ("essay scoring is not enabled on this server (it was started without an essay "
              "scorer: `mhmla-serve http --scorer DIR`)")
 
@@ -551,6 +561,37 @@ async def _send_json(send: Send, status: int, body: dict,
     await send({"type": "http.response.body", "body": data})
 
 
+def _is_json(content_type: bytes) -> bool:
+    """``application/json`` or ``*/*+json``, with no charset or a UTF-8 one."""
+    mime, _, params = content_type.decode("latin-1").partition(";")
+    mime = mime.strip().lower()
+    if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
+        return False
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
+    return True
+
+
+class RequireJson:
+    """ASGI middleware: a POST to one of ``paths`` must say ``Content-Type: application/json``
+    (see :func:`_is_json`), else 415 before its body is read."""
+
+    def __init__(self, app: ASGIApp, paths: Sequence[str]) -> None:
+        self.app, self.paths = app, frozenset(paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            ctype = next((v for k, v in scope.get("headers", ()) if k == b"content-type"), b"")
+            if not _is_json(ctype):
+                got = repr(ctype.decode("latin-1")) if ctype else "none"
+                await _send_json(send, 415, {"detail": "the body must be JSON sent with "
+                                             f"Content-Type: application/json (got {got})"})
+                return
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: refuse HTTP request bodies over ``limit`` bytes with 413, first by the
     ``Content-Length`` header, then by counting what actually arrives (chunked or lying clients).
@@ -822,7 +863,8 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
             "Grammatical error detection: per-token error labels and probabilities for texts "
             "or pre-tokenised sentences. Automated essay scoring: an integer score per essay "
             "on its ASAP prompt's scale.")
-    app = FastAPI(title=title, description=description, lifespan=lifespan)
+    app = FastAPI(title=title, description=description, lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
     app.state.batcher = batcher
     app.state.registry = metrics.registry
 
@@ -830,6 +872,26 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in exc.errors()]
         return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400 and exc.detail == _FASTAPI_PARSE_ERROR:  # e.g. RecursionError
+            return JSONResponse({"detail": [{"loc": ["body"], "type": "json_invalid",
+                                             "msg": "invalid JSON: nested too deeply or not "
+                                                    "decodable"}]}, status_code=422)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        """Swagger UI, with where to find the OpenAPI description when its CDN is out of reach."""
+        openapi = request.scope.get("root_path", "") + app.openapi_url
+        page = get_swagger_ui_html(openapi_url=openapi, title=f"{title} - Swagger UI")
+        note = (f'<p style="font-family:sans-serif;margin:1em">Swagger UI below is loaded from '
+                f'cdn.jsdelivr.net. Offline (or if nothing appears below), the OpenAPI '
+                f'description of this API is at <a href="{openapi}">{openapi}</a>.</p>')
+        html = page.body.decode("utf-8").replace("<body>", "<body>\n" + note, 1)
+        return HTMLResponse(html)
 
     @app.post(TAG_PATH, response_model=TagResponse, responses={
         413: {"model": ErrorResponse, "description": "body or text count over the limit"},
@@ -867,6 +929,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(RequireJson, paths=(TAG_PATH, SCORE_PATH))
     app.add_middleware(Instrument, requests=metrics.requests,
                        latency={TAG_PATH: metrics.latency, SCORE_PATH: metrics.score_latency},
                        paths=(TAG_PATH, SCORE_PATH, "/healthz", "/metrics"))

@@ -7,21 +7,31 @@ Every line of every input (files in the order given, ``"-"`` = standard input) i
 :class:`InputRecord`, numbered by a global 1-based ``index`` in input order; ``source`` is the path
 (``"<stdin>"`` for standard input) and ``line`` the 1-based line number in it. Lines are split on
 ``\\n`` only (a ``\\r`` before it is dropped, a missing final newline is fine, U+2028 and friends do
-not split), each line is decoded as strict UTF-8 on its own, and a UTF-8 BOM at the start of an
-input is skipped.
+not split), each line is decoded on its own, strictly, as ``encoding`` (UTF-8 by default; any
+codec in which ``\\n`` is the byte 0x0A and ASCII is ASCII: Latin-1, cp1252, Shift_JIS, GB18030,
+...; UTF-16/32 are refused), and a UTF-8 BOM at the start of an input is skipped.
 
-* A line whose first non-whitespace character is ``{`` is a JSON object. For ``kind="tag"`` it has
+``format`` says what a line is:
+
+* ``"auto"`` (default): a line whose first non-whitespace character is ``{`` is a JSON object,
+  any other line is plain text (so ``[1, 2]`` or ``"x"`` is plain text here);
+* ``"jsonl"``: every line is a JSON value that must be an object (``[1,2,3]`` or ``"string"`` is
+  an error record: "JSON value must be an object, got array");
+* ``"text"``: every line is plain text, even one that starts with ``{`` (``kind="tag"`` only).
+
+* A JSON object line: for ``kind="tag"`` it has
   ``"text"`` (string) **or** ``"tokens"`` (non-empty list of non-blank strings, used as they are),
   for ``kind="score"`` both ``"text"`` (string) and ``"prompt"`` (integer 1..8). ``"id"`` (string or
   integer) is optional everywhere; other fields are ignored.
-* Any other line is plain text, one text per line, taken exactly as it is (no stripping); it is
-  accepted for ``kind="tag"`` only.
+* A plain-text line is one text, taken exactly as it is (no stripping); it is accepted for
+  ``kind="tag"`` only.
 * The default ``id`` is the record's global ``index``.
 
 A malformed line never raises: it becomes a record with ``error`` set to
 ``"<source>: line <n>: <reason>"`` and ``text``/``tokens``/``prompt`` left ``None`` (its ``id`` is the
-JSON ``"id"`` when that one is valid, else the index). Reasons: invalid UTF-8, empty (blank) line,
-invalid JSON, a missing field, a field of the wrong type, an empty/blank ``"text"``, ``"text"`` and
+JSON ``"id"`` when that one is valid, else the index). Reasons: invalid UTF-8 (or invalid bytes of
+``encoding``), empty (blank) line, invalid JSON (in ``"auto"`` the message says ``--format text``
+reads the line as plain text), a JSON value that is not an object (``"jsonl"``), a missing field, a field of the wrong type, an empty/blank ``"text"``, ``"text"`` and
 ``"tokens"`` both given, ``"tokens"`` empty or holding a non-string or blank string, ``"prompt"``
 outside 1..8, a string with a lone surrogate (from a ``\\udXXX`` JSON escape), and for ``score`` a
 plain-text line. A missing input file raises before anything is read.
@@ -36,55 +46,95 @@ through a buffer that is flushed and ``os.fsync``-ed at least every ``sync_every
 moment (``kill -9``, power loss after the last sync) therefore leaves complete lines ``1..k`` plus at
 most one torn last line.
 
+What an output was made from lives next to it, in the sidecar ``<output>.meta.json`` (the JSONL
+itself stays one result per line, so every JSONL reader keeps working)::
+
+    {"format": "mhmla-serve-output/1", "made_from": {...}, "input": {"records": m, "sha256": h}}
+
+``made_from`` is the caller's description of everything that changes the records (the command,
+a fingerprint of the model directory, threshold, options); ``input`` vouches for the first ``m``
+input records: ``h`` is the :class:`InputFingerprint` of their content (ids, texts, tokens,
+prompts, error reasons; not the file names). The sidecar is replaced atomically (written to
+``.tmp``, fsync-ed, renamed, directory fsync-ed) *before* any line past the ``m`` it vouches for is
+written, so the output never holds a record its sidecar does not cover.
+
+* The writer holds an exclusive ``fcntl.flock`` on the output file while it is open: a second
+  writer (two ``--resume`` runs at once) gets :class:`OutputLockedError` and touches nothing.
 * ``resume=False``: an existing non-empty output raises :class:`OutputExistsError`
   (``"<path> exists; pass --resume to continue or remove it"``); nothing is overwritten.
-* ``resume=True``: an existing output is read; a last line that has no final newline or is not valid
-  JSON is dropped (the file is truncated after the last complete line and synced); every remaining
-  line must be a JSON object with ``"index"`` equal to its line number, else
-  :class:`OutputCorruptError`. ``done`` is then the number of complete records ``k`` (0 for a
-  missing or empty file) and writing continues with index ``k + 1``.
-* ``path="-"`` writes to standard output (flushed, not synced) and cannot resume.
+* ``resume=True`` on a non-empty output: the sidecar must exist and be ours, else
+  :class:`OutputCorruptError` and the file is left untouched (a file we did not write, or an
+  output of an older version, is never truncated); a ``made_from`` that differs from the
+  caller's raises :class:`ResumeMismatchError` naming each difference, again untouched. Then the
+  output is read; a last line that has no final newline or is not valid JSON is dropped (the file
+  is truncated after the last complete line and synced); every remaining line must be a JSON
+  object with ``"index"`` equal to its line number, else :class:`OutputCorruptError`. ``done`` is
+  then the number of complete records ``k`` and writing continues with index ``k + 1``. A missing
+  or empty output starts at 1 (a stale sidecar is replaced).
+* ``path="-"`` writes to standard output (flushed, not synced), has no sidecar and cannot resume.
 
 Driver (:func:`run_records`)
 ----------------------------
 
-Reads the records lazily, skips the first ``writer.done`` of them (checking that the last skipped
-record's ``id`` equals the ``"id"`` of the last line in the output, so a resume against different
-input fails loudly), hands the valid records in batches of ``batch_size`` to ``process_batch`` and
-writes ``{"index", "id", **result}`` for them and ``{"index", "id", "error"}`` for malformed records,
-strictly in input order. A batch is also processed early when ``8 * batch_size`` records (mostly
-errors) wait behind its first record, which bounds memory. A tqdm bar with records/s (essays/s for
-``score``) goes to stderr.
+Reads the records lazily and fingerprints each one. On resume it first reads the ``m`` input
+records the sidecar vouches for and compares their fingerprint with the sidecar's (fewer records,
+or another fingerprint: :class:`ResumeMismatchError`, nothing written), then carries on after
+record ``writer.done``. It hands the valid records in batches of ``batch_size`` to
+``process_batch`` and writes ``{"index", "id", **result}`` for them and ``{"index", "id",
+"error"}`` for malformed records, strictly in input order. A batch is also processed early when
+``8 * batch_size`` records (mostly errors) wait, which bounds memory. A tqdm bar with records/s
+(essays/s for ``score``) goes to stderr; with ``count_pieces`` it also shows the word pieces
+encoded so far, which move within one long record.
 The returned :class:`RunSummary` counts the whole output file, the resumed part included; a record
 counts as an error when its output line has an ``"error"`` key.
 """
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
+import hashlib
+import itertools
 import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
 
 from tqdm import tqdm
 
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = [
+    "FORMATS",
+    "InputFingerprint",
     "InputRecord",
     "OutputCorruptError",
     "OutputExistsError",
+    "OutputLockedError",
     "ResumeMismatchError",
     "ResumableJsonlWriter",
     "RunSummary",
+    "check_encoding",
+    "directory_fingerprint",
     "iter_input_records",
+    "limit_length",
+    "meta_path",
     "run_records",
 ]
 
 STDIN_SOURCE = "<stdin>"
 KINDS = ("tag", "score")
+FORMATS = ("auto", "text", "jsonl")
 PROMPT_RANGE = range(1, 9)
+META_SUFFIX = ".meta.json"
+META_FORMAT = "mhmla-serve-output/1"
 
 _BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -110,6 +160,7 @@ class InputRecord:
     tokens: tuple[str, ...] | None = None
     prompt: int | None = None
     error: str | None = None
+    capped_from: int | None = None  # the original length in characters, when cut by limit_length
 
     @property
     def ok(self) -> bool:
@@ -172,7 +223,25 @@ def _check_tokens(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int) -> InputRecord:
+def check_encoding(encoding: str) -> str:
+    """The codec name of ``encoding`` when lines of it can be split on the byte ``\\n`` (ValueError
+    naming it otherwise: unknown, or not ASCII-compatible like UTF-16/32)."""
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        raise ValueError(f"encoding: unknown encoding {encoding!r}") from None
+    try:
+        ascii_compatible = "a\n{".encode(name) == b"a\n{"
+    except (UnicodeError, LookupError, TypeError):  # e.g. a bytes-to-bytes codec
+        ascii_compatible = False
+    if not ascii_compatible:
+        raise ValueError(f"encoding: {encoding!r} is not ASCII-compatible, so lines cannot be split "
+                         f"on the byte \\n; convert the input first (iconv -f {encoding} -t utf-8)")
+    return name
+
+
+def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int,
+                fmt: str = "auto", encoding: str = "utf-8") -> InputRecord:
     """One raw line (without its line break) -> a valid or an error record."""
     rec_id: str | int = index
 
@@ -180,25 +249,30 @@ def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int) -> In
         return InputRecord(index, source, line, rec_id, error=f"{source}: line {line}: {reason}")
 
     try:
-        s = raw.decode("utf-8")
+        s = raw.decode(encoding)
     except UnicodeDecodeError as err:
         bad = raw[err.start : err.end]
-        return error(f"invalid UTF-8: byte(s) {bad!r} at byte {err.start + 1} of the line ({err.reason})")
+        what = "UTF-8" if encoding == "utf-8" else encoding
+        return error(f"invalid {what}: byte(s) {bad!r} at byte {err.start + 1} of the line ({err.reason})")
     if not s.strip():
         return error("empty line")
-    if not s.lstrip().startswith("{"):
+    if fmt == "text" or (fmt == "auto" and not s.lstrip().startswith("{")):
         if kind != "tag":
             return error(f'plain-text line, but "{kind}" input must be JSON objects with "text" and "prompt"')
+        bad = _SURROGATE.search(s)  # only possible with a codec such as "surrogateescape"
+        if bad:
+            return error(f"contains a lone surrogate U+{ord(bad.group()):04X}")
         return InputRecord(index, source, line, index, text=s)
+    hint = " (--format text reads such lines as plain text)" if fmt == "auto" and kind == "tag" else ""
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as err:
-        return error(f"invalid JSON: {err.msg} at column {err.colno}")
+        return error(f"invalid JSON: {err.msg} at column {err.colno}{hint}")
     except RecursionError:
         return error("invalid JSON: nested too deeply")
     except ValueError as err:  # e.g. an integer with more digits than int() accepts
         return error(f"invalid JSON: {err}")
-    if not isinstance(obj, dict):  # unreachable for a line starting with "{", kept as a guard
+    if not isinstance(obj, dict):  # "jsonl" only: in "auto" such a line is plain text
         return error(f"JSON value must be an object, got {_json_type(obj)}")
     try:
         if "id" in obj:
@@ -251,16 +325,24 @@ def iter_input_records(
     kind: str = "tag",
     *,
     stdin: BinaryIO | None = None,
+    format: str = "auto",
+    encoding: str = "utf-8",
 ) -> Iterator[InputRecord]:
     """Records of ``paths`` in order, by the input rules of the module docstring.
 
     ``"-"`` (at most once) is standard input, read from ``stdin`` or ``sys.stdin.buffer``; an empty
-    ``paths`` means ``["-"]``. The paths are checked when this is called (a missing file or a
-    directory raises ``FileNotFoundError`` / ``IsADirectoryError`` at once); the lines are read
-    lazily, one at a time.
+    ``paths`` means ``["-"]``. ``format`` is "auto", "text" (``kind="tag"`` only) or "jsonl";
+    ``encoding`` a codec (:func:`check_encoding`). The arguments and paths are checked when this is
+    called (ValueError; a missing file or a directory raises ``FileNotFoundError`` /
+    ``IsADirectoryError`` at once); the lines are read lazily, one at a time.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if format not in FORMATS:
+        raise ValueError(f"format: expected one of {FORMATS}, got {format!r}")
+    if format == "text" and kind != "tag":
+        raise ValueError(f'format: "{kind}" input is JSON objects; "text" is for tag only')
+    encoding = check_encoding(encoding)
     paths = list(paths) or ["-"]
     if paths.count("-") > 1:
         raise ValueError('standard input ("-") can be given only once')
@@ -271,22 +353,61 @@ def iter_input_records(
             raise FileNotFoundError(f"{path}: no such input file")
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path}: is a directory, not an input file")
-    return _iter_records(paths, kind, stdin)
+    return _iter_records(paths, kind, stdin, format, encoding)
 
 
-def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None) -> Iterator[InputRecord]:
+def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
+                  encoding: str) -> Iterator[InputRecord]:
     index = 0
     for path in paths:
         if path == "-":
             stream = stdin if stdin is not None else sys.stdin.buffer
             for line, raw in enumerate(_raw_lines(stream), 1):
                 index += 1
-                yield _parse_line(raw, kind, index, STDIN_SOURCE, line)
+                yield _parse_line(raw, kind, index, STDIN_SOURCE, line, fmt, encoding)
             continue
         with open(path, "rb") as f:
             for line, raw in enumerate(_raw_lines(f), 1):
                 index += 1
-                yield _parse_line(raw, kind, index, path, line)
+                yield _parse_line(raw, kind, index, path, line, fmt, encoding)
+
+
+def _length(rec: InputRecord) -> int:
+    """Characters of a record: its text, or its tokens joined by single spaces."""
+    if rec.text is not None:
+        return len(rec.text)
+    return sum(len(t) for t in rec.tokens or ()) + max(0, len(rec.tokens or ()) - 1)
+
+
+def limit_length(records: Iterable[InputRecord], max_chars: int | None, over_long: str = "skip",
+                 option: str = "--max-chars") -> Iterator[InputRecord]:
+    """``records`` with every valid one longer than ``max_chars`` characters (text, or tokens
+    joined by spaces) either made an error record (``over_long="skip"``: ``"<source>: line <n>:
+    <N> characters, over <option> <max_chars>; skipped"``) or cut (``"cap"``: the text's first
+    ``max_chars`` characters, or the tokens that fit, at least one, cut to ``max_chars``) with
+    ``capped_from`` set to its original length. None: no limit. Lazy, order kept."""
+    if over_long not in ("skip", "cap"):
+        raise ValueError(f"over_long: expected 'skip' or 'cap', got {over_long!r}")
+    if max_chars is not None and max_chars < 1:
+        raise ValueError(f"max_chars: expected a positive integer or None, got {max_chars}")
+    for rec in records:
+        n = _length(rec) if rec.error is None and max_chars is not None else 0
+        if n <= (max_chars or 0):
+            yield rec
+        elif over_long == "skip":
+            yield dataclasses.replace(
+                rec, text=None, tokens=None, prompt=None,
+                error=f"{rec.source}: line {rec.line}: {n} characters, over {option} {max_chars}; skipped")
+        elif rec.text is not None:
+            yield dataclasses.replace(rec, text=rec.text[:max_chars], capped_from=n)
+        else:
+            kept, size = [], -1
+            for tok in rec.tokens or ():
+                if kept and size + 1 + len(tok) > max_chars:
+                    break
+                kept.append(tok[:max_chars])
+                size += 1 + len(tok)
+            yield dataclasses.replace(rec, tokens=tuple(kept), capped_from=n)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,8 +422,56 @@ class OutputCorruptError(ValueError):
     """The output file is damaged in more than its last line, or is not this program's output."""
 
 
+class OutputLockedError(OSError):
+    """Another process is writing the output (it holds the lock on it)."""
+
+
 class ResumeMismatchError(ValueError):
-    """The input does not match the output being resumed."""
+    """The input or the options do not match what the output being resumed was made from."""
+
+
+def meta_path(path: str) -> str:
+    """The sidecar of an output: ``<path>.meta.json``."""
+    return path + META_SUFFIX
+
+
+class InputFingerprint:
+    """Running SHA-256 over the content of input records, in order: each record's ``id``,
+    ``text``, ``tokens``, ``prompt`` and error reason (without the ``"<source>: line <n>: "``
+    prefix), so the same lines under another file name have the same fingerprint. ``count`` is
+    the number of records seen."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self.count = 0
+
+    def update(self, rec: InputRecord) -> None:
+        reason = rec.error
+        if reason is not None:
+            prefix = f"{rec.source}: line {rec.line}: "
+            reason = reason[len(prefix):] if reason.startswith(prefix) else reason
+        data = json.dumps([rec.id, rec.text, rec.tokens, rec.prompt, reason], ensure_ascii=False,
+                          separators=(",", ":"))
+        self._h.update(data.encode("utf-8", "surrogatepass") + b"\n")
+        self.count += 1
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def directory_fingerprint(path: str | os.PathLike) -> str:
+    """SHA-256 over the names and contents of the regular files directly in ``path`` (a model
+    directory: config, weights, tokenizer), in name order."""
+    h = hashlib.sha256()
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if not entry.is_file():
+            continue
+        h.update(entry.name.encode("utf-8", "surrogateescape") + b"\0")
+        with open(entry.path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -319,6 +488,47 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _json_roundtrip(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what} must be JSON data: {err}") from None
+
+
+def _read_meta(path: str) -> dict[str, Any]:
+    """The sidecar of a non-empty output; OutputCorruptError when it is missing or not ours."""
+    meta = meta_path(path)
+    hint = ("so what it was made from cannot be checked; refusing to resume it (nothing was "
+            "changed). Remove it or write to another output")
+    try:
+        with open(meta, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise OutputCorruptError(
+            f"{path} is not a resumable output of this version of mhmla-serve: it has no "
+            f"{os.path.basename(meta)} (it is an older version's output, or a file mhmla-serve "
+            f"did not write), {hint}") from None
+    except (OSError, ValueError, RecursionError) as err:
+        raise OutputCorruptError(f"{meta}: unreadable ({err}), {hint}") from None
+    ok = (isinstance(data, dict) and data.get("format") == META_FORMAT
+          and isinstance(data.get("made_from"), dict) and isinstance(data.get("input"), dict)
+          and _is_int(data["input"].get("records")) and data["input"]["records"] >= 0
+          and isinstance(data["input"].get("sha256"), str))
+    if not ok:
+        raise OutputCorruptError(f"{meta}: not a {META_FORMAT} sidecar, {hint}")
+    return data
+
+
+def _check_made_from(path: str, then: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """ResumeMismatchError naming every key whose value differs between the sidecar and now."""
+    diffs = [f"{k}: {then.get(k)!r} then, {now.get(k)!r} now"
+             for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+    if diffs:
+        raise ResumeMismatchError(
+            f"{path} was made with other settings ({'; '.join(diffs)}); refusing to mix outputs. "
+            "Resume with the settings it was made with, or write to another output")
+
+
 @dataclass
 class _ScanResult:
     done: int = 0
@@ -327,57 +537,65 @@ class _ScanResult:
     last_id: Any = None
 
 
-def _scan_output(path: str) -> _ScanResult:
-    """Read an existing output: count its complete records, find where the torn tail starts."""
+def _scan_output(f: BinaryIO, path: str) -> _ScanResult:
+    """Read an existing output from its start: count its complete records, find where the torn
+    tail starts."""
     res = _ScanResult()
     bad_line: int | None = None  # 1-based number of an unusable line, allowed only as the last one
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if bad_line is not None:
-                raise OutputCorruptError(
-                    f"{path}: line {bad_line}: not a complete JSON record, and more lines follow it; "
-                    "the output is damaged beyond a torn last line"
-                )
-            if not raw.endswith(b"\n"):
-                bad_line = n
-                continue
-            try:
-                obj = json.loads(raw)
-            except (ValueError, RecursionError):
-                bad_line = n
-                continue
-            expected = res.done + 1
-            found = obj.get("index") if isinstance(obj, dict) else None
-            if not _is_int(found) or found != expected:
-                raise OutputCorruptError(
-                    f"{path}: line {n}: expected a record with \"index\": {expected}, found "
-                    f"{found!r}; not a resumable output of this program"
-                )
-            res.done = expected
-            res.n_errors += "error" in obj
-            res.good_bytes += len(raw)
-            res.last_id = obj.get("id")
+    f.seek(0)
+    for n, raw in enumerate(f, 1):
+        if bad_line is not None:
+            raise OutputCorruptError(
+                f"{path}: line {bad_line}: not a complete JSON record, and more lines follow it; "
+                "the output is damaged beyond a torn last line"
+            )
+        if not raw.endswith(b"\n"):
+            bad_line = n
+            continue
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            bad_line = n
+            continue
+        expected = res.done + 1
+        found = obj.get("index") if isinstance(obj, dict) else None
+        if not _is_int(found) or found != expected:
+            raise OutputCorruptError(
+                f"{path}: line {n}: expected a record with \"index\": {expected}, found "
+                f"{found!r}; not a resumable output of this program"
+            )
+        res.done = expected
+        res.n_errors += "error" in obj
+        res.good_bytes += len(raw)
+        res.last_id = obj.get("id")
     return res
 
 
 class ResumableJsonlWriter:
-    """Append-only JSONL output that survives ``kill -9`` and resumes (rules: module docstring).
+    """Append-only JSONL output that survives ``kill -9``, resumes, and records what it was made
+    from in its sidecar (rules: module docstring).
 
-    Attributes after opening: ``done`` (complete records already in the file, 0 unless resuming),
-    ``done_errors`` (how many of those are error records), ``last_id`` (the ``"id"`` of record
-    ``done``, or None) and ``written`` (records written by this writer). Use as a context manager or
-    call :meth:`close`.
+    ``made_from`` (JSON data) describes everything that changes the records; on resume it must
+    equal the sidecar's. Attributes after opening: ``done`` (complete records already in the
+    file, 0 unless resuming), ``done_errors`` (how many of those are error records), ``last_id``
+    (the ``"id"`` of record ``done``, or None), ``written`` (records written by this writer),
+    ``vouched`` / ``vouched_sha256`` (the input records the sidecar covers and their
+    :class:`InputFingerprint`). Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, path: str, resume: bool = False, sync_every: int = 256) -> None:
+    def __init__(self, path: str, resume: bool = False, sync_every: int = 256,
+                 made_from: Mapping[str, Any] | None = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.path = path
         self.sync_every = sync_every
+        self.made_from = _json_roundtrip(dict(made_from or {}), "made_from")
         self.done = 0
         self.done_errors = 0
         self.last_id: Any = None
         self.written = 0
+        self.vouched = 0
+        self.vouched_sha256 = InputFingerprint().hexdigest()
         self._unsynced = 0
         self._closed = False
         self._stdout = path == "-"
@@ -386,23 +604,77 @@ class ResumableJsonlWriter:
                 raise ValueError("cannot resume when writing to standard output; give an output file")
             self._f: BinaryIO = sys.stdout.buffer
             return
-        exists = os.path.exists(path)
-        if exists and os.path.isdir(path):
+        if os.path.isdir(path):
             raise IsADirectoryError(f"{path}: is a directory, not an output file")
-        if exists and not resume and os.path.getsize(path) > 0:
-            raise OutputExistsError(f"{path} exists; pass --resume to continue or remove it")
-        if exists and resume:
-            scan = _scan_output(path)
-            self.done, self.done_errors, self.last_id = scan.done, scan.n_errors, scan.last_id
-            if os.path.getsize(path) > scan.good_bytes:
-                with open(path, "r+b") as f:
-                    f.truncate(scan.good_bytes)
-                    f.flush()
-                    os.fsync(f.fileno())
-            self._f = open(path, "ab")
-        else:
-            self._f = open(path, "wb")
-            _fsync_dir(path)
+        created = not os.path.exists(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # never truncates here
+        self._f = os.fdopen(fd, "r+b")
+        try:
+            self._lock()
+            if os.fstat(fd).st_size > 0:
+                if not resume:
+                    raise OutputExistsError(f"{path} exists; pass --resume to continue or remove it")
+                self._open_for_resume()
+            else:
+                self._write_meta(0, self.vouched_sha256)
+            if created:
+                _fsync_dir(path)
+            self._f.seek(0, os.SEEK_END)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _lock(self) -> None:
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputLockedError(
+                f"{self.path} is being written by another process (it holds the lock on it); "
+                "wait for that run to finish, or write to another output") from None
+
+    def _open_for_resume(self) -> None:
+        meta = _read_meta(self.path)
+        _check_made_from(self.path, meta["made_from"], self.made_from)
+        scan = _scan_output(self._f, self.path)
+        vouched = meta["input"]["records"]
+        if scan.done > vouched:
+            raise OutputCorruptError(
+                f"{self.path} holds {scan.done} records but {meta_path(self.path)} vouches for "
+                f"{vouched} input records only; refusing to resume it")
+        self.done, self.done_errors, self.last_id = scan.done, scan.n_errors, scan.last_id
+        self.vouched, self.vouched_sha256 = vouched, meta["input"]["sha256"]
+        if os.fstat(self._f.fileno()).st_size > scan.good_bytes:
+            self._f.truncate(scan.good_bytes)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def _write_meta(self, records: int, sha256: str) -> None:
+        meta = meta_path(self.path)
+        data = {"format": META_FORMAT, "output": os.path.basename(self.path),
+                "made_from": self.made_from, "input": {"records": records, "sha256": sha256}}
+        tmp = meta + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True, ensure_ascii=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, meta)
+        _fsync_dir(meta)
+
+    def vouch(self, records: int, sha256: str) -> None:
+        """Record in the sidecar (atomically, durably) that the output is made from ``records``
+        input records of fingerprint ``sha256``; call it before writing records past
+        :attr:`vouched`. A no-op for standard output."""
+        if self._closed:
+            raise ValueError(f"{self.path}: writer is closed")
+        if self._stdout:
+            return
+        if records < self.vouched:
+            raise ValueError(f"{self.path}: cannot vouch for {records} records after {self.vouched}")
+        self._write_meta(records, sha256)
+        self.vouched, self.vouched_sha256 = records, sha256
 
     @property
     def next_index(self) -> int:
@@ -466,7 +738,53 @@ class RunSummary:
         return self.n_ok + self.n_errors
 
 
-ProcessBatch = Callable[[list[InputRecord]], list[dict[str, Any]]]
+ProcessBatch = Callable[..., list[dict[str, Any]]]
+
+
+def _verify_resumed_input(it: Iterator[InputRecord], writer: Any, fp: InputFingerprint
+                          ) -> list[InputRecord]:
+    """Read the input records the writer's sidecar vouches for into ``fp`` and compare; return
+    those past ``writer.done`` (to be processed). ResumeMismatchError on any difference."""
+    vouched, done = getattr(writer, "vouched", 0), writer.done
+    ahead: list[InputRecord] = []
+    for rec in itertools.islice(it, vouched):
+        fp.update(rec)
+        if fp.count > done:
+            ahead.append(rec)
+    if fp.count < vouched:
+        raise ResumeMismatchError(
+            f"{writer.path} was made from {vouched} input records but the input has only "
+            f"{fp.count}; is this the same input? Refusing to mix outputs")
+    if vouched and fp.hexdigest() != writer.vouched_sha256:
+        raise ResumeMismatchError(
+            f"{writer.path} was made from other input: the first {vouched} input records differ "
+            "from the ones it was made from (by their fingerprint, see "
+            f"{os.path.basename(meta_path(writer.path))}); refusing to mix outputs. Resume with "
+            "the same input, or write to another output")
+    if fp.count < done:  # only with a writer that vouches for nothing (tests, PrettyWriter)
+        for rec in itertools.islice(it, done - fp.count):
+            fp.update(rec)
+        if fp.count < done:
+            raise ResumeMismatchError(
+                f"{writer.path} already holds {done} records but the input has only {fp.count}; "
+                "is this the same input?")
+    return ahead
+
+
+class _PieceCounter:
+    """The ``report(n)`` handed to ``process_batch`` with ``count_pieces``: adds ``n`` word pieces
+    to the bar's postfix (refreshed at most twice a second)."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar, self.total, self.t0, self.shown = bar, 0, time.monotonic(), 0.0
+
+    def __call__(self, n: int) -> None:
+        self.total += int(n)
+        now = time.monotonic()
+        if now - self.shown >= 0.5:
+            self.shown = now
+            rate = self.total / max(now - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{self.total:,} pieces, {rate:,.0f} pieces/s")
 
 
 def run_records(
@@ -479,35 +797,35 @@ def run_records(
     total: int | None = None,
     desc: str | None = None,
     unit: str = "rec",
+    count_pieces: bool = False,
 ) -> RunSummary:
     """Process ``records`` into ``writer`` in input order, resuming after ``writer.done``.
 
     ``process_batch`` gets a list of 1..``batch_size`` valid records and must return one dict per
     record, in the same order; ``"index"`` and ``"id"`` in a result are replaced by the record's.
-    Exceptions from ``process_batch`` propagate (what was written stays; resume continues from it).
-    ``total`` (the number of input records, if known) only sets the progress bar's length; ``desc``
-    and ``unit`` (what a record is, e.g. ``"essay"``: the bar shows ``<unit>s/s``) label it. The
-    writer is synced, not closed, at the end.
+    With ``count_pieces`` it is called as ``process_batch(batch, report)`` and calls ``report(n)``
+    as it encodes ``n`` more word pieces (the bar shows them). Exceptions from ``process_batch``
+    propagate (what was written stays; resume continues from it). On resume the input is first
+    checked against the writer's sidecar (:class:`ResumeMismatchError`). Before records past what
+    the sidecar vouches for are written, ``writer.vouch`` records the fingerprint of all input
+    records read so far. ``total`` (the number of input records, if known) only sets the progress
+    bar's length; ``desc`` and ``unit`` (what a record is, e.g. ``"essay"``: the bar shows
+    ``<unit>s/s``) label it. The writer is synced, not closed, at the end.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     max_pending = 8 * batch_size
-    it = iter(records)
+    fp = InputFingerprint()
+    source = iter(records)
     n_resumed = writer.done
-    last: InputRecord | None = None
-    for k in range(n_resumed):
-        last = next(it, None)
-        if last is None:
-            raise ResumeMismatchError(
-                f"{writer.path} already holds {n_resumed} records but the input has only {k}; "
-                "is this the same input?"
-            )
-    if last is not None and writer.last_id is not None and last.id != writer.last_id:
-        raise ResumeMismatchError(
-            f"{writer.path}: record {n_resumed} has id {writer.last_id!r} but input record "
-            f"{n_resumed} ({last.source}: line {last.line}) has id {last.id!r}; is this the same input?"
-        )
+    ahead = _verify_resumed_input(source, writer, fp)
 
+    def fingerprinted() -> Iterator[InputRecord]:
+        for rec in source:
+            fp.update(rec)
+            yield rec
+
+    vouch = getattr(writer, "vouch", None)
     n_errors = writer.done_errors
     n_ok = n_resumed - n_errors
     pending: list[InputRecord] = []  # records waiting to be written, in input order
@@ -522,6 +840,7 @@ def run_records(
         disable=not progress,
         dynamic_ncols=True,
     )
+    report = _PieceCounter(bar) if count_pieces else None
 
     def emit(out: dict[str, Any]) -> None:
         nonlocal n_ok, n_errors
@@ -532,10 +851,17 @@ def run_records(
             n_ok += 1
 
     def flush() -> None:
-        results = process_batch(list(batch)) if batch else []
+        if not pending:
+            return
+        if batch:
+            results = process_batch(list(batch), report) if count_pieces else process_batch(list(batch))
+        else:
+            results = []
         if not isinstance(results, list) or len(results) != len(batch):
             got = len(results) if isinstance(results, list) else type(results).__name__
             raise RuntimeError(f"process_batch returned {got} results for {len(batch)} records")
+        if vouch is not None and pending[-1].index > getattr(writer, "vouched", 0):
+            vouch(fp.count, fp.hexdigest())  # before any line it does not cover is written
         res_iter = iter(results)
         for rec in pending:
             if rec.error is not None:
@@ -556,11 +882,7 @@ def run_records(
         batch.clear()
 
     try:
-        for rec in it:
-            if rec.error is not None and not pending:
-                emit({"index": rec.index, "id": rec.id, "error": rec.error})
-                bar.update(1)
-                continue
+        for rec in itertools.chain(ahead, fingerprinted()):
             pending.append(rec)
             if rec.error is None:
                 batch.append(rec)
