@@ -183,10 +183,11 @@ def time_passes(tag: Callable[[list[list[str]]], WordProbs], sentences: list[lis
 # ------------------------------------------------------------------------------- paths
 
 
-def plain_torch_tagger(model, tokenizer, batch_size: int, max_length: int
+def plain_torch_tagger(model, tokenizer, batch_size: int, max_length: int, device: str = "cpu"
                        ) -> Callable[[list[list[str]]], WordProbs]:
     """The hand-written baseline: fixed batches in input order, padded to the batch's longest
-    sentence, P(error) read at each word's first piece (NaN for words cut off)."""
+    sentence, P(error) read at each word's first piece (NaN for words cut off). ``model`` is
+    already on ``device``; each batch is copied there and its probabilities back."""
     import torch
 
     from mhmla_fast.ged.model import encode_words
@@ -197,8 +198,8 @@ def plain_torch_tagger(model, tokenizer, batch_size: int, max_length: int
             for k in range(0, len(sentences), batch_size):
                 chunk = sentences[k:k + batch_size]
                 batch = encode_words(tokenizer, chunk, max_length)
-                logits = model(batch["input_ids"], batch["attention_mask"])
-                probs = torch.softmax(logits.float(), -1)[..., 1].numpy()
+                logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+                probs = torch.softmax(logits.float(), -1)[..., 1].cpu().numpy()
                 index = batch["word_index"].numpy()
                 for b, words in enumerate(chunk):
                     p = np.full(len(words), np.nan)
