@@ -1,4 +1,9 @@
-"""Full fine-tuning of the essay scorer (encoder trained): the study's protocol, for a GPU."""
+"""Full fine-tuning of the essay scorer (encoder trained): the study's protocol, for a GPU.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) it trains with DistributedDataParallel like GED
+training (see :mod:`mhmla_fast.distributed`): each batch of one prompt's windows is dealt out by
+length, gradients equal one process's on the whole batch, rank 0 evaluates and writes.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import resolve_device
+from ..distributed import init_distributed, shard
 from ..encoder import load_tokenizer
 from .data import SCORE_RANGES, Essay
 from .heads import _epoch_batches
@@ -69,6 +75,10 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(resolve_device())  # the serving rule: cuda when available, else cpu
+    dist_ctx = init_distributed(device.type)  # None: one process (no torchrun)
+    if dist_ctx is not None and device.type == "cuda":
+        device = torch.device("cuda", dist_ctx.local_rank)
+    main_rank = dist_ctx is None or dist_ctx.main
     torch.manual_seed(cfg.seed)
     # the run's head config itself; a copy of the encoder spec (the scorer fills in its length)
     scfg = ScorerConfig(encoder_spec=dataclasses.replace(cfg.encoder_spec),
@@ -96,26 +106,46 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
         state["config"] = config
     use_bf16 = cfg.bf16 and device.type == "cuda"
+    net = model
+    if dist_ctx is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # a batch is one prompt's: the other prompts' output layers get no gradient
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      find_unused_parameters=True)
+    win_len = [len(w) for w in windows]
     while state["epoch"] < cfg.epochs:
         model.train()
         t0, total, n = time.perf_counter(), 0.0, 0
-        for rows in _epoch_batches(win_prompt, cfg.batch_size, cfg.seed, state["epoch"]):
+        for step, rows in enumerate(_epoch_batches(win_prompt, cfg.batch_size, cfg.seed, state["epoch"])):
             p = int(win_prompt[rows[0]])
-            ids, mask = collate_windows([windows[j] for j in rows], tokenizer.pad_token_id)
-            lo, hi = SCORE_RANGES[p]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                raw = model(ids.to(device), mask.to(device), p)
-            gold = win_score[rows]
-            if cfg.objective == "classification":
-                loss = F.cross_entropy(raw.float(), torch.as_tensor(gold - lo, device=device))
-            else:
-                loss = F.mse_loss(raw.float(), torch.as_tensor((gold - lo) / (hi - lo), dtype=torch.float32,
-                                                               device=device))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            if dist_ctx is None:
+                loss = _window_loss(model, cfg, rows, p, windows, win_score, tokenizer.pad_token_id,
+                                    device, use_bf16, reduction="mean")
+                loss.backward()
+                total += loss.item() * len(rows)
+            else:
+                # dropout masks from (seed, epoch, step, rank) alone: resume draws the same
+                torch.manual_seed(cfg.seed * 1_000_003 + (state["epoch"] * 100_000 + step) * 64
+                                  + dist_ctx.rank)
+                mine = shard(list(rows), win_len, dist_ctx.rank, dist_ctx.world_size)
+                weight = 1.0 if mine else 0.0  # an empty share still joins the all-reduce
+                loss_sum = _window_loss(net, cfg, mine or [rows[0]], p, windows, win_score,
+                                        tokenizer.pad_token_id, device, use_bf16, reduction="sum")
+                # DDP averages over ranks: sum * world / global count is the global mean's gradient
+                (loss_sum * weight * dist_ctx.world_size / len(rows)).backward()
+                total += loss_sum.item() * weight
             opt.step()
-            total += loss.item() * len(rows)
             n += len(rows)
+        if dist_ctx is not None:  # the epoch's loss over every rank's windows
+            total_t = torch.tensor([total], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(total_t)
+            total = float(total_t.item())
+            if not main_rank:  # rank 0 evaluates and saves; the others wait for it
+                torch.distributed.barrier()
+                state["epoch"] += 1
+                continue
         dev_q = {}
         for p in sorted({e.prompt for e in dev_essays}):
             es = [e for e in dev_essays if e.prompt == p]
@@ -134,5 +164,25 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
                                      "epoch": state["epoch"], "dev_qwk": {str(k): v for k, v in dev_q.items()}}
             model.save(out / "best", tokenizer=tokenizer)
         save_checkpoint(out, model, opt, state, state["epoch"])
+        if dist_ctx is not None:
+            torch.distributed.barrier()
     best = EssayScorer.load(out / "best", device=device, backend=cfg.backend)
     return best, state
+
+
+def _window_loss(net, cfg: FinetuneConfig, rows, prompt: int, windows, win_score, pad_id: int,
+                 device: torch.device, use_bf16: bool, reduction: str) -> torch.Tensor:
+    """The loss of windows ``rows`` (all of ``prompt``): cross-entropy over the score classes,
+    or the squared error of the score scaled to [0, 1], by ``reduction`` ("mean" or "sum")."""
+    from .model import collate_windows
+
+    ids, mask = collate_windows([windows[j] for j in rows], pad_id)
+    lo, hi = SCORE_RANGES[prompt]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        raw = net(ids.to(device), mask.to(device), prompt)
+    gold = win_score[rows]
+    if cfg.objective == "classification":
+        return F.cross_entropy(raw.float(), torch.as_tensor(gold - lo, device=device),
+                               reduction=reduction)
+    target = torch.as_tensor((gold - lo) / (hi - lo), dtype=torch.float32, device=device)
+    return F.mse_loss(raw.float(), target, reduction=reduction)

