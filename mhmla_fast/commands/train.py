@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..paths import shared_data_dir
@@ -40,7 +41,8 @@ def run_ged(args) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
-    print(f"best model: {best}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
+        print(f"best model: {best}")
     return 0
 
 
