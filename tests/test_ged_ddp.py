@@ -160,3 +160,6 @@ def test_ddp_run_writes_once_and_resumes_exactly(tmp_path, tiny_encoder):
     b = load_file(tmp_path / "resumed" / "best" / "model.safetensors")
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume under DDP"
+    # one process may not take over a checkpoint written by two
+    with pytest.raises(ValueError, match=r"written by 2 process\(es\), this run has 1"):
+        train(TrainConfig(**{**resumed, "epochs": 3}))

@@ -103,8 +103,13 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
+        world = dist_ctx.world_size if dist_ctx else 1
+        if saved.get("world_size", 1) != world:  # the batches would be dealt out differently
+            raise ValueError(f"{out}: the checkpoint was written by {saved.get('world_size', 1)} "
+                             f"process(es), this run has {world}; resume with as many")
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
         state["config"] = config
+    state["world_size"] = dist_ctx.world_size if dist_ctx else 1
     use_bf16 = cfg.bf16 and device.type == "cuda"
     net = model
     if dist_ctx is not None:

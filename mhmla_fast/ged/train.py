@@ -256,6 +256,10 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
+        world = dist_ctx.world_size if dist_ctx else 1
+        if meta.get("world_size", 1) != world:  # the batches would be dealt out differently
+            raise ValueError(f"{out}: the checkpoint was written by {meta.get('world_size', 1)} "
+                             f"process(es), this run has {world}; resume with as many")
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
         log, best = meta["log"], meta["best"]
     else:
@@ -271,6 +275,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
         save_checkpoint(out, model, optimizer, {
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
+            "world_size": dist_ctx.world_size if dist_ctx else 1,
         }, global_step)
 
     if epoch > cfg.epochs:
