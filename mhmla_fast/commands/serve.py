@@ -1,7 +1,9 @@
 """``mhmla-serve``: tag corpora with the GED tagger, score essays, serve both over HTTP, export.
 
     mhmla-serve tag [FILE ...|-] [--output FILE [--resume]] [--pretty] [model/engine options]
+                    [--ray [ADDRESS] [--ray-workers N] [--shard-size N]]
     mhmla-serve score [FILE ...|-] [--output FILE [--resume]] [--model DIR] [--batch-essays N]
+                      [--ray [ADDRESS] [--ray-workers N] [--shard-size N]]
     mhmla-serve http [--host 127.0.0.1] [--port 8000] [model/engine options] [batching limits]
                      [--scorer DIR | --no-scorer]
     mhmla-serve export (--onnx DIR [--int8] | --tensorrt DIR) [--model DIR]
@@ -39,6 +41,16 @@
     call, so all windows of all its essays go through the encoder together (``--token-budget``
     padded word pieces per forward pass). ``--output``, ``--resume``, the progress bar (essays/s)
     and the exit statuses are those of ``tag``.
+
+``tag --ray`` / ``score --ray``
+    The same records, sidecar and exit statuses, computed on Ray Data
+    (:mod:`mhmla_fast.serve.ray`, ``pip install 'mhmla-fast[ray]'``): ``--ray-workers`` actors
+    (default 2), one engine each, ``--threads`` CPU cores each (or one GPU each on ``--device
+    cuda``), on the cluster at ``--ray ADDRESS`` or on a local Ray started for the job. Input
+    files only, readable by every worker (local paths, or URIs of pyarrow's filesystems:
+    ``s3://...``), and ``--output FILE`` (a local path): shards of
+    ``--shard-size`` records are committed atomically in ``FILE.shards/``, then concatenated
+    into FILE. ``--resume`` skips committed shards: each record exactly once.
 
 ``http``
     Serves :func:`mhmla_fast.serve.http.create_app` with uvicorn (``POST /v1/tag``, ``POST
@@ -389,6 +401,9 @@ def run_tag(args: argparse.Namespace) -> int:
     if args.resume and not args.output:
         raise UsageError("--resume needs --output FILE")
     inputs = args.inputs or ["-"]
+    _check_ray_options(args)
+    if args.ray is not None:
+        return run_ray(args, "tag", inputs)
     records = read_inputs(args, inputs, "tag")
     path, engine = load_engine(args)  # before the output is opened: a bad model leaves no file
     progress = not args.no_progress and not (args.pretty and _stdout_is_tty())
@@ -448,22 +463,37 @@ def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
                   output: str | None, progress: bool, total: int | None, desc: str,
                   verb: str, unit: str = "rec", count_pieces: bool = False) -> int:
     """Run :func:`~mhmla_fast.serve.records.run_records` and turn its outcome into the exit
-    status of ``tag``/``score`` (``verb`` is "tagging" or "scoring" in the messages): 0, 1 when
-    some input lines were malformed, 3 when it stopped on an error, 130 interrupted, 141 broken
-    pipe; a resume against other input raises UsageError. The writer is closed."""
-    from ..serve.records import ResumeMismatchError, run_records
+    status of ``tag``/``score`` (:func:`exit_status`). The writer is closed."""
+    from ..serve.records import run_records
+
+    def run():
+        summary = run_records(records, process, writer, batch_size, progress=progress,
+                              total=total, desc=desc, unit=unit, count_pieces=count_pieces)
+        writer.close()
+        return summary
+
+    return exit_status(run, lambda: _close_quietly(writer), output=output, verb=verb)
+
+
+def exit_status(run: Any, close: Any, *, output: str | None, verb: str) -> int:
+    """Call ``run()`` (it returns a :class:`~mhmla_fast.serve.records.RunSummary`) and turn its
+    outcome into the exit status of ``tag``/``score`` (``verb`` is "tagging" or "scoring" in the
+    messages): 0, 1 when some input lines were malformed, 3 when it stopped on an error, 130
+    interrupted, 141 broken pipe; a refused resume (other input or settings, an output that is
+    not ours or is locked) raises UsageError. ``close()`` runs when ``run`` fails."""
+    from ..serve.records import (OutputCorruptError, OutputExistsError, OutputLockedError,
+                                 ResumeMismatchError)
 
     to_file = output not in (None, "-")
     resume_hint = f"; rerun with --resume to continue {output}" if to_file else ""
     try:
-        summary = run_records(records, process, writer, batch_size, progress=progress,
-                              total=total, desc=desc, unit=unit, count_pieces=count_pieces)
-        writer.close()
-    except ResumeMismatchError as err:
-        _close_quietly(writer)
+        summary = run()
+    except (ResumeMismatchError, OutputExistsError, OutputLockedError,
+            OutputCorruptError) as err:
+        close()
         raise UsageError(str(err)) from err
     except KeyboardInterrupt:
-        _close_quietly(writer)  # synced: every complete line counts on --resume
+        close()  # synced: every complete line counts on --resume
         print(f"{PROG}: interrupted{resume_hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader of standard output went away (e.g. `| head`)
@@ -473,7 +503,7 @@ def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
             pass
         return EXIT_BROKEN_PIPE
     except Exception as err:
-        _close_quietly(writer)
+        close()
         print(f"{PROG}: {verb} stopped: {type(err).__name__}: {err}{resume_hint}",
               file=sys.stderr)
         return EXIT_FAILED
@@ -482,6 +512,106 @@ def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
               "(see their \"error\" records)", file=sys.stderr)
         return EXIT_BAD_LINES
     return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------- ray
+
+
+def _ray_address(value: str) -> str | None:
+    """``--ray [ADDRESS]``: None (start a local Ray) for no address or "local", else the
+    address; UsageError for a value that is no address (an input file after ``--ray``)."""
+    import re
+
+    if value in ("", "local"):
+        return None
+    if value == "auto" or "://" in value or re.fullmatch(r"[\w.\-]+:\d+|\[[0-9a-fA-F:]+\]:\d+",
+                                                           value):
+        return value
+    raise UsageError(f"--ray {value}: not a Ray address (auto, local, HOST:PORT or "
+                     "ray://HOST:PORT); give the input files before --ray, or --ray=ADDRESS")
+
+
+def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
+    """``tag --ray`` / ``score --ray``: the same records, sidecar and exit statuses as the
+    single-process command, computed by :func:`mhmla_fast.serve.ray.run_job` on a Ray
+    cluster (``--ray ADDRESS``) or a local Ray (``--ray`` alone) with ``--ray-workers``
+    actors, in shards of ``--shard-size`` records."""
+    try:
+        import ray  # noqa: F401  (the optional extra)
+
+        from ..serve.ray import RayJob, check_uri, is_uri, run_job
+    except ImportError as err:
+        raise UsageError(f"--ray needs Ray Data (pip install 'mhmla-fast[ray]'): {err}") from err
+    from ..serve.engine import read_tagger_config
+
+    if getattr(args, "pretty", False):
+        raise UsageError("--pretty prints to standard output; it cannot be combined with --ray")
+    if args.output in (None, "-"):
+        raise UsageError("--ray writes its shards next to --output FILE; give --output FILE")
+    if "-" in inputs:
+        raise UsageError("--ray reads files, not standard input: give the input files")
+    address = _ray_address(args.ray)
+    read_inputs(args, [p for p in inputs if not is_uri(p)], kind)  # the CLI's checks
+    for uri in filter(is_uri, inputs):
+        try:
+            check_uri(uri)
+        except (OSError, ValueError) as err:  # pyarrow: ArrowInvalid is a ValueError
+            raise UsageError(str(err)) from err
+    if kind == "tag":
+        opts = check_options(args)
+        path = resolve_model_dir(args.model)
+        threshold = args.threshold
+        if threshold is None:
+            threshold = read_tagger_config(path).get("threshold")
+            threshold = 0.5 if threshold is None else threshold
+        settings: dict[str, Any] = {"dtype": opts.dtype, "threshold": float(threshold)}
+        prompts, batch_size = None, args.batch_size
+    else:
+        import json
+
+        from ..aes.data import SCORE_RANGES
+
+        opts = check_options(args, scorer=True)
+        path = resolve_scorer_dir(args.model)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        prompts = tuple(int(p) for p in config.get("prompts", sorted(SCORE_RANGES)))
+        settings, threshold, batch_size = {"dtype": opts.dtype}, None, args.batch_essays
+    job = RayJob(kind, str(path), backend=opts.backend, device=opts.device, dtype=opts.dtype,
+                 kernels=opts.kernels, threads=args.threads, threshold=threshold,
+                 token_budget=args.token_budget, batch_size=batch_size, format=args.format,
+                 encoding=args.encoding, max_chars=args.max_chars, over_long=args.over_long,
+                 prompts=prompts)
+    made = made_from(kind, path, args, **settings)
+    return exit_status(lambda: run_job(job, inputs, args.output, made_from=made,
+                                       resume=args.resume, address=address,
+                                       workers=args.ray_workers, shard_size=args.shard_size,
+                                       progress=not args.no_progress),
+                       lambda: None, output=args.output,
+                       verb="tagging" if kind == "tag" else "scoring")
+
+
+def _add_ray_options(p: argparse.ArgumentParser, what: str) -> None:
+    g = p.add_argument_group("Ray (pip install 'mhmla-fast[ray]')")
+    g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help=f"{what} on Ray Data: a cluster at ADDRESS (auto, HOST:PORT, "
+                   "ray://HOST:PORT), or a local Ray without one; needs --output FILE, writes "
+                   "FILE.shards/ and resumes by shard")
+    g.add_argument("--ray-workers", type=_positive, default=None, metavar="N",
+                   help="with --ray: actors, one engine each (default 2; each takes --threads "
+                   "CPU cores, or one GPU on --device cuda)")
+    g.add_argument("--shard-size", type=_positive, default=None, metavar="N",
+                   help="with --ray: records per committed shard (default 8192 for tag, 512 "
+                   "for score; a resumed job keeps its own)")
+
+
+def _check_ray_options(args: argparse.Namespace) -> None:
+    """``--ray-workers``/``--shard-size`` without ``--ray`` are errors, never dropped."""
+    if args.ray is None:
+        for name in ("ray_workers", "shard_size"):
+            if getattr(args, name) is not None:
+                raise UsageError(f"--{name.replace('_', '-')} goes with --ray")
+    elif args.ray_workers is None:
+        args.ray_workers = 2
 
 
 # ------------------------------------------------------------------------------------ score
@@ -497,6 +627,9 @@ def run_score(args: argparse.Namespace) -> int:
     if args.input and args.inputs:
         raise UsageError("give the input files either as arguments or with --input, not both")
     inputs = args.inputs or ([args.input] if args.input else ["-"])
+    _check_ray_options(args)
+    if args.ray is not None:
+        return run_ray(args, "score", inputs)
     records = read_inputs(args, inputs, "score")
     opts = check_options(args, scorer=True)
     path = resolve_scorer_dir(args.model)
@@ -517,6 +650,20 @@ def run_score(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- http
 
 
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return n
+
+
+def _non_negative_float(value: str) -> float:
+    x = float(value)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return x
+
+
 def run_http(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -535,12 +682,17 @@ def run_http(args: argparse.Namespace) -> int:
                          model_name=path.name, scorer=scorer,
                          scorer_name=scorer_path.name if scorer_path else None,
                          max_essays_per_request=args.max_essays_per_request,
-                         score_token_budget=args.token_budget)
+                         score_token_budget=args.token_budget,
+                         max_text_chars=args.max_text_chars or None,
+                         max_queue_pieces=args.max_queue_pieces,
+                         request_timeout_s=args.request_timeout or None,
+                         max_buffered_bytes=args.max_buffered_bytes or None)
     except ValueError as err:
         raise UsageError(str(err)) from err
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=not args.no_access_log,
-                timeout_graceful_shutdown=args.graceful_timeout)
+                timeout_graceful_shutdown=args.graceful_timeout,
+                limit_concurrency=args.limit_concurrency or None)
     return EXIT_OK
 
 
@@ -627,6 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="records per engine call (default 512)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_model_options(p)
+    _add_ray_options(p, "tag")
     p.set_defaults(run=run_tag)
 
     p = sub.add_parser("score", help="score essays (JSONL) into JSONL",
@@ -647,6 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
                    help="scorer weights and compute (default bfloat16 on cuda, float32 on cpu)")
     _add_compute_options(g)
+    _add_ray_options(p, "score")
     p.set_defaults(run=run_score)
 
     p = sub.add_parser("http", help="serve the tagger and the essay scorer over HTTP",
@@ -666,6 +820,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="texts or sentences per request (default 256); more: 413")
     p.add_argument("--max-essays-per-request", type=_positive, default=64,
                    help="essays per /v1/score request (default 64); more: 413")
+    p.add_argument("--max-text-chars", type=_non_negative_int, default=500_000,
+                   help="characters per text, sentence or essay (default 500000; 0: no cap); "
+                   "longer: 413")
+    p.add_argument("--max-queue-pieces", type=_positive, default=1_000_000,
+                   help="estimated word pieces admitted and not yet answered (default "
+                   "1000000); beyond it 503, a request alone over it 413")
+    p.add_argument("--request-timeout", type=_non_negative_float, default=60.0,
+                   help="seconds from admission to answer (default 60; 0: none); later: 504, "
+                   "and the request's remaining work is dropped")
+    p.add_argument("--limit-concurrency", type=_non_negative_int, default=512,
+                   help="open connections and requests at most, beyond which uvicorn answers "
+                   "503 (default 512; 0: no limit)")
+    p.add_argument("--max-buffered-bytes", type=_non_negative_int, default=64_000_000,
+                   help="request-body bytes held in memory by all requests together (default "
+                   "64000000; 0: no cap); beyond it 503")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--scorer", metavar="DIR", default=None,
                    help="essay scorer for /v1/score (default: the shipped one, if installed)")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +38,8 @@ import numpy as np
 from ..packing import pack_by_token_budget
 from .tokenize import Token, word_tokenize
 
-__all__ = ["TagResult", "Engine", "plan_windows", "load_tokenizer", "read_tagger_config",
-           "default_tagger_path"]
+__all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
+           "read_tagger_config", "default_tagger_path"]
 
 TAGGER_FORMAT = "mhmla-ged-tagger/1"  # config.json "format" of a tagger (ged.model)
 
@@ -64,6 +64,21 @@ class TagResult:
         if self.offsets is not None:
             d["offsets"] = [list(o) for o in self.offsets]
         return d
+
+
+@dataclass
+class WindowPlan:
+    """One input word-pieced and cut into the windows :meth:`Engine.word_probs` would use, to be
+    tagged window by window (:meth:`Engine.tag_windows`, in any batches) and then merged
+    (:meth:`Engine.finish_plan`) into the same result as ``tag_texts``/``tag_tokens``; the HTTP
+    server interleaves the windows of a long text with other requests this way."""
+
+    tokens: list[str]
+    offsets: list[tuple[int, int]] | None  # raw text only
+    text: str | None  # raw text only
+    ids: np.ndarray  # [P] piece ids, no special tokens
+    first: np.ndarray  # [P] the word each piece starts, else -1
+    windows: list[tuple[int, int]]  # [start, end) piece spans
 
 
 def plan_windows(n_pieces: int, window: int, overlap: int | None = None
@@ -133,7 +148,11 @@ def word_tokenize_chunked(text: str, chunk: int = 1 << 16) -> list[Token]:
     one."""
     if len(text) <= chunk:
         return word_tokenize(text)
-    out: list[Token] = []
+    return [t for part in iter_word_tokenize(text, chunk) for t in part]
+
+
+def iter_word_tokenize(text: str, chunk: int = 1 << 16) -> Iterator[list[Token]]:
+    """The tokens of :func:`word_tokenize_chunked`, one list per piece of the text."""
     a, n = 0, len(text)
     while a < n:
         b = min(a + chunk, n)
@@ -146,9 +165,8 @@ def word_tokenize_chunked(text: str, chunk: int = 1 << 16) -> list[Token]:
                 while c < n and not _is_separator(text[c]):
                     c += 1
             b = c
-        out.extend(Token(t.text, t.start + a, t.end + a) for t in word_tokenize(text[a:b]))
+        yield [Token(t.text, t.start + a, t.end + a) for t in word_tokenize(text[a:b])]
         a = b
-    return out
 
 
 class Engine:
@@ -263,46 +281,112 @@ class Engine:
 
     # ------------------------------------------------------------------- tagging
 
+    def window_spans(self, n_pieces: int) -> list[tuple[int, int]]:
+        """[start, end) piece spans of the windows an input of ``n_pieces`` is tagged in: one
+        when it fits the encoder, else windows of ``long_window`` overlapping by a quarter."""
+        if n_pieces <= self.max_pieces - 2:
+            return [(0, n_pieces)] if n_pieces else []
+        return plan_windows(n_pieces, self.long_window, self.long_window // 4)
+
+    def _forward(self, rows: Sequence[np.ndarray], on_pieces=None):
+        """Run piece-id rows (no special tokens) packed by ``token_budget``: yields, per forward
+        pass, the row indices and the probabilities [B, T] (piece r of a row at r + 1)."""
+        lengths = [len(r) + 2 for r in rows]  # with [CLS] and [SEP]
+        for picked in pack_by_token_budget(lengths, self.token_budget, self.max_batch,
+                                           max_padding=self.max_padding):
+            T = max(lengths[k] for k in picked)
+            input_ids = np.full((len(picked), T), self.pad_id, dtype=np.int64)
+            mask = np.zeros((len(picked), T), dtype=np.int64)
+            for r, k in enumerate(picked):
+                n = len(rows[k])
+                input_ids[r, 0], input_ids[r, n + 1] = self.cls_id, self.sep_id
+                input_ids[r, 1 : n + 1] = rows[k]
+                mask[r, : n + 2] = 1
+            out = np.asarray(self.runner(input_ids, mask), dtype=np.float32)
+            if on_pieces is not None:
+                on_pieces(int(mask.sum()) - 2 * len(picked))
+            yield picked, out
+
+    @staticmethod
+    def _merge_window(first: np.ndarray, out: np.ndarray, probs: np.ndarray,
+                      margin: np.ndarray) -> None:
+        """Take a window's word probabilities (``first`` [W]: the word each piece starts, else
+        -1; ``out`` [>= W + 2]) for the words whose first piece sits farther from its edge than
+        in the windows merged so far (ties: the earlier window)."""
+        pos = np.nonzero(first >= 0)[0]  # window positions of first pieces
+        words = first[pos]
+        edge = np.minimum(pos, len(first) - 1 - pos)  # distance to the window's edge
+        better = edge > margin[words]
+        margin[words[better]] = edge[better]
+        probs[words[better]] = out[pos[better] + 1]
+
     def word_probs(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[np.ndarray]:
         """Error probability of every word of every sentence, in input order (``on_pieces(n)``:
         called after each forward pass with its ``n`` real word pieces)."""
         encoded = self._encode(sentences)
-        window = self.max_pieces - 2
-        rows = []  # (sentence, start, end)
-        for s, (ids, _) in enumerate(encoded):
-            if not len(ids):
-                continue
-            if len(ids) <= window:
-                rows.append((s, 0, len(ids)))
-                continue
-            for start, end in plan_windows(len(ids), self.long_window, self.long_window // 4):
-                rows.append((s, start, end))
+        rows = [(s, start, end) for s, (ids, _) in enumerate(encoded)
+                for start, end in self.window_spans(len(ids))]  # (sentence, start, end)
         probs = [np.zeros(len(words), dtype=np.float32) for words in sentences]
         margin = [np.full(len(words), -1, dtype=np.int64) for words in sentences]
-        lengths = [end - start + 2 for _, start, end in rows]  # with [CLS] and [SEP]
-        for picked in pack_by_token_budget(lengths, self.token_budget, self.max_batch,
-                                           max_padding=self.max_padding):
-            batch = [rows[k] for k in picked]
-            T = max(e - s for _, s, e in batch) + 2
-            input_ids = np.full((len(batch), T), self.pad_id, dtype=np.int64)
-            mask = np.zeros((len(batch), T), dtype=np.int64)
-            for r, (s, start, end) in enumerate(batch):
-                n = end - start
-                input_ids[r, 0], input_ids[r, n + 1] = self.cls_id, self.sep_id
-                input_ids[r, 1 : n + 1] = encoded[s][0][start:end]
-                mask[r, : n + 2] = 1
-            out = np.asarray(self.runner(input_ids, mask), dtype=np.float32)
-            if on_pieces is not None:
-                on_pieces(int(mask.sum()) - 2 * len(batch))
-            for r, (s, start, end) in enumerate(batch):
-                first = encoded[s][1][start:end]
-                pos = np.nonzero(first >= 0)[0]  # window positions of first pieces
-                words = first[pos]
-                edge = np.minimum(pos, end - start - 1 - pos)  # distance to the window's edge
-                better = edge > margin[s][words]
-                margin[s][words[better]] = edge[better]
-                probs[s][words[better]] = out[r, pos[better] + 1]
+        views = [encoded[s][0][start:end] for s, start, end in rows]
+        for picked, out in self._forward(views, on_pieces):
+            for r, k in enumerate(picked):
+                s, start, end = rows[k]
+                self._merge_window(encoded[s][1][start:end], out[r], probs[s], margin[s])
         return probs
+
+    # ------------------------------------------------------- tagging window by window
+
+    def plan_text(self, text: str) -> WindowPlan:
+        """Tokenise and word-piece a raw text and plan its windows (see :class:`WindowPlan`)."""
+        *_, plan = self.plan_steps(text=text)
+        return plan
+
+    def plan_tokens(self, words: Sequence[str]) -> WindowPlan:
+        """Word-piece a pre-tokenised sentence and plan its windows (see :class:`WindowPlan`)."""
+        *_, plan = self.plan_steps(words=words)
+        return plan
+
+    def plan_steps(self, *, text: str | None = None, words: Sequence[str] | None = None,
+                   chunk_chars: int = 4096) -> Iterator[WindowPlan | None]:
+        """:meth:`plan_text` (``text``) or :meth:`plan_tokens` (``words``) in small steps, for a
+        caller that interleaves them with other work: yields None after each piece of about
+        ``chunk_chars`` characters tokenised or ``ENCODE_CHUNK`` words word-pieced, and the
+        :class:`WindowPlan` last. (Words are pieced one by one, so chunks change nothing.)"""
+        offsets = None
+        if text is not None:
+            toks: list[Token] = []
+            for part in iter_word_tokenize(text, chunk_chars):
+                toks.extend(part)
+                yield None
+            words, offsets = [t.text for t in toks], [(t.start, t.end) for t in toks]
+        ids, first = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int64)]
+        for a in range(0, len(words), self.ENCODE_CHUNK):
+            (i, f), = self._encode_batch([words[a:a + self.ENCODE_CHUNK]])
+            ids.append(i)
+            first.append(np.where(f >= 0, f + a, -1))
+            yield None
+        ids, first = np.concatenate(ids), np.concatenate(first)
+        yield WindowPlan(list(words), offsets, text, ids, first, self.window_spans(len(ids)))
+
+    def tag_windows(self, windows: Sequence[tuple[WindowPlan, int]]) -> list[np.ndarray]:
+        """Error probabilities [W + 2] of window ``k`` of each ``(plan, k)`` (position r + 1
+        is the window's piece r), packed into forward passes like any inputs."""
+        rows = [plan.ids[slice(*plan.windows[k])] for plan, k in windows]
+        out: list[Any] = [None] * len(rows)
+        for picked, probs in self._forward(rows):
+            for r, k in enumerate(picked):
+                out[k] = probs[r, : len(rows[k]) + 2].copy()
+        return out
+
+    def finish_plan(self, plan: WindowPlan, window_probs: Sequence[np.ndarray]) -> TagResult:
+        """The result of a planned input from the probabilities of all its windows (in window
+        order): the same as ``tag_texts``/``tag_tokens`` on it."""
+        probs = np.zeros(len(plan.tokens), dtype=np.float32)
+        margin = np.full(len(plan.tokens), -1, dtype=np.int64)
+        for (start, end), out in zip(plan.windows, window_probs, strict=True):
+            self._merge_window(plan.first[start:end], out, probs, margin)
+        return self._result(plan.tokens, probs, plan.offsets, plan.text)
 
     def _result(self, tokens, probs, offsets=None, text=None) -> TagResult:
         labels = ["i" if p >= self.threshold else "c" for p in probs]

@@ -16,9 +16,15 @@ Endpoints (:func:`create_app`)
     deeply to parse (``"type": "json_invalid"``), or a body that breaks the schema (strings holding
     lone surrogates included; the error list does not echo the input back); 413 a body larger than
     ``max_request_bytes`` (by ``Content-Length`` and by the bytes actually received, so a chunked
-    or lying client is caught) or more than ``max_texts_per_request`` texts/sentences; 503 with
-    ``Retry-After`` when the queue is full or the server is shutting down; 500 when the engine
-    failed on this request's inputs. Every error body is ``{"detail": ...}``.
+    or lying client is caught), more than ``max_texts_per_request`` texts/sentences, a text (or
+    sentence: its words and one space between each two) longer than ``max_text_chars``
+    characters (the message names the input and the limit), or a request whose estimated word
+    pieces alone exceed ``max_queue_pieces``; 503 with ``Retry-After`` when the queue is full
+    (inputs or pieces), the request bodies held reach ``max_buffered_bytes``, or the server is
+    shutting down; 504 when the answer is not ready ``request_timeout_s`` after admission (the
+    request's waiting work is dropped); 500 when the engine failed on this request's inputs.
+    A request whose client disconnects is dropped before its waiting work runs (recorded as
+    status 499 and in ``mhmla_dropped_requests_total``). Every error body is ``{"detail": ...}``.
 
 ``POST /v1/score``
     Body ``{"essays": [{"text": str, "prompt": int, "id": str|int (optional)}, ...]}``; answer
@@ -30,8 +36,9 @@ Endpoints (:func:`create_app`)
     schema (``"text"`` missing, not a string or blank;
     ``"prompt"`` not an integer 1..8 (no strings, floats or booleans); ``"id"`` not a string or
     integer; unknown fields), or a prompt the scorer has no output layer for (``loc`` points at
-    the essay's ``prompt``); 413 a body over ``max_request_bytes`` or more than
-    ``max_essays_per_request`` essays; 503 with ``Retry-After`` when the queue is full or the
+    the essay's ``prompt``); 413 a body over ``max_request_bytes``, more than
+    ``max_essays_per_request`` essays or an essay over ``max_text_chars``; 504 and dropping as
+    for ``/v1/tag``; 503 with ``Retry-After`` when the queue is full or the
     server is shutting down; 500 when the scorer failed on this request's essays; 404 when the
     app has no scorer (``{"detail": "essay scoring is not enabled ..."}``).
 
@@ -47,33 +54,24 @@ Endpoints (:func:`create_app`)
     of the tagging batches), ``mhmla_batch_seconds``, ``mhmla_engine_failures_total`` (tagging
     and scoring), ``mhmla_queue_depth`` (texts and essays); for scoring
     ``mhmla_score_request_seconds`` (``/v1/score`` latency), ``mhmla_essays_scored_total``,
-    ``mhmla_score_batch_essays``, ``mhmla_score_batch_requests`` and ``mhmla_score_batch_seconds``.
+    ``mhmla_score_batch_essays``, ``mhmla_score_batch_requests`` and ``mhmla_score_batch_seconds``;
+    ``mhmla_dropped_requests_total{reason}`` (``disconnected``, ``deadline``).
 
 ``GET /openapi.json``: the OpenAPI description, from the pydantic models; it needs nothing else.
 ``GET /docs``: Swagger UI on it. Swagger UI's script and style come from cdn.jsdelivr.net (this
 server sends no other assets), so the page says, above the viewer, that offline the description
 is at ``/openapi.json``. (No ``/redoc``: one CDN page is enough.)
 
-Micro-batching (:class:`MicroBatcher`)
---------------------------------------
+Micro-batching (:class:`~mhmla_fast.serve.scheduler.MicroBatcher`)
+-----------------------------------------------------------------
 
-One worker thread owns the engine. A request is admitted whole or not at all: its texts become
-*items* on one FIFO queue bounded at ``max_queue`` items (texts), else 503. The worker takes the
-oldest item and keeps taking items (of any request, whole requests or parts of them) while their
-estimated size stays within ``max_batch_tokens`` word pieces, waiting for more at most until
-``max_wait_ms`` after the first item was queued; when it was busy, the queue has usually filled
-meanwhile and it takes what is there at once. The estimate of an item is
-``max(1.3 x whitespace-split words, characters / 4)`` (the second term keeps text without spaces,
-e.g. Chinese, from looking free). A batch is either tagging or scoring, never both (the worker
-stops taking items at the first one of the other family). A tagging batch goes to ONE engine
-call per input kind present (``tag_texts`` for texts, ``tag_tokens`` for sentences), which sorts
-by length and packs padded sub-batches by its own ``token_budget``; a scoring batch (kind
-``"essays"``, estimated like texts) goes to ONE ``scorer.predict_scores(texts, prompts,
-token_budget=score_token_budget)`` call, so all windows of all its essays, of every request and
-prompt, are encoded together. Each request's future is resolved on its event loop
-(``call_soon_threadsafe``) once all its items are done. When the engine raises, the requests of
-the batch are retried one by one, so only the requests whose own inputs fail get 500. Items of a
-request whose client has gone are skipped.
+Admission is by count and by cost, batching by cost and round-robin over requests, and long
+texts are tagged in windows interleaved with other requests: see :mod:`.scheduler`. The handler
+waits for its request's future, its client's disconnection and its deadline, whichever comes
+first. Memory: uvicorn buffers little per connection (it pauses reading at 64 kB), the app holds
+at most ``max_buffered_bytes`` of request bodies in all, and ``mhmla-serve http`` passes
+``--limit-concurrency`` to uvicorn (503 beyond it). A result of more than 65,536 tokens is
+encoded to JSON off the event loop.
 
 Shutdown: the lifespan's exit closes the queue (new requests get 503), lets the worker finish every
 queued and in-flight item, and joins it. (Uvicorn stops listening and waits for open requests
@@ -83,13 +81,11 @@ before it runs the lifespan exit, so in-flight requests complete.)
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
+import json
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -105,12 +101,14 @@ from pydantic import (
     field_validator, model_validator,
 )
 
-from .score import score_essays, unsupported_prompt
+from .scheduler import (
+    EngineFailure, MicroBatcher, QueueFull, TooCostly, Unavailable, estimate_pieces,
+)
+from .score import unsupported_prompt
 
-__all__ = ["create_app", "MicroBatcher", "QueueFull", "Unavailable", "TagRequest", "TagResponse",
+__all__ = ["create_app", "MicroBatcher", "QueueFull", "TooCostly", "Unavailable",
+           "EngineFailure", "estimate_pieces", "BodyLimit", "TagRequest", "TagResponse",
            "ScoreRequest", "ScoreResponse"]
-
-log = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -121,7 +119,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 TAG_PATH = "/v1/tag"
 SCORE_PATH = "/v1/score"
 RETRY_AFTER_S = 1
-KINDS = ("texts", "sentences", "essays")  # input kinds; "essays" are scored, the others tagged
+CLIENT_CLOSED = 499  # the status recorded (nginx's) for a request whose client went away
+BIG_RESPONSE = 1 << 16  # result items (tokens) above which the JSON is encoded off the loop
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for what json.loads
 # raised other than a JSONDecodeError (RecursionError for deep nesting): answered 422 here
 NO_SCORER = ("essay scoring is not enabled on this server (it was started without an essay "
@@ -251,304 +250,6 @@ class ErrorResponse(BaseModel):
     detail: Any
 
 
-# ------------------------------------------------------------------------------------ batcher
-
-
-class QueueFull(Exception):
-    """The queue cannot take the request's texts now (answer 503 with Retry-After)."""
-
-
-class Unavailable(Exception):
-    """The batcher is shutting down or its worker has stopped."""
-
-
-class EngineFailure(Exception):
-    """The engine raised on this request's inputs; ``args[0]`` is a message for the client."""
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request: ``inputs`` of one ``kind`` ("texts" | "sentences" | "essays"), the result
-    dicts so far, and the future its handler awaits (resolved on ``loop``)."""
-
-    kind: str
-    inputs: Sequence[Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    results: list[Any] = field(default_factory=list)
-    remaining: int = 0
-    failed: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Item:
-    job: _Job
-    pos: int
-    cost: float
-    queued_at: float
-
-
-def _family(kind: str) -> str:
-    """"score" for essays, "tag" for texts and sentences: what a batch may mix."""
-    return "score" if kind == "essays" else "tag"
-
-
-def estimate_pieces(kind: str, value: Any) -> float:
-    """Rough word-piece count of one text (``kind="texts"``), token list (``"sentences"``) or
-    ``(text, prompt)`` essay (``"essays"``): ``max(1, 1.3 x words, characters / 4)``, words split
-    on whitespace for a text."""
-    if kind == "essays":
-        value = value[0]
-        kind = "texts"
-    if kind == "texts":
-        words, chars = len(value.split()), len(value)
-    else:
-        words, chars = len(value), sum(len(w) for w in value)
-    return max(1.0, 1.3 * words, chars / 4)
-
-
-def _resolve(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _reject(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
-class MicroBatcher:
-    """Dynamic micro-batching of tagging and scoring requests over one engine and an optional
-    essay scorer (design: module docstring).
-
-    Args:
-        engine: has ``tag_texts(list[str])`` and ``tag_tokens(list[list[str]])`` returning objects
-            with ``to_dict()``; used only from the worker thread.
-        scorer: None, or has ``predict_scores(texts, prompts, token_budget=...)`` returning one
-            integer score per essay (an :class:`~mhmla_fast.aes.model.EssayScorer`); used only
-            from the worker thread. Needed for ``submit("essays", ...)``.
-        score_token_budget: the scorer's padded word pieces per forward pass.
-        max_batch_tokens: estimated word pieces per batch (the first item is always taken).
-        max_wait_ms: how long a batch may wait for more items after its first one was queued.
-        max_queue: queued texts and essays at most (admission is per request, all or nothing).
-        on_batch: called from the worker after each tagging batch with (texts, requests, seconds).
-        on_score_batch: likewise after each scoring batch with (essays, requests, seconds).
-        on_failure: called from the worker once per request failed by the engine or scorer.
-    """
-
-    def __init__(self, engine: Any, *, scorer: Any = None, score_token_budget: int = 8192,
-                 max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
-                 max_queue: int = 1024,
-                 on_batch: Callable[[int, int, float], None] | None = None,
-                 on_score_batch: Callable[[int, int, float], None] | None = None,
-                 on_failure: Callable[[], None] | None = None) -> None:
-        if max_batch_tokens < 1 or max_queue < 1 or max_wait_ms < 0 or score_token_budget < 1:
-            raise ValueError("max_batch_tokens, max_queue and score_token_budget must be >= 1 "
-                             "and max_wait_ms >= 0")
-        self.engine = engine
-        self.scorer = scorer
-        self.score_token_budget = int(score_token_budget)
-        self._on_score_batch = on_score_batch
-        self.max_batch_tokens = float(max_batch_tokens)
-        self.max_wait = max_wait_ms / 1000.0
-        self.max_queue = int(max_queue)
-        self._on_batch = on_batch
-        self._on_failure = on_failure
-        self._queue: deque[_Item] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None  # what killed the worker, if anything
-
-    # ------------------------------------------------------------------ control
-
-    @property
-    def depth(self) -> int:
-        """Texts and essays waiting in the queue (not counting the batch being processed)."""
-        return len(self._queue)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def accepting(self) -> bool:
-        """True while new requests are admitted (started, not closed, worker alive)."""
-        return not self._closed and self.alive
-
-    def start(self) -> None:
-        """Start the worker thread (once)."""
-        if self._thread is not None:
-            raise RuntimeError("the batcher was already started")
-        self._thread = threading.Thread(target=self._run, name="mhmla-batcher", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop admitting requests; the worker still finishes everything queued, then exits."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the worker to finish (after :meth:`close`)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def submit(self, kind: str, inputs: Sequence[Any]) -> asyncio.Future:
-        """Queue a request's inputs from the event loop; the returned future gets the list of
-        result dicts in input order (``TagResult.to_dict()``, or ``{"prompt", "score"}`` for
-        essays), or :class:`EngineFailure`. ``kind`` is "texts" (strings), "sentences" (token
-        lists) or "essays" (``(text, prompt)`` pairs; needs a scorer). Raises :class:`QueueFull`
-        or :class:`Unavailable` when the request cannot be admitted."""
-        if kind not in KINDS:
-            raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-        if kind == "essays" and self.scorer is None:
-            raise ValueError("this batcher has no essay scorer")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        if not inputs:
-            fut.set_result([])
-            return fut
-        job = _Job(kind, inputs, loop, fut, [None] * len(inputs), len(inputs))
-        now = time.monotonic()
-        items = [_Item(job, k, estimate_pieces(kind, x), now) for k, x in enumerate(inputs)]
-        with self._cond:
-            if self._closed:
-                raise Unavailable("shutting down")
-            if not self.alive:
-                raise Unavailable("the tagging worker is not running")
-            if len(self._queue) + len(items) > self.max_queue:
-                raise QueueFull(f"the queue is full ({len(self._queue)} of {self.max_queue} "
-                                f"texts and essays waiting); retry later")
-            self._queue.extend(items)
-            self._cond.notify()
-        return fut
-
-    # ------------------------------------------------------------------- worker
-
-    def _next_batch(self) -> list[_Item] | None:
-        """Block for the next batch; None once closed and drained."""
-        with self._cond:
-            while not self._queue:
-                if self._closed:
-                    return None
-                self._cond.wait()
-            first = self._queue.popleft()
-            batch, size = [first], first.cost
-            family = _family(first.job.kind)
-            deadline = first.queued_at + self.max_wait
-            while True:
-                if self._queue:
-                    head = self._queue[0]
-                    if (size + head.cost > self.max_batch_tokens
-                            or _family(head.job.kind) != family):
-                        break
-                    item = self._queue.popleft()
-                    batch.append(item)
-                    size += item.cost
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
-                    break
-                self._cond.wait(left)
-            return batch
-
-    def _compute(self, items: Sequence[_Item]) -> list[dict]:
-        """Result dicts of ``items`` (all of one family) in order: one scorer call for essays,
-        else one engine call per input kind present."""
-        if _family(items[0].job.kind) == "score":
-            essays = [it.job.inputs[it.pos] for it in items]
-            return score_essays(self.scorer, [t for t, _ in essays], [p for _, p in essays],
-                                self.score_token_budget)
-        out: list[Any] = [None] * len(items)
-        for kind, fn in (("texts", self.engine.tag_texts), ("sentences", self.engine.tag_tokens)):
-            idx = [k for k, it in enumerate(items) if it.job.kind == kind]
-            if not idx:
-                continue
-            results = fn([items[k].job.inputs[items[k].pos] for k in idx])
-            if len(results) != len(idx):
-                raise RuntimeError(f"engine returned {len(results)} results for {len(idx)} inputs")
-            for k, res in zip(idx, results):
-                out[k] = res.to_dict()
-        return out
-
-    def _deliver(self, items: Sequence[_Item], results: Sequence[dict]) -> None:
-        for it, res in zip(items, results):
-            job = it.job
-            job.results[it.pos] = res
-            job.remaining -= 1
-            if job.remaining == 0:
-                self._call(job, _resolve, job.results)
-
-    def _fail(self, job: _Job, err: BaseException) -> None:
-        job.failed = True
-        if self._on_failure is not None:
-            self._on_failure()
-        what = "scoring" if _family(job.kind) == "score" else "tagging"
-        self._call(job, _reject, EngineFailure(f"{what} failed: {type(err).__name__}: {err}"))
-
-    @staticmethod
-    def _call(job: _Job, fn: Callable[[asyncio.Future, Any], None], arg: Any) -> None:
-        try:
-            job.loop.call_soon_threadsafe(fn, job.future, arg)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    def _process(self, batch: list[_Item]) -> None:
-        items = [it for it in batch if not it.job.failed and not it.job.future.done()]
-        if not items:
-            return
-        on_batch = (self._on_score_batch if _family(items[0].job.kind) == "score"
-                    else self._on_batch)
-        t0 = time.perf_counter()
-        try:
-            results = self._compute(items)
-        except Exception as err:  # isolate: retry request by request
-            log.warning("engine failed on a batch of %d inputs (%s: %s); retrying per request",
-                        len(items), type(err).__name__, err)
-            jobs: dict[_Job, list[_Item]] = {}
-            for it in items:
-                jobs.setdefault(it.job, []).append(it)
-            if len(jobs) == 1:
-                self._fail(items[0].job, err)
-                return
-            for job, its in jobs.items():
-                t0 = time.perf_counter()
-                try:
-                    results = self._compute(its)
-                except Exception as one:
-                    log.exception("engine failed on a request of %d inputs", len(its))
-                    self._fail(job, one)
-                    continue
-                if on_batch is not None:
-                    on_batch(len(its), 1, time.perf_counter() - t0)
-                self._deliver(its, results)
-            return
-        if on_batch is not None:
-            on_batch(len(items), len({id(it.job) for it in items}), time.perf_counter() - t0)
-        self._deliver(items, results)
-
-    def _run(self) -> None:
-        batch: list[_Item] = []
-        try:
-            while True:
-                batch = self._next_batch() or []
-                if not batch:
-                    return
-                self._process(batch)
-        except BaseException as err:  # a bug in the batcher itself: fail everyone, go dark
-            # (logged, not re-raised: /healthz reports it as 503 "worker stopped")
-            log.exception("the tagging worker stopped")
-            self.error = err
-            with self._cond:
-                self._closed = True
-                left = [*batch, *self._queue]
-                self._queue.clear()
-            for job in {id(it.job): it.job for it in left}.values():
-                if not job.failed and not job.future.done():
-                    self._fail(job, err)
-
-
 # ----------------------------------------------------------------------------- middleware
 
 
@@ -595,16 +296,30 @@ class RequireJson:
 class BodyLimit:
     """ASGI middleware: refuse HTTP request bodies over ``limit`` bytes with 413, first by the
     ``Content-Length`` header, then by counting what actually arrives (chunked or lying clients).
-    An accepted body is read whole and replayed to the app."""
+    An accepted body is read whole and replayed to the app.
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    ``max_buffered``: the bytes of request bodies held at once by all requests in flight (from
+    their first byte until their response is sent), at most; a request that would pass it gets
+    503 with ``Retry-After`` (by ``Content-Length`` before anything is read, else as it
+    arrives). ``held`` is the current total."""
+
+    def __init__(self, app: ASGIApp, limit: int, max_buffered: int | None = None) -> None:
         self.app, self.limit = app, int(limit)
+        self.max_buffered = None if max_buffered is None else int(max_buffered)
+        self.held = 0  # one event loop: no lock needed
+
+    def _room(self, n: int) -> bool:
+        return self.max_buffered is None or self.held + n <= self.max_buffered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         too_big = {"detail": f"request body larger than {self.limit} bytes"}
+        busy = {"detail": f"the server is holding its maximum of request bodies in memory "
+                          f"({self.max_buffered} bytes); retry later"}
+        close = [(b"connection", b"close")]
+        retry = [*close, (b"retry-after", str(RETRY_AFTER_S).encode())]
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -613,31 +328,43 @@ class BodyLimit:
                     await _send_json(send, 400, {"detail": "invalid Content-Length"})
                     return
                 if declared > self.limit:
-                    await _send_json(send, 413, too_big, [(b"connection", b"close")])
+                    await _send_json(send, 413, too_big, close)
+                    return
+                if not self._room(declared):
+                    await _send_json(send, 503, busy, retry)
                     return
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.limit:
-                await _send_json(send, 413, too_big, [(b"connection", b"close")])
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body = message.get("body", b"")
+                if size + len(body) > self.limit:
+                    await _send_json(send, 413, too_big, close)
+                    return
+                if not self._room(len(body)):
+                    await _send_json(send, 503, busy, retry)
+                    return
+                size += len(body)
+                self.held += len(body)
+                chunks.append(body)
+                if not message.get("more_body", False):
+                    break
+            replayed = False
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
+            async def replay() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    data = b"".join(chunks)
+                    chunks.clear()
+                    return {"type": "http.request", "body": data, "more_body": False}
+                return await receive()
 
-        await self.app(scope, replay, send)
+            await self.app(scope, replay, send)
+        finally:
+            self.held -= size
 
 
 class Instrument:
@@ -690,6 +417,7 @@ class _Metrics:
     score_batch_essays: Histogram
     score_batch_requests: Histogram
     score_batch_seconds: Histogram
+    dropped: Counter
 
     @classmethod
     def create(cls) -> _Metrics:
@@ -723,6 +451,9 @@ class _Metrics:
                                            registry=reg),
             score_batch_seconds=Histogram("mhmla_score_batch_seconds", "Scorer time per batch",
                                           buckets=times, registry=reg),
+            dropped=Counter("mhmla_dropped_requests", "Admitted requests dropped before they "
+                            "finished, by reason (disconnected, deadline)", ["reason"],
+                            registry=reg),
         )
 
     def on_batch(self, texts: int, requests: int, seconds: float) -> None:
@@ -761,27 +492,88 @@ def _with_ids(essays: Sequence[EssayIn], results: Sequence[dict]) -> list[dict]:
             for k, (e, r) in enumerate(zip(essays, results), 1)]
 
 
-async def _await_results(batcher: MicroBatcher, kind: str, inputs: Sequence[Any]
-                         ) -> list[dict] | JSONResponse:
-    """Submit a request's inputs and wait: the result dicts, or the 503/500 response."""
+async def _disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (whose body has been read) goes away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _await_results(batcher: MicroBatcher, kind: str, inputs: Sequence[Any],
+                         request: Request, timeout: float | None, dropped: Counter
+                         ) -> list[dict] | Response:
+    """Submit a request's inputs and wait: the result dicts, or the error response (503 not
+    admitted, 413 too costly, 500 engine failure, 504 past ``timeout`` seconds, 499 client gone;
+    the last two drop the request's waiting work)."""
     try:
         fut = batcher.submit(kind, inputs)
     except (QueueFull, Unavailable) as err:
         return _unavailable(str(err))
+    except TooCostly as err:
+        return JSONResponse({"detail": str(err)}, status_code=413)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        return await fut
+        await asyncio.wait((fut, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (shutdown): nobody waits for the results any more
+        batcher.drop(fut)
+        raise
+    finally:
+        gone.cancel()
+    if not fut.done():
+        if batcher.drop(fut):
+            reason = "disconnected" if gone.done() and not gone.cancelled() else "deadline"
+            dropped.labels(reason=reason).inc()
+            if reason == "disconnected":  # nobody reads it; recorded in the metrics
+                return JSONResponse({"detail": "the client went away"},
+                                    status_code=CLIENT_CLOSED)
+            return JSONResponse({"detail": f"deadline exceeded: the request was not done "
+                                           f"within {timeout:g} s of being admitted "
+                                           f"(request_timeout_s); its remaining work was "
+                                           f"cancelled. Send fewer or shorter texts, or retry "
+                                           f"later"}, status_code=504)
+        await fut  # it ended between the wait and the drop
+    try:
+        return fut.result()
     except EngineFailure as err:
         return JSONResponse({"detail": err.args[0]}, status_code=500)
+
+
+async def _results_response(results: list[dict]) -> Response:
+    """``{"results": results}`` as JSON; a large body is encoded in a thread, so that the
+    event loop goes on answering other requests meanwhile."""
+    body = {"results": results}
+    if sum(len(r.get("tokens", ())) for r in results) < BIG_RESPONSE:
+        return JSONResponse(body)
+    data = await asyncio.to_thread(json.dumps, body, ensure_ascii=False, allow_nan=False,
+                                   separators=(",", ":"))
+    return Response(data.encode("utf-8"), media_type="application/json")
+
+
+def _over_long(kind: str, inputs: Sequence[Any], cap: int | None) -> str | None:
+    """The 413 message for the first input longer than ``cap`` characters (a sentence counts
+    its words and one space between each two), else None."""
+    if cap is None:
+        return None
+    for k, x in enumerate(inputs):
+        n = (len(x) if isinstance(x, str)
+             else sum(map(len, x)) + len(x) - 1)
+        if n > cap:
+            return (f"{kind}[{k}] is {n} characters long; the limit is {cap} characters per "
+                    f"text (max_text_chars)")
+    return None
 
 
 _ERRORS = {
     500: {"model": ErrorResponse, "description": "the model failed on these inputs"},
     503: {"model": ErrorResponse, "description": "queue full or shutting down; see Retry-After"},
+    504: {"model": ErrorResponse, "description": "not done within the request deadline"},
 }
 
 
 def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
-                     max_essays_per_request: int) -> None:
+                     max_essays_per_request: int, max_text_chars: int | None,
+                     wait: Callable[..., Awaitable[list[dict] | Response]]) -> None:
     """``POST /v1/score`` on ``app``: scores through ``batcher``, or 404 without a scorer."""
     if scorer is None:
         @app.post(SCORE_PATH, include_in_schema=False)
@@ -795,16 +587,19 @@ def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
         413: {"model": ErrorResponse, "description": "body or essay count over the limit"},
         **_ERRORS,
     })
-    async def score(body: ScoreRequest) -> Response:
+    async def score(body: ScoreRequest, request: Request) -> Response:
         """Score essays on their prompts' scales; results come back in request order."""
         essays = body.essays
         if len(essays) > max_essays_per_request:
             raise HTTPException(413, f"{len(essays)} essays in one request; at most "
                                      f"{max_essays_per_request} are allowed")
+        too_long = _over_long("essays", [e.text for e in essays], max_text_chars)
+        if too_long:
+            raise HTTPException(413, too_long)
         errors = _unsupported_prompts(essays, prompts)
         if errors:
             return JSONResponse({"detail": errors}, status_code=422)
-        results = await _await_results(batcher, "essays", [(e.text, e.prompt) for e in essays])
+        results = await wait("essays", [(e.text, e.prompt) for e in essays], request)
         if isinstance(results, Response):
             return results
         return JSONResponse({"results": _with_ids(essays, results)})
@@ -814,9 +609,21 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
                max_queue: int = 1024, max_request_bytes: int = 1_000_000,
                max_texts_per_request: int = 256, model_name: str | None = None,
                scorer: Any = None, scorer_name: str | None = None,
-               max_essays_per_request: int = 64, score_token_budget: int = 8192) -> FastAPI:
+               max_essays_per_request: int = 64, score_token_budget: int = 8192,
+               max_text_chars: int | None = 500_000, max_queue_pieces: int = 1_000_000,
+               request_timeout_s: float | None = 60.0,
+               max_buffered_bytes: int | None = 64_000_000,
+               split_pieces: int | None = None) -> FastAPI:
     """The tagging (and, with ``scorer``, essay-scoring) app over ``engine`` (endpoints, limits
     and batching: module docstring).
+
+    Limits: ``max_text_chars`` characters per text, sentence or essay (413; None: no cap);
+    ``max_queue_pieces`` estimated word pieces admitted and not yet answered (503, or 413 for a
+    request that alone is over it); ``request_timeout_s`` seconds from admission to the answer
+    (504; None: no deadline); ``max_buffered_bytes`` request-body bytes held at once by all
+    requests (503; None: no cap; at least ``max_request_bytes``); ``split_pieces``: texts and
+    sentences estimated above it are tagged window by window, interleaved with other requests
+    (default: a quarter of ``max_batch_tokens``).
 
     ``scorer`` is an :class:`~mhmla_fast.aes.model.EssayScorer` (or anything with
     ``predict_scores(texts, prompts, token_budget=...)`` and ``config.prompts``) or None, which
@@ -835,15 +642,27 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     if scorer is not None and max_queue < max_essays_per_request:
         raise ValueError(f"max_queue ({max_queue}) must be >= max_essays_per_request "
                          f"({max_essays_per_request})")
+    if max_text_chars is not None and max_text_chars < 1:
+        raise ValueError(f"max_text_chars: expected >= 1 or None, got {max_text_chars}")
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s: expected > 0 or None, got {request_timeout_s}")
+    if max_buffered_bytes is not None and max_buffered_bytes < max_request_bytes:
+        raise ValueError(f"max_buffered_bytes ({max_buffered_bytes}) must be >= "
+                         f"max_request_bytes ({max_request_bytes})")
     name = model_name or getattr(engine, "name", None) or type(engine).__name__
     scorer_name = (scorer_name or type(scorer).__name__) if scorer is not None else None
     metrics = _Metrics.create()
     batcher = MicroBatcher(engine, scorer=scorer, score_token_budget=score_token_budget,
                            max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                           max_queue=max_queue, on_batch=metrics.on_batch,
+                           max_queue=max_queue, max_queue_pieces=max_queue_pieces,
+                           split_pieces=split_pieces, on_batch=metrics.on_batch,
                            on_score_batch=metrics.on_score_batch,
                            on_failure=metrics.failures.inc)
     metrics.queue.set_function(lambda: batcher.depth)
+
+    async def wait(kind: str, inputs: Sequence[Any], request: Request) -> list[dict] | Response:
+        return await _await_results(batcher, kind, inputs, request, request_timeout_s,
+                                    metrics.dropped)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -894,22 +713,26 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         return HTMLResponse(html)
 
     @app.post(TAG_PATH, response_model=TagResponse, responses={
-        413: {"model": ErrorResponse, "description": "body or text count over the limit"},
+        413: {"model": ErrorResponse, "description": "body, text count, a text's length or "
+                                                    "the request's cost over the limit"},
         **_ERRORS,
     })
-    async def tag(body: TagRequest) -> Response:
+    async def tag(body: TagRequest, request: Request) -> Response:
         """Tag raw texts or pre-tokenised sentences; results come back in request order."""
         kind = "texts" if body.texts is not None else "sentences"
         inputs = body.texts if body.texts is not None else body.sentences
         if len(inputs) > max_texts_per_request:
             raise HTTPException(413, f"{len(inputs)} {kind} in one request; at most "
                                      f"{max_texts_per_request} are allowed")
-        results = await _await_results(batcher, kind, inputs)
+        too_long = _over_long(kind, inputs, max_text_chars)
+        if too_long:
+            raise HTTPException(413, too_long)
+        results = await wait(kind, inputs, request)
         if isinstance(results, Response):
             return results
-        return JSONResponse({"results": results})
+        return await _results_response(results)
 
-    _add_score_route(app, batcher, scorer, max_essays_per_request)
+    _add_score_route(app, batcher, scorer, max_essays_per_request, max_text_chars, wait)
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -928,7 +751,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         """Prometheus text exposition of the app's metrics."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(BodyLimit, limit=max_request_bytes, max_buffered=max_buffered_bytes)
     app.add_middleware(RequireJson, paths=(TAG_PATH, SCORE_PATH))
     app.add_middleware(Instrument, requests=metrics.requests,
                        latency={TAG_PATH: metrics.latency, SCORE_PATH: metrics.score_latency},
