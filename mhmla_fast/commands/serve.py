@@ -88,16 +88,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from itertools import accumulate
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from ..serve.pipeline import PrettyWriter, format_pretty, tag_records  # noqa: F401
 
 PROG = "mhmla-serve"
 EXIT_OK, EXIT_BAD_LINES, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 
-RED, YELLOW, RESET = "\x1b[1;4;31m", "\x1b[33m", "\x1b[0m"
 
 
 class UsageError(Exception):
@@ -274,80 +274,6 @@ def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> 
 
 
 # -------------------------------------------------------------------------------------- tag
-
-
-def tag_records(engine: Any, records: Sequence[Any], report: Any = None) -> list[dict]:
-    """Result dicts (``TagResult.to_dict()``) of valid input records, in order: the raw texts in
-    one ``engine.tag_texts`` call, the token lists in one ``engine.tag_tokens`` call (``report``:
-    called with the word pieces of each forward pass, for the progress bar). A record cut by
-    ``--max-chars``/``--over-long cap`` gets ``"capped_from"``: its original length."""
-    out: list[Any] = [None] * len(records)
-    texts = [k for k, r in enumerate(records) if r.text is not None]
-    tokens = [k for k, r in enumerate(records) if r.text is None]
-    kw = {"on_pieces": report} if report is not None else {}
-    if texts:
-        for k, res in zip(texts, engine.tag_texts([records[k].text for k in texts], **kw)):
-            out[k] = res.to_dict()
-    if tokens:
-        for k, res in zip(tokens, engine.tag_tokens([list(records[k].tokens) for k in tokens],
-                                                    **kw)):
-            out[k] = res.to_dict()
-    for rec, res in zip(records, out):
-        if rec.capped_from is not None:
-            res["capped_from"] = rec.capped_from
-    return out
-
-
-_CONTROLS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c != 0x09}
-
-
-def format_pretty(record: dict, text: str | None, colour: bool) -> str:
-    """One readable line for an output ``record``: ``<index> [id] <text>`` with each error span
-    marked (ANSI red with ``colour``, else ``[[...]]``), or ``<index> [id] ERROR: <message>``.
-    ``text`` is the record's raw text (None for token input, shown as the tokens joined by
-    spaces). Control characters are shown as U+FFFD so the text cannot drive the terminal."""
-    head = str(record["index"])
-    if record["id"] != record["index"]:
-        head += f" [{record['id']}]"
-    if "error" in record:
-        msg = f"ERROR: {record['error']}"
-        return f"{head}\t{YELLOW}{msg}{RESET}" if colour else f"{head}\t!! {msg}"
-    if text is None:
-        starts = [0, *accumulate(len(t) + 1 for t in record["tokens"])]  # of the joined text
-        text = " ".join(record["tokens"])
-        cut = [(starts[s["start"]], starts[s["end"]] - 1) for s in record["spans"]]
-    else:
-        cut = [(s["start"], s["end"]) for s in record["spans"]]
-    text = text.translate(_CONTROLS)
-    opening, closing = (RED, RESET) if colour else ("[[", "]]")
-    parts, pos = [], 0
-    for a, b in cut:
-        parts += [text[pos:a], opening, text[a:b], closing]
-        pos = b
-    parts.append(text[pos:])
-    return f"{head}\t{''.join(parts)}"
-
-
-class PrettyWriter:
-    """Stands in for :class:`~mhmla_fast.serve.records.ResumableJsonlWriter` in ``run_records``
-    (``done``, ``done_errors``, ``last_id``, ``path``, ``write``, ``sync``): prints each record
-    with :func:`format_pretty`. A result's private ``"_text"`` (the raw input) is used for display
-    and not printed."""
-
-    done, done_errors, last_id, path = 0, 0, None, "<stdout>"
-
-    def __init__(self, stream: IO[str], colour: bool) -> None:
-        self.stream, self.colour = stream, colour
-
-    def write(self, record: dict) -> None:
-        text = record.pop("_text", None)
-        self.stream.write(format_pretty(record, text, self.colour) + "\n")
-
-    def sync(self) -> None:
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.sync()
 
 
 def _count_lines(paths: Sequence[str]) -> int | None:

@@ -317,7 +317,7 @@ def load_processor(job: RayJob) -> Callable[[list[InputRecord]], list[dict]]:
     """The ``process_batch`` of ``mhmla-serve tag``/``score`` for ``job``: the engine (or
     scorer) loaded once, with the serving load contract."""
     if job.kind == "tag":
-        from ..commands.serve import tag_records
+        from .pipeline import tag_records
         from .engine import Engine
 
         engine = Engine.load(job.model, backend=job.backend, device=job.device, dtype=job.dtype,
