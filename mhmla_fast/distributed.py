@@ -20,8 +20,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["DistContext", "init_distributed", "shard", "world_size_from_env"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DistContext", "init_distributed", "training_device", "shard", "world_size_from_env"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,21 @@ def init_distributed(device_type: str) -> DistContext | None:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def training_device() -> tuple[torch.device, DistContext | None]:
+    """Where a training process runs and its place in the group: the device rule of
+    :func:`mhmla_fast.devices.resolve_device` (under torchrun on a GPU: ``cuda:LOCAL_RANK``) and
+    the :class:`DistContext` (None for a single process)."""
+    import torch
+
+    from .devices import resolve_device
+
+    device = torch.device(resolve_device())
+    ctx = init_distributed(device.type)
+    if ctx is not None and device.type == "cuda":
+        device = torch.device("cuda", ctx.local_rank)
+    return device, ctx
 
 
 def shard(batch: Sequence[int], lengths: Sequence[int], rank: int, world_size: int) -> list[int]:

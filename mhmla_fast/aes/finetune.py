@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..devices import resolve_device
-from ..distributed import init_distributed, shard
+from ..distributed import shard, training_device
 from ..encoder import load_tokenizer
 from .data import SCORE_RANGES, Essay
 from .heads import _epoch_batches
@@ -70,14 +69,11 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     Each window carries its essay's score; loss as in :func:`train_head`. The best scorer
     is saved to ``<out>/best``.
     """
-    from .model import collate_windows, encode_essay_windows
+    from .model import encode_essay_windows
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(resolve_device())  # the serving rule: cuda when available, else cpu
-    dist_ctx = init_distributed(device.type)  # None: one process (no torchrun)
-    if dist_ctx is not None and device.type == "cuda":
-        device = torch.device("cuda", dist_ctx.local_rank)
+    device, dist_ctx = training_device()  # cuda when available; dist_ctx None: one process
     main_rank = dist_ctx is None or dist_ctx.main
     torch.manual_seed(cfg.seed)
     # the run's head config itself; a copy of the encoder spec (the scorer fills in its length)

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..devices import resolve_device
-from ..distributed import init_distributed, shard
+from ..distributed import shard, training_device
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
 from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
@@ -214,10 +213,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(resolve_device())  # the serving rule: cuda when available, else cpu
-    dist_ctx = init_distributed(device.type)  # None: one process (no torchrun)
-    if dist_ctx is not None and device.type == "cuda":
-        device = torch.device("cuda", dist_ctx.local_rank)
+    device, dist_ctx = training_device()  # cuda when available; dist_ctx None: one process
     main_rank = dist_ctx is None or dist_ctx.main
     torch.manual_seed(cfg.seed)
 
