@@ -275,3 +275,174 @@ def test_importing_the_package_does_not_import_ray():
             "print('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------------- Parquet
+
+
+def parquet_rows(n: int, seed: int = 0) -> list[dict]:
+    """``n`` rows for a Parquet file with the columns ``id``, ``text``, ``tokens`` and an
+    unused ``note`` (None = null): texts, tokens, ids, and malformed rows now and then (no
+    text, empty text, text and tokens both, empty tokens, a null or blank token)."""
+    bad = [{}, {"text": "  "}, {"text": "both", "tokens": ["x"]}, {"tokens": []},
+           {"tokens": ["a", None]}, {"tokens": ["a", " "]}, {"id": "no-text"}]
+    rows = []
+    for i in range(1, n + 1):
+        if i % 41 == 0:
+            row = dict(bad[(i // 41) % len(bad)])
+        elif i % 3 == 0:
+            row = {"tokens": ["She", "see", str(i + seed), "."], "id": f"t{i}"}
+        else:
+            row = {"text": f"Row {i + seed} , he have {'words ' * (i % 5)}🚲 ."}
+        rows.append({"id": None, "text": None, "tokens": None, "note": i, **row})
+    return rows
+
+
+def write_parquet_and_jsonl(folder: Path, name: str, rows: list[dict], schema=None,
+                            row_group_size: int = 64) -> tuple[Path, Path]:
+    """``rows`` as ``name.parquet`` (nulls for absent fields) and as ``name.jsonl`` (one JSON
+    object line of each row's non-null fields)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), folder / f"{name}.parquet",
+                   row_group_size=row_group_size)
+    (folder / f"{name}.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in row.items() if v is not None}) + "\n" for row in rows),
+        encoding="utf-8")
+    return folder / f"{name}.parquet", folder / f"{name}.jsonl"
+
+
+def malformed_parquet_inputs(folder: Path) -> tuple[list[Path], list[Path]]:
+    """Parquet files and the same rows as JSONL files: a few hundred rows with malformed ones,
+    and files whose column types are wrong (a number as text, tokens of numbers, tokens as a
+    string)."""
+    import pyarrow as pa
+
+    files = [write_parquet_and_jsonl(folder, "a", parquet_rows(250))]
+    files.append(write_parquet_and_jsonl(folder, "b", [
+        {"text": 42, "id": 7}, {"text": None, "id": 8}, {"text": 1, "id": None}]))
+    files.append(write_parquet_and_jsonl(folder, "c", [{"tokens": [1, 2]}, {"tokens": None}],
+                                         schema=pa.schema([("tokens", pa.list_(pa.int64()))])))
+    files.append(write_parquet_and_jsonl(folder, "d", [
+        {"tokens": "not a list", "id": "s"}, {"tokens": "x y", "id": None}]))
+    return [p for p, _ in files], [j for _, j in files]
+
+
+def as_parquet_errors(records: list[dict], jsonl: list[Path]) -> list[dict]:
+    """``records`` made from ``jsonl`` files with their error messages as the same rows read
+    from the ``.parquet`` files give them (``X.parquet: row N`` for ``X.jsonl: line N``)."""
+    out = []
+    for rec in records:
+        if "error" in rec:
+            err = rec["error"]
+            for j in jsonl:
+                err = err.replace(f"{j}: line ", f"{j.with_suffix('.parquet')}: row ")
+            rec = {**rec, "error": err}
+        out.append(rec)
+    return out
+
+
+def test_parquet_input_equals_the_same_rows_as_jsonl_and_resumes_exactly_once(
+        tmp_path, tiny_tagger_dir, local_ray, capsys):
+    """Parquet rows are the records of the same JSON objects as lines: the single-process CLI
+    on the Parquet files equals it on the JSONL files (errors naming file and row), with the
+    same input fingerprint. A Ray job on the Parquet files (shards across row groups and
+    files) killed after some shards, refused on changed input, then resumed, equals both."""
+    parquet, jsonl = malformed_parquet_inputs(tmp_path)
+    want, cli, out = tmp_path / "jsonl.jsonl", tmp_path / "cli.jsonl", tmp_path / "ray.jsonl"
+    assert main([*tag_args(tiny_tagger_dir, *jsonl), "--output", str(want)]) == 1
+    assert main([*tag_args(tiny_tagger_dir, *parquet), "--output", str(cli)]) == 1
+    expected = as_parquet_errors(read_jsonl(want), jsonl)
+    errors = [r["error"] for r in expected if "error" in r]
+    assert len(expected) == 257 and len(errors) == 13
+    assert f'{parquet[1]}: row 1: field "text" must be a string, got number' in errors
+    assert f'{parquet[1]}: row 2: missing field "text" (or "tokens")' in errors
+    assert f'{parquet[2]}: row 1: field "tokens": item 0 must be a string, got number' in errors
+    assert f'{parquet[3]}: row 1: field "tokens" must be an array of strings, got string' in errors
+    assert f'{parquet[0]}: row 164: field "tokens": item 1 must be a string, got null' in errors
+
+    job, made = _job(tiny_tagger_dir), _made_from(tiny_tagger_dir)
+    paths = [str(p) for p in parquet]
+
+    def die_after_two(k: int) -> None:
+        if len(list(serve_ray.shards_dir(str(out)).glob("*.jsonl"))) >= 2:
+            raise KeyboardInterrupt  # the driver killed between two commits
+
+    with pytest.raises(KeyboardInterrupt):
+        serve_ray.run_job(job, paths, str(out), made_from=made, workers=2, shard_size=60,
+                          progress=False, on_commit=die_after_two)
+    folder = serve_ray.shards_dir(str(out))
+    first = sorted(p.name for p in folder.glob("*.jsonl"))
+    assert len(first) >= 2 and out.read_bytes() == b""
+
+    original = parquet[1].read_bytes()  # one changed row: the resume is refused, nothing touched
+    write_parquet_and_jsonl(tmp_path, "b", [{"text": 42, "id": 9}, {"text": None, "id": 8},
+                                            {"text": 1, "id": None}])
+    args = [*tag_args(tiny_tagger_dir, *parquet), "--output", str(out), "--ray", "--resume"]
+    assert main(args) == 2
+    assert "was made from other input" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.glob("*.jsonl")) == first and out.read_bytes() == b""
+    parquet[1].write_bytes(original)
+
+    commits: list[int] = []
+    serve_ray.run_job(job, paths, str(out), made_from=made, resume=True, workers=2,
+                      progress=False, on_commit=commits.append)
+    assert sorted(commits) == sorted(set(range(5)) - {int(n[:8]) for n in first})
+    assert main(args) == 1  # finished: nothing more to do
+    for got in (cli, out):
+        records = read_jsonl(got)
+        assert_same_records(records, expected)
+        assert [r["error"] for r in records if "error" in r] == errors
+        assert json.loads(Path(meta_path(str(got))).read_text())["input"] == json.loads(
+            Path(meta_path(str(want))).read_text())["input"]
+
+
+def test_parquet_shards_read_back_the_cli_records_also_from_a_uri(tmp_path):
+    """No Ray: the plan's row-range shards of Parquet files (several row groups, between two
+    line files), read back from local paths and ``file://`` URIs, are the CLI's records; for
+    ``score`` the rows are the records of the same JSON lines."""
+    import pyarrow as pa
+
+    from mhmla_fast.serve.records import iter_input_records
+
+    pq_file, _ = write_parquet_and_jsonl(tmp_path, "p", parquet_rows(150), row_group_size=32)
+    txt = tmp_path / "t.txt"
+    txt.write_bytes(sentences(20))
+    job = serve_ray.RayJob("tag", "unused")
+    want = list(iter_input_records([str(txt), str(pq_file), str(txt)], "tag"))
+    assert [r.line for r in want[20:170]] == list(range(1, 151))
+    for paths in ([str(txt), str(pq_file), str(txt)], [txt.as_uri(), pq_file.as_uri(), str(txt)]):
+        plan = serve_ray.plan_shards(job, paths, 45)
+        assert plan.records == 190 and len(plan.shards) == 5
+        got = [r for s in plan.shards for r in serve_ray.read_shard(job, s)]
+        assert [(r.index, r.line, r.id, r.text, r.tokens) for r in got] == [
+            (r.index, r.line, r.id, r.text, r.tokens) for r in want]
+        assert [r.error.replace(str(paths[1]), "P") for r in got[20:170] if r.error] == [
+            r.error.replace(str(pq_file), "P") for r in want[20:170] if r.error]
+
+    essays = [{"text": "An essay .", "prompt": 3, "id": "e1"}, {"text": "No prompt ."},
+              {"text": "Bad prompt .", "prompt": 9}, {"prompt": 2}, {"text": "Ok .", "prompt": 8}]
+    e_pq, e_jsonl = write_parquet_and_jsonl(tmp_path, "e", essays)
+    s_pq, s_jsonl = write_parquet_and_jsonl(tmp_path, "s", [{"text": "x", "prompt": "3"}])
+    got = list(iter_input_records([str(e_pq), str(s_pq)], "score"))
+    want = list(iter_input_records([str(e_jsonl), str(s_jsonl)], "score"))
+    assert [(r.id, r.text, r.prompt) for r in got] == [(r.id, r.text, r.prompt) for r in want]
+    assert [r.error for r in got if r.error] == [
+        f'{e_pq}: row 2: missing field "prompt"',
+        f'{e_pq}: row 3: field "prompt" must be an integer from 1 to 8, got 9',
+        f'{e_pq}: row 4: missing field "text"',
+        f'{s_pq}: row 1: field "prompt" must be an integer from 1 to 8, got string']
+    assert pa  # the Parquet writer is pyarrow's
+
+
+def test_parquet_input_that_cannot_be_read_is_refused(tmp_path, tiny_tagger_dir, capsys):
+    src, _ = write_parquet_and_jsonl(tmp_path, "in", parquet_rows(5))
+    args = tag_args(tiny_tagger_dir, src)
+    assert main([*args, "--format", "text"]) == 2
+    assert '--format: "text" reads lines as plain text' in capsys.readouterr().err
+    (tmp_path / "fake.parquet").write_text('{"text": "a JSON line"}\n')
+    for ray_args in ([], ["--output", str(tmp_path / "o.jsonl"), "--ray"]):
+        assert main([*tag_args(tiny_tagger_dir, tmp_path / "fake.parquet"), *ray_args]) == 2
+        assert "not a readable Parquet file" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -277,12 +277,21 @@ def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> 
 
 
 def _count_lines(paths: Sequence[str]) -> int | None:
-    """Records in ``paths`` (one per line, a last line without newline included), or None when
-    one of them is standard input or not a regular file."""
+    """Records in ``paths`` (one per line, a last line without newline included; a Parquet
+    file's rows from its footer), or None when one of them is standard input or not a regular
+    file."""
+    from ..serve.records import is_parquet, open_parquet
+
     total = 0
     for p in paths:
         if p == "-" or not os.path.isfile(p):
             return None
+        if is_parquet(p):
+            try:
+                total += open_parquet(p).metadata.num_rows
+            except ValueError:  # not Parquet after all: the reader reports it
+                return None
+            continue
         with open(p, "rb") as f:
             last = b""
             for chunk in iter(lambda: f.read(1 << 20), b""):

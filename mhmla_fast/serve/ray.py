@@ -10,12 +10,15 @@ A job (:func:`run_job`) on inputs ``paths`` into ``output``:
 1. **plan** (driver): read the inputs once with the CLI's parser
    (:mod:`mhmla_fast.serve.records`: ``--format``, ``--encoding``, ``--max-chars``/``--over-long``,
    for ``score`` the scorer's prompts), fingerprint every record as the CLI does, and cut the
-   records into shards of ``shard_size``: each shard is the byte ranges of its lines (no text is
-   shipped through the driver) and the :class:`~.records.InputFingerprint` of its own records.
+   records into shards of ``shard_size``: each shard is the byte ranges of its lines, or the
+   row ranges of its Parquet rows (no text is shipped through the driver), and the
+   :class:`~.records.InputFingerprint` of its own records.
 2. **process** (Ray Data): ``from_items`` over the shards not yet committed, ``map_batches``
    with :class:`ShardWorker` actors (``workers`` of them; ``num_gpus=1`` each on a CUDA device,
    else ``num_cpus=threads``). An actor reads its shard's byte ranges, parses them with the same
-   parser (the shard's fingerprint must equal the plan's), and produces the shard's JSONL with
+   parser, or reads its rows with pyarrow (only the row groups that hold them, only the
+   columns a record uses; :func:`~.records.parquet_records`), the shard's fingerprint must
+   equal the plan's, and produces the shard's JSONL with
    :func:`~.records.run_records`, exactly as the CLI assembles records. A dead actor is
    restarted and its shard retried by Ray.
 3. **commit** (driver): each finished shard is written to ``<output>.shards/<k>-<sha>.jsonl``
@@ -34,8 +37,9 @@ difference, as in the CLI. The writer's lock on ``output`` is held for the whole
 
 Inputs are files readable by every worker: local paths (a shared file system on a cluster) or
 URIs that pyarrow's filesystems open (``s3://``, ``gs://``, ``hdfs://``, ``file://``; the error
-records name them as given), not standard input. Ray Data's fault tolerance covers the
-actors; a dead driver is covered by ``resume``.
+records name them as given), not standard input. A name ending with ``.parquet`` is a Parquet
+file whose rows are the records (the CLI's rule, :mod:`~.records`); other inputs are lines.
+Ray Data's fault tolerance covers the actors; a dead driver is covered by ``resume``.
 """
 
 from __future__ import annotations
@@ -62,8 +66,11 @@ from .records import (
     _check_made_from,
     _fsync_dir,
     _parse_line,
+    check_parquet,
+    is_parquet,
     iter_input_records,
     limit_length,
+    parquet_records,
     run_records,
 )
 
@@ -187,24 +194,47 @@ def _read_range(path: str, start: int, end: int) -> bytes:
 
 def _record(job: RayJob, raw: bytes, index: int, source: str, line: int) -> InputRecord:
     """One raw line -> the record the CLI makes of it (parse, ``--max-chars``, prompts)."""
-    rec = _parse_line(_clean(raw, line == 1), job.kind, index, source, line, job.format,
-                      job.encoding)
+    return _finish(job, _parse_line(_clean(raw, line == 1), job.kind, index, source, line,
+                                    job.format, job.encoding))
+
+
+def _finish(job: RayJob, rec: InputRecord) -> InputRecord:
+    """A parsed record (of a line or a Parquet row) -> the record the CLI makes of it: its
+    ``--max-chars`` rule, then for ``score`` the scorer's prompts (the CLI's own functions)."""
     if job.max_chars is not None:
         rec = next(limit_length([rec], job.max_chars, job.over_long))
     if job.kind == "score" and rec.error is None:
-        from .score import unsupported_prompt
+        from .score import check_prompts
 
-        reason = unsupported_prompt(rec.prompt, job.prompts or ())
-        if reason is not None:
-            rec = dataclasses.replace(rec, text=None, prompt=None,
-                                      error=f"{rec.source}: line {rec.line}: {reason}")
+        rec = next(check_prompts([rec], job.prompts or ()))
     return rec
+
+
+def _parquet_rows(job: RayJob, open_path: str, source: str, first_index: int, start: int = 0,
+                  stop: int | None = None) -> Iterator[tuple[int, int, InputRecord]]:
+    """``(row, row + 1, record)`` for rows ``start .. stop - 1`` (0-based) of a Parquet
+    input, read with pyarrow from ``open_path`` (a local path or a URI)."""
+    for rec in parquet_records(open_path, job.kind, source=source, start=start, stop=stop,
+                               first_index=first_index, encoding=job.encoding):
+        yield rec.line - 1, rec.line, _finish(job, rec)
+
+
+def _line_rows(job: RayJob, path: str, first_index: int) -> Iterator[tuple[int, int, InputRecord]]:
+    """``(start byte, end byte, record)`` of every line of a line-based input."""
+    with contextlib.ExitStack() as stack:
+        lines = _uri_lines(path) if is_uri(path) else stack.enter_context(open(path, "rb"))
+        offset = 0
+        for line, raw in enumerate(lines, 1):
+            start, offset = offset, offset + len(raw)
+            yield start, offset, _record(job, raw, first_index + line - 1, path, line)
 
 
 @dataclass
 class Shard:
-    """Records ``first .. first + count - 1``: ``segments`` [open path, source, start byte,
-    end byte, first line] of their lines, ``sha256`` their fingerprint."""
+    """Records ``first .. first + count - 1``: ``segments`` [open path, source, start, end,
+    first line] of their lines (start and end: byte offsets) or Parquet rows (start and end:
+    0-based row numbers, end excluded; a source ending with ``.parquet``), ``sha256`` their
+    fingerprint."""
 
     shard: int
     first: int
@@ -245,43 +275,49 @@ def plan_shards(job: RayJob, paths: Sequence[str], shard_size: int, prefix: int 
     for path in paths:
         if is_uri(path):
             check_uri(path)
+            if is_parquet(path):
+                check_parquet(path, job.format)
     whole, shards, index = InputFingerprint(), [], 0
     part, prefix_sha = InputFingerprint(), (InputFingerprint().hexdigest() if prefix == 0 else None)
     for path in paths:
         open_path = path if is_uri(path) else os.path.abspath(path)
-        with contextlib.ExitStack() as stack:
-            lines = _uri_lines(path) if is_uri(path) else stack.enter_context(open(path, "rb"))
-            offset = 0
-            for line, raw in enumerate(lines, 1):
-                start, offset = offset, offset + len(raw)
-                index += 1
-                rec = _record(job, raw, index, path, line)
-                if not shards or shards[-1].count == shard_size:
-                    if shards:
-                        shards[-1].sha256 = part.hexdigest()
-                    shards.append(Shard(len(shards), index))
-                    part = InputFingerprint()
-                cur = shards[-1]
-                seg = cur.segments[-1] if cur.segments else None
-                if seg is not None and seg[0] == open_path and seg[3] == start:
-                    seg[3] = offset
-                else:
-                    cur.segments.append([open_path, path, start, offset, line])
-                cur.count += 1
-                part.update(rec)
-                whole.update(rec)
-                if whole.count == prefix:
-                    prefix_sha = whole.hexdigest()
+        rows = (_parquet_rows(job, open_path, path, index + 1) if is_parquet(path)
+                else _line_rows(job, path, index + 1))
+        for start, offset, rec in rows:  # bytes of a line, or rows of a Parquet file
+            index += 1
+            if not shards or shards[-1].count == shard_size:
+                if shards:
+                    shards[-1].sha256 = part.hexdigest()
+                shards.append(Shard(len(shards), index))
+                part = InputFingerprint()
+            cur = shards[-1]
+            seg = cur.segments[-1] if cur.segments else None
+            if seg is not None and seg[0] == open_path and seg[3] == start:
+                seg[3] = offset
+            else:
+                cur.segments.append([open_path, path, start, offset, rec.line])
+            cur.count += 1
+            part.update(rec)
+            whole.update(rec)
+            if whole.count == prefix:
+                prefix_sha = whole.hexdigest()
     if shards:
         shards[-1].sha256 = part.hexdigest()
     return Plan(shards, whole.count, whole.hexdigest(), prefix, prefix_sha)
 
 
 def read_shard(job: RayJob, shard: Shard) -> list[InputRecord]:
-    """The records of ``shard``, read from its byte ranges; RuntimeError when they are not the
-    ones planned (the input changed while the job ran)."""
+    """The records of ``shard``, read from its byte ranges or Parquet rows (pyarrow, on the
+    actor); RuntimeError when they are not the ones planned (the input changed while the job
+    ran)."""
     records, fp, index = [], InputFingerprint(), shard.first
     for open_path, source, start, end, first_line in shard.segments:
+        if is_parquet(source):
+            for _, _, rec in _parquet_rows(job, open_path, source, index, start, end):
+                fp.update(rec)
+                records.append(rec)
+                index += 1
+            continue
         for k, raw in enumerate(io.BytesIO(_read_range(open_path, start, end))):
             rec = _record(job, raw, index, source, first_line + k)
             fp.update(rec)

@@ -36,6 +36,15 @@ reads the line as plain text), a JSON value that is not an object (``"jsonl"``),
 outside 1..8, a string with a lone surrogate (from a ``\\udXXX`` JSON escape), and for ``score`` a
 plain-text line. A missing input file raises before anything is read.
 
+An input whose name ends with ``.parquet`` (:func:`is_parquet`) is a Parquet file
+(:func:`parquet_records`, needs pyarrow): each row, in file order, is one record, read exactly
+as the JSON object line of its fields would be (``text``/``tokens``/``id`` for ``tag``,
+``text``/``prompt``/``id`` for ``score``; other columns are not read, a null is an absent
+field, binary values are decoded as ``encoding``), with ``line`` its 1-based row number and
+error messages ``"<source>: row <n>: <reason>"`` (:func:`location`). ``format`` "auto" and
+"jsonl" read it alike; "text" is refused, as is a file that is not Parquet (ValueError, before
+anything is read).
+
 Output (:class:`ResumableJsonlWriter`)
 --------------------------------------
 
@@ -123,9 +132,12 @@ __all__ = [
     "RunSummary",
     "check_encoding",
     "directory_fingerprint",
+    "is_parquet",
     "iter_input_records",
     "limit_length",
+    "location",
     "meta_path",
+    "parquet_records",
     "run_records",
 ]
 
@@ -180,7 +192,9 @@ def _json_type(value: Any) -> str:
         return "string"
     if isinstance(value, list):
         return "array"
-    return "object"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__  # only from Parquet: date, datetime, Decimal, ...
 
 
 def _is_int(value: Any) -> bool:
@@ -274,6 +288,14 @@ def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int,
         return error(f"invalid JSON: {err}")
     if not isinstance(obj, dict):  # "jsonl" only: in "auto" such a line is plain text
         return error(f"JSON value must be an object, got {_json_type(obj)}")
+    return _object_record(obj, kind, index, source, line, f"{source}: line {line}")
+
+
+def _object_record(obj: Mapping[str, Any], kind: str, index: int, source: str, line: int,
+                   where: str) -> InputRecord:
+    """The record of one JSON object (a JSONL line, a Parquet row); an error record's message
+    is ``"<where>: <reason>"``."""
+    rec_id: str | int = index
     try:
         if "id" in obj:
             value = obj["id"]
@@ -300,7 +322,7 @@ def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int,
             raise _Invalid(f'field "prompt" must be an integer from 1 to 8, got {prompt}')
         return InputRecord(index, source, line, rec_id, text=text, prompt=prompt)
     except _Invalid as err:
-        return error(err.args[0])
+        return InputRecord(index, source, line, rec_id, error=f"{where}: {err.args[0]}")
 
 
 def _raw_lines(stream: IO[bytes]) -> Iterator[bytes]:
@@ -318,6 +340,110 @@ def _raw_lines(stream: IO[bytes]) -> Iterator[bytes]:
         elif raw.endswith(b"\r"):  # last line without "\n"
             raw = raw[:-1]
         yield raw
+
+
+# Parquet input: rows are records, as JSON object lines
+
+PARQUET_SUFFIX = ".parquet"
+PARQUET_FIELDS = {"tag": ("id", "text", "tokens"), "score": ("id", "text", "prompt")}
+_PARQUET_BATCH_ROWS = 4096
+
+
+def is_parquet(path: str) -> bool:
+    """Whether the input ``path`` (a local path or a URI) is read as Parquet: its name ends
+    with ``.parquet`` (any case)."""
+    return path.lower().endswith(PARQUET_SUFFIX)
+
+
+def location(source: str, line: int) -> str:
+    """Where a record is, as its error message starts: ``"<source>: line <n>"``, or
+    ``"<source>: row <n>"`` for a Parquet input (``line`` is then the 1-based row number)."""
+    return f"{source}: {'row' if is_parquet(source) else 'line'} {line}"
+
+
+def open_parquet(path: str) -> Any:
+    """A ``pyarrow.parquet.ParquetFile`` on a local path or a URI of pyarrow's filesystems
+    (``s3://``, ``gs://``, ``file://``...); only its footer is read. ValueError when pyarrow is
+    missing or the file is not Parquet. Use it as a context manager."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ValueError(f"{path}: Parquet input needs pyarrow (pip install pyarrow): {err}"
+                         ) from None
+    try:
+        if "://" in path:
+            import pyarrow.fs
+
+            fs, inner = pyarrow.fs.FileSystem.from_uri(path)
+            return pq.ParquetFile(inner, filesystem=fs)  # closed with the ParquetFile
+        return pq.ParquetFile(path)
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"{path}: not a readable Parquet file ({err})") from None
+
+
+def _from_arrow(name: str, value: Any, encoding: str) -> Any:
+    """A Parquet value as the JSON decoder would give it: binary decoded (strictly) as
+    ``encoding``, inside lists and structs too; _Invalid naming the field otherwise."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode(encoding)
+        except UnicodeDecodeError as err:
+            what = "UTF-8" if encoding == "utf-8" else encoding
+            raise _Invalid(f'field "{name}": invalid {what}: byte(s) '
+                           f"{value[err.start:err.end]!r} at byte {err.start + 1}") from None
+    if isinstance(value, list):
+        return [_from_arrow(name, v, encoding) for v in value]
+    if isinstance(value, dict):
+        return {k: _from_arrow(name, v, encoding) for k, v in value.items()}
+    return value
+
+
+def _row_record(values: dict[str, Any], kind: str, index: int, source: str, row: int,
+                encoding: str) -> InputRecord:
+    """One Parquet row (its fields; null = absent) -> the record of the JSON object with the
+    same fields."""
+    where = location(source, row)
+    try:
+        obj = {k: _from_arrow(k, v, encoding) for k, v in values.items() if v is not None}
+    except _Invalid as err:
+        return InputRecord(index, source, row, index, error=f"{where}: {err.args[0]}")
+    return _object_record(obj, kind, index, source, row, where)
+
+
+def parquet_records(path: str, kind: str, *, source: str | None = None, start: int = 0,
+                    stop: int | None = None, first_index: int = 1,
+                    encoding: str = "utf-8") -> Iterator[InputRecord]:
+    """The records of rows ``start .. stop - 1`` (0-based; ``stop`` None: to the end) of the
+    Parquet file ``path`` (local or a URI, :func:`open_parquet`): row ``r`` is record
+    ``first_index + r - start`` with ``line = r + 1`` and ``source`` (default ``path``). A row
+    is read as the JSON object of its fields ``id``, ``text``, ``tokens`` (tag) or ``id``,
+    ``text``, ``prompt`` (score): other columns are not read, a null is an absent field,
+    binary is decoded as ``encoding``. Only the row groups that hold the rows are read, in
+    slices of a few thousand rows."""
+    source = path if source is None else source
+    index = first_index
+    with open_parquet(path) as pf:
+        names = pf.schema_arrow.names
+        columns = [c for c in PARQUET_FIELDS[kind] if c in names]
+        meta = pf.metadata
+        stop = meta.num_rows if stop is None else min(stop, meta.num_rows)
+        row0 = 0  # first row of group g
+        for g in range(meta.num_row_groups):
+            n = meta.row_group(g).num_rows
+            lo, hi = max(start, row0), min(stop, row0 + n)
+            if lo < hi:
+                table = pf.read_row_group(g, columns=columns)
+                for a in range(lo, hi, _PARQUET_BATCH_ROWS):
+                    b = min(hi, a + _PARQUET_BATCH_ROWS)
+                    part = table.slice(a - row0, b - a)
+                    cols = {c: part.column(c).to_pylist() for c in columns}
+                    for k in range(b - a):
+                        yield _row_record({c: v[k] for c, v in cols.items()}, kind, index,
+                                          source, a + k + 1, encoding)
+                        index += 1
+            row0 += n
+            if row0 >= stop:
+                break
 
 
 def iter_input_records(
@@ -353,7 +479,19 @@ def iter_input_records(
             raise FileNotFoundError(f"{path}: no such input file")
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path}: is a directory, not an input file")
+        if is_parquet(path):
+            check_parquet(path, format)
     return _iter_records(paths, kind, stdin, format, encoding)
+
+
+def check_parquet(path: str, format: str = "auto") -> None:
+    """ValueError unless ``path`` opens as Parquet and ``format`` can read it (a Parquet row is
+    a record with fields, never a plain-text line: ``"text"`` is refused)."""
+    if format == "text":
+        raise ValueError(f'format: "text" reads lines as plain text, but {path} is Parquet '
+                         "(its rows are records with fields); use --format auto or jsonl")
+    with open_parquet(path):
+        pass
 
 
 def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
@@ -365,6 +503,11 @@ def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
             for line, raw in enumerate(_raw_lines(stream), 1):
                 index += 1
                 yield _parse_line(raw, kind, index, STDIN_SOURCE, line, fmt, encoding)
+            continue
+        if is_parquet(path):
+            for rec in parquet_records(path, kind, first_index=index + 1, encoding=encoding):
+                index += 1
+                yield rec
             continue
         with open(path, "rb") as f:
             for line, raw in enumerate(_raw_lines(f), 1):
@@ -395,9 +538,10 @@ def limit_length(records: Iterable[InputRecord], max_chars: int | None, over_lon
         if n <= (max_chars or 0):
             yield rec
         elif over_long == "skip":
+            where = location(rec.source, rec.line)
             yield dataclasses.replace(
                 rec, text=None, tokens=None, prompt=None,
-                error=f"{rec.source}: line {rec.line}: {n} characters, over {option} {max_chars}; skipped")
+                error=f"{where}: {n} characters, over {option} {max_chars}; skipped")
         elif rec.text is not None:
             yield dataclasses.replace(rec, text=rec.text[:max_chars], capped_from=n)
         else:
@@ -448,7 +592,7 @@ class InputFingerprint:
     def update(self, rec: InputRecord) -> None:
         reason = rec.error
         if reason is not None:
-            prefix = f"{rec.source}: line {rec.line}: "
+            prefix = f"{location(rec.source, rec.line)}: "
             reason = reason[len(prefix):] if reason.startswith(prefix) else reason
         data = json.dumps([rec.id, rec.text, rec.tokens, rec.prompt, reason], ensure_ascii=False,
                           separators=(",", ":"))

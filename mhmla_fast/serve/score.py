@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .options import TORCH_DTYPES, ServeOptions, resolve_options
+from .records import location
 
 __all__ = ["DTYPES", "check_prompts", "default_scorer_path", "load_scorer", "score_essays",
            "score_records", "scorer_options", "unsupported_prompt"]
@@ -83,7 +84,7 @@ def check_prompts(records: Iterable[Any], prompts: Sequence[int]) -> Iterator[An
             reason = unsupported_prompt(rec.prompt, allowed)
             if reason is not None:
                 rec = dataclasses.replace(rec, text=None, prompt=None,
-                                          error=f"{rec.source}: line {rec.line}: {reason}")
+                                          error=f"{location(rec.source, rec.line)}: {reason}")
         yield rec
 
 
