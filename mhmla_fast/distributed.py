@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DistContext", "init_distributed", "training_device", "shard", "world_size_from_env"]
+__all__ = ["DistContext", "init_distributed", "training_device", "wrap", "check_resume_world",
+           "shard", "world_size_from_env"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,26 @@ def training_device() -> tuple[torch.device, DistContext | None]:
     if ctx is not None and device.type == "cuda":
         device = torch.device("cuda", ctx.local_rank)
     return device, ctx
+
+
+def wrap(model, device: "torch.device", ctx: DistContext | None, *, find_unused: bool = False):
+    """``model`` itself for one process; under torchrun, ``DistributedDataParallel`` over it
+    (``find_unused``: some trainable parameters may get no gradient in a step)."""
+    if ctx is None:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=find_unused)
+
+
+def check_resume_world(saved: dict, ctx: DistContext | None, out: object) -> None:
+    """ValueError when the checkpoint state ``saved`` was written by another number of processes
+    than this run has: the global batches would be dealt out differently."""
+    before, now = saved.get("world_size", 1), ctx.world_size if ctx else 1
+    if before != now:
+        raise ValueError(f"{out}: the checkpoint was written by {before} process(es), this run has "
+                         f"{now}; resume with as many")
 
 
 def shard(batch: Sequence[int], lengths: Sequence[int], rank: int, world_size: int) -> list[int]:

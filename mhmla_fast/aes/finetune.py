@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..distributed import shard, training_device
+from ..distributed import check_resume_world, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from .data import SCORE_RANGES, Essay
 from .heads import _epoch_batches
@@ -99,21 +99,13 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
-        world = dist_ctx.world_size if dist_ctx else 1
-        if saved.get("world_size", 1) != world:  # the batches would be dealt out differently
-            raise ValueError(f"{out}: the checkpoint was written by {saved.get('world_size', 1)} "
-                             f"process(es), this run has {world}; resume with as many")
+        check_resume_world(saved, dist_ctx, out)
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
         state["config"] = config
     state["world_size"] = dist_ctx.world_size if dist_ctx else 1
     use_bf16 = cfg.bf16 and device.type == "cuda"
-    net = model
-    if dist_ctx is not None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        # a batch is one prompt's: the other prompts' output layers get no gradient
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      find_unused_parameters=True)
+    # a batch is one prompt's: the other prompts' output layers get no gradient
+    net = wrap(model, device, dist_ctx, find_unused=True)
     win_len = [len(w) for w in windows]
     while state["epoch"] < cfg.epochs:
         model.train()

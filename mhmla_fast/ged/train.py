@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..distributed import shard, training_device
+from ..distributed import check_resume_world, shard, training_device, wrap
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
 from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
@@ -232,13 +232,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     labels = [s.labels for s in train_set]
     lengths = [len(ids) for ids, _ in encoded]
     optimizer = _make_optimizer(model, cfg, device)
-    net = model
-    if dist_ctx is not None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        net = DistributedDataParallel(  # layers left out of the selection get no gradient
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=cfg.layer_attention.layers is not None)
+    # layers left out of the selection get no gradient
+    net = wrap(model, device, dist_ctx, find_unused=cfg.layer_attention.layers is not None)
 
     meta = load_checkpoint(out, model, optimizer)
     if meta is not None:
@@ -252,10 +247,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
-        world = dist_ctx.world_size if dist_ctx else 1
-        if meta.get("world_size", 1) != world:  # the batches would be dealt out differently
-            raise ValueError(f"{out}: the checkpoint was written by {meta.get('world_size', 1)} "
-                             f"process(es), this run has {world}; resume with as many")
+        check_resume_world(meta, dist_ctx, out)
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
         log, best = meta["log"], meta["best"]
     else:
