@@ -60,5 +60,15 @@ for backend in ("torch", "triton"):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 PY
     ;;
+  first)  # one device call, most telling first, each step time-boxed so the logs come back
+    pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.txt"
+    TRITON_PRINT_AUTOTUNING=1 timeout 150 python bench/benchmark_layer_attention.py --quick \
+      --providers eager fused cublas --out "$OUT/first_quick.json" 2>&1 | tee "$OUT/first_quick.log" || true
+    TRITON_PRINT_AUTOTUNING=1 timeout 120 python bench/benchmark_layer_attention.py --shapes minilm \
+      --dtypes bf16 --n 4096 --providers eager fused cublas --out "$OUT/first_minilm.json" \
+      2>&1 | tee "$OUT/first_minilm.log" || true
+    timeout 90 bash "$0" profile || true
+    timeout 170 bash "$0" tests || true ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
