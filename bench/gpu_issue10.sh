@@ -18,6 +18,22 @@ OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 stage=${1:?stage: setup, tests, quick, sweep SHAPE DTYPE or profile}
+# mhmla_fast.kernels lives in kernels/ (package-dir mapping). A legacy editable install (a .pth
+# naming the repo root) cannot map it, and neither can running from the repo root: then run from
+# a symlinked copy of the tree in which mhmla_fast/kernels points at kernels/.
+importable() { (cd /tmp && python -c "import mhmla_fast.kernels.layer_attention") 2>/dev/null \
+  && python -c "import mhmla_fast.kernels.layer_attention" 2>/dev/null; }
+if [ "$stage" != setup ] && ! importable; then
+  if [ "$PWD" != /tmp/mhmla_tree ]; then
+    rm -rf /tmp/mhmla_tree && cp -rs "$PWD" /tmp/mhmla_tree
+    ln -sfn /tmp/mhmla_tree/kernels /tmp/mhmla_tree/mhmla_fast/kernels
+    echo "note: mhmla_fast.kernels not importable from $PWD; running from /tmp/mhmla_tree" >&2
+    case "$OUT" in /*) ;; *) OUT=$PWD/$OUT ;; esac
+    export OUT
+    cd /tmp/mhmla_tree
+  fi
+  export PYTHONPATH=/tmp/mhmla_tree${PYTHONPATH:+:$PYTHONPATH}
+fi
 case "$stage" in
   setup)
     pip install -q --no-deps --no-build-isolation --no-index -e . ;;
@@ -60,8 +76,8 @@ for backend in ("torch", "triton"):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 PY
     ;;
-  first)  # one device call, most telling first, each step time-boxed so the logs come back
-    pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+  first)  # (run 'setup' first) one device call, most telling first, each step time-boxed so the logs come back
+    python -c "import setuptools, pip; print('setuptools', setuptools.__version__, 'pip', pip.__version__)"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.txt"
     TRITON_PRINT_AUTOTUNING=1 timeout 150 python bench/benchmark_layer_attention.py --quick \
       --providers eager fused cublas --out "$OUT/first_quick.json" 2>&1 | tee "$OUT/first_quick.log" || true
@@ -70,5 +86,16 @@ PY
       2>&1 | tee "$OUT/first_minilm.log" || true
     timeout 90 bash "$0" profile || true
     timeout 170 bash "$0" tests || true ;;
+  second)  # one device call: the N sweep (eager vs fused) at both shapes and dtypes, then the
+    # headline with every provider (compile-max autotunes for minutes)
+    for shape in bert-base minilm; do for dtype in bf16 fp16; do
+      timeout 140 python bench/benchmark_layer_attention.py --shapes $shape --dtypes $dtype \
+        --n 1024 4096 16384 --providers eager fused --modes inference forward full \
+        --out "$OUT/sweep_${shape}_${dtype}.json" > "$OUT/sweep_${shape}_${dtype}.log" 2>&1 || true
+      grep -A12 "^direction winners" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
+    done; done
+    timeout 330 python bench/benchmark_layer_attention.py --quick --modes inference forward full \
+      --out "$OUT/headline.json" > "$OUT/headline.log" 2>&1 || true
+    sed -n '/^speedup/,$p' "$OUT/headline.log" | head -40 ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -348,7 +348,10 @@ BWD_KEYS_BLOCK_N = 64  # token tile of the key-gradient kernel: fixes the dW_a p
 BWD_GROUP_ELEMENTS = 1 << 25
 # fp32 elements of one [rows, cols] tile per thread that a kernel may hold, per kernel:
 # the forward GEMMs hold one or two accumulators; the backward kernels three tiles at once
-_TILE_PER_THREAD = {"fwd_scores": 32, "fwd_values": 32, "bwd_scores": 16, "bwd_keys": 16}
+# (fwd_values, which also holds a row's layer weights and sums, keeps 32 for tiles of more
+# than 64 rows: 128 x 64 on 8 warps spilled 600 bytes, 128 x 128 on 8 warps 256; fwd_scores
+# keeps 32 with key dropout, whose mask arithmetic spilled 16-272 bytes at 64)
+_TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 64, "bwd_scores": 16, "bwd_keys": 16}
 _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "BLOCK_O"),
               "bwd_scores": ("BLOCK_N", "BLOCK_D"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
 
@@ -356,11 +359,14 @@ _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "B
 def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     """Whether a config of kernel ``name`` fits an sm_90 SM without spilling (see above).
 
-    ``tiles`` holds the config's block sizes and the shape's (BLOCK_J, BLOCK_D, BLOCK_N of the
-    key-gradient kernel).
+    ``tiles`` holds the config's block sizes, the shape's (BLOCK_J, BLOCK_D, BLOCK_N of the
+    key-gradient kernel) and DROP_K (key dropout on).
     """
     rows, cols = _TILE_DIMS[name]
-    if tiles[rows] * tiles[cols] > _TILE_PER_THREAD[name] * 32 * warps:
+    per_thread = _TILE_PER_THREAD[name]
+    if (name == "fwd_values" and tiles["BLOCK_N"] > 64) or (name == "fwd_scores" and tiles["DROP_K"]):
+        per_thread = 32
+    if tiles[rows] * tiles[cols] > per_thread * 32 * warps:
         return False
     if name == "bwd_keys" and tiles["BLOCK_K"] < 64:  # k~' da has BLOCK_K rows: wgmma needs 64
         return False
@@ -373,9 +379,9 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
 def _candidates(name: str) -> list[tuple[dict, int, int]]:
     """(tiles, num_warps, num_stages) to autotune over for kernel ``name``, before ``_keep``."""
     if name == "fwd_scores":
-        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128) for k in (64, 128)]
+        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128, 256) for k in (64, 128, 256)]
     elif name == "fwd_values":
-        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128) for o in (64, 128)]
+        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128, 256) for o in (64, 128, 256)]
     elif name == "bwd_scores":
         return [(dict(BLOCK_N=n), w, 1) for n in (16, 32, 64) for w in (2, 4)]
     elif name == "bwd_keys":
@@ -411,14 +417,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def layer_attention_configs(name: str, H: int = 768, J: int = 12) -> list[tuple[dict, int, int]]:
+def layer_attention_configs(name: str, H: int = 768, J: int = 12,
+                            dropout_k: bool = False) -> list[tuple[dict, int, int]]:
     """The configs kernel ``name`` can launch at hidden size H with J heads (BERT-base by
-    default): the fixed one under the interpreter, else every candidate ``_keep`` admits (the
-    fixed one if none is)."""
+    default), with key dropout on or off: the fixed one under the interpreter, else every
+    candidate ``_keep`` admits (the fixed one if none is)."""
     if _interpreting():
         tiles, w, s = _FIXED[name]
         return [(dict(tiles), w, s)]
-    shape = {**_shape_constexprs(H, J), "BLOCK_N": BWD_KEYS_BLOCK_N}
+    shape = {**_shape_constexprs(H, J), "BLOCK_N": BWD_KEYS_BLOCK_N, "DROP_K": dropout_k}
     kept = [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**shape, **t}, w, s)]
     return kept or [_FIXED[name]]
 
@@ -438,7 +445,8 @@ def _tuned(name: str):
 
     def prune(configs, named_args, **kwargs):
         kept = {(tuple(sorted(t.items())), w, s)
-                for t, w, s in layer_attention_configs(name, named_args["H"], named_args["J"])}
+                for t, w, s in layer_attention_configs(name, named_args["H"], named_args["J"],
+                                                       bool(kwargs.get("DROP_K", False)))}
         return [c for c in configs
                 if (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) in kept]
 
@@ -481,7 +489,7 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
     cases = []
     for name, fn in _KERNELS.items():
-        configs = _candidates(name) if candidates else layer_attention_configs(name, H, J)
+        configs = _candidates(name) if candidates else layer_attention_configs(name, H, J, dropout)
         for tiles, warps, stages in configs:
             extra = dict(BLOCK_N=BWD_KEYS_BLOCK_N) if name == "bwd_keys" else {}
             values = {**common, **drops, **extra, **tiles}

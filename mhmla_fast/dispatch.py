@@ -28,18 +28,25 @@ BACKENDS = ("auto", "torch", "triton")
 
 # device type -> (forward, backward); a device type not listed runs ("torch", "torch")
 AUTO_KERNELS: dict[str, tuple[str, str]] = {
-    "cuda": ("torch", "torch"),
+    "cuda": ("triton", "torch"),
 }
 
 
-def layer_attention_kernels(backend: str, device: torch.device) -> tuple[str, str]:
+def layer_attention_kernels(backend: str, device: torch.device,
+                            needs_grad: bool = False) -> tuple[str, str]:
     """The (forward, backward) implementations ``backend`` means on ``device``.
 
     ``"torch"`` and ``"triton"`` mean that implementation in both directions; ``"auto"``
-    looks ``device.type`` up in ``AUTO_KERNELS``.
+    looks ``device.type`` up in ``AUTO_KERNELS``. When a backward will run (``needs_grad``)
+    and the table's backward is eager, ``"auto"`` runs eager in both directions: an eager
+    backward behind a fused forward recomputes the eager forward, so the pair would cost a
+    fused forward more than eager alone.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return AUTO_KERNELS.get(device.type, ("torch", "torch"))
+        forward, backward = AUTO_KERNELS.get(device.type, ("torch", "torch"))
+        if needs_grad and backward == "torch":
+            return ("torch", "torch")
+        return (forward, backward)
     return (backend, backend)

@@ -162,7 +162,9 @@ def layer_attention(
     L, N, H, K = _check(hidden, params, num_heads, block_diagonal, rates, backend)
     lead = hidden.shape[1:-1]
     flat = hidden.reshape(L, N, H)
-    kernels = layer_attention_kernels(backend, flat.device)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (flat, *params.values()))
+    kernels = layer_attention_kernels(backend, flat.device, needs_grad)
     dropout = tuple(float(r) if training else 0.0 for r in rates.values())
     if kernels == ("torch", "torch"):
         c, p = layer_attention_reference(

@@ -393,13 +393,38 @@ def test_auto_backend_runs_the_pair_the_table_names(monkeypatch):
     L, N, H, K, J = 2, 30, 24, 16, 4
     ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=8)
     grad_c = torch.randn(N, H, device=DEVICE, dtype=torch.float64)
-    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type, ("triton", "torch"))
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type, ("triton", "triton"))
     auto = run(ts, J, "auto", grad_c)
     fused = run(ts, J, "triton", grad_c)
+    for name, a, b in zip(("c", "p", *NAMES), auto, fused):
+        assert torch.equal(a, b), name
+
+
+@needs_triton
+def test_auto_with_an_eager_backward_runs_eager_when_a_gradient_is_needed(monkeypatch):
+    """Table (fused forward, eager backward): without autograd "auto" runs the fused forward
+    bit for bit; with a backward to run it is eager end to end (output and gradients equal to
+    eager's bit for bit), since the eager backward would recompute the eager forward anyway."""
+    from mhmla_fast import dispatch, layer_attention
+
+    L, N, H, K, J = 2, 30, 24, 16, 4
+    ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=8)
+    grad_c = torch.randn(N, H, device=DEVICE, dtype=torch.float64)
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type, ("triton", "torch"))
+    import mhmla_fast.functional as functional
+    calls = []
+    reference = functional.layer_attention_reference
+    monkeypatch.setattr(functional, "layer_attention_reference",
+                        lambda *a, **k: calls.append("eager") or reference(*a, **k))
+    with torch.no_grad():
+        auto_c = layer_attention(*ts, J, backend="auto")
+        fused_c = layer_attention(*ts, J, backend="triton")
+    assert torch.equal(auto_c, fused_c) and calls == []
+    auto = run(ts, J, "auto", grad_c)
+    assert calls == ["eager"]
     eager = run(ts, J, "torch", grad_c)
-    assert torch.equal(auto[0], fused[0]) and torch.equal(auto[1], fused[1])
-    for name, a, b in zip(NAMES, auto[2:], eager[2:]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for name, a, b in zip(("c", "p", *NAMES), auto, eager):
+        assert torch.equal(a, b), name
 
 
 # ------------------------------------------------------------------------------ dropout
