@@ -23,7 +23,7 @@ case "$stage" in
   setup)
     pip install -q --no-deps --no-build-isolation --no-index -e . ;;
   tests)
-    python -m pytest -q -rs tests/test_layer_attention.py tests/test_layer_attention_module.py \
+    MHMLA_TRITON_CONFIGS=fixed python -m pytest -q -rs tests/test_layer_attention.py tests/test_layer_attention_module.py \
       tests/test_compile_report.py 2>&1 | tee "$OUT/tests_gpu.log" ;;
   quick)
     python bench/benchmark_layer_attention.py --quick --out "$OUT/" 2>&1 | tee "$OUT/quick.log" ;;

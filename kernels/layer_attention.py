@@ -417,6 +417,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _fixed_configs() -> bool:
+    """The fixed configs instead of autotuning: under the interpreter, or with
+    MHMLA_TRITON_CONFIGS=fixed (GPU test runs: no autotuning per test shape)."""
+    return _interpreting() or os.environ.get("MHMLA_TRITON_CONFIGS", "") == "fixed"
+
+
 def layer_attention_configs(name: str, H: int = 768, J: int = 12,
                             dropout_k: bool = False) -> list[tuple[dict, int, int]]:
     """The configs kernel ``name`` can launch at hidden size H with J heads (BERT-base by
@@ -460,7 +466,7 @@ def _launch(name: str, grid, *args, **kwargs) -> None:
 
     ``grid`` maps the config's tiles to the launch grid.
     """
-    if _interpreting():
+    if _fixed_configs():
         tiles, warps, stages = _FIXED[name]
         _KERNELS[name][grid(tiles)](*args, **kwargs, **tiles, num_warps=warps, num_stages=stages)
     else:
