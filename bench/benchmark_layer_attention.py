@@ -1035,7 +1035,10 @@ def _json_safe(x: Any) -> Any:
 
 
 def git_commit() -> str:
-    """``git rev-parse HEAD`` of this checkout; else $MHMLA_BENCH_COMMIT; else "unknown"."""
+    """$MHMLA_BENCH_COMMIT if set (a device's copy of the tree may carry a stale .git); else
+    ``git rev-parse HEAD`` of this checkout; else "unknown"."""
+    if os.environ.get("MHMLA_BENCH_COMMIT", "").strip():
+        return os.environ["MHMLA_BENCH_COMMIT"].strip()
     try:
         res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                              timeout=10, check=False)
@@ -1043,7 +1046,7 @@ def git_commit() -> str:
             return res.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("MHMLA_BENCH_COMMIT", "").strip() or "unknown"
+    return "unknown"
 
 
 def gpu_slug(name: str) -> str:

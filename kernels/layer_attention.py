@@ -830,6 +830,11 @@ def layer_attention_triton(
     ``kernels`` = (forward, backward) implementations, each "triton" or "torch" (see
     ``LayerAttentionFunction``).
     """
+    from mhmla_fast.dispatch import fused_unsupported
+
+    unsupported = fused_unsupported(hidden.device.type, hidden.dtype, hidden.shape[-1], w_k.shape[-1])
+    if unsupported and "triton" in kernels:
+        raise ValueError(unsupported)
     kernels = tuple(kernels)
     if len(kernels) != 2 or any(k not in IMPLEMENTATIONS for k in kernels):
         raise ValueError(f"kernels: expected (forward, backward) from {IMPLEMENTATIONS}, got {kernels!r}")

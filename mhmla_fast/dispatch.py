@@ -4,49 +4,104 @@ The layer-attention op has two implementations of each direction, the eager refe
 (``"torch"``) and the fused Triton kernels (``"triton"``), and ``autograd`` lets them be mixed:
 a fused forward with an eager backward on the same dropout masks, or the other way round
 (``mhmla_fast.kernels.layer_attention.LayerAttentionFunction``). ``AUTO_KERNELS`` holds, per
-device type, the (forward, backward) pair that ``backend="auto"`` picks. It changes only with a
-benchmark run on that device (``python bench/benchmark_layer_attention.py``, whose
-``direction_winners`` section names the faster implementation of each direction at every
-measured shape, dtype and N), and the fused one is chosen only where it won everywhere.
+device type, an :class:`AutoRule`: the (forward, backward) pair that ``backend="auto"`` picks
+and the least work at which the fused forward pays. It changes only with a benchmark run on
+that device (``python bench/benchmark_layer_attention.py``, whose ``direction_winners``
+section names the faster implementation of each direction at every measured shape, dtype
+and N).
 
-CUDA, as measured (NVIDIA H100 80GB HBM3, torch 2.11, triton 3.6, commit 91242dd, issue 10):
-the fused forward was faster than eager at BERT-base shape (0.470 against 0.646 ms, bf16,
-N = 4096) but slower at MiniLM shape (0.27 against 0.23 ms), and the fused backward was 9x
-slower than eager. The kernels have been rewritten since (GEMM-shaped backward, autotuned
-tiles) without a GPU to measure them on, so CUDA stays on eager in both directions until a
-GPU run shows otherwise. Devices without Triton (CPU without ``TRITON_INTERPRET=1``) always
-run eager.
+CUDA, as measured on an NVIDIA H100 80GB HBM3 (torch 2.11, triton 3.6, commit 07aac5b,
+``bench/results/gpu_2026-11-23/sweep_*.json``; bf16 and fp16, N = 1024, 4096, 16384):
+
+- forward: the fused op is 1.9-2.0x eager at BERT-base shape from N = 4096 up (0.339 against
+  0.645 ms at N = 4096, bf16) and 1.6x at MiniLM shape at N = 16384, but slower where the
+  work is small and launch overhead dominates (BERT-base N = 1024 bf16: 0.257 against 0.198
+  ms; MiniLM N = 1024 and 4096: 0.22 against 0.14-0.17 ms). The crossover lies between
+  L N H (H + K) = 1.45e10 (lost or tied) and 2.9e10 (won): auto takes the fused forward from
+  2^34 = 1.7e10 up, eager below.
+- backward: eager wins everywhere (fused forward + backward 2.4-3.8 ms against eager's 1.70
+  at BERT-base N = 4096): the fused backward recomputes v and z (six GEMMs to eager's four)
+  and its host loop over layer groups is launch-bound. So when a gradient is needed, auto
+  runs eager end to end (an eager backward behind a fused forward would recompute the eager
+  forward).
+- 16-bit inputs whose H or K is not a multiple of 16 run eager (:func:`fused_unsupported`).
+
+Devices without Triton (CPU without ``TRITON_INTERPRET=1``) always run eager.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["AUTO_KERNELS", "BACKENDS", "layer_attention_kernels"]
+__all__ = ["AUTO_KERNELS", "BACKENDS", "AutoRule", "fused_unsupported", "layer_attention_kernels"]
 
 BACKENDS = ("auto", "torch", "triton")
+IMPLEMENTATIONS = ("torch", "triton")
 
-# device type -> (forward, backward); a device type not listed runs ("torch", "torch")
-AUTO_KERNELS: dict[str, tuple[str, str]] = {
-    "cuda": ("triton", "torch"),
+
+@dataclass(frozen=True)
+class AutoRule:
+    """What ``backend="auto"`` runs on one device type.
+
+    ``forward``, ``backward``: "torch" or "triton". ``min_fused_work``: the fused forward runs
+    only where the two projections' multiply-adds L N H (H + K) reach this (below it, launch
+    overhead makes eager faster); eager runs below.
+    """
+
+    forward: str = "torch"
+    backward: str = "torch"
+    min_fused_work: int = 0
+
+    def __post_init__(self):
+        for name in ("forward", "backward"):
+            if getattr(self, name) not in IMPLEMENTATIONS:
+                raise ValueError(f"{name}: expected one of {IMPLEMENTATIONS}, got {getattr(self, name)!r}")
+
+
+# device type -> rule; a device type not listed runs eager
+AUTO_KERNELS: dict[str, AutoRule] = {
+    "cuda": AutoRule(forward="triton", backward="torch", min_fused_work=1 << 34),
 }
 
 
-def layer_attention_kernels(backend: str, device: torch.device,
-                            needs_grad: bool = False) -> tuple[str, str]:
+def fused_unsupported(device_type: str, dtype: torch.dtype, H: int, K: int) -> str | None:
+    """Why the fused kernels cannot take this case, or None if they can.
+
+    On CUDA in fp16/bf16 they need H and K multiples of 16: at L, N, H, K, J = 13, 70, 120, 72,
+    3 an H100 run faulted (illegal memory access in fp16, wrong values in bf16) while fp32
+    and every shape with H or K a multiple of 16 matched eager (issue 10, open). Every
+    BERT-like encoder's H is a multiple of 64.
+    """
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and (H % 16 or K % 16):
+        return (f"the fused kernels in {str(dtype).removeprefix('torch.')} on CUDA need H and K "
+                f"multiples of 16, got H={H}, K={K} (a kernel fault at H=120, K=72 is open)")
+    return None
+
+
+def layer_attention_kernels(backend: str, device: torch.device, needs_grad: bool = False,
+                            work: int | None = None, unsupported: str | None = None,
+                            ) -> tuple[str, str]:
     """The (forward, backward) implementations ``backend`` means on ``device``.
 
     ``"torch"`` and ``"triton"`` mean that implementation in both directions; ``"auto"``
-    looks ``device.type`` up in ``AUTO_KERNELS``. When a backward will run (``needs_grad``)
-    and the table's backward is eager, ``"auto"`` runs eager in both directions: an eager
-    backward behind a fused forward recomputes the eager forward, so the pair would cost a
-    fused forward more than eager alone.
+    follows ``AUTO_KERNELS[device.type]``: eager in both directions when a backward will run
+    (``needs_grad``) and the rule's backward is eager, since an eager backward behind a fused
+    forward recomputes the eager forward; an eager forward where ``work`` (L N H (H + K))
+    is below the rule's ``min_fused_work`` or the fused kernels cannot take the case
+    (``unsupported``, from :func:`fused_unsupported`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        forward, backward = AUTO_KERNELS.get(device.type, ("torch", "torch"))
-        if needs_grad and backward == "torch":
-            return ("torch", "torch")
-        return (forward, backward)
-    return (backend, backend)
+    if backend != "auto":
+        return (backend, backend)
+    rule = AUTO_KERNELS.get(device.type, AutoRule())
+    forward, backward = rule.forward, rule.backward
+    if unsupported is not None:
+        return ("torch", "torch")
+    if needs_grad and backward == "torch":
+        return ("torch", "torch")
+    if forward == "triton" and work is not None and work < rule.min_fused_work:
+        forward = "torch"
+    return (forward, backward)

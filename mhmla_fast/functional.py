@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .dispatch import BACKENDS, layer_attention_kernels
+from .dispatch import BACKENDS, fused_unsupported, layer_attention_kernels
 from .reference import layer_attention_reference
 
 __all__ = ["layer_attention", "BACKENDS"]
@@ -164,7 +164,11 @@ def layer_attention(
     flat = hidden.reshape(L, N, H)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (flat, *params.values()))
-    kernels = layer_attention_kernels(backend, flat.device, needs_grad)
+    unsupported = fused_unsupported(flat.device.type, flat.dtype, H, K)
+    if backend == "triton" and unsupported:
+        raise ValueError(f"backend='triton': {unsupported}; use backend='auto' or 'torch'")
+    kernels = layer_attention_kernels(backend, flat.device, needs_grad, work=L * N * H * (H + K),
+                                      unsupported=unsupported)
     dropout = tuple(float(r) if training else 0.0 for r in rates.values())
     if kernels == ("torch", "torch"):
         c, p = layer_attention_reference(

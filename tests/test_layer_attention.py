@@ -175,7 +175,13 @@ GRID = [
 @needs_triton
 @pytest.mark.parametrize("L,N,H,K,J,dtype", GRID)
 def test_triton_matches_reference(L, N, H, K, J, dtype):
+    from mhmla_fast.dispatch import fused_unsupported
+
     base = make_inputs(L, N, H, K, J, dtype=torch.float64, device=DEVICE, seed=L * N + J)
+    if fused_unsupported(torch.device(DEVICE).type, dtype, H, K):  # 16-bit CUDA, H or K % 16
+        with pytest.raises(ValueError, match="multiples of 16"):
+            layer_attention(*[t.to(dtype) for t in base], J, backend="triton")
+        return
     g = torch.Generator().manual_seed(5)
     grad_c = torch.randn(N, H, generator=g, dtype=torch.float64).to(DEVICE)
     grad_p = torch.randn(N, L, J, generator=g, dtype=torch.float64).to(DEVICE)
@@ -195,7 +201,7 @@ GPU_BF16_GRID = [
     # L, N, H, K, J: MiniLM and BERT-base head shapes with N not a multiple of any tile
     (6, 333, 384, 384, 12),
     (12, 517, 768, 768, 12),
-    (13, 70, 120, 72, 3),
+    (13, 70, 112, 80, 7),  # D = 16; (13, 70, 120, 72, 3) faulted on an H100 (now refused)
 ]
 
 
@@ -373,15 +379,36 @@ def test_auto_backend_follows_the_measured_table(monkeypatch):
     from mhmla_fast import dispatch
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert dispatch.layer_attention_kernels("auto", cpu) == ("torch", "torch")
-    assert dispatch.layer_attention_kernels("auto", cuda) == dispatch.AUTO_KERNELS["cuda"]
-    assert dispatch.layer_attention_kernels("triton", cpu) == ("triton", "triton")
-    assert dispatch.layer_attention_kernels("torch", cuda) == ("torch", "torch")
+    rule = dispatch.AutoRule("triton", "torch", min_fused_work=1000)
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, "cuda", rule)
+    kernels = dispatch.layer_attention_kernels
+    assert kernels("auto", cpu) == ("torch", "torch")  # not in the table: eager
+    assert kernels("auto", cuda) == ("triton", "torch")
+    assert kernels("auto", cuda, work=1000) == ("triton", "torch")
+    assert kernels("auto", cuda, work=999) == ("torch", "torch")  # below the crossover
+    assert kernels("auto", cuda, needs_grad=True, work=10**9) == ("torch", "torch")
+    assert kernels("auto", cuda, work=10**9, unsupported="odd shape") == ("torch", "torch")
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, "cuda", dispatch.AutoRule("triton", "triton"))
+    assert kernels("auto", cuda, needs_grad=True, work=1) == ("triton", "triton")
+    assert kernels("triton", cpu) == ("triton", "triton")
+    assert kernels("torch", cuda, work=10**9) == ("torch", "torch")
     with pytest.raises(ValueError, match="backend: expected one of"):
-        dispatch.layer_attention_kernels("fast", cpu)
-    # every entry of the table is a pair of implementations
-    assert all(pair[0] in ("torch", "triton") and pair[1] in ("torch", "triton")
-               for pair in dispatch.AUTO_KERNELS.values())
+        kernels("fast", cpu)
+    with pytest.raises(ValueError, match="forward: expected one of"):
+        dispatch.AutoRule("cuda", "torch")
+
+
+def test_fused_kernels_refuse_16_bit_cuda_shapes_that_faulted():
+    """H or K not a multiple of 16 in fp16/bf16 on CUDA: the fused path is refused (an H100
+    run faulted at H=120, K=72); fp32, CPU and multiples of 16 are taken."""
+    from mhmla_fast.dispatch import fused_unsupported
+
+    assert "H=120, K=72" in fused_unsupported("cuda", torch.bfloat16, 120, 72)
+    assert fused_unsupported("cuda", torch.float16, 768, 72) is not None
+    assert fused_unsupported("cuda", torch.float16, 120, 768) is not None
+    assert fused_unsupported("cuda", torch.bfloat16, 768, 768) is None
+    assert fused_unsupported("cuda", torch.float32, 120, 72) is None
+    assert fused_unsupported("cpu", torch.float16, 120, 72) is None
 
 
 @needs_triton
@@ -393,7 +420,8 @@ def test_auto_backend_runs_the_pair_the_table_names(monkeypatch):
     L, N, H, K, J = 2, 30, 24, 16, 4
     ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=8)
     grad_c = torch.randn(N, H, device=DEVICE, dtype=torch.float64)
-    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type, ("triton", "triton"))
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type,
+                        dispatch.AutoRule("triton", "triton"))
     auto = run(ts, J, "auto", grad_c)
     fused = run(ts, J, "triton", grad_c)
     for name, a, b in zip(("c", "p", *NAMES), auto, fused):
@@ -410,7 +438,8 @@ def test_auto_with_an_eager_backward_runs_eager_when_a_gradient_is_needed(monkey
     L, N, H, K, J = 2, 30, 24, 16, 4
     ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=8)
     grad_c = torch.randn(N, H, device=DEVICE, dtype=torch.float64)
-    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type, ("triton", "torch"))
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type,
+                        dispatch.AutoRule("triton", "torch"))
     import mhmla_fast.functional as functional
     calls = []
     reference = functional.layer_attention_reference

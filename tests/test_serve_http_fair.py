@@ -380,3 +380,107 @@ def test_http_command_passes_the_new_limits(tiny_tagger_dir, monkeypatch):
     assert seen["app"].state.batcher.max_queue_pieces == 5000
     assert main([*base, "--max-buffered-bytes", "10"]) == 2  # below --max-request-bytes
     assert main([*base, "--request-timeout", "-1"]) == 2
+
+
+# ----------------------------------------------------------------------- essays in windows
+
+
+class WatchedScorer:
+    """Delegates to a scorer; sets ``long_started`` when a call first touches an essay of more
+    than 10,000 characters (predict_scores whole, or plan_essay), and ``long_done`` to the
+    ``perf_counter`` time its score was made (predict_scores or finish_essay)."""
+
+    def __init__(self, scorer) -> None:
+        self.scorer, self.long_started = scorer, threading.Event()
+        self.long_done: float | None = None
+        self.long_windows = 0
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def predict_scores(self, texts, prompts, **kw):
+        if any(len(t) > 10_000 for t in texts):
+            self.long_started.set()
+        out = self.scorer.predict_scores(texts, prompts, **kw)
+        if any(len(t) > 10_000 for t in texts):
+            self.long_done = time.perf_counter()
+        return out
+
+    def plan_essay(self, text, prompt, **kw):
+        plan = self.scorer.plan_essay(text, prompt, **kw)
+        if len(text) > 10_000:
+            self.long_started.set()
+            self.long_windows = len(plan.windows)
+        return plan
+
+    def finish_essay(self, plan, outputs):
+        out = self.scorer.finish_essay(plan, outputs)
+        if len(plan.windows) == self.long_windows:
+            self.long_done = time.perf_counter()
+        return out
+
+
+def test_essay_windows_in_any_batches_give_predict_scores(tiny_scorer):
+    """plan_essay, score_windows (shuffled windows of several essays and prompts, odd batches)
+    and finish_essay give predict_scores' score for each essay, including an empty one."""
+    essays = [(long_text(n, seed=n), p) for n, p in ((3_000, 1), (800, 2), (12_000, 3), (0, 4))]
+    plans = [tiny_scorer.plan_essay(t, p) for t, p in essays]
+    assert [len(pl.windows) > 1 for pl in plans] == [True, True, True, False]
+    pairs = [(e, w) for e, pl in enumerate(plans) for w in range(len(pl.windows))]
+    random.Random(1).shuffle(pairs)
+    outs: dict = {}
+    for a in range(0, len(pairs), 5):
+        chunk = pairs[a:a + 5]
+        for (e, w), o in zip(chunk, tiny_scorer.score_windows([(plans[e], w) for e, w in chunk],
+                                                               token_budget=200)):
+            outs[e, w] = o
+    got = [tiny_scorer.finish_essay(pl, [outs[e, w] for w in range(len(pl.windows))])
+           for e, pl in enumerate(plans)]
+    want = tiny_scorer.predict_scores([t for t, _ in essays], [p for _, p in essays])
+    assert got == [int(s) for s in want]
+    with pytest.raises(ValueError, match="heads for prompts"):
+        tiny_scorer.plan_essay("text", 8)
+    with pytest.raises(ValueError, match="window outputs for"):
+        tiny_scorer.finish_essay(plans[0], [])
+
+
+def test_a_long_essay_does_not_stall_short_requests(tiny_engine, tiny_scorer):
+    """A 200,000-character essay and 50 short essays sent together: the long one is scored in
+    windows interleaved with the others, so 48 or more of the short ones are answered before
+    its score is made, and its score equals offline predict_scores. Before, an essay was one
+    work item: every short one waited for the whole long essay."""
+    essay = long_text(200_000, seed=11)
+    want = int(tiny_scorer.predict_scores([essay], 3)[0])
+    shorts = [f"My friend go to school every day, number {k} ." for k in range(50)]
+    want_short = [int(s) for s in tiny_scorer.predict_scores(shorts, 1)]
+    scorer = WatchedScorer(tiny_scorer)
+    app = create_app(tiny_engine, scorer=scorer, max_wait_ms=5, max_queue=4096)
+    ends: dict[str, float] = {}
+
+    async def timed(http, text, prompt) -> httpx.Response:
+        r = await http.post("/v1/score", json={"essays": [{"text": text, "prompt": prompt}]})
+        ends[text] = time.perf_counter()
+        return r
+
+    async def run(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=120, verify=False) as http:
+            long_task = asyncio.create_task(timed(http, essay, 3))
+            while not scorer.long_started.is_set():
+                assert not long_task.done(), (await long_task).text
+                await asyncio.sleep(0.002)
+            short = await asyncio.gather(*(timed(http, s, 1) for s in shorts))
+            return short, await long_task
+
+    with serving(app) as (url, _):
+        short, long_r = asyncio.run(run(url))
+        m = metric_samples(httpx.get(url + "/metrics").text)
+    assert long_r.status_code == 200, long_r.text
+    got = long_r.json()["results"]
+    assert [(r["prompt"], r["score"]) for r in got] == [(3, want)]
+    assert scorer.long_windows > 100
+    assert [r.json()["results"][0]["score"] for r in short] == want_short
+    before = sum(ends[s] < scorer.long_done for s in shorts)
+    print(f"\n{before} of 50 short essays answered before the long one ({scorer.long_windows} "
+          f"windows) was scored")
+    assert before >= 48, "short essays waited for the long one"
+    assert m[("mhmla_score_batch_essays_count", ())] > 2, "the long essay went through several batches"

@@ -57,7 +57,7 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = [
-    "FORMAT", "ScorerConfig", "ScorerHead", "EssayScorer", "combine_windows",
+    "FORMAT", "ScorerConfig", "ScorerHead", "EssayScorer", "EssayPlan", "combine_windows",
     "encode_essay_windows", "collate_windows", "token_budget_batches", "load_tokenizer",
     "default_model_path",
 ]
@@ -227,6 +227,24 @@ class ScorerHead(nn.Module):
         return raw.float()
 
 
+@dataclass
+class EssayPlan:
+    """One essay cut into windows (:meth:`EssayScorer.plan_essay`): its prompt, word pieces,
+    window spans ``[start, end)`` over the pieces (:func:`split_windows`), and the tokenizer's
+    special ids; window ``w`` is ``[CLS] pieces[start:end] [SEP]``."""
+
+    prompt: int
+    pieces: list[int]
+    windows: list[tuple[int, int]]
+    cls_id: int
+    sep_id: int
+    pad_id: int
+
+    def window_ids(self, w: int) -> list[int]:
+        start, end = self.windows[w]
+        return [self.cls_id, *self.pieces[start:end], self.sep_id]
+
+
 class EssayScorer(ModelDirMixin, nn.Module):
     """Encoder + :class:`ScorerHead` (see the module doc); one forward call per window batch.
     ``save``/``load``: :class:`~mhmla_fast.model_dir.ModelDirMixin` (the tokenizer saved with
@@ -302,44 +320,86 @@ class EssayScorer(ModelDirMixin, nn.Module):
         prompts = [int(prompt)] * len(texts) if isinstance(prompt, (int, np.integer)) else [int(p) for p in prompt]
         if len(prompts) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
-        unknown = sorted(set(prompts) - set(self.config.prompts))
-        if unknown:
-            raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
-                             f"{list(self.config.prompts)} only")
+        self._check_prompts(prompts)
         scores = np.zeros(len(texts), dtype=np.int64)
         outputs: list[np.ndarray] = [np.zeros(0)] * len(texts)
         if not texts:
             return (scores, outputs) if return_outputs else scores
+        windows, essay_index = encode_essay_windows(tokenizer, list(texts), self.config.window)
+        preds = self._window_outputs(windows, [prompts[e] for e in essay_index],
+                                     tokenizer.pad_token_id, token_budget)
+        for p in sorted(set(prompts)):
+            idx = [i for i, q in enumerate(prompts) if q == p]
+            local = {e: k for k, e in enumerate(idx)}
+            ws = [j for j, e in enumerate(essay_index) if prompts[e] == p]
+            window_out = torch.stack([preds[j] for j in ws]).double().numpy()
+            essay_scores, essay_out = combine_windows(
+                window_out, [local[essay_index[j]] for j in ws], p, self.config.objective,
+                self.config.decision, n_essays=len(idx), return_mean=True)
+            scores[idx] = essay_scores
+            for k, i in enumerate(idx):
+                outputs[i] = essay_out[k]
+        return (scores, outputs) if return_outputs else scores
+
+    def _check_prompts(self, prompts: Sequence[int]) -> None:
+        unknown = sorted(set(prompts) - set(self.config.prompts))
+        if unknown:
+            raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
+                             f"{list(self.config.prompts)} only")
+
+    @torch.no_grad()
+    def _window_outputs(self, windows: Sequence[Sequence[int]], prompts: Sequence[int],
+                        pad_id: int, token_budget: int) -> list[Tensor]:
+        """Each window's output (CPU; ``head.window_outputs`` of its prompt's output layer), in
+        eval mode: the windows of all prompts go through the encoder and the layer attention
+        together, in token-budget batches sorted by length."""
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device
+        preds: list[Tensor | None] = [None] * len(windows)
         try:
-            windows, essay_index = encode_essay_windows(tokenizer, list(texts), self.config.window)
-            window_prompt = [prompts[e] for e in essay_index]
-            preds: list[Tensor | None] = [None] * len(windows)
             for batch in token_budget_batches([len(w) for w in windows], token_budget):
-                ids, mask = collate_windows([windows[j] for j in batch], tokenizer.pad_token_id)
+                ids, mask = collate_windows([windows[j] for j in batch], pad_id)
                 c = self.pooled_windows(ids.to(device), mask.to(device))
-                batch_prompts = [window_prompt[j] for j in batch]
+                batch_prompts = [prompts[j] for j in batch]
                 for p in sorted(set(batch_prompts)):
                     rows = [r for r, q in enumerate(batch_prompts) if q == p]
                     out = self.head.window_outputs(self.head.output(c[rows], p)).cpu()
                     for r, o in zip(rows, out):
                         preds[batch[r]] = o
-            for p in sorted(set(prompts)):
-                idx = [i for i, q in enumerate(prompts) if q == p]
-                local = {e: k for k, e in enumerate(idx)}
-                ws = [j for j, e in enumerate(essay_index) if prompts[e] == p]
-                window_out = torch.stack([preds[j] for j in ws]).double().numpy()  # type: ignore[misc]
-                essay_scores, essay_out = combine_windows(
-                    window_out, [local[essay_index[j]] for j in ws], p, self.config.objective,
-                    self.config.decision, n_essays=len(idx), return_mean=True)
-                scores[idx] = essay_scores
-                for k, i in enumerate(idx):
-                    outputs[i] = essay_out[k]
         finally:
             self.train(was_training)
-        return (scores, outputs) if return_outputs else scores
+        return preds  # type: ignore[return-value]
+
+    # ------------------------------------------------ window by window (the HTTP batcher)
+
+    def plan_essay(self, text: str, prompt: int, *, tokenizer=None) -> EssayPlan:
+        """One essay tokenized and cut into the windows :meth:`predict_scores` would use, to be
+        scored window by window (:meth:`score_windows`, any order and batches) and combined
+        (:meth:`finish_essay`) into exactly :meth:`predict_scores`' score."""
+        self._check_prompts([int(prompt)])
+        tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
+        pieces = tokenizer([text], add_special_tokens=False, truncation=False,
+                           verbose=False)["input_ids"][0]
+        return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
+                         tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id)
+
+    def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
+                      ) -> list[Tensor]:
+        """The outputs of windows ``(plan, index)`` (of any essays and prompts), in order."""
+        if not pairs:
+            return []
+        return self._window_outputs([plan.window_ids(w) for plan, w in pairs],
+                                    [plan.prompt for plan, _ in pairs], pairs[0][0].pad_id,
+                                    token_budget)
+
+    def finish_essay(self, plan: EssayPlan, outputs: Sequence[Tensor]) -> int:
+        """The essay's integer score from the outputs of all its windows (in window order)."""
+        if len(outputs) != len(plan.windows):
+            raise ValueError(f"{len(outputs)} window outputs for {len(plan.windows)} windows")
+        window_out = torch.stack(list(outputs)).double().numpy()
+        return int(combine_windows(window_out, [0] * len(outputs), plan.prompt,
+                                   self.config.objective, self.config.decision, n_essays=1)[0])
 
     # --------------------------------------------------------------- save / load
 

@@ -621,9 +621,10 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     ``max_queue_pieces`` estimated word pieces admitted and not yet answered (503, or 413 for a
     request that alone is over it); ``request_timeout_s`` seconds from admission to the answer
     (504; None: no deadline); ``max_buffered_bytes`` request-body bytes held at once by all
-    requests (503; None: no cap; at least ``max_request_bytes``); ``split_pieces``: texts and
-    sentences estimated above it are tagged window by window, interleaved with other requests
-    (default: a quarter of ``max_batch_tokens``).
+    requests (503; None: no cap; at least ``max_request_bytes``); ``split_pieces``: texts,
+    sentences and essays estimated above it are tagged (scored) window by window, interleaved
+    with other requests (default: a quarter of ``max_batch_tokens``; essays only with a scorer
+    that has ``plan_essay``, as :class:`~mhmla_fast.aes.model.EssayScorer` does).
 
     ``scorer`` is an :class:`~mhmla_fast.aes.model.EssayScorer` (or anything with
     ``predict_scores(texts, prompts, token_budget=...)`` and ``config.prompts``) or None, which

@@ -18,9 +18,11 @@ window one work item; when all its windows are done they are merged (``Engine.fi
 into exactly what ``tag_texts`` gives for the whole text. Planning runs on the worker thread in
 steps of a few thousand characters, one step between two batches (so it neither holds the worker
 nor fights it for the GIL), with a short sleep after each step that hands the GIL to the event
-loop. Other inputs (and every essay: a scorer pools over all the windows
-of an essay) are one work item each. Engines without ``plan_steps`` (stand-ins) get every input
-whole.
+loop. An essay estimated above ``split_pieces`` is likewise cut into the scorer's windows
+(``EssayScorer.plan_essay``, one planning step), each window one work item, its score combined
+from all of them (``finish_essay``) equal to ``predict_scores``' for the whole essay. Other
+inputs are one work item each; engines and scorers without those methods (stand-ins) get every
+input whole.
 
 Batches
 -------
@@ -33,7 +35,8 @@ windows, and short requests that arrive meanwhile share the next batch with its 
 A batch is either tagging or scoring, never both, and takes from no request behind one of the
 other family (which then starts the next batch). Its items go to the engine in request order:
 one ``tag_texts`` call for whole texts, one ``tag_tokens`` call for whole sentences, one
-``tag_windows`` call for windows; a scoring batch is ONE ``predict_scores`` call. When the engine
+``tag_windows`` call for windows; a scoring batch is one ``predict_scores`` call for whole essays
+and one ``score_windows`` call for windows. When the engine
 raises, the batch is retried request by request, so only the requests whose own inputs fail get
 :class:`EngineFailure`.
 
@@ -162,15 +165,16 @@ class MicroBatcher:
             ``finish_plan`` (:class:`~mhmla_fast.serve.engine.Engine`) to tag long inputs window
             by window; used only from the batcher's threads.
         scorer: None, or has ``predict_scores(texts, prompts, token_budget=...)`` returning one
-            integer score per essay (an :class:`~mhmla_fast.aes.model.EssayScorer`); used only
-            from the worker thread. Needed for ``submit("essays", ...)``.
+            integer score per essay, and optionally ``plan_essay``/``score_windows``/
+            ``finish_essay`` (an :class:`~mhmla_fast.aes.model.EssayScorer`) to score long essays
+            window by window; used only from the worker thread. Needed for ``submit("essays", ...)``.
         score_token_budget: the scorer's padded word pieces per forward pass.
         max_batch_tokens: estimated word pieces per batch (the first item is always taken).
         max_wait_ms: how long a batch may wait for more items after its first one was queued.
         max_queue: inputs (texts, sentences, essays) waiting at most.
         max_queue_pieces: estimated word pieces admitted and not yet answered, at most.
-        split_pieces: inputs estimated above it are tagged window by window (default: a quarter
-            of ``max_batch_tokens``).
+        split_pieces: inputs estimated above it are tagged (essays: scored) window by window
+            (default: a quarter of ``max_batch_tokens``).
         on_batch: called from the worker after each tagging batch with (texts, requests,
             seconds); ``texts`` counts the inputs whose last piece of work ran in it.
         on_score_batch: likewise after each scoring batch with (essays, requests, seconds).
@@ -199,6 +203,8 @@ class MicroBatcher:
         self.split_pieces = float(split_pieces)
         self.windowed = all(hasattr(engine, a) for a in ("plan_steps", "tag_windows",
                                                          "finish_plan"))
+        self.score_windowed = scorer is not None and all(
+            hasattr(scorer, a) for a in ("plan_essay", "score_windows", "finish_essay"))
         self._on_batch = on_batch
         self._on_score_batch = on_score_batch
         self._on_failure = on_failure
@@ -274,7 +280,7 @@ class MicroBatcher:
         if total > self.max_queue_pieces:
             raise TooCostly(f"the request comes to about {total:.0f} word pieces; at most "
                             f"{self.max_queue_pieces:.0f} are admitted at once (max_queue_pieces)")
-        split = self.windowed and kind != "essays"
+        split = self.score_windowed if kind == "essays" else self.windowed
         now = time.monotonic()
         with self._cond:
             if self._closed:
@@ -292,8 +298,12 @@ class MicroBatcher:
                        len(inputs), len(inputs))
             for k, cost in enumerate(costs):
                 if split and cost > self.split_pieces:
-                    steps = (self.engine.plan_steps(text=inputs[k]) if kind == "texts"
-                             else self.engine.plan_steps(words=inputs[k]))
+                    if kind == "essays":
+                        steps = self._essay_steps(*inputs[k])
+                    elif kind == "texts":
+                        steps = self.engine.plan_steps(text=inputs[k])
+                    else:
+                        steps = self.engine.plan_steps(words=inputs[k])
                     self._plans.append((job, k, steps))
                 else:
                     job.pending.append(_Item(job, k, cost, now))
@@ -305,6 +315,10 @@ class MicroBatcher:
                 self._active.append(job)
             self._cond.notify_all()
         return fut
+
+    def _essay_steps(self, text: str, prompt: int):
+        """Planning an essay: one step (tokenizing it whole), like ``Engine.plan_steps``."""
+        yield self.scorer.plan_essay(text, prompt)
 
     def drop(self, fut: asyncio.Future) -> bool:
         """Forget the request of ``fut`` (its client has gone or its deadline passed): its
@@ -395,14 +409,18 @@ class MicroBatcher:
 
     def _compute(self, items: Sequence[_Item]) -> list[Any]:
         """Results of ``items`` (all of one family) in order: result dicts for whole inputs,
-        probability arrays for windows. One scorer call for essays, else one engine call per
-        input kind present."""
-        if _family(items[0].job.kind) == "score":
-            essays = [it.job.inputs[it.pos] for it in items]
-            return score_essays(self.scorer, [t for t, _ in essays], [p for _, p in essays],
-                                self.score_token_budget)
+        window outputs for windows. One scorer call for whole essays and one for windows, else
+        one engine call per input kind present."""
         out: list[Any] = [None] * len(items)
-        for kind, fn in (("texts", self.engine.tag_texts), ("sentences", self.engine.tag_tokens)):
+        scoring = _family(items[0].job.kind) == "score"
+        if scoring:
+            idx = [k for k, it in enumerate(items) if it.window < 0]
+            essays = [items[k].job.inputs[items[k].pos] for k in idx]
+            for k, res in zip(idx, score_essays(self.scorer, [t for t, _ in essays],
+                                                [p for _, p in essays], self.score_token_budget)):
+                out[k] = res
+        for kind, fn in () if scoring else (("texts", self.engine.tag_texts),
+                                            ("sentences", self.engine.tag_tokens)):
             idx = [k for k, it in enumerate(items) if it.job.kind == kind and it.window < 0]
             if not idx:
                 continue
@@ -416,7 +434,9 @@ class MicroBatcher:
             with self._cond:  # a dropped job's plans are gone: skip its windows
                 pairs = [(k, items[k].job.planned.get(items[k].pos)) for k in idx]
             pairs = [(k, p) for k, p in pairs if p is not None]
-            probs = self.engine.tag_windows([(p.plan, items[k].window) for k, p in pairs])
+            windows = [(p.plan, items[k].window) for k, p in pairs]
+            probs = (self.scorer.score_windows(windows, token_budget=self.score_token_budget)
+                     if scoring else self.engine.tag_windows(windows))
             for (k, _), pr in zip(pairs, probs):
                 out[k] = pr
         return out
@@ -445,13 +465,19 @@ class MicroBatcher:
                     done += 1
                     merge.append((job, it.pos, planned))
         for job, pos, planned in merge:
-            res = self.engine.finish_plan(planned.plan, planned.probs).to_dict()
+            res = self._finish(job, planned.plan, planned.probs)
             with self._cond:
                 if not job.ended:
                     job.planned.pop(pos, None)
                     if self._store(job, pos, res):
                         complete.append(job)
         return done, complete
+
+    def _finish(self, job: _Job, plan: Any, outputs: Sequence[Any]) -> dict:
+        """The result dict of a windowed input from all its windows' outputs."""
+        if job.kind == "essays":
+            return {"prompt": plan.prompt, "score": self.scorer.finish_essay(plan, outputs)}
+        return self.engine.finish_plan(plan, outputs).to_dict()
 
     @staticmethod
     def _store(job: _Job, pos: int, result: Any) -> bool:
@@ -583,7 +609,7 @@ class MicroBatcher:
                 return
             job.waiting -= 1  # nothing to encode (no words): merge at once
             self._waiting -= 1
-        res = self.engine.finish_plan(plan, []).to_dict()
+        res = self._finish(job, plan, [])
         with self._cond:
             if not job.ended and self._store(job, pos, res):
                 self._complete([job])
