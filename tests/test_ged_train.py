@@ -55,6 +55,30 @@ def config(tmp_path, encoder, out, **kw):
     return TrainConfig(**base)
 
 
+def test_collate_puts_each_words_label_at_its_first_piece():
+    """Labels [B, T]: word w's label at the piece whose word index is w, IGNORE elsewhere
+    (padding, continuation pieces, [CLS]/[SEP]), against a plain loop over random sentences."""
+    from mhmla_fast.ged.model import IGNORE, collate
+
+    rng = random.Random(0)
+    for _ in range(100):
+        encoded, labels = [], []
+        for _ in range(rng.randint(1, 6)):
+            words = rng.randint(0, 8)
+            labels.append([rng.randint(0, 1) for _ in range(words)])
+            index = [-1]
+            for w in range(words):
+                index += [w] + [-1] * rng.randint(0, 2)
+            encoded.append((list(range(len(index) + 1)), index + [-1]))
+        got = collate(encoded, 0, labels)["labels"]
+        want = torch.full(got.shape, IGNORE)
+        for b, (_, index) in enumerate(encoded):
+            for t, w in enumerate(index):
+                if w >= 0:
+                    want[b, t] = labels[b][w]
+        assert torch.equal(got, want)
+
+
 def test_length_bucketed_batches_cover_every_sentence_once():
     lengths = [random.Random(i).randint(3, 40) for i in range(1000)]
     batches = length_bucketed_batches(lengths, 32, seed=1, epoch=0)

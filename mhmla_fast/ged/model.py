@@ -188,12 +188,15 @@ def collate(
         mask[b, : len(ids)] = 1
         word_index[b, : len(ids)] = torch.tensor(index)
     batch = {"input_ids": input_ids, "attention_mask": mask, "word_index": word_index}
-    if labels is not None:
+    if labels is not None:  # each word's label at its first piece
         lab = torch.full((B, T), IGNORE, dtype=torch.long)
-        for b, (_, index) in enumerate(encoded):
-            for t, w in enumerate(index):
-                if w >= 0:
-                    lab[b, t] = labels[b][w]
+        first = word_index >= 0
+        rows = first.nonzero(as_tuple=True)[0]
+        if len(rows):
+            counts = torch.tensor([len(labels[b]) for b in range(B)], dtype=torch.long)
+            words = torch.cat([torch.as_tensor(labels[b], dtype=torch.long) for b in range(B)])
+            starts = torch.cumsum(counts, 0) - counts  # each sentence's first word in ``words``
+            lab[first] = words[starts[rows] + word_index[first]]
         batch["labels"] = lab
     return batch
 

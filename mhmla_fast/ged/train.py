@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
@@ -101,6 +102,9 @@ class TrainConfig:
 
 
 LR_SCHEDULES = ("constant", "linear")
+
+
+LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
 
 
 def lr_factor(cfg: TrainConfig, step: int, total_steps: int) -> float:
@@ -280,18 +284,30 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
             log.append({"epoch": epoch + 1, "_open": True, "_loss_sum": 0.0})
         bar = tqdm(total=len(batches), initial=step_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                    disable=not (cfg.progress and main_rank), unit="batch", dynamic_ncols=True)
+        # step losses stay on the device and are read every LOSS_SYNC_STEPS steps (and before a
+        # checkpoint or the epoch's record): a .item() per step would stall the host on the GPU
+        pending = torch.zeros((), dtype=torch.float64, device=device)
+
+        def sync_loss() -> None:
+            nonlocal loss_sum
+            loss_sum += float(pending.item())
+            pending.zero_()
+            log[-1]["_loss_sum"] = loss_sum
+            bar.set_postfix(loss=f"{loss_sum / max(1, step_in_epoch):.4f}",
+                            sent_s=f"{n_sent / (time.perf_counter() - t0):.1f}")
+
         while step_in_epoch < len(batches):
             idx = batches[step_in_epoch]
             optimizer.zero_grad(set_to_none=True)
             if dist_ctx is None:
-                batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id,
-                                [labels[i] for i in idx])
+                batch = _to_device(collate([encoded[i] for i in idx], tokenizer.pad_token_id,
+                                           [labels[i] for i in idx]), device)
                 with autocast:
-                    logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+                    logits = model(batch["input_ids"], batch["attention_mask"])
                 loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                       batch["labels"].to(device).flatten(), ignore_index=IGNORE)
+                                       batch["labels"].flatten(), ignore_index=IGNORE)
                 loss.backward()
-                step_loss = loss.item()
+                step_loss = loss.detach()
             else:
                 # dropout masks from (seed, step, rank) alone, so a resumed run draws the same
                 torch.manual_seed(cfg.seed * 1_000_003 + global_step * 64 + dist_ctx.rank)
@@ -301,17 +317,17 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
             for group in optimizer.param_groups:
                 group["lr"] = group.setdefault("base_lr", cfg.lr) * factor
             optimizer.step()
-            loss_sum += step_loss
+            pending += step_loss
             step_in_epoch += 1
             global_step += 1
             steps_this_call += 1
             n_sent += len(idx)
-            log[-1]["_loss_sum"] = loss_sum
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum / step_in_epoch:.4f}",
-                            sent_s=f"{n_sent / (time.perf_counter() - t0):.1f}")
             stop = stop_after_steps is not None and steps_this_call >= stop_after_steps
-            if global_step % cfg.checkpoint_every == 0 or stop:
+            ckpt = global_step % cfg.checkpoint_every == 0 or stop
+            if ckpt or step_in_epoch % LOSS_SYNC_STEPS == 0 or step_in_epoch == len(batches):
+                sync_loss()
+            if ckpt:
                 checkpoint()
             if stop:
                 bar.close()
@@ -366,9 +382,9 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     return best_dir
 
 
-def _distributed_step(net, ctx, idx, encoded, labels, lengths, pad_id, device, autocast) -> float:
+def _distributed_step(net, ctx, idx, encoded, labels, lengths, pad_id, device, autocast) -> Tensor:
     """Forward and backward of this rank's shard of the global batch ``idx`` under DDP; returns
-    the global batch's mean loss (for the log).
+    the global batch's mean loss (for the log; a 0-dim tensor on ``device``).
 
     The rank's loss is its cross-entropy sum times world size over the global token count, so
     DDP's average of the ranks' gradients is the gradient of the global mean loss (see
@@ -378,12 +394,20 @@ def _distributed_step(net, ctx, idx, encoded, labels, lengths, pad_id, device, a
     mine = shard(idx, lengths, ctx.rank, ctx.world_size)
     weight = 1.0 if mine else 0.0
     mine = mine or [idx[0]]
-    batch = collate([encoded[i] for i in mine], pad_id, [labels[i] for i in mine])
+    batch = _to_device(collate([encoded[i] for i in mine], pad_id, [labels[i] for i in mine]),
+                       device)
     with autocast:
-        logits = net(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-    gold = batch["labels"].to(device).flatten()
+        logits = net(batch["input_ids"], batch["attention_mask"])
+    gold = batch["labels"].flatten()
     ce = F.cross_entropy(logits.float().flatten(0, 1), gold, ignore_index=IGNORE, reduction="sum")
     totals = torch.stack([ce.detach(), (gold != IGNORE).sum().to(ce.dtype)]) * weight
     torch.distributed.all_reduce(totals)  # global loss sum and token count
     (ce * weight * ctx.world_size / totals[1].clamp_min(1)).backward()
-    return (totals[0] / totals[1].clamp_min(1)).item()
+    return (totals[0] / totals[1].clamp_min(1)).detach()
+
+
+def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """The batch's tensors on ``device``; to CUDA from pinned memory without blocking the host."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
