@@ -276,3 +276,21 @@ def test_no_token_boundary_inside_a_grapheme_cluster():
         for t in word_tokenize(text):
             for b in (t.start, t.end):
                 assert b not in inside or is_separator(text[b - 1]), (text, t, b)
+
+
+def test_ascii_fast_path_equals_the_cluster_rules():
+    """Printable-ASCII text takes a regular-expression path; on random ASCII strings rich in
+    joiners, clitics, digit separators, symbol runs and every ASCII separator it gives exactly
+    the tokens of the general cluster-based rules. Text outside printable ASCII (a control
+    character, a non-ASCII letter) takes the general path."""
+    from mhmla_fast.serve import tokenize
+
+    alphabet = ([chr(c) for c in range(0x20, 0x7F)] + list("\t\n\r\x0b\x0c\x1c\x1f")
+                + ["'s", "n't", "'LL", "'Re", "'", "-", "3.1", "1,0", "...", "can't"] * 3)
+    rng = random.Random(7)
+    for _ in range(30_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
+        assert tokenize._ASCII_ONLY.match(text)
+        assert word_tokenize(text) == tokenize._word_tokenize_clusters(text), repr(text)
+    for text in ("caf\u00e9", "a\x7fb", "a\x00b", "x\u200by"):
+        assert not tokenize._ASCII_ONLY.match(text)

@@ -381,12 +381,42 @@ def _split_clitics(text: str, start: int, end: int, out: list[Token]) -> None:
     out.extend(reversed(tail))
 
 
+# Printable ASCII and ASCII whitespace only: every cluster is one character, letters and digits
+# are word clusters, everything else but whitespace a symbol cluster. The rules then reduce to
+# one regular expression (tested against the general path on random text).
+_ASCII_ONLY = re.compile(r"[\t\n\x0b\x0c\r\x1c-\x7e]*\Z")
+_ASCII_TOKEN = re.compile(r"""
+    (?P<word>[A-Za-z0-9]+(?:['\-][A-Za-z0-9]+|(?<=[0-9])[.,][0-9][A-Za-z0-9]*)*)  # rule 4c
+  | '(?:[sSmMdD]|[rR][eE]|[vV][eE]|[lL][lL])(?![A-Za-z0-9])(?!['\-][A-Za-z0-9])  # rule 4d
+  | (?P<sym>[^\sA-Za-z0-9])(?P=sym)*  # rule 4d: a run of one symbol
+""", re.VERBOSE)
+
+
+def _word_tokenize_ascii(text: str) -> list[Token]:
+    """:func:`word_tokenize` of text that ``_ASCII_ONLY`` matches, by ``_ASCII_TOKEN``."""
+    out: list[Token] = []
+    for m in _ASCII_TOKEN.finditer(text):
+        start, end = m.span()
+        if m.group("word") is not None and "'" in m.group("word"):
+            _split_clitics(text, start, end, out)
+        else:
+            out.append(Token(m.group(), start, end))
+    return out
+
+
 def word_tokenize(text: str) -> list[Token]:
     """Split ``text`` into tokens by the rules in the module docstring; offsets are ``str`` indices.
 
     ``[t.text for t in word_tokenize("I don't like it...")]`` is
     ``["I", "do", "n't", "like", "it", "..."]``.
     """
+    if _ASCII_ONLY.match(text):
+        return _word_tokenize_ascii(text)
+    return _word_tokenize_clusters(text)
+
+
+def _word_tokenize_clusters(text: str) -> list[Token]:
+    """:func:`word_tokenize` by clusters (rules 2-4): any text."""
     clusters = _clusters(text)
     out: list[Token] = []
     m = len(clusters)
