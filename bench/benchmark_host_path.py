@@ -1,0 +1,101 @@
+"""Sentences/s of the tagging engine's host path alone: ``Engine.tag_texts`` and ``tag_tokens``
+with a runner that costs nothing, so the figure is the ceiling the host sets on any device
+(issue 11: on an H100 the engine tagged 9,255 sentences/s while the GPU idled).
+
+    python bench/benchmark_host_path.py                  # FCE dev+test x 4, shipped tokenizer
+    python bench/benchmark_host_path.py --repeat 1 --out /tmp/host.json
+
+The runner returns a constant probability for every piece (no model runs), so what is timed is
+word tokenisation (``tag_texts`` only), word-piecing, packing, merging windows and building the
+results (``to_dict`` timed separately). A ``cProfile`` of one ``tag_texts`` call (top functions
+by own time) is kept in the result. The result (CPU, versions, commit) goes to
+``bench/results/host_path_<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mhmla_fast.provenance import (  # noqa: E402
+    cpu_info, dated_results_path, git_commit, load_average)
+
+SHARED = REPO.parent / "shared" / "data" / "fce"
+
+
+class FreeRunner:
+    """A runner that costs nothing: P(error) = 0.3 for every piece."""
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        return np.full(input_ids.shape, 0.3, dtype=np.float32)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", nargs="+", default=[str(SHARED / f"fce-public.{s}.original.tsv")
+                                                 for s in ("dev", "test")],
+                   help="GED files (default: FCE dev and test of the shared data)")
+    p.add_argument("--repeat", type=int, default=4, help="the sentences this many times")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per path (the best is kept)")
+    p.add_argument("--out", default=None, help="output .json (default: bench/results/host_path_<date>.json)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from mhmla_fast.ged.data import read_ged
+    from mhmla_fast.serve.engine import Engine, default_tagger_path, load_tokenizer
+
+    sentences = [s.tokens for f in args.data for s in read_ged(f)] * args.repeat
+    texts = [" ".join(s) for s in sentences]
+    engine = Engine(FreeRunner(), load_tokenizer(default_tagger_path()), token_budget=65536,
+                    max_batch=256)
+    rows = []
+    for name, fn, data in (("tag_tokens", engine.tag_tokens, sentences),
+                           ("tag_texts", engine.tag_texts, texts)):
+        best = best_dict = float("inf")
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            results = fn(data)
+            t1 = time.perf_counter()
+            [r.to_dict() for r in results]
+            best, best_dict = min(best, t1 - t0), min(best_dict, time.perf_counter() - t0)
+        rows.append({"path": name, "sentences": len(data), "seconds": round(best, 3),
+                     "sentences_per_s": round(len(data) / best, 1),
+                     "sentences_per_s_with_to_dict": round(len(data) / best_dict, 1)})
+        print(f"{name}: {len(data) / best:,.0f} sentences/s host-only "
+              f"({len(data) / best_dict:,.0f} with to_dict)", flush=True)
+    prof = cProfile.Profile()
+    prof.runcall(engine.tag_texts, texts)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+    result = {
+        "benchmark": "host_path", "commit": git_commit(), "command": shlex.join(sys.argv),
+        "device": {**cpu_info(), "load_average_start": load_average()},
+        "python": sys.version.split()[0], "data": [Path(f).name for f in args.data],
+        "repeat": args.repeat, "rows": rows,
+        "profile_tag_texts": [line for line in buf.getvalue().splitlines() if line.strip()][:40],
+        "note": "no model runs (a constant-probability runner): the host path's ceiling; "
+                "best of --runs runs, one process, one thread of Python",
+    }
+    out = dated_results_path(args.out, "host_path", REPO / "bench" / "results")
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
