@@ -106,14 +106,17 @@ jsweep() {  # EPOCHS SEEDS
 
 layers() {  # MHMLA J = 12 seed 0 of this encoder on FCE test, then every encoder's side by side
   local stem="$RESULTS/ged_layers_${TAG}_mhmla12_seed0_fce_test"
+  local png=(--png "$stem.png")
+  python3 -c "import matplotlib" 2>/dev/null || png=()  # a GPU box: the JSON only
   mhmla-eval ged-layers --model "$(run_dir mhmla 12 0)/best" \
-    --data "$DATA/fce/fce-public.test.original.tsv" --json "$stem.json" --png "$stem.png"
+    --data "$DATA/fce/fce-public.test.original.tsv" --json "$stem.json" "${png[@]}"
   local files=() labels=() f
   for f in "$RESULTS"/ged_layers_*_mhmla12_seed0_fce_test.json; do
     files+=("$f")
     f=${f##*/ged_layers_}
     labels+=("${f%%_mhmla12_seed0_fce_test.json}")
   done
+  [ ${#png[@]} -gt 0 ] || { echo "no matplotlib: plot the JSON files elsewhere" >&2; return 0; }
   python bench/ged_layer_plot.py "${files[@]}" --labels "${labels[@]}" \
     --out "$RESULTS/ged_layers_mhmla12_seed0_fce_test.png"
 }

@@ -109,7 +109,8 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     win_len = [len(w) for w in windows]
     while state["epoch"] < cfg.epochs:
         model.train()
-        t0, total, n = time.perf_counter(), 0.0, 0
+        t0, n = time.perf_counter(), 0
+        total_t = torch.zeros((), dtype=torch.float64, device=device)  # read once per epoch
         for step, rows in enumerate(_epoch_batches(win_prompt, cfg.batch_size, cfg.seed, state["epoch"])):
             p = int(win_prompt[rows[0]])
             opt.zero_grad(set_to_none=True)
@@ -117,7 +118,7 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
                 loss = _window_loss(model, cfg, rows, p, windows, win_score, tokenizer.pad_token_id,
                                     device, use_bf16, reduction="mean")
                 loss.backward()
-                total += loss.item() * len(rows)
+                total_t += loss.detach().double() * len(rows)
             else:
                 # dropout masks from (seed, epoch, step, rank) alone: resume draws the same
                 torch.manual_seed(cfg.seed * 1_000_003 + (state["epoch"] * 100_000 + step) * 64
@@ -128,17 +129,16 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
                                         tokenizer.pad_token_id, device, use_bf16, reduction="sum")
                 # DDP averages over ranks: sum * world / global count is the global mean's gradient
                 (loss_sum * weight * dist_ctx.world_size / len(rows)).backward()
-                total += loss_sum.item() * weight
+                total_t += loss_sum.detach().double() * weight
             opt.step()
             n += len(rows)
         if dist_ctx is not None:  # the epoch's loss over every rank's windows
-            total_t = torch.tensor([total], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(total_t)
-            total = float(total_t.item())
-            if not main_rank:  # rank 0 evaluates and saves; the others wait for it
-                torch.distributed.barrier()
-                state["epoch"] += 1
-                continue
+        total = float(total_t.item())
+        if dist_ctx is not None and not main_rank:  # rank 0 evaluates and saves; the others wait
+            torch.distributed.barrier()
+            state["epoch"] += 1
+            continue
         dev_q = {}
         for p in sorted({e.prompt for e in dev_essays}):
             es = [e for e in dev_essays if e.prompt == p]

@@ -61,9 +61,15 @@ def run_ged(args) -> int:
 
 
 def run_layers(args) -> int:
+    """The average layer weight per head on ``args.data``: JSON (``--json``) first, then the
+    heatmap (``--png``, needs matplotlib), so a machine without matplotlib still gets the
+    numbers."""
     from ..ged.data import read_ged
     from ..ged.predict import layer_weight_stats
 
+    if not (args.png or args.json):
+        print("mhmla-eval ged-layers: give --png, --json or both", file=sys.stderr)
+        return 2
     try:
         sentences = read_ged(args.data, annotator=args.annotator)
         path, model, tokenizer = _load(args.model)
@@ -72,17 +78,27 @@ def run_layers(args) -> int:
     except (OSError, ValueError) as err:
         print(f"mhmla-eval: {err}", file=sys.stderr)
         return 2
+    L, J = weights.shape
+    layers = [i for i in model.head.layers]
+    result = {"model": str(path), "data": str(args.data), "layers": layers,
+              "weights_per_head": weights.tolist(), "per_layer_mean": weights.mean(1).tolist()}
+    print("per-layer average weight: " + ", ".join(
+        f"l{i}={w:.3f}" for i, w in zip(layers, weights.mean(1))))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if not args.png:
+        return 0
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("mhmla-eval: the heatmap needs matplotlib (pip install 'mhmla-fast[data]')",
+        wrote = f" (the weights are in {args.json})" if args.json else ""
+        print(f"mhmla-eval: the heatmap needs matplotlib (pip install 'mhmla-fast[data]'){wrote}",
               file=sys.stderr)
         return 2
-    L, J = weights.shape
-    layers = [i for i in model.head.layers]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(2 + 0.5 * J + 3, 1.5 + 0.45 * L),
                                   gridspec_kw={"width_ratios": [J, 3]})
     im = ax.imshow(weights, cmap="viridis", aspect="auto", vmin=0)
@@ -104,12 +120,6 @@ def run_layers(args) -> int:
     fig.tight_layout()
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.png, dpi=120)
-    result = {"model": str(path), "data": str(args.data), "layers": layers,
-              "weights_per_head": weights.tolist(), "per_layer_mean": weights.mean(1).tolist()}
-    print("per-layer average weight: " + ", ".join(
-        f"l{i}={w:.3f}" for i, w in zip(layers, weights.mean(1))))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
@@ -181,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--batch-size", type=int, default=64)
         p.add_argument("--json", default=None, help="also write the result as JSON here")
         if name == "ged-layers":
-            p.add_argument("--png", required=True, help="where to write the heatmap")
+            p.add_argument("--png", default=None,
+                           help="where to write the heatmap (needs matplotlib; --json alone "
+                                "writes only the numbers)")
     p = sub.add_parser("ged-suite", help="FCE test, CoNLL-14 (both annotators), JFLEG test "
                        "-> one results JSON")
     p.add_argument("--model", default=None, help="tagger directory (default: the shipped one)")

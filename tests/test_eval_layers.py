@@ -1,0 +1,46 @@
+"""``mhmla-eval ged-layers``: the average layer weight per head as JSON first, the heatmap only
+with matplotlib, so a machine without it (a GPU box) still gets the numbers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from mhmla_fast.commands.eval import main as mhmla_eval
+
+
+def fce(path):
+    rows = []
+    for sent in (["He", "go", "to", "school", "."], ["They", "goes", "home", "every", "day", "."]):
+        rows += [f"{w}\tc" for w in sent] + [""]
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def test_json_without_matplotlib_then_the_heatmap_refused(tmp_path, tiny_tagger_dir, monkeypatch,
+                                                          capsys):
+    data, out = fce(tmp_path / "d.tsv"), tmp_path / "w.json"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # "import matplotlib" raises ImportError
+    base = ["ged-layers", "--model", str(tiny_tagger_dir), "--data", str(data)]
+    assert mhmla_eval(base + ["--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    weights = np.array(res["weights_per_head"])
+    assert weights.shape == (len(res["layers"]), 4) and (weights >= 0).all()
+    np.testing.assert_allclose(weights.sum(0), 1.0, atol=1e-5)  # a softmax over layers per head
+    out.unlink()
+    assert mhmla_eval(base + ["--json", str(out), "--png", str(tmp_path / "w.png")]) == 2
+    assert "needs matplotlib" in capsys.readouterr().err and out.is_file()
+    assert not (tmp_path / "w.png").exists()
+    assert mhmla_eval(base) == 2
+    assert "give --png, --json or both" in capsys.readouterr().err
+
+
+def test_heatmap_with_matplotlib(tmp_path, tiny_tagger_dir):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "w.png"
+    assert mhmla_eval(["ged-layers", "--model", str(tiny_tagger_dir),
+                       "--data", str(fce(tmp_path / "d.tsv")), "--png", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
