@@ -137,6 +137,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--chunks", type=int, nargs="+", default=[512, 0],
                    help="sentences per engine call (0: all in one call)")
     g.add_argument("--max-batch", type=int, default=256, help="engine rows per batch")
+    g.add_argument("--host-workers", type=int, nargs="+", default=[0],
+                   help="engine host_workers settings: processes that tokenise large calls "
+                        "(0: the calling thread)")
     g.add_argument("--pipeline-dtypes", nargs="+", default=None,
                    help="HF pipeline dtypes (cpu: float32; cuda: float32 float16)")
     g.add_argument("--pipeline-batch-sizes", type=int, nargs="+", default=None,
@@ -582,22 +585,23 @@ def run_tag(run: Run) -> list[dict]:
                 measure(base, tagbench.pipeline_tagger(pipe, bs))
         del pipe
 
-    settings = [(b, c) for b in args.budgets for c in args.chunks]
+    settings = [(b, c, w) for b in args.budgets for c in args.chunks for w in args.host_workers]
     for dtype in args.dtypes if "engine" in args.tag_paths else []:
         try:
             engine, error = Engine.load(run.model_dir, backend="torch", device=device,
                                         dtype=dtype, kernels=args.kernels), None
         except Exception as e:  # noqa: BLE001
             engine, error = None, f"{type(e).__name__}: {e}"
-        for budget, chunk in settings:
+        for budget, chunk, workers in settings:
             base = {"path": "engine", "backend": "torch", "dtype": dtype, "kernels": args.kernels,
                     "setting": {"token_budget": budget, "max_batch": args.max_batch,
-                                "chunk": chunk}}
+                                "chunk": chunk, "host_workers": workers}}
             if engine is None:
                 finish(tagbench.error_row(base, error), None)
                 continue
-            row, _ = measure(base, tagbench.engine_tagger(
-                tagbench.with_budget(engine, budget, args.max_batch), chunk))
+            budgeted = tagbench.with_budget(engine, budget, args.max_batch, workers)
+            row, _ = measure(base, tagbench.engine_tagger(budgeted, chunk))
+            budgeted.close()
             if dtype == "float32":
                 vs = row.get("vs_reference")
                 row["check_passed"] = bool(vs) and vs["max_abs_prob_diff"] <= tagbench.PROB_TOL \

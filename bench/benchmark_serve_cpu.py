@@ -229,13 +229,14 @@ def engine_tagger(engine, chunk: int = 0) -> Callable[[list[list[str]]], WordPro
     return tag
 
 
-def with_budget(engine, token_budget: int, max_batch: int):
-    """An engine sharing ``engine``'s runner and tokenizer with another batch budget."""
+def with_budget(engine, token_budget: int, max_batch: int, host_workers: int = 0):
+    """An engine sharing ``engine``'s runner and tokenizer with another batch budget (and
+    ``host_workers``: close it after use)."""
     from mhmla_fast.serve.engine import Engine
 
     return Engine(engine.runner, engine.tokenizer, max_pieces=engine.max_pieces,
                   threshold=engine.threshold, token_budget=token_budget, max_batch=max_batch,
-                  max_padding=engine.max_padding)
+                  max_padding=engine.max_padding, host_workers=host_workers)
 
 
 def prepare_onnx(model_dir: Path, onnx_dir: str | None, tmp: Path) -> tuple[Path | None, dict]:

@@ -164,7 +164,8 @@ def load_engine(args: argparse.Namespace):
     try:
         engine = Engine.load(path, backend=args.backend, device=args.device, dtype=args.dtype,
                              kernels=args.kernels, threads=args.threads,
-                             threshold=args.threshold, token_budget=args.token_budget)
+                             threshold=args.threshold, token_budget=args.token_budget,
+                             host_workers=getattr(args, "host_workers", 0))
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the model from {path} ({args.backend}): "
                          f"{type(err).__name__}: {err}") from err
@@ -239,8 +240,9 @@ def _add_compute_options(g) -> None:
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when the "
                    "backend can use a GPU, else cpu)")
     g.add_argument("--kernels", default="auto", choices=KERNELS,
-                   help="the layer-attention head's implementation: auto (fused Triton on "
-                   "cuda, eager on cpu; default), torch (eager), triton (fused)")
+                   help="the layer-attention head's implementation: auto (default: what was "
+                   "measured faster, the fused Triton forward for large batches on cuda, else "
+                   "eager), torch (eager), triton (fused)")
     g.add_argument("--token-budget", type=_positive, default=8192,
                    help="padded word pieces per forward pass (default 8192)")
     g.add_argument("--threads", type=_positive, default=None,
@@ -471,6 +473,9 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
     single-process command, computed by :func:`mhmla_fast.serve.ray.run_job` on a Ray
     cluster (``--ray ADDRESS``) or a local Ray (``--ray`` alone) with ``--ray-workers``
     actors, in shards of ``--shard-size`` records."""
+    if getattr(args, "host_workers", 0):
+        raise UsageError("--host-workers applies to one process; with --ray, --ray-workers "
+                         "sets the parallelism")
     try:
         import ray  # noqa: F401  (the optional extra)
 
@@ -712,6 +717,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print a readable view to standard output instead of JSONL")
     p.add_argument("--batch-size", type=_positive, default=512,
                    help="records per engine call (default 512)")
+    p.add_argument("--host-workers", type=_non_negative_int, default=0,
+                   help="processes that word-tokenise and word-piece each engine call in "
+                   "parallel (default 0: this process; for a GPU that outruns one CPU core; "
+                   "not with --ray)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_model_options(p)
     _add_ray_options(p, "tag")

@@ -136,6 +136,67 @@ def load_tokenizer(path: str | os.PathLike):
     return load_encoder_tokenizer(path)
 
 
+def piece_tokenizer(tokenizer):
+    """The word-piece ``tokenizers.Tokenizer`` behind a Hugging Face fast tokenizer, copied, with
+    truncation and padding off (a saved ``tokenizer.json`` may carry either); the engine calls it
+    directly, without transformers' per-call wrapping."""
+    from tokenizers import Tokenizer
+
+    pieces = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    pieces.no_truncation()
+    pieces.no_padding()
+    return pieces
+
+
+def encode_words(pieces, unk: str, sentences: Sequence[Sequence[str]]
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per sentence (a list of words): its piece ids (int32, no special tokens) and, per piece,
+    the index of the word it starts (-1 for a word's later pieces), by the word-piece tokenizer
+    ``pieces`` (:func:`piece_tokenizer`). A word that gives no pieces (e.g. only invisible
+    characters) is replaced by ``unk``, so every word has a first piece."""
+    if not sentences:
+        return []
+    encodings = pieces.encode_batch([list(s) for s in sentences], is_pretokenized=True,
+                                    add_special_tokens=False)
+    out = []
+    for words, enc in zip(sentences, encodings):
+        ids, wids = enc.ids, enc.word_ids
+        if len({w for w in wids if w is not None}) < len(words):
+            fixed = [w if pieces.encode(w, add_special_tokens=False).ids else unk for w in words]
+            enc = pieces.encode(fixed, is_pretokenized=True, add_special_tokens=False)
+            ids, wids = enc.ids, enc.word_ids
+        first, prev = np.full(len(wids), -1, dtype=np.int64), None
+        for q, w in enumerate(wids):
+            if w is not None and w != prev:
+                first[q] = w
+            prev = w
+        out.append((np.asarray(ids, dtype=np.int32), first))
+    return out
+
+
+ENCODE_CHUNK = 2048  # words per tokenizer call for a long input
+
+
+def encode_sentences(pieces, unk: str, sentences: Sequence[Sequence[str]],
+                     chunk: int = ENCODE_CHUNK) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`encode_words` of every sentence; sentences of more than ``chunk`` words are
+    word-pieced in chunks of words (the same pieces: words are pieced one by one)."""
+    out: list[Any] = [None] * len(sentences)
+    short = [k for k, s in enumerate(sentences) if len(s) <= chunk]
+    for k, enc in zip(short, encode_words(pieces, unk, [sentences[k] for k in short])):
+        out[k] = enc
+    for k, words in enumerate(sentences):
+        if out[k] is not None:
+            continue
+        ids, first = [], []
+        for a in range(0, len(words), chunk):
+            (i, f), = encode_words(pieces, unk, [words[a:a + chunk]])
+            ids.append(i)
+            first.append(np.where(f >= 0, f + a, -1))
+        out[k] = (np.concatenate(ids), np.concatenate(first))
+    return out
+
+
 def _is_separator(ch: str) -> bool:
     """A separator of ``tokenize`` rule 1: it ends a token and belongs to none."""
     return ch.isspace() or ch == "\u200b"
@@ -185,13 +246,17 @@ class Engine:
             cut; see ``packing.pack_by_token_budget``).
         long_window: pieces per window of an input longer than ``max_pieces - 2`` (capped at
             ``max_pieces - 2``); consecutive windows overlap by a quarter of it.
+        host_workers: processes that tokenise and word-piece calls of at least
+            ``2 * hostpool.CHUNK`` inputs in parallel (:mod:`.hostpool`; 0: this thread does);
+            the results are the same. :meth:`close` stops them.
     """
 
-    ENCODE_CHUNK = 2048  # words per tokenizer call for a long input
+    ENCODE_CHUNK = ENCODE_CHUNK  # words per tokenizer call for a long input
 
     def __init__(self, runner, tokenizer, *, max_pieces: int = 512, threshold: float = 0.5,
                  token_budget: int = 8192, max_batch: int = 256,
-                 max_padding: float | None = 0.2, long_window: int = 254):
+                 max_padding: float | None = 0.2, long_window: int = 254,
+                 host_workers: int = 0):
         if max_pieces < 4:
             raise ValueError(f"max_pieces: expected at least 4, got {max_pieces}")
         if long_window < 4:
@@ -207,6 +272,11 @@ class Engine:
         self.cls_id, self.sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
         self.pad_id = tokenizer.pad_token_id or 0
         self._unk = tokenizer.unk_token or "[UNK]"
+        self.pieces = piece_tokenizer(tokenizer)
+        if host_workers < 0:
+            raise ValueError(f"host_workers: expected >= 0, got {host_workers}")
+        self.host_workers = int(host_workers)
+        self._pool = None  # a HostPool, started at the first call large enough
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike | None = None, *, backend: str = "torch",
@@ -240,44 +310,10 @@ class Engine:
     # ------------------------------------------------------------------ encoding
 
     def _encode(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per sentence: piece ids (no special tokens) and the word each piece starts (-1), as
-        int32/int64 arrays; sentences of more than ``ENCODE_CHUNK`` words are word-pieced in
-        chunks of words (the same pieces: words are pieced one by one)."""
-        out: list[Any] = [None] * len(sentences)
-        short = [k for k, s in enumerate(sentences) if len(s) <= self.ENCODE_CHUNK]
-        for k, enc in zip(short, self._encode_batch([sentences[k] for k in short])):
-            out[k] = enc
-        for k, words in enumerate(sentences):
-            if out[k] is not None:
-                continue
-            ids, first = [], []
-            for a in range(0, len(words), self.ENCODE_CHUNK):
-                (i, f), = self._encode_batch([words[a:a + self.ENCODE_CHUNK]])
-                ids.append(i)
-                first.append(np.where(f >= 0, f + a, -1))
-            out[k] = (np.concatenate(ids), np.concatenate(first))
-        return out
+        return encode_sentences(self.pieces, self._unk, sentences, self.ENCODE_CHUNK)
 
     def _encode_batch(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        if not sentences:
-            return []
-        tok = self.tokenizer
-        enc = tok([list(s) for s in sentences], is_split_into_words=True,
-                  add_special_tokens=False)
-        out = []
-        for b, words in enumerate(sentences):
-            ids, wids = enc["input_ids"][b], enc.word_ids(b)
-            if len({w for w in wids if w is not None}) < len(words):
-                fixed = [w if tok.tokenize(w) else self._unk for w in words]
-                one = tok(fixed, is_split_into_words=True, add_special_tokens=False)
-                ids, wids = one["input_ids"], one.word_ids()
-            first, prev = np.full(len(wids), -1, dtype=np.int64), None
-            for q, w in enumerate(wids):
-                if w is not None and w != prev:
-                    first[q] = w
-                prev = w
-            out.append((np.asarray(ids, dtype=np.int32), first))
-        return out
+        return encode_words(self.pieces, self._unk, sentences)
 
     # ------------------------------------------------------------------- tagging
 
@@ -320,10 +356,14 @@ class Engine:
         margin[words[better]] = edge[better]
         probs[words[better]] = out[pos[better] + 1]
 
-    def word_probs(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[np.ndarray]:
+    def word_probs(self, sentences: Sequence[Sequence[str]], on_pieces=None,
+                   encoded: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+                   ) -> list[np.ndarray]:
         """Error probability of every word of every sentence, in input order (``on_pieces(n)``:
-        called after each forward pass with its ``n`` real word pieces)."""
-        encoded = self._encode(sentences)
+        called after each forward pass with its ``n`` real word pieces; ``encoded``: the
+        sentences' word-piece encoding, if already made)."""
+        if encoded is None:
+            encoded = self._encode(sentences)
         rows = [(s, start, end) for s, (ids, _) in enumerate(encoded)
                 for start, end in self.window_spans(len(ids))]  # (sentence, start, end)
         probs = [np.zeros(len(words), dtype=np.float32) for words in sentences]
@@ -412,16 +452,40 @@ class Engine:
         for i, s in enumerate(sentences):
             if isinstance(s, str) or not all(isinstance(w, str) and w for w in s):
                 raise ValueError(f"sentences[{i}]: expected a list of non-empty strings")
-        probs = self.word_probs(sentences, on_pieces)
+        pool = self._host_pool(len(sentences))
+        encoded = pool.tokens(sentences) if pool is not None else None
+        probs = self.word_probs(sentences, on_pieces, encoded)
         return [self._result(s, p) for s, p in zip(sentences, probs)]
 
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
         ``on_pieces``: see :meth:`word_probs`."""
         texts = list(texts)
-        toks = [word_tokenize_chunked(t) for t in texts]
-        probs = self.word_probs([[t.text for t in ts] for ts in toks], on_pieces)
-        return [
-            self._result([t.text for t in ts], p, [(t.start, t.end) for t in ts], text)
-            for text, ts, p in zip(texts, toks, probs)
-        ]
+        pool = self._host_pool(len(texts))
+        if pool is not None:
+            words, offsets, encoded = pool.texts(texts)
+        else:
+            toks = [word_tokenize_chunked(t) for t in texts]
+            words = [[t.text for t in ts] for ts in toks]
+            offsets = [[(t.start, t.end) for t in ts] for ts in toks]
+            encoded = None
+        probs = self.word_probs(words, on_pieces, encoded)
+        return [self._result(w, p, o, text) for text, w, o, p in zip(texts, words, offsets, probs)]
+
+    def _host_pool(self, n_inputs: int):
+        """The host workers for a call of ``n_inputs`` inputs, or None (none asked for, or too
+        small a call to pay for the transfer)."""
+        from . import hostpool
+
+        if not self.host_workers or n_inputs < 2 * hostpool.CHUNK:
+            return None
+        if self._pool is None:
+            self._pool = hostpool.HostPool(self.host_workers, self.pieces.to_str(), self._unk)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the host workers, if any were started (the engine still works: without them
+        until the next large call starts them again)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

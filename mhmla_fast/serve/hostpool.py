@@ -1,0 +1,111 @@
+"""Worker processes for the tagging engine's host path: word tokenisation and word-piecing of
+large calls, in parallel, off the process that drives the model.
+
+One Python thread tokenises about 12,000 FCE sentences/s (``bench/benchmark_host_path.py``),
+which caps the engine on a GPU that could tag several times more. With ``host_workers=N``
+(:class:`~mhmla_fast.serve.engine.Engine`) a call of at least ``2 * CHUNK`` inputs is cut into
+chunks of ``CHUNK`` that N spawned processes tokenise and word-piece, each returning its chunk
+packed into a few arrays (cheap to pickle); the engine then packs, runs and merges as usual.
+The results are identical to the engine's own (the same functions run; tested).
+
+Workers import only numpy, ``tokenizers`` and this package's tokeniser (no torch), and get the
+word-piece tokenizer as its JSON. Spawned, never forked: forking a process that holds a CUDA
+context or a running tokenizers thread pool is unsafe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HostPool", "CHUNK"]
+
+CHUNK = 128  # inputs per task
+
+_STATE: dict[str, Any] = {}  # in a worker: the word-piece tokenizer and the unknown token
+
+
+def _init(tokenizer_json: str, unk: str) -> None:
+    from tokenizers import Tokenizer
+
+    pieces = Tokenizer.from_str(tokenizer_json)
+    pieces.no_truncation()
+    pieces.no_padding()
+    _STATE.update(pieces=pieces, unk=unk)
+
+
+def _pack(encoded: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    """Per-sentence (ids, first) arrays -> (piece counts, all ids, all firsts)."""
+    counts = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
+    ids = np.concatenate([i for i, _ in encoded]) if encoded else np.zeros(0, np.int32)
+    first = np.concatenate([f for _, f in encoded]) if encoded else np.zeros(0, np.int64)
+    return counts, ids.astype(np.int32, copy=False), first
+
+
+def _unpack(counts: np.ndarray, ids: np.ndarray, first: np.ndarray
+            ) -> list[tuple[np.ndarray, np.ndarray]]:
+    cuts = np.cumsum(counts)[:-1]
+    return list(zip(np.split(ids, cuts), np.split(first, cuts)))
+
+
+def _texts_task(texts: Sequence[str]):
+    """A worker's chunk of raw texts: words, offsets (as one [n, 2] array per chunk) and the
+    word-piece encoding of each text."""
+    from .engine import encode_sentences, word_tokenize_chunked
+
+    toks = [word_tokenize_chunked(t) for t in texts]
+    words = [[t.text for t in ts] for ts in toks]
+    n_tokens = np.array([len(ts) for ts in toks], dtype=np.int64)
+    offsets = np.array([(t.start, t.end) for ts in toks for t in ts], dtype=np.int64).reshape(-1, 2)
+    encoded = encode_sentences(_STATE["pieces"], _STATE["unk"], words)
+    return words, n_tokens, offsets, _pack(encoded)
+
+
+def _tokens_task(sentences: Sequence[Sequence[str]]):
+    from .engine import encode_sentences
+
+    return _pack(encode_sentences(_STATE["pieces"], _STATE["unk"], sentences))
+
+
+class HostPool:
+    """``workers`` spawned processes that tokenise and word-piece chunks of inputs, in order."""
+
+    def __init__(self, workers: int, tokenizer_json: str, unk: str) -> None:
+        if workers < 1:
+            raise ValueError(f"host_workers: expected >= 1, got {workers}")
+        self.workers = int(workers)
+        self._pool = ProcessPoolExecutor(self.workers,
+                                         mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_init, initargs=(tokenizer_json, unk))
+
+    def texts(self, texts: Sequence[str]
+              ) -> tuple[list[list[str]], list[list[tuple[int, int]]], list[tuple[np.ndarray, np.ndarray]]]:
+        """Words, code-point offsets and word-piece encoding of each text, in input order."""
+        words: list[list[str]] = []
+        offsets: list[list[tuple[int, int]]] = []
+        encoded: list[tuple[np.ndarray, np.ndarray]] = []
+        chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
+        for w, n_tokens, offs, packed in self._pool.map(_texts_task, chunks):
+            words.extend(w)
+            pairs = list(map(tuple, offs.tolist()))
+            a = 0
+            for n in n_tokens.tolist():
+                offsets.append(pairs[a:a + n])
+                a += n
+            encoded.extend(_unpack(*packed))
+        return words, offsets, encoded
+
+    def tokens(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The word-piece encoding of each pre-tokenised sentence, in input order."""
+        chunks = [list(sentences[a:a + CHUNK]) for a in range(0, len(sentences), CHUNK)]
+        encoded: list[tuple[np.ndarray, np.ndarray]] = []
+        for packed in self._pool.map(_tokens_task, chunks):
+            encoded.extend(_unpack(*packed))
+        return encoded
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,71 @@
+"""The engine's host workers (``Engine(host_workers=N)``, :mod:`mhmla_fast.serve.hostpool`):
+large calls are word-tokenised and word-pieced in spawned processes, with results identical
+to the engine's own; small calls stay in the calling thread; ``--host-workers`` reaches the
+engine from ``mhmla-serve tag`` and is refused with ``--ray``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mhmla_fast.serve import hostpool
+from mhmla_fast.serve.engine import Engine
+
+WORDS = ("the a cat dog house school every day he she they go goes went because although "
+         "café naïve don't John's well-known 3.14 我喜欢猫 👍 !? ... co\u00adoperate").split()
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30))) for _ in range(n)]
+    out[3] = " ".join(rng.choice(WORDS) for _ in range(3000))  # longer than ENCODE_CHUNK words
+    out[5] = "\u200b"  # a token that gives no word pieces
+    return out
+
+
+def test_host_workers_give_the_engines_own_results(tiny_engine, monkeypatch):
+    calls = []
+    original = hostpool.HostPool.texts
+    monkeypatch.setattr(hostpool.HostPool, "texts",
+                        lambda self, t: calls.append(len(t)) or original(self, t))
+    engine = Engine(tiny_engine.runner, tiny_engine.tokenizer, threshold=tiny_engine.threshold,
+                    max_pieces=tiny_engine.max_pieces, host_workers=2)
+    try:
+        data = texts(3 * hostpool.CHUNK + 7)
+        want = [r.to_dict() for r in tiny_engine.tag_texts(data)]
+        assert [r.to_dict() for r in engine.tag_texts(data)] == want
+        assert calls == [len(data)]  # through the workers
+        sentences = [t.split() or ["x"] for t in data]
+        assert ([r.to_dict() for r in engine.tag_tokens(sentences)]
+                == [r.to_dict() for r in tiny_engine.tag_tokens(sentences)])
+        small = data[:10]  # below 2 * CHUNK: the calling thread
+        assert [r.to_dict() for r in engine.tag_texts(small)] == want[:10]
+        assert calls == [len(data)]
+    finally:
+        engine.close()
+    assert engine._pool is None
+    with pytest.raises(ValueError, match="host_workers"):
+        Engine(tiny_engine.runner, tiny_engine.tokenizer, host_workers=-1)
+
+
+def test_cli_passes_host_workers_and_refuses_them_with_ray(tiny_tagger_dir, tmp_path,
+                                                           monkeypatch, capsys):
+    from mhmla_fast.commands import serve
+
+    seen = {}
+    load = Engine.load
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return load(*a, **kw)
+
+    monkeypatch.setattr(Engine, "load", staticmethod(spy))
+    src = tmp_path / "in.txt"
+    src.write_text("He go to school .\n", encoding="utf-8")
+    base = ["tag", str(src), "--model", str(tiny_tagger_dir), "--no-progress", "--threads", "1"]
+    assert serve.main(base + ["--output", str(tmp_path / "o.jsonl"), "--host-workers", "2"]) == 0
+    assert seen["host_workers"] == 2
+    assert serve.main(base + ["--output", str(tmp_path / "r.jsonl"), "--host-workers", "2",
+                              "--ray"]) == 2
+    assert "--host-workers applies to one process" in capsys.readouterr().err
