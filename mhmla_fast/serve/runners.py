@@ -27,7 +27,8 @@ def set_torch_threads(threads: int | None) -> None:
 
 class TorchRunner:
     """Eager PyTorch: CPU (fp32) or CUDA (bf16 by default, SDPA attention); ``kernels`` is the
-    head's implementation ("auto": fused Triton on CUDA, eager elsewhere; "torch"; "triton").
+    head's implementation ("auto": what ``mhmla_fast.dispatch`` measured faster, the fused
+    Triton forward for large batches on CUDA, else eager; "torch"; "triton").
     Device and dtype defaults: :func:`.options.resolve_options`."""
 
     def __init__(self, model_dir: str | os.PathLike, *, device: str | None = None,
