@@ -8,6 +8,7 @@
 #   bash bench/gpu_issue10.sh sweep bert-base bf16   # one shape x dtype of the N sweep (eager, compile-max, fused)
 #   bash bench/gpu_issue10.sh memory       # BERT-base bf16 N=4096, fused only, three backward group budgets
 #   bash bench/gpu_issue10.sh profile      # torch.profiler table of one fused forward + backward
+#   bash bench/gpu_issue10.sh probe        # the open 16-bit fault: neighbouring shapes, one process each
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
 # the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
@@ -82,5 +83,13 @@ PY
     timeout 330 python bench/benchmark_layer_attention.py --quick --modes inference forward full \
       --out "$OUT/headline.json" > "$OUT/headline.log" 2>&1 || true
     sed -n '/^speedup/,$p' "$OUT/headline.log" | head -40 ;;
+  probe)  # the open 16-bit fault (13 70 120 72 3 in fp16): neighbouring shapes, one process each
+    export CUDA_LAUNCH_BLOCKING=1 MHMLA_TRITON_CONFIGS=fixed
+    for s in "13 70 120 72 3" "2 70 120 72 3" "13 64 120 72 3" "13 70 128 72 3" "13 70 120 80 3" \
+             "13 70 120 72 4" "2 64 120 72 3" "2 70 120 64 3" "2 70 96 72 3"; do
+      for dt in float16 bfloat16; do
+        timeout 60 python bench/layer_attention_probe.py $s $dt 2>&1 | tail -1
+      done
+    done | tee "$OUT/probe_16bit_fault.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

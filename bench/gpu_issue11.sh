@@ -9,7 +9,7 @@
 # On the device (carry [".gpu"], the http stage [".gpu", ".whl"]; set MHMLA_COMMIT, the
 # device's copy has no .git):
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh check        # GPU, versions, a 64-sentence smoke run
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh tag-engine   # plain torch + engine fp32/bf16, 98,840 sentences, CPU fp32 agreement
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh tag-engine   # plain torch + engine fp32/bf16 (0 and 8 host workers), 98,840 sentences, CPU fp32 agreement
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh tag-hf       # plain torch + HF pipeline fp32/fp16 at 32..256 (+ ONNX if CUDA EP)
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh score        # predict_scores bf16/fp32, 2,000 essays
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh cli          # whole processes: tag, HF pipeline, score (2 alternating runs)
@@ -139,6 +139,7 @@ PY
   tag-engine)  # the in-process engine at the issue's size; CPU fp32 labels on the 4,942 distinct sentences
     prepare
     bench --tasks tag --tag-paths plain engine --repeat-to 98840 --repeats 2 --chunks 0 \
+      --budgets 65536 --host-workers 0 8 \
       --out "$OUT/tag_engine.json" 2>&1 | tee "$OUT/tag_engine.log" ;;
   tag-hf)  # the pipeline's settings (the issue's best: fp16, batch 256) on the 4,942 sentences
     prepare
