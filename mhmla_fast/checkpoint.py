@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["atomic_write_text", "save_checkpoint", "load_checkpoint"]
+__all__ = ["atomic_write_text", "save_checkpoint", "load_checkpoint", "CheckpointWriter"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -34,34 +35,100 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, step: int) -> None:
-    """Write the checkpoint of ``model``, ``optimizer``, the RNGs and ``state`` (JSON-able)
-    into ``out`` as ``checkpoint-<step>.safetensors`` + ``checkpoint.json``."""
-    from safetensors.torch import save_file
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    """Copies on the CPU of the model's and optimizer's tensors and the RNG states (safe to
+    write while training goes on), and the optimizer's param groups as JSON-able lists."""
+    def copy(t) -> torch.Tensor:
+        return torch.as_tensor(t).detach().to("cpu", copy=True).contiguous()
 
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": copy(v) for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
     for idx, st in opt["state"].items():
         for name, value in st.items():
-            tensors[f"optim.{idx}.{name}"] = torch.as_tensor(value).cpu().contiguous()
+            tensors[f"optim.{idx}.{name}"] = copy(value)
     tensors["rng.cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+              for g in opt["param_groups"]]
+    return tensors, groups
+
+
+def _write(out: Path, tensors: dict, groups: list, state_json: str, step: int) -> None:
+    """The files of one checkpoint, in the order that keeps one complete checkpoint at any
+    point (module docstring). ``state_json``: the caller's state, already as JSON."""
+    from safetensors.torch import save_file
+
     name = f"checkpoint-{step}.safetensors"
     tmp = out / (name + ".tmp")
     save_file(tensors, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, out / name)
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-              for g in opt["param_groups"]]
-    atomic_write_text(out / "checkpoint.json",
-                      json.dumps({**state, "tensors": name, "param_groups": groups}, indent=1))
+    meta = {**json.loads(state_json), "tensors": name, "param_groups": groups}
+    atomic_write_text(out / "checkpoint.json", json.dumps(meta, indent=1))
     for old in out.glob("checkpoint-*.safetensors"):
         if old.name != name:
             old.unlink(missing_ok=True)
+
+
+def save_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict, step: int) -> None:
+    """Write the checkpoint of ``model``, ``optimizer``, the RNGs and ``state`` (JSON-able)
+    into ``out`` as ``checkpoint-<step>.safetensors`` + ``checkpoint.json``."""
+    tensors, groups = _snapshot(model, optimizer)
+    _write(out, tensors, groups, json.dumps(state), step)
+
+
+class CheckpointWriter:
+    """:func:`save_checkpoint` with the writing off the training loop: :meth:`save` copies the
+    tensors to the CPU and captures ``state`` at once (what is saved is the call's moment), and
+    a background thread writes the files; a save waits for the previous write to finish, and
+    :meth:`close` (or leaving a ``with`` block) waits for the last. A write's error is raised
+    by the next :meth:`save` or :meth:`close`. A run killed mid-write keeps the previous
+    checkpoint (the same file order as :func:`save_checkpoint`)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+             step: int) -> None:
+        self.wait()
+        tensors, groups = _snapshot(model, optimizer)
+        state_json = json.dumps(state)
+
+        def run() -> None:
+            try:
+                _write(self.out, tensors, groups, state_json, step)
+            except BaseException as err:  # raised in the training thread by the next call
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="mhmla-checkpoint", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the write in progress, if any; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint in {self.out} failed: {err}") from err
+
+    close = wait
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.wait()
+        elif self._thread is not None:  # leaving on an error: finish the write, raise nothing
+            self._thread.join()
+            self._thread = None
 
 
 def load_checkpoint(out: Path, model: torch.nn.Module,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointWriter, atomic_write_text, load_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..distributed import check_resume_world, shard, training_device, wrap
 from .data import Sentence, read_ged
@@ -211,8 +211,14 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     """Train (or resume) into ``cfg.out``; returns the best model's directory.
 
     ``stop_after_steps`` ends the run after that many optimizer steps in this call, right
-    after a checkpoint (used to test resume).
+    after a checkpoint (used to test resume). Checkpoints are written by a background thread
+    (:class:`~mhmla_fast.checkpoint.CheckpointWriter`); every one is complete on return.
     """
+    with CheckpointWriter(Path(cfg.out)) as writer:
+        return _train(cfg, stop_after_steps, writer)
+
+
+def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWriter) -> Path:
     from tqdm.auto import tqdm
 
     out = Path(cfg.out)
@@ -264,7 +270,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     def checkpoint():
         if not main_rank:  # rank 0 writes; every rank holds the same weights and optimizer state
             return
-        save_checkpoint(out, model, optimizer, {
+        writer.save(model, optimizer, {
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
             "world_size": dist_ctx.world_size if dist_ctx else 1,

@@ -1,0 +1,55 @@
+"""Checkpoints written in the background (:class:`mhmla_fast.checkpoint.CheckpointWriter`):
+what is saved is the moment of the call, the files are those of ``save_checkpoint``, and a
+failed write is raised in the training thread."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mhmla_fast.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
+
+
+def model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_background_write_saves_the_moment_of_the_call(tmp_path):
+    model, opt = model_and_optimizer(0)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"epoch": 1, "log": [{"loss": 0.5}]}
+    with CheckpointWriter(tmp_path) as writer:
+        writer.save(model, opt, state, step=7)
+        with torch.no_grad():  # training goes on while the file is written
+            for p in model.parameters():
+                p.add_(1.0)
+        state["log"].append({"loss": 0.1})
+    other, other_opt = model_and_optimizer(1)
+    meta = load_checkpoint(tmp_path, other, other_opt)
+    assert meta["tensors"] == "checkpoint-7.safetensors" and meta["log"] == [{"loss": 0.5}]
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-7.safetensors",
+                                                         "checkpoint.json"]
+    # the same files as the synchronous writer
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    model, opt = model_and_optimizer(0)
+    save_checkpoint(sync, model, opt, {"epoch": 1, "log": [{"loss": 0.5}]}, 7)
+    assert json.loads((sync / "checkpoint.json").read_text()) == meta
+
+
+def test_a_failed_write_is_raised_by_the_next_call(tmp_path):
+    model, opt = model_and_optimizer(0)
+    writer = CheckpointWriter(tmp_path / "missing" / "folder")
+    writer.save(model, opt, {}, step=1)
+    with pytest.raises(RuntimeError, match="writing a checkpoint in .* failed"):
+        writer.close()
+    writer.close()  # reported once
