@@ -10,7 +10,9 @@ The results are identical to the engine's own (the same functions run; tested).
 
 Workers import only numpy, ``tokenizers`` and this package's tokeniser (no torch), and get the
 word-piece tokenizer as its JSON. Spawned, never forked: forking a process that holds a CUDA
-context or a running tokenizers thread pool is unsafe.
+context or a running tokenizers thread pool is unsafe. As with any spawned pool, a script that
+uses ``host_workers`` must start its work under ``if __name__ == "__main__":`` (the workers
+import the script's main module); ``mhmla-serve`` does.
 """
 
 from __future__ import annotations
