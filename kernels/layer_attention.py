@@ -54,6 +54,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mhmla_fast.dispatch import fused_unsupported
+
 __all__ = [
     "LayerAttentionFunction",
     "layer_attention_triton",
@@ -830,8 +832,6 @@ def layer_attention_triton(
     ``kernels`` = (forward, backward) implementations, each "triton" or "torch" (see
     ``LayerAttentionFunction``).
     """
-    from mhmla_fast.dispatch import fused_unsupported
-
     unsupported = fused_unsupported(hidden.device.type, hidden.dtype, hidden.shape[-1], w_k.shape[-1])
     if unsupported and "triton" in kernels:
         raise ValueError(unsupported)

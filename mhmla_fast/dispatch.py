@@ -76,7 +76,8 @@ def fused_unsupported(device_type: str, dtype: torch.dtype, H: int, K: int) -> s
     """
     if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and (H % 16 or K % 16):
         return (f"the fused kernels in {str(dtype).removeprefix('torch.')} on CUDA need H and K "
-                f"multiples of 16, got H={H}, K={K} (a kernel fault at H=120, K=72 is open)")
+                f"multiples of 16, got H={H}, K={K} (a kernel fault at H=120, K=72 is open); "
+                "use backend='auto' or 'torch'")
     return None
 
 

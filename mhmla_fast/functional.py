@@ -164,9 +164,7 @@ def layer_attention(
     flat = hidden.reshape(L, N, H)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (flat, *params.values()))
-    unsupported = fused_unsupported(flat.device.type, flat.dtype, H, K)
-    if backend == "triton" and unsupported:
-        raise ValueError(f"backend='triton': {unsupported}; use backend='auto' or 'torch'")
+    unsupported = fused_unsupported(flat.device.type, flat.dtype, H, K)  # "triton" raises it
     kernels = layer_attention_kernels(backend, flat.device, needs_grad, work=L * N * H * (H + K),
                                       unsupported=unsupported)
     dropout = tuple(float(r) if training else 0.0 for r in rates.values())

@@ -5,7 +5,6 @@ short end-to-end runs of the tag, cli and http tasks on the tiny tagger."""
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from bench_scripts import load_bench_script
+from synthetic_fce import write_random_fce
 
 VOCAB = ("the a cat dog house school every day he she they we go goes went see sees postman "
          "letters yesterday , . !").split()
@@ -24,15 +24,7 @@ def bench():
 
 
 def _write_fce(path: Path, n: int) -> Path:
-    """n random FCE-format sentences (TOKEN<TAB>c|i lines, blank line between)."""
-    rng = random.Random(3)
-    lines = []
-    for _ in range(n):
-        for _ in range(rng.randint(2, 12)):
-            lines.append(f"{rng.choice(VOCAB)}\t{'i' if rng.random() < 0.2 else 'c'}")
-        lines.append("")
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_random_fce(path, n, VOCAB, seed=3)
 
 
 # ----------------------------------------------------------------------------- arguments

@@ -12,23 +12,14 @@ from safetensors.torch import load_file
 
 from mhmla_fast.ged.model import GedTagger, encode_words, load_tokenizer
 from mhmla_fast.ged.train import TrainConfig, length_bucketed_batches, train
+from synthetic_fce import write_agreement_fce
 
 WORDS = "the a cat dog house school every day he she they we go goes went see sees".split()
 
 
 def write_fce(path, n, seed):
-    """Synthetic FCE-style data: "goes" after "they"/"we" and "go" after "he"/"she" are errors."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        subj = rng.choice(["he", "she", "they", "we"])
-        verb = rng.choice(["go", "goes"])
-        err = (subj in ("he", "she")) == (verb == "go")
-        rest = [rng.choice(WORDS) for _ in range(rng.randint(1, 6))]
-        toks = [(subj, 0), (verb, int(err))] + [(w, 0) for w in rest] + [(".", 0)]
-        lines += [f"{w}\t{'i' if e else 'c'}" for w, e in toks] + [""]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    """Synthetic FCE-style data (:func:`synthetic_fce.write_agreement_fce`)."""
+    return write_agreement_fce(path, n, seed, WORDS, max_rest=6)
 
 
 @pytest.fixture(scope="module")

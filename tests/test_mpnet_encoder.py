@@ -9,6 +9,7 @@ import torch
 
 from mhmla_fast.ged.model import GedTagger, TaggerConfig, encode_sentences, encode_words, load_tokenizer
 from mhmla_fast.ged.train import TrainConfig, train
+from synthetic_fce import write_agreement_fce
 
 VOCAB = ["<s>", "<pad>", "</s>", "<unk>", "[UNK]", "<mask>", ".", ",", "he", "she", "they", "we",
          "go", "##es", "to", "school", "##s", "every", "day", "the", "house", "a", "cat", "see",
@@ -43,20 +44,8 @@ def test_word_pieces_align_to_words(tiny_mpnet):
 
 
 def write_fce(path, n, seed):
-    import random
-
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        subj = rng.choice(["he", "she", "they", "we"])
-        verb = rng.choice(["go", "goes"])
-        err = (subj in ("he", "she")) == (verb == "go")
-        rest = [rng.choice(["the", "house", "a", "cat", "dog", "school", "every", "day"])
-                for _ in range(rng.randint(1, 5))]
-        toks = [(subj, 0), (verb, int(err))] + [(w, 0) for w in rest] + [(".", 0)]
-        lines += [f"{w}\t{'i' if e else 'c'}" for w, e in toks] + [""]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_agreement_fce(path, n, seed, ["the", "house", "a", "cat", "dog", "school",
+                                               "every", "day"], max_rest=5)
 
 
 def test_mpnet_tagger_trains_saves_loads_and_serves(tmp_path, tiny_mpnet):

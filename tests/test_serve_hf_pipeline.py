@@ -5,7 +5,6 @@ to end on 20 sentences and writes the JSON it promises."""
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from mhmla_fast.serve.hf_pipeline import (
 )
 
 from bench_scripts import load_bench_script
+from synthetic_fce import write_random_fce
 
 SENTENCES = [
     ["He", "go", "to", "school", "every", "day", "."],
@@ -98,15 +98,7 @@ def test_pipeline_word_probs_takes_each_words_first_piece():
 
 
 def _write_fce(path: Path, n: int) -> Path:
-    """n random FCE-format sentences (TOKEN<TAB>c|i lines, blank line between)."""
-    rng = random.Random(1)
-    lines = []
-    for _ in range(n):
-        for _ in range(rng.randint(2, 12)):
-            lines.append(f"{rng.choice(VOCAB)}\t{'i' if rng.random() < 0.2 else 'c'}")
-        lines.append("")
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_random_fce(path, n, VOCAB, seed=1)
 
 
 def test_benchmark_main_writes_every_row_and_the_summary(tagger_dir, tmp_path, monkeypatch,

@@ -111,6 +111,20 @@ def _positive(value: str) -> int:
     return n
 
 
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return n
+
+
+def _non_negative_float(value: str) -> float:
+    x = float(value)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return x
+
+
 # ------------------------------------------------------------------------------------ model
 
 
@@ -588,20 +602,6 @@ def run_score(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------- http
-
-
-def _non_negative_int(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return n
-
-
-def _non_negative_float(value: str) -> float:
-    x = float(value)
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return x
 
 
 def run_http(args: argparse.Namespace) -> int:

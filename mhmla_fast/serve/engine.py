@@ -429,23 +429,22 @@ class Engine:
         return self._result(plan.tokens, probs, plan.offsets, plan.text)
 
     def _result(self, tokens, probs, offsets=None, text=None) -> TagResult:
-        probs = np.asarray(probs, dtype=np.float32)
-        flagged = np.flatnonzero(probs >= self.threshold)  # float32 comparison, as per word
-        labels = ["c"] * len(probs)
-        spans = []
-        if len(flagged):
-            for k in flagged.tolist():
-                labels[k] = "i"
-            cut = np.flatnonzero(np.diff(flagged) > 1)  # runs of consecutive flagged words
-            starts = flagged[np.concatenate(([0], cut + 1))].tolist()
-            ends = flagged[np.concatenate((cut, [len(flagged) - 1]))].tolist()
-            for k, e in zip(starts, ends):
+        labels = ["i" if p >= self.threshold else "c" for p in probs]
+        spans, k = [], 0
+        while k < len(labels):
+            if labels[k] == "i":
+                e = k
+                while e + 1 < len(labels) and labels[e + 1] == "i":
+                    e += 1
                 if offsets is not None:
                     a, b = offsets[k][0], offsets[e][1]
                     spans.append({"start": a, "end": b, "text": text[a:b]})
                 else:
                     spans.append({"start": k, "end": e + 1})
-        return TagResult(list(tokens), labels, probs.tolist(), offsets, spans)
+                k = e + 1
+            else:
+                k += 1
+        return TagResult(list(tokens), labels, [float(p) for p in probs], offsets, spans)
 
     def tag_tokens(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[TagResult]:
         """Tag pre-tokenised sentences (lists of words); ``on_pieces``: see :meth:`word_probs`."""
