@@ -1,6 +1,6 @@
 """pytest-benchmark of the tagging engine: ``pytest bench/ --benchmark-only``.
 
-``mhmla_fast.serve.engine.Engine.load()`` (the shipped default tagger, backend torch, on the
+``mhmla_fast.serve.engine.Engine.load(backend="torch")`` (the shipped default tagger, on the
 device present: CUDA in bf16 if there is one, else CPU in fp32, as the engine itself chooses)
 tags a fixed list of 200 generated English sentences with ``tag_texts`` (word tokenisation,
 word-piecing, batching and the network: the whole call a user makes). Model loading and one
@@ -57,7 +57,7 @@ def make_sentences(count: int = N_SENTENCES, seed: int = SEED) -> list[str]:
 def engine():
     from mhmla_fast.serve.engine import Engine
 
-    return Engine.load()
+    return Engine.load(backend="torch")
 
 
 def test_engine_tag_texts(benchmark, engine) -> None:

@@ -10,18 +10,45 @@ runtime it asks about.
 from __future__ import annotations
 
 import os
+import sys
 
-__all__ = ["cuda_available", "resolve_device", "physical_cores"]
+__all__ = ["cuda_available", "gpu_device_possible", "resolve_device", "physical_cores"]
+
+# Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
+# (/dev/nvidiactl, /proc/driver/nvidia), ROCm (/dev/kfd), WSL 2 (/dev/dxg).
+_GPU_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_possible() -> bool:
+    """False when this machine certainly has no GPU that ``torch.cuda`` could use (Linux without
+    any GPU driver's device node, or macOS), True otherwise; costs a few ``stat`` calls, so that
+    the CPU path need not import torch (1.3 s) to learn that there is no GPU."""
+    if sys.platform == "darwin":
+        return False
+    if not sys.platform.startswith("linux"):
+        return True  # no cheap test: ask torch
+    return any(os.path.exists(node) for node in _GPU_NODES) or any(
+        name.startswith("nvidia") for name in _listdir("/dev"))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def cuda_available(backend: str = "torch") -> bool:
     """Whether ``backend`` ("torch", "onnx" or "tensorrt") can run on a CUDA GPU here:
-    torch: a usable ``torch.cuda`` device; ONNX Runtime: its CUDA execution provider is
-    installed; TensorRT: a usable ``torch.cuda`` device (it runs on nothing else)."""
+    torch: a usable ``torch.cuda`` device (False without importing torch when
+    :func:`gpu_device_possible` says there is none); ONNX Runtime: its CUDA execution provider
+    is installed; TensorRT: a usable ``torch.cuda`` device (it runs on nothing else)."""
     if backend == "onnx":
         import onnxruntime as ort
 
         return "CUDAExecutionProvider" in ort.get_available_providers()
+    if not gpu_device_possible():
+        return False
     import torch
 
     return torch.cuda.is_available()

@@ -9,6 +9,24 @@ import pytest
 TINY_MAX_POSITIONS = 64  # short windows, so that long texts exercise the engine's windowing
 
 
+@pytest.fixture(scope="session", autouse=True)
+def export_cache_dir(tmp_path_factory) -> Path:
+    """``backend="auto"``'s ONNX export cache for the whole run (and the commands it starts) in a
+    temporary folder, never the user's ``~/.cache``: ``$MHMLA_CACHE_DIR`` is set for the session."""
+    import os
+
+    path = tmp_path_factory.mktemp("mhmla-cache")
+    old = os.environ.get("MHMLA_CACHE_DIR")
+    os.environ["MHMLA_CACHE_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("MHMLA_CACHE_DIR", None)
+        else:
+            os.environ["MHMLA_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_tagger_dir(tmp_path_factory) -> Path:
     """A saved tagger on a random 2-layer BERT (hidden 32, 64 positions) with the MiniLM tokenizer,

@@ -100,7 +100,8 @@ _PEAK = textwrap.dedent("""
             return next(int(l.split()[1]) for l in f if l.startswith(key + ":")) / 1024
 
     model, small, big, out1, out2 = sys.argv[1:6]
-    opts = ["--model", model, "--no-progress", "--threads", "1", "--device", "cpu"]
+    opts = ["--model", model, "--no-progress", "--threads", "1", "--device", "cpu",
+            "--backend", "torch"]
     assert main(["tag", small, "--output", out1, *opts]) == 0  # warm: imports, one model load
     with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM): ru_maxrss would
         f.write("5")  # carry the forking parent's size over the exec
@@ -153,7 +154,7 @@ def test_max_chars_skips_or_caps_over_long_records(tmp_path, tiny_tagger_dir, ti
     src.write_text("short one .\n" + "word " * 100 + "end\n"
                    + json.dumps({"tokens": ["a"] * 40, "id": "t"}) + "\n")
     base = ["tag", str(src), "--model", str(tiny_tagger_dir), "--no-progress", "--threads", "1",
-            "--max-chars", "50"]
+            "--max-chars", "50", "--backend", "torch"]  # exactly tiny_engine's probabilities
     out = tmp_path / "skip.jsonl"
     assert main([*base, "--output", str(out)]) == 1
     recs = [json.loads(x) for x in out.read_text().splitlines()]

@@ -35,8 +35,10 @@ def gpu(monkeypatch):
 # ---------------------------------------------------------------------- defaults
 
 
-def test_defaults_follow_one_rule(no_gpu):
-    assert resolve_options() == options.ServeOptions("torch", "cpu", "float32", "auto")
+def test_defaults_follow_one_rule(no_gpu, monkeypatch):
+    monkeypatch.setattr(options, "onnx_importable", lambda: True)
+    assert resolve_options() == options.ServeOptions("auto", "cpu", "float32", "auto")
+    assert resolve_options("torch") == options.ServeOptions("torch", "cpu", "float32", "auto")
     assert resolve_options("onnx") == options.ServeOptions("onnx", "cpu", "float32", "auto")
     assert resolve_options("tensorrt").device == "cuda"  # TensorRT has no CPU
     assert resolve_options("tensorrt").dtype is None  # whatever the plan was built with
@@ -44,9 +46,47 @@ def test_defaults_follow_one_rule(no_gpu):
 
 def test_defaults_on_a_gpu(gpu):
     assert resolve_options() == options.ServeOptions("torch", "cuda", "bfloat16", "auto")
+    assert resolve_options("torch") == resolve_options()  # auto is torch on a GPU
     assert resolve_options("onnx") == options.ServeOptions("onnx", "cuda", "float32", "auto")
     assert resolve_options(device="cpu").dtype == "float32"
     assert resolve_options(device="cuda:1", dtype="fp16").dtype == "float16"  # aliases
+
+
+def test_auto_leaves_the_choice_to_load_time_only_where_onnx_can_honour_everything(
+        no_gpu, monkeypatch):
+    """auto stays "auto" (cached ONNX export or torch, chosen at load) on the CPU in float32 with
+    onnxruntime and onnx installed; any option only torch has makes it torch; int8 is refused."""
+    monkeypatch.setattr(options, "onnx_importable", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    auto = options.ServeOptions("auto", "cpu", "float32", "auto")
+    assert resolve_options("auto", "cpu", "fp32") == auto
+    assert resolve_options("auto", kernels="torch").backend == "auto"  # the graph's own head
+    for kw in (dict(kernels="triton"), dict(dtype="bfloat16"), dict(dtype="fp16"),
+               dict(device="mps")):
+        assert resolve_options("auto", **kw).backend == "torch", kw
+    assert resolve_options("auto", device="cuda:1") == options.ServeOptions(
+        "torch", "cuda:1", "bfloat16", "auto")
+    with pytest.raises(ValueError, match=r"^dtype: 'int8' is a graph of the onnx backend"):
+        resolve_options("auto", dtype="int8")
+    monkeypatch.setattr(options, "onnx_importable", lambda: False)
+    assert resolve_options() == options.ServeOptions("torch", "cpu", "float32", "auto")
+
+
+def test_onnx_importable_finds_without_importing(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    assert options.onnx_importable()
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # "import onnxruntime" fails
+    assert not options.onnx_importable()
+
+
+def test_no_gpu_device_means_no_torch_import(monkeypatch):
+    """Without any GPU driver's device node, "is there a CUDA GPU?" is answered without
+    importing torch (1.3 s of the CPU path's start-up)."""
+    monkeypatch.setattr(devices, "gpu_device_possible", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch would fail
+    assert devices.cuda_available("torch") is False
+    assert devices.resolve_device(None, "torch") == "cpu"
 
 
 def test_dtype_rule_and_aliases():
@@ -77,7 +117,8 @@ def test_kernels_match_the_heads_backends():
 @pytest.mark.parametrize("kw, pattern", [
     (dict(backend="jax"), r"^backend: .*'jax'"),
     (dict(kernels="cuda"), r"^kernels: .*'cuda'"),
-    (dict(dtype="int8"), r"^dtype: the torch backend .*'int8'"),
+    (dict(backend="torch", dtype="int8"), r"^dtype: the torch backend .*'int8'"),
+    (dict(dtype="int8"), r"^dtype: 'int8' is a graph of the onnx backend"),
     (dict(backend="onnx", dtype="bfloat16"), r"^dtype: the onnx backend .*'bfloat16'"),
     (dict(backend="onnx", device="cuda"), r"^device: 'cuda' with the onnx backend needs "
                                           r"onnxruntime's CUDAExecutionProvider"),
@@ -151,11 +192,12 @@ def test_engine_load_refuses_before_loading(tiny_tagger_dir, no_gpu):
 def test_scorer_takes_the_same_contract(tiny_scorer_dir, no_gpu):
     import torch
 
-    from mhmla_fast.serve.score import load_scorer
+    from mhmla_fast.serve.score import load_scorer, scorer_options
 
     scorer = load_scorer(tiny_scorer_dir, kernels="torch", device="cpu")
     assert scorer.head.layer_attention.backend == "torch"
     assert next(scorer.parameters()).dtype is torch.float32  # the rule's CPU default
+    assert scorer_options("auto", device="cpu") == scorer_options("torch", device="cpu")
     for backend in ("onnx", "tensorrt"):
         with pytest.raises(ValueError, match=rf"^backend: the essay scorer runs on 'torch' only"
                                              rf".*'{backend}'"):
@@ -180,7 +222,9 @@ def test_the_cli_refuses_what_a_backend_cannot_honour(tmp_path, tiny_tagger_dir,
         (["tag", str(src), "--backend", "onnx", "--kernels", "triton"], "--kernels: the onnx"),
         (["tag", str(src), "--backend", "tensorrt", "--device", "cpu"],
          "--device: the tensorrt backend runs on CUDA"),
-        (["tag", str(src), "--dtype", "int8"], "--dtype: the torch backend"),
+        (["tag", str(src), "--backend", "torch", "--dtype", "int8"],
+         "--dtype: the torch backend"),
+        (["tag", str(src), "--dtype", "int8"], "--dtype: 'int8' is a graph of the onnx backend"),
         (["score", str(src), "--backend", "onnx", "--model", str(tiny_scorer_dir)],
          "--backend: the essay scorer runs on 'torch' only"),
         (["http", "--backend", "onnx", "--device", "cuda"], "--device: 'cuda' with the onnx"),
@@ -217,8 +261,9 @@ def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagg
     assert cli.main(["tag", str(src), "-o", str(tmp_path / "t.jsonl"), "--model",
                      str(tiny_tagger_dir), "--kernels", "torch", "--device", "cpu",
                      "--threads", "1", "--no-progress"]) == 0
-    assert seen["engine"] == dict(backend="torch", device="cpu", dtype=None, kernels="torch",
-                                  threads=1, threshold=None, token_budget=8192, host_workers=0)
+    assert seen["engine"] == dict(backend="auto", device="cpu", dtype=None, kernels="torch",
+                                  threads=1, threshold=None, token_budget=8192, host_workers=0,
+                                  cache=None)
     essays = tmp_path / "essays.jsonl"
     essays.write_text('{"text": "a b c", "prompt": 1}\n')
     assert cli.main(["score", str(essays), "-o", str(tmp_path / "s.jsonl"), "--model",

@@ -127,7 +127,7 @@ def _made_from(tiny_tagger_dir: Path) -> dict:
 
     from mhmla_fast.commands.serve import made_from
 
-    args = argparse.Namespace(backend="torch", format="auto", encoding="utf-8", max_chars=None,
+    args = argparse.Namespace(backend="auto", format="auto", encoding="utf-8", max_chars=None,
                               over_long="skip")
     return made_from("tag", tiny_tagger_dir, args, dtype="float32", threshold=0.5)
 

@@ -69,7 +69,10 @@
 The model is ``--model DIR`` (a tagger directory, or an ONNX/TensorRT export for those
 backends), by default the tagger shipped in the package. ``tag``, ``score`` and ``http`` load it
 with the one serving contract of :mod:`mhmla_fast.serve.options`: ``--backend`` is the runtime
-(torch, onnx, tensorrt; the scorer runs on torch only), ``--device`` (default: cuda when the
+(auto, torch, onnx, tensorrt; the scorer runs on torch only; auto, the default of ``tag`` and
+``http``, runs ONNX Runtime on a cached export validated to give torch's labels on the CPU in
+float32 and torch otherwise, see :mod:`mhmla_fast.serve.export_cache`; ``--no-cache`` or
+``MHMLA_NO_CACHE=1`` keeps it on torch), ``--device`` (default: cuda when the
 backend can use a GPU, else cpu), ``--dtype`` (default: bfloat16 for torch on cuda, else
 float32), ``--kernels`` the layer-attention head's implementation (auto, torch, triton) and
 ``--threads`` the runtime's CPU threads. An option the backend cannot honour (e.g. ``--device
@@ -179,7 +182,8 @@ def load_engine(args: argparse.Namespace):
         engine = Engine.load(path, backend=args.backend, device=args.device, dtype=args.dtype,
                              kernels=args.kernels, threads=args.threads,
                              threshold=args.threshold, token_budget=args.token_budget,
-                             host_workers=getattr(args, "host_workers", 0))
+                             host_workers=getattr(args, "host_workers", 0),
+                             cache=False if getattr(args, "no_cache", False) else None)
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the model from {path} ({args.backend}): "
                          f"{type(err).__name__}: {err}") from err
@@ -235,14 +239,20 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    "tensorrt: the precision the plan was built with")
     g.add_argument("--threshold", type=float, default=None,
                    help="error-probability threshold (default: the model's tuned one)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="backend auto: neither read nor write the ONNX export cache (run torch); "
+                   "also MHMLA_NO_CACHE=1. The cache is $MHMLA_CACHE_DIR, else "
+                   "$XDG_CACHE_HOME/mhmla-fast or ~/.cache/mhmla-fast")
     _add_compute_options(g)
 
 
-def _add_backend_option(g, help: str | None = None) -> None:
+def _add_backend_option(g, help: str | None = None, default: str = "auto") -> None:
     from ..serve.options import BACKENDS
 
-    g.add_argument("--backend", default="torch", choices=BACKENDS, help=help or (
-        "the runtime: torch (default), onnx (ONNX Runtime on an export made by `export "
+    g.add_argument("--backend", default=default, choices=BACKENDS, help=help or (
+        "the runtime: auto (default: on the CPU in float32, ONNX Runtime on a cached export "
+        "validated to give torch's labels, made once on first use; torch on a GPU or where "
+        "onnxruntime is missing), torch, onnx (ONNX Runtime on an export made by `export "
         "--onnx`), tensorrt (a plan made by `export --tensorrt`)"))
 
 
@@ -532,6 +542,7 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
         settings, threshold, batch_size = {"dtype": opts.dtype}, None, args.batch_essays
     job = RayJob(kind, str(path), backend=opts.backend, device=opts.device, dtype=opts.dtype,
                  kernels=opts.kernels, threads=args.threads, threshold=threshold,
+                 cache=False if getattr(args, "no_cache", False) else None,
                  token_budget=args.token_budget, batch_size=batch_size, format=args.format,
                  encoding=args.encoding, max_chars=args.max_chars, over_long=args.over_long,
                  prompts=prompts)
@@ -740,7 +751,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("scorer")
     g.add_argument("--model", metavar="DIR", default=None,
                    help="essay-scorer directory (default: the shipped scorer)")
-    _add_backend_option(g, help="the runtime: the scorer runs on torch only (default)")
+    _add_backend_option(g, help="the runtime: the scorer runs on torch only (default; auto "
+                        "is torch too)", default="torch")
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
                    help="scorer weights and compute (default bfloat16 on cuda, float32 on cpu)")
     _add_compute_options(g)

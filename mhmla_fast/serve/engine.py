@@ -279,18 +279,24 @@ class Engine:
         self._pool = None  # a HostPool, started at the first call large enough
 
     @classmethod
-    def load(cls, model_dir: str | os.PathLike | None = None, *, backend: str = "torch",
+    def load(cls, model_dir: str | os.PathLike | None = None, *, backend: str = "auto",
              device: str | None = None, dtype: str | None = None, kernels: str = "auto",
-             threads: int | None = None, threshold: float | None = None, **kw) -> Engine:
+             threads: int | None = None, threshold: float | None = None,
+             cache: bool | None = None, **kw) -> Engine:
         """An engine on a tagger directory (default: the shipped model) and a runtime.
 
-        The one load contract of serving (:mod:`.options`): ``backend`` "torch" (CPU or GPU),
-        "onnx" (a directory holding ``model.onnx``, made by ``mhmla-serve export --onnx DIR``)
-        or "tensorrt" (a directory with a built plan); ``device`` (default: CUDA when the
-        backend can use it), ``dtype`` (default: bfloat16 for torch on CUDA, else float32),
-        ``kernels`` (the head: "auto", "torch", "triton"), ``threads`` (CPU threads of the
-        runtime). An option the backend cannot honour raises ValueError naming it, before
-        anything is loaded. Other keywords go to :class:`Engine`."""
+        The one load contract of serving (:mod:`.options`): ``backend`` "auto" (default: torch
+        on CUDA or when an option needs torch; on the CPU in float32 ONNX Runtime on the
+        model's cached export, validated to give torch's labels, made on first use, see
+        :mod:`.export_cache`; torch when onnxruntime is missing or no export can be had),
+        "torch" (CPU or GPU), "onnx" (a directory holding ``model.onnx``, made by
+        ``mhmla-serve export --onnx DIR``) or "tensorrt" (a directory with a built plan);
+        ``device`` (default: CUDA when the backend can use it), ``dtype`` (default: bfloat16
+        for torch on CUDA, else float32), ``kernels`` (the head: "auto", "torch", "triton"),
+        ``threads`` (CPU threads of the runtime), ``cache`` (auto's export cache; None: on
+        unless ``$MHMLA_NO_CACHE`` is set). An option the backend cannot honour raises
+        ValueError naming it, before anything is loaded. Other keywords go to
+        :class:`Engine`."""
         from . import runners
         from .options import resolve_options
 
@@ -299,7 +305,8 @@ class Engine:
         config = read_tagger_config(path)
         tokenizer = load_tokenizer(path)
         runner = runners.make_runner(path, backend=opts.backend, device=opts.device,
-                                     dtype=opts.dtype, kernels=opts.kernels, threads=threads)
+                                     dtype=opts.dtype, kernels=opts.kernels, threads=threads,
+                                     cache=cache)
         if threshold is None:
             threshold = config.get("threshold")
             threshold = 0.5 if threshold is None else threshold

@@ -13,7 +13,11 @@ which traces to standard ONNX ops (MatMul, Relu, Softmax, ...); the Triton kerne
 never part of the graph. Export validates by default: ONNX Runtime and torch run on random
 ragged batches of several shapes (length 1 up to the encoder's limit), and when the error
 probabilities differ by more than the tolerance at any real (unpadded) position,
-:class:`ExportValidationError` is raised and nothing is written to ``out_dir``.
+:class:`ExportValidationError` is raised and nothing is written to ``out_dir``. The batches are
+random ragged ones plus :data:`VALIDATION_SENTENCES` (English learner-style sentences) through
+the tagger's tokenizer. For the fp32 graph the tagging decision must also be identical: at
+every real position, ``p >= t`` must agree with torch for the model's threshold and for 0.5
+(argmax), so the export tags exactly as torch fp32 on those batches.
 
 Tolerances: ``atol`` (default 1e-4) for the fp32 graph, which measures about 1e-7
 (1.5e-7 max on the MiniLM tagger, 6.6e-7 on a tiny random one); :data:`INT8_ATOL` (0.1)
@@ -52,7 +56,7 @@ __all__ = [
     "ExportValidationError", "OnnxRunner", "export_onnx", "validate_onnx", "validation_batches",
     "error_probability_module", "load_tagger_for_export", "torch_to_onnx", "example_inputs",
     "physical_cores", "ONNX_FILE", "INT8_FILE", "EXPORT_META", "INPUT_NAMES", "OUTPUT_NAME",
-    "DEFAULT_OPSET", "INT8_ATOL",
+    "DEFAULT_OPSET", "INT8_ATOL", "VALIDATION_SENTENCES", "sentence_batch",
 ]
 
 ONNX_FILE = "model.onnx"
@@ -65,6 +69,27 @@ EXPORTERS = ("torchscript", "dynamo")
 # Max abs difference allowed between int8 ONNX Runtime and fp32 torch probabilities.
 INT8_ATOL = 0.1
 EXPORT_FORMAT = "mhmla-onnx-export/1"
+# Natural sentences for the validation (written for it, in the style of learner English: FCE-like
+# errors, punctuation, a number, a long clause, a one-word line), beside the random batches.
+VALIDATION_SENTENCES = (
+    "He go to school every days .",
+    "I am writing to complain about the show which I saw last week .",
+    "She don't like the food in this restaurant because it was very expensive .",
+    "Dear Sir or Madam ,",
+    "In my opinion , the best way to learn a language is to live in the country .",
+    "We was very disappointed when we arrived at the theatre at 7.30 pm .",
+    "Yesterday I have seen a film which was very interesting and exciting .",
+    "The hotel were near the beach , so we could swim every morning before breakfast .",
+    "I look forward to hearing from you .",
+    "Thanks !",
+    "There is many people who thinks that computers will replace teachers in the future , "
+    "but I am not agree with them , because a teacher can understand the feelings of students .",
+    "My friend and me went to the cinema on Saturday evening .",
+    "If I would have more money , I would travel around the world .",
+    "The informations you gave in the advertisement was wrong .",
+    "Could you tell me when does the course start ?",
+    "It was the most happiest day of my life .",
+)
 # Files besides the weights that make an export directory loadable by Engine.load.
 _SIDE_FILES = (
     "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -210,6 +235,15 @@ def validation_batches(max_length: int, vocab_size: int, pad_id: int = 0, *, see
     return out
 
 
+def sentence_batch(tokenizer, sentences: Sequence[str], max_length: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``sentences`` through ``tokenizer`` (with [CLS]/[SEP], padded to the longest, at most
+    ``max_length`` pieces) as one (input_ids, attention_mask) int64 batch [B, T]."""
+    enc = tokenizer(list(sentences), padding=True, truncation=True, max_length=max_length)
+    return (np.asarray(enc["input_ids"], dtype=np.int64),
+            np.asarray(enc["attention_mask"], dtype=np.int64))
+
+
 def _torch_probs(module, batches) -> list[np.ndarray]:
     import torch
 
@@ -220,16 +254,21 @@ def _torch_probs(module, batches) -> list[np.ndarray]:
 def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
                   batches: Sequence[tuple[np.ndarray, np.ndarray]], *, atol: float,
                   threshold: float | None = None, threads: int | None = None,
-                  what: str = "fp32") -> dict:
+                  what: str = "fp32", exact_labels: Sequence[float] = ()) -> dict:
     """Compare ONNX Runtime on ``onnx_path`` with ``reference`` probabilities on ``batches``.
 
     Differences are taken at real positions (attention_mask == 1; padded positions are
     never read by the engine). Returns a report {"atol", "max_abs_diff", "mean_abs_diff",
-    "batches": [{"shape", "max_abs_diff"}], and with ``threshold`` "threshold" and
-    "label_agreement"}; raises :class:`ExportValidationError` naming the max abs
-    difference and the shapes when it exceeds ``atol`` (or is not finite).
+    "batches": [{"shape", "max_abs_diff"}], with ``threshold`` "threshold" and
+    "label_agreement", and with ``exact_labels`` "labels": {"thresholds", "positions",
+    "differing"}}; raises :class:`ExportValidationError` naming the max abs difference and the
+    shapes when it exceeds ``atol`` (or is not finite), or naming the threshold and the count
+    when the decision ``p >= t`` differs from the reference's at any real position for a ``t``
+    in ``exact_labels``.
     """
     runner = OnnxRunner(onnx_path, threads=threads)
+    exact = sorted({float(t) for t in exact_labels})
+    differing = [0] * len(exact)
     per_batch, total, count, agree = [], 0.0, 0, 0
     for (ids, mask), ref in zip(batches, reference):
         got = runner(ids, mask)
@@ -245,12 +284,16 @@ def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
         count += int(real.sum())
         if threshold is not None:
             agree += int(((got[real] >= threshold) == (ref[real] >= threshold)).sum())
+        for k, t in enumerate(exact):
+            differing[k] += int(((got[real] >= t) != (ref[real] >= t)).sum())
     worst = max((b["max_abs_diff"] for b in per_batch), key=lambda d: (np.isnan(d), d))
     report = {"atol": float(atol), "max_abs_diff": worst, "mean_abs_diff": total / max(count, 1),
               "batches": per_batch, "positions": "attention_mask == 1"}
     if threshold is not None:
         report["threshold"] = float(threshold)
         report["label_agreement"] = agree / max(count, 1)
+    if exact:
+        report["labels"] = {"thresholds": exact, "positions": count, "differing": differing}
     if not worst <= atol:  # also catches NaN
         bad = next(b for b in per_batch if not b["max_abs_diff"] <= atol)
         shapes = ", ".join(f"{b['shape']}: {b['max_abs_diff']:.3g}" for b in per_batch)
@@ -258,6 +301,11 @@ def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
             f"{Path(onnx_path).name} ({what}): ONNX Runtime and torch error probabilities "
             f"differ by max abs {worst:.3g} > atol {atol:g}, first at batch shape "
             f"{bad['shape']} [batch, sequence] (per shape: {shapes})")
+    for t, n in zip(exact, differing):
+        if n:
+            raise ExportValidationError(
+                f"{Path(onnx_path).name} ({what}): the label (p >= {t:g}) differs from torch's at "
+                f"{n} of {count} positions (max abs probability difference {worst:.3g})")
     return report
 
 
@@ -281,6 +329,17 @@ def _versions() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__}
+
+
+def _tokenizer(model_dir: Path, tagger):
+    """The tokenizer that tags with ``model_dir`` (its own, else its encoder's)."""
+    from .engine import load_tokenizer
+
+    if any((model_dir / n).is_file() for n in ("tokenizer.json", "vocab.txt", "vocab.json")):
+        return load_tokenizer(model_dir)
+    from ..ged.model import load_tokenizer as load_encoder_tokenizer
+
+    return load_encoder_tokenizer(tagger.config.encoder)
 
 
 def _copy_side_files(model_dir: Path, dest: Path, encoder: str) -> list[str]:
@@ -310,7 +369,8 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         opset: ONNX opset (17: LayerNormalization is a single op).
         int8: also write ``model.int8.onnx`` (dynamic int8 weights via
             ``onnxruntime.quantization.quantize_dynamic``), validated with ``int8_atol``.
-        atol: max abs difference of fp32 error probabilities, ONNX Runtime vs torch.
+        atol: max abs difference of fp32 error probabilities, ONNX Runtime vs torch; the fp32
+            labels at the model's threshold and at 0.5 must also be identical.
         validate: run the validation (strongly recommended; False only for debugging).
         exporter: "torchscript" (default) or "dynamo" (needs onnxscript).
         seed: seed of the random validation batches.
@@ -353,10 +413,15 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             "files": {"fp32": ONNX_FILE, "int8": INT8_FILE if int8 else None},
             "validation": None, "int8": None,
         }
-        batches = validation_batches(max_length, vocab, pad_id, seed=seed) if validate else []
+        batches = []
+        if validate:
+            batches = validation_batches(max_length, vocab, pad_id, seed=seed)
+            batches.append(sentence_batch(_tokenizer(model_dir, tagger), VALIDATION_SENTENCES,
+                                          max_length))
         reference = _torch_probs(module, batches) if validate else []
         if validate:
-            meta["validation"] = validate_onnx(onnx_path, reference, batches, atol=atol)
+            meta["validation"] = validate_onnx(onnx_path, reference, batches, atol=atol,
+                                               exact_labels=(threshold, 0.5))
         if int8:
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -396,6 +461,8 @@ class OnnxRunner:
         providers: ONNX Runtime execution providers, instead of ``device`` (for tests and
             special set-ups).
     """
+
+    backend = "onnx"
 
     def __init__(self, onnx_path: str | os.PathLike, *, threads: int | None = None,
                  device: str | None = None, providers: Sequence | None = None):

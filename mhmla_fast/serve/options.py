@@ -4,8 +4,8 @@ Every loader of ``serve/`` (``Engine.load`` for tagging, ``score.load_scorer`` f
 through them the ``mhmla-serve`` commands and the HTTP app) takes the same four options and
 resolves them here, once:
 
-    backend   the runtime: "torch" (eager PyTorch), "onnx" (ONNX Runtime on an export),
-              "tensorrt" (a TensorRT plan built from the export)
+    backend   the runtime: "auto" (the default: see below), "torch" (eager PyTorch), "onnx"
+              (ONNX Runtime on an export), "tensorrt" (a TensorRT plan built from the export)
     device    default: "cuda" when the backend can reach a CUDA GPU (torch: a usable
               ``torch.cuda`` device; ONNX Runtime: its CUDA execution provider is installed;
               TensorRT: always), else "cpu"
@@ -13,6 +13,14 @@ resolves them here, once:
               "int8", the two graphs of an export; TensorRT: the precision it was built with)
     kernels   the layer-attention head's implementation: "auto" (per device and direction the
               one measured faster, ``mhmla_fast.dispatch``), "torch" (eager), "triton" (fused)
+
+"auto" picks the runtime from the other options: torch on CUDA, and wherever an option asks
+for something only torch has (``kernels="triton"``, dtype bfloat16 or float16, a device other
+than the CPU); on the CPU in float32, ONNX Runtime on a cached export of the model that was
+validated to give torch's labels (:mod:`.export_cache`), when onnxruntime and onnx are
+installed, else torch. The choice between the two is made at load time (it needs the model):
+:func:`resolve_options` returns backend "auto" for it, and "torch" where torch is the only
+choice. dtype "int8" (an ONNX-only graph, which auto never picks) is an error.
 
 An option a backend cannot honour is a ValueError naming the option and the backend, never
 dropped. The device rule itself lives in ``mhmla_fast.devices`` (training uses it too).
@@ -30,9 +38,10 @@ from .. import devices
 from ..devices import cuda_available, resolve_device  # noqa: F401 - re-exported
 
 __all__ = ["BACKENDS", "KERNELS", "TORCH_DTYPES", "ONNX_DTYPES", "ServeOptions",
-           "cuda_available", "resolve_device", "resolve_dtype", "resolve_options"]
+           "cuda_available", "onnx_importable", "resolve_device", "resolve_dtype",
+           "resolve_options"]
 
-BACKENDS = ("torch", "onnx", "tensorrt")
+BACKENDS = ("auto", "torch", "onnx", "tensorrt")
 KERNELS = ("auto", "torch", "triton")  # = mhmla_fast.functional.BACKENDS (not imported: torch)
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 ONNX_DTYPES = ("float32", "int8")
@@ -43,7 +52,8 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "f
 @dataclass(frozen=True)
 class ServeOptions:
     """Resolved options: ``device`` and ``dtype`` are never None (TensorRT's dtype may be None:
-    "whatever the plan was built with")."""
+    "whatever the plan was built with"). ``backend`` "auto" is left only for the CPU in float32,
+    where the model's cached ONNX export or torch is chosen at load time."""
 
     backend: str
     device: str
@@ -67,20 +77,36 @@ def resolve_dtype(dtype: str | None, device: str, backend: str = "torch") -> str
     return "float32"
 
 
-def resolve_options(backend: str = "torch", device: str | None = None,
+def onnx_importable() -> bool:
+    """Whether onnxruntime (to run an export) and onnx (to make one) are installed, found
+    without importing them."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("onnxruntime") is not None and find_spec("onnx") is not None
+    except (ImportError, ValueError):  # a broken or stubbed-out installation
+        return False
+
+
+def resolve_options(backend: str = "auto", device: str | None = None,
                     dtype: str | None = None, kernels: str | None = "auto") -> ServeOptions:
     """Check ``backend``/``device``/``dtype``/``kernels`` and fill in the defaults.
 
-    Raises ValueError naming the option and the backend when the backend cannot honour it:
-    an unknown backend, dtype or kernels name; ONNX on CUDA without onnxruntime's CUDA provider
-    (or on any other device); ONNX with ``kernels="triton"`` (the exported graph holds the eager
-    head); TensorRT off CUDA; ``kernels="triton"`` on a CPU device (the Triton kernels need a
-    GPU, or ``TRITON_INTERPRET=1``)."""
+    ``backend="auto"`` resolves to "torch" where torch is the only runtime that honours the
+    other options or the device is a GPU, and stays "auto" on the CPU in float32 with
+    onnxruntime and onnx installed (see the module doc). Raises ValueError naming the option and
+    the backend when the backend cannot honour it: an unknown backend, dtype or kernels name;
+    dtype "int8" with auto; ONNX on CUDA without onnxruntime's CUDA provider (or on any other
+    device); ONNX with ``kernels="triton"`` (the exported graph holds the eager head); TensorRT
+    off CUDA; ``kernels="triton"`` on a CPU device (the Triton kernels need a GPU, or
+    ``TRITON_INTERPRET=1``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     kernels = kernels or "auto"
     if kernels not in KERNELS:
         raise ValueError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
+    if backend == "auto":
+        return _resolve_auto(device, dtype, kernels)
     device = devices.resolve_device(device, backend)
     kind = _device_type(device)
     dtype = resolve_dtype(dtype, device, backend)
@@ -111,3 +137,19 @@ def resolve_options(backend: str = "torch", device: str | None = None,
             raise ValueError(f"dtype: the tensorrt backend has {TORCH_DTYPES} (the precision "
                              f"its plan was built with), got {dtype!r}")
     return ServeOptions(backend, device, dtype, kernels)
+
+
+def _resolve_auto(device: str | None, dtype: str | None, kernels: str) -> ServeOptions:
+    """``resolve_options("auto", ...)``: "torch" where only torch can honour the options or the
+    device is not the CPU, else "auto" (the cached ONNX export or torch, chosen at load)."""
+    if dtype and _ALIASES.get(str(dtype), str(dtype)) == "int8":
+        raise ValueError("dtype: 'int8' is a graph of the onnx backend (an export made by "
+                         "`mhmla-serve export --onnx DIR --int8`), which backend 'auto' never "
+                         "picks because its labels differ from torch's; use backend 'onnx' on "
+                         "such an export, or float32")
+    device = devices.resolve_device(device, "torch")
+    dtype = resolve_dtype(dtype, device, "torch")
+    if (_device_type(device) != "cpu" or dtype != "float32" or kernels == "triton"
+            or not onnx_importable()):
+        return resolve_options("torch", device, dtype, kernels)
+    return ServeOptions("auto", device, dtype, kernels)

@@ -85,15 +85,15 @@ _BOM = b"\xef\xbb\xbf"
 @dataclass(frozen=True)
 class RayJob:
     """What every actor needs: the command (``kind`` "tag" or "score"), the model directory and
-    its load contract (backend, device, dtype, kernels, threads; ``threshold`` and
-    ``token_budget``), how input lines are read (``format``, ``encoding``, ``max_chars``,
+    its load contract (backend, device, dtype, kernels, threads, the export ``cache`` of backend
+    "auto"; ``threshold`` and ``token_budget``), how input lines are read (``format``, ``encoding``, ``max_chars``,
     ``over_long``, ``prompts``: the scorer's prompts, for ``score``), and ``batch_size``
     records per engine call. ``crash_once`` = (marker file, record index) is a test hook: the
     first actor to reach that record creates the marker and exits the process."""
 
     kind: str
     model: str
-    backend: str = "torch"
+    backend: str = "auto"
     device: str = "cpu"
     dtype: str | None = None
     kernels: str = "auto"
@@ -107,6 +107,7 @@ class RayJob:
     over_long: str = "skip"
     prompts: tuple[int, ...] | None = None
     crash_once: tuple[str, int] | None = None
+    cache: bool | None = None  # backend "auto"'s export cache (serve.export_cache)
 
     def __post_init__(self) -> None:
         if self.kind not in ("tag", "score"):
@@ -358,7 +359,7 @@ def load_processor(job: RayJob) -> Callable[[list[InputRecord]], list[dict]]:
 
         engine = Engine.load(job.model, backend=job.backend, device=job.device, dtype=job.dtype,
                              kernels=job.kernels, threads=job.num_cpus, threshold=job.threshold,
-                             token_budget=job.token_budget)
+                             token_budget=job.token_budget, cache=job.cache)
         return lambda batch: tag_records(engine, batch)
     from .score import load_scorer, score_records
 

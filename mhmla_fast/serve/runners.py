@@ -31,6 +31,8 @@ class TorchRunner:
     Triton forward for large batches on CUDA, else eager; "torch"; "triton").
     Device and dtype defaults: :func:`.options.resolve_options`."""
 
+    backend = "torch"
+
     def __init__(self, model_dir: str | os.PathLike, *, device: str | None = None,
                  dtype: str | None = None, kernels: str = "auto", threads: int | None = None):
         opts = resolve_options("torch", device, dtype, kernels)
@@ -57,14 +59,19 @@ class TorchRunner:
 
 def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
                 device: str | None = None, dtype: str | None = None, kernels: str = "auto",
-                threads: int | None = None):
+                threads: int | None = None, cache: bool | None = None):
     """The runner for ``backend`` on a tagger directory (or an export of one).
 
     ``device``/``dtype``/``kernels``: see :mod:`.options`; ``threads``: CPU threads (torch's
-    intra-op threads; ONNX Runtime's intra-op threads; TensorRT: torch's, for the host side).
-    Raises ValueError naming the option when ``backend`` cannot honour one."""
+    intra-op threads; ONNX Runtime's intra-op threads; TensorRT: torch's, for the host side);
+    ``cache``: the export cache of ``backend="auto"`` (:mod:`.export_cache`). Raises
+    ValueError naming the option when ``backend`` cannot honour one."""
     opts = resolve_options(backend, device, dtype, kernels)
-    if backend == "torch":
+    if opts.backend == "auto":
+        from .export_cache import auto_runner
+
+        return auto_runner(model_dir, threads=threads, kernels=opts.kernels, cache=cache)
+    if opts.backend == "torch":
         return TorchRunner(model_dir, device=opts.device, dtype=opts.dtype, kernels=opts.kernels,
                            threads=threads)
     if backend == "onnx":

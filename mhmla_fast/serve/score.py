@@ -37,8 +37,9 @@ def default_scorer_path() -> Path:
 def scorer_options(backend: str = "torch", device: str | None = None, dtype: str | None = None,
                    kernels: str = "auto") -> ServeOptions:
     """The scorer's options resolved by the serving rule (:func:`.options.resolve_options`);
-    ValueError naming the option for one the scorer cannot honour (any backend but torch)."""
-    if backend != "torch":
+    ValueError naming the option for one the scorer cannot honour (any backend but torch, or
+    "auto", which is torch for the scorer)."""
+    if backend not in ("torch", "auto"):
         raise ValueError(f"backend: the essay scorer runs on 'torch' only (it has no ONNX or "
                          f"TensorRT export), got {backend!r}")
     return resolve_options("torch", device, dtype, kernels)

@@ -1,0 +1,428 @@
+"""The ONNX export cache behind ``backend="auto"`` on the CPU: export a tagger once, validated to
+tag exactly as torch fp32, and reuse it on later runs without importing torch.
+
+    <root>/onnx/<key>/                  a complete export (``onnx_export.export_onnx``'s files) and
+                                        cache.json; never changed once it exists
+    <root>/onnx/<key>.failed.json       why the export of <key> failed (it is not retried)
+    <root>/onnx/index/<quick>.json      {"entry": <key>, ...}: the quick key's entry
+    <root>/onnx/<key>.lock              held (``flock``) while <key> is exported
+    <root>/onnx/.tmp-<key>-*/           a staging directory (ignored; removed by the next export
+                                        of <key>)
+
+``<root>`` is ``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast``, else
+``~/.cache/mhmla-fast``. ``MHMLA_NO_CACHE=1`` (or ``cache=False``) turns the cache off; auto then
+runs torch.
+
+Keys. ``<key>`` hashes the content of the model's files (the tagger directory's files and, when
+the tagger reads tensors or its tokenizer from its encoder's directory, that directory's files:
+for the shipped model 25 MB + 91 MB, 0.25 s to hash here), the versions of mhmla-fast, torch,
+transformers, onnx and onnxruntime, and the export options (:data:`EXPORT_OPTIONS`).
+Hashing on every start would cost that quarter second, so the start-up path first computes the
+*quick key*: the same versions and options with each file's path, size, mtime, ctime and inode
+(a few ``stat`` calls). ``index/<quick>.json`` names the entry the content hash led to last
+time; a changed file changes its stat, so the content is hashed again (and, when equal, the
+same entry is found and a new index record written).
+
+Atomicity. An export is staged in ``.tmp-<key>-*`` beside the entry, completed (cache.json
+last), then renamed to ``<key>``: a reader sees a whole export or none. Exporters of one key
+take ``<key>.lock`` in turn; the second one finds the first's entry when it gets the lock. Where
+``flock`` does not exist, a rename onto an existing entry fails and the loser uses the winner's.
+
+Failures. An export or validation that fails is recorded in ``<key>.failed.json`` (with the
+versions in the key, a new version tries again); auto then runs torch and says why on stderr
+once per run. Delete the record (or the cache) to try again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CACHE_ENV", "NO_CACHE_ENV", "EXPORT_OPTIONS", "CacheEntry", "ExportUnavailable", "Lookup",
+           "cache_root", "cache_enabled", "source_files", "runtime_versions", "quick_key",
+           "content_key", "entry_key", "lookup", "ensure_export", "auto_runner"]
+
+CACHE_ENV = "MHMLA_CACHE_DIR"
+NO_CACHE_ENV = "MHMLA_NO_CACHE"
+CACHE_FORMAT = "mhmla-onnx-cache/1"
+CACHE_META = "cache.json"
+# What the cached export is made with (onnx_export.export_onnx's defaults): part of the key.
+EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
+                  "graphs": ["fp32"], "labels": "identical to torch at the threshold and 0.5"}
+_VERSIONED = ("mhmla-fast", "torch", "transformers", "onnx", "onnxruntime")
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
+
+Log = Callable[..., None]
+
+
+class ExportUnavailable(RuntimeError):
+    """No validated export can be had (failed now or before, or the cache cannot be written):
+    the message says why, for the one stderr line."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """A complete cached export: ``path`` (an engine directory with ``model.onnx``) and its
+    ``key``."""
+
+    path: Path
+    key: str
+
+
+def _stderr(*parts: str, end: str = "\n") -> None:
+    print(*parts, end=end, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------- where and whether
+
+
+def cache_root() -> Path:
+    """``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast``, else ``~/.cache/mhmla-fast``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mhmla-fast"
+
+
+def cache_enabled(cache: bool | None = None) -> bool:
+    """``cache`` when given, else True unless ``$MHMLA_NO_CACHE`` is set (to anything but
+    "", "0", "false", "no")."""
+    if cache is not None:
+        return bool(cache)
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("", "0", "false", "no")
+
+
+# ---------------------------------------------------------------------------------- the keys
+
+
+def source_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The files a tagger directory is loaded from, in a fixed order: its regular files, then
+    those of its encoder's local directory when it reads tensors (``base_tensors``) or its
+    tokenizer from there."""
+    from .engine import read_tagger_config
+
+    model_dir = Path(model_dir).resolve()
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    config = read_tagger_config(model_dir)
+    own_tokenizer = any((model_dir / n).is_file() for n in _TOKENIZER_FILES)
+    if config.get("base_tensors") or not own_tokenizer:
+        encoder = _encoder_dir(config.get("encoder"))
+        if encoder is not None and encoder != model_dir:
+            files += sorted(p for p in encoder.iterdir() if p.is_file())
+    return files
+
+
+def _encoder_dir(name) -> Path | None:
+    """The encoder's local directory (the embedded MiniLM's package folder), or None for a hub
+    name (then only its name is in the model's config, which is hashed)."""
+    from ..encoder import resolve_encoder
+
+    if not name:
+        return None
+    path = Path(resolve_encoder(name))
+    return path.resolve() if path.is_dir() else None
+
+
+def runtime_versions() -> dict[str, str | None]:
+    """Installed versions of mhmla-fast, torch, transformers, onnx and onnxruntime (None: not
+    installed), from the packages' metadata: nothing is imported."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in _VERSIONED:
+        candidates = [name] + (["onnxruntime-gpu"] if name == "onnxruntime" else [])
+        out[name] = None
+        for dist in candidates:
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def quick_key(files: list[Path], versions: dict) -> str:
+    """The start-up key: versions, options and each file's path, size, mtime, ctime and inode."""
+    stats = []
+    for p in files:
+        st = p.stat()
+        stats.append([str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    return _digest({"format": CACHE_FORMAT, "files": stats, "versions": versions,
+                    "options": EXPORT_OPTIONS})[:32]
+
+
+def content_key(files: list[Path]) -> str:
+    """SHA-256 over the names (relative to their folder) and contents of ``files``."""
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode("utf-8", "surrogateescape") + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def entry_key(content: str, versions: dict) -> str:
+    """The entry's name: content hash, versions, export options and the cache format."""
+    return _digest({"format": CACHE_FORMAT, "content": content, "versions": versions,
+                    "options": EXPORT_OPTIONS})[:32]
+
+
+# ------------------------------------------------------------------------------ the lookup
+
+
+@dataclass
+class Lookup:
+    """Where a model stands in the cache: ``entry`` (a complete export) or ``failed`` (the
+    record of a failed one) or neither; ``key`` (None when only the quick key was computed and
+    the index had nothing) and ``quick``."""
+
+    entry: CacheEntry | None
+    failed: dict | None
+    key: str | None
+    quick: str
+    files: list[Path]
+    versions: dict
+    content: str | None = None
+
+
+def _onnx_dir(root: Path) -> Path:
+    return root / "onnx"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _state(base: Path, key: str) -> tuple[CacheEntry | None, dict | None]:
+    entry = base / key
+    if (entry / CACHE_META).is_file() and (entry / "model.onnx").is_file():
+        return CacheEntry(entry, key), None
+    failed = _read_json(base / f"{key}.failed.json")
+    return None, failed
+
+
+def lookup(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
+           hash_content: bool = True) -> Lookup:
+    """The cache's state for ``model_dir``: by the quick key's index record when there is one
+    (no hashing), else (``hash_content``) by the content hash."""
+    base = _onnx_dir(Path(root) if root is not None else cache_root())
+    files = source_files(model_dir)
+    versions = runtime_versions()
+    quick = quick_key(files, versions)
+    record = _read_json(base / "index" / f"{quick}.json")
+    key = record.get("entry") if record else None
+    if isinstance(key, str) and key:
+        entry, failed = _state(base, key)
+        if entry is not None or failed is not None:
+            return Lookup(entry, failed, key, quick, files, versions, record.get("content_sha256"))
+    if not hash_content:
+        return Lookup(None, None, None, quick, files, versions)
+    content = content_key(files)
+    key = entry_key(content, versions)
+    entry, failed = _state(base, key)
+    if entry is not None or failed is not None:
+        _write_index(base, quick, key, content, model_dir)
+    return Lookup(entry, failed, key, quick, files, versions, content)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _write_index(base: Path, quick: str, key: str, content: str, model_dir) -> None:
+    """Best effort: a cache that cannot be written still works, by content hash."""
+    try:
+        _write_json_atomic(base / "index" / f"{quick}.json",
+                           {"entry": key, "content_sha256": content,
+                            "model_dir": str(Path(model_dir).resolve())})
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------ the export
+
+
+@contextmanager
+def _locked(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created); ``on_wait()`` is called once when
+    another process holds it. Without ``fcntl`` (Windows) nothing is locked: the rename
+    decides."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path, "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _default_export(model_dir: Path, out_dir: Path) -> dict:
+    """``onnx_export.export_onnx`` with :data:`EXPORT_OPTIONS`; returns its export.json."""
+    from .onnx_export import EXPORT_META, export_onnx
+
+    export_onnx(model_dir, out_dir, opset=EXPORT_OPTIONS["opset"],
+                exporter=EXPORT_OPTIONS["exporter"], atol=EXPORT_OPTIONS["atol"],
+                seed=EXPORT_OPTIONS["seed"])
+    return json.loads((out_dir / EXPORT_META).read_text(encoding="utf-8"))
+
+
+def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
+                  log: Log = _stderr, exporter: Callable[[Path, Path], dict] | None = None
+                  ) -> CacheEntry:
+    """The cached, validated export of the tagger in ``model_dir``: found (quick key, else
+    content hash), or made now (one line on stderr through ``log``: what, where, how long).
+
+    ``exporter(model_dir, out_dir)`` writes the export into ``out_dir`` and returns its
+    metadata (default: ``export_onnx`` with :data:`EXPORT_OPTIONS`). Raises
+    :class:`ExportUnavailable` with the reason when the export failed, now or in an earlier
+    run (recorded), or the cache directory cannot be written."""
+    root = Path(root) if root is not None else cache_root()
+    found = lookup(model_dir, root)
+    if found.entry is not None:
+        return found.entry
+    base = _onnx_dir(root)
+    if found.failed is not None:
+        raise ExportUnavailable(_failed_reason(found.failed, base / f"{found.key}.failed.json"))
+    key, content = found.key, found.content
+    assert key is not None and content is not None
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        lock = base / f"{key}.lock"
+        lock.touch()
+    except OSError as err:
+        raise ExportUnavailable(f"the cache {base} cannot be written ({err})") from err
+    with _locked(lock, lambda: log(f"mhmla-fast: waiting for another process exporting "
+                                   f"{Path(model_dir).name} to ONNX into {base / key}")):
+        entry, failed = _state(base, key)  # made (or failed) while we waited
+        if failed is not None:
+            raise ExportUnavailable(_failed_reason(failed, base / f"{key}.failed.json"))
+        if entry is None:
+            for old in base.glob(f".tmp-{key}-*"):  # dead: their exporter held this lock
+                shutil.rmtree(old, ignore_errors=True)
+            entry = _export_entry(Path(model_dir), base, key, content, found.versions,
+                                  exporter or _default_export, log)
+    _write_index(base, found.quick, key, content, model_dir)
+    return entry
+
+
+def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions: dict,
+                  exporter: Callable[[Path, Path], dict], log: Log) -> CacheEntry:
+    """Export into a staging directory, complete it, rename it to ``base/key``; on failure
+    record it and raise :class:`ExportUnavailable`."""
+    final = base / key
+    log(f"mhmla-fast: exporting {model_dir.name} to ONNX once, for fast CPU runs (backend "
+        f"auto; --backend torch or MHMLA_NO_CACHE=1 to skip), into {final} ...", end="")
+    t0 = time.perf_counter()
+    stage = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=base))
+    try:
+        try:
+            meta = exporter(model_dir, stage)
+        except Exception as err:  # noqa: BLE001 - any failure is recorded and reported
+            seconds = time.perf_counter() - t0
+            reason = f"{type(err).__name__}: {err}"
+            log(f" failed after {seconds:.1f} s")
+            record = {"format": CACHE_FORMAT, "key": key, "error": reason,
+                      "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      "model_dir": str(model_dir.resolve()), "content_sha256": content,
+                      "versions": versions, "options": EXPORT_OPTIONS}
+            failed = base / f"{key}.failed.json"
+            try:
+                _write_json_atomic(failed, record)
+            except OSError:
+                pass
+            raise ExportUnavailable(_failed_reason(record, failed)) from err
+        seconds = time.perf_counter() - t0
+        _write_json_atomic(stage / CACHE_META, {
+            "format": CACHE_FORMAT, "key": key, "content_sha256": content,
+            "model_dir": str(model_dir.resolve()), "versions": versions,
+            "options": EXPORT_OPTIONS, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "seconds": round(seconds, 2),
+            "validation": (meta or {}).get("validation")})
+        try:
+            os.rename(stage, final)
+        except OSError:
+            if not (final / CACHE_META).is_file():  # not a lost race: a real failure
+                raise
+        log(f" done in {seconds:.1f} s")
+        return CacheEntry(final, key)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _failed_reason(record: dict, path: Path) -> str:
+    return (f"its ONNX export failed on {record.get('when', '?')}: {record.get('error', '?')} "
+            f"(recorded in {path}; delete it to try again)")
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
+                kernels: str = "auto", cache: bool | None = None,
+                root: str | os.PathLike | None = None, log: Log = _stderr):
+    """The runner of ``backend="auto"`` on the CPU in float32 (the options already resolved to
+    "auto" by :func:`.options.resolve_options`): ONNX Runtime on ``model_dir`` itself when it is
+    an export (``model.onnx``, no ``model.safetensors``); else, with the cache on, ONNX Runtime
+    on the cached export (made now if needed); else, or when no export can be had (one line on
+    stderr says why), eager torch in float32 with ``kernels``."""
+    from .onnx_export import ONNX_FILE
+    from .runners import TorchRunner
+
+    model_dir = Path(model_dir)
+    if (model_dir / ONNX_FILE).is_file() and not (model_dir / "model.safetensors").is_file():
+        return _onnx_runner(model_dir, threads)
+    if not cache_enabled(cache):
+        return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels,
+                           threads=threads)
+    try:
+        entry = ensure_export(model_dir, root, log=log)
+        return _onnx_runner(entry.path, threads)
+    except ExportUnavailable as err:
+        log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: {err}")
+    except ImportError as err:  # onnxruntime found but not importable
+        log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
+    return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels, threads=threads)
+
+
+def _onnx_runner(export_dir: Path, threads: int | None):
+    from .onnx_export import OnnxRunner
+
+    return OnnxRunner.from_model_dir(export_dir, device="cpu", dtype="float32", threads=threads)

@@ -1,0 +1,380 @@
+"""``backend="auto"`` and its ONNX export cache (``mhmla_fast.serve.export_cache``): auto runs ONNX
+Runtime on a cached export on the CPU and torch without onnxruntime; the cache is found again
+without hashing and without a second export, also across processes, whose warm start imports no
+torch; a failed export or validation is remembered and falls back to torch with one line; a
+leftover staging directory is ignored; two exporters of one model export once; the labels equal
+torch fp32's (tiny tagger, and the shipped one on learner sentences)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnx", reason="the ONNX export needs onnx (pip install onnx)")
+pytest.importorskip("onnxruntime", reason="the ONNX runner needs onnxruntime")
+
+from mhmla_fast.serve import export_cache, options  # noqa: E402
+from mhmla_fast.serve.engine import Engine, default_tagger_path  # noqa: E402
+from mhmla_fast.serve.export_cache import (  # noqa: E402
+    ExportUnavailable, auto_runner, cache_root, ensure_export, lookup,
+)
+from mhmla_fast.serve.onnx_export import (  # noqa: E402
+    VALIDATION_SENTENCES, ExportValidationError, validate_onnx,
+)
+
+TEXTS = [
+    "He go to school every days .",
+    "They goes to the house and she see the dog .",
+    "A cat .",
+    "We went home , but the school was closed because of the snow and every dog in the "
+    "house was barking at the postman who delivers letters every single morning .",
+    *VALIDATION_SENTENCES,
+]
+
+
+class Lines:
+    """A ``log`` that keeps what the cache prints (parts joined into lines, as on stderr)."""
+
+    def __init__(self):
+        self.text = ""
+
+    def __call__(self, *parts, end="\n"):
+        self.text += " ".join(parts) + end
+
+    @property
+    def lines(self) -> list[str]:
+        return self.text.splitlines()
+
+
+def fake_exporter(calls: list, delay: float = 0.0, fail: Exception | None = None):
+    """An exporter that writes a stand-in export (no torch), counting its calls."""
+
+    def export(model_dir: Path, out: Path) -> dict:
+        calls.append(out)
+        time.sleep(delay)
+        if fail is not None:
+            raise fail
+        (out / "model.onnx").write_bytes(b"not really ONNX")
+        (out / "export.json").write_text("{}")
+        return {"validation": {"max_abs_diff": 0.0}}
+
+    return export
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A fresh cache for one test (``$MHMLA_CACHE_DIR``)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("MHMLA_CACHE_DIR", str(root))
+    monkeypatch.delenv("MHMLA_NO_CACHE", raising=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def warm(tiny_tagger_dir, tmp_path_factory) -> Path:
+    """A cache holding the tiny tagger's real export (made once for the module)."""
+    root = tmp_path_factory.mktemp("warm-cache")
+    log = Lines()
+    entry = ensure_export(tiny_tagger_dir, root, log=log)
+    assert (entry.path / "model.onnx").is_file() and (entry.path / "cache.json").is_file()
+    (line,) = log.lines  # one line: what, where, how long
+    assert line.startswith("mhmla-fast: exporting tagger to ONNX once") and str(entry.path) in line
+    assert line.endswith(" s") and " done in " in line
+    return root
+
+
+# ------------------------------------------------------------------------------ the rule
+
+
+def test_auto_runs_onnx_from_the_cache_and_tags_like_torch(warm, tiny_tagger_dir, tiny_engine,
+                                                           monkeypatch):
+    monkeypatch.setenv("MHMLA_CACHE_DIR", str(warm))
+    engine = Engine.load(tiny_tagger_dir, device="cpu", threads=1)  # backend auto by default
+    assert engine.runner.backend == "onnx"
+    assert engine.runner.path.parent.parent == warm / "onnx"
+    got, want = engine.tag_texts(TEXTS), tiny_engine.tag_texts(TEXTS)
+    assert [r.labels for r in got] == [r.labels for r in want]
+    assert any("i" in r.labels for r in want) and any("c" in r.labels for r in want)
+    np.testing.assert_allclose(np.concatenate([r.probs for r in got]),
+                               np.concatenate([r.probs for r in want]), atol=1e-5)
+
+
+def test_auto_runs_torch_without_onnxruntime(tiny_tagger_dir, cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # "import onnxruntime" fails
+    assert options.resolve_options("auto", "cpu").backend == "torch"
+    engine = Engine.load(tiny_tagger_dir, threads=1)
+    assert engine.runner.backend == "torch" and not cache.exists()
+
+
+def test_options_only_torch_has_make_auto_torch(warm, tiny_tagger_dir, monkeypatch):
+    monkeypatch.setenv("MHMLA_CACHE_DIR", str(warm))
+    engine = Engine.load(tiny_tagger_dir, device="cpu", dtype="float16", threads=1)
+    assert engine.runner.backend == "torch" and engine.runner.dtype.itemsize == 2
+
+
+def test_no_cache_runs_torch_and_writes_nothing(tiny_tagger_dir, cache, monkeypatch):
+    assert Engine.load(tiny_tagger_dir, device="cpu", threads=1, cache=False
+                       ).runner.backend == "torch"
+    monkeypatch.setenv("MHMLA_NO_CACHE", "1")
+    assert auto_runner(tiny_tagger_dir, threads=1).backend == "torch"
+    assert not cache.exists()
+
+
+def test_an_export_directory_is_run_as_it_is(warm, tiny_tagger_dir, cache):
+    entry = lookup(tiny_tagger_dir, warm).entry
+    runner = auto_runner(entry.path, threads=1)
+    assert runner.backend == "onnx" and runner.path == entry.path / "model.onnx"
+    assert not cache.exists()
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MHMLA_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "a"
+    monkeypatch.delenv("MHMLA_CACHE_DIR")
+    assert cache_root() == tmp_path / "xdg" / "mhmla-fast"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root() == Path.home() / ".cache" / "mhmla-fast"
+
+
+# ---------------------------------------------------------------------------- the cache
+
+
+def test_the_cache_is_reused_without_a_second_export_or_hashing(tiny_tagger_dir, cache,
+                                                                monkeypatch):
+    calls: list = []
+    first = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 1 and first.path.parent == cache / "onnx"
+    hashed: list = []
+    real = export_cache.content_key
+    monkeypatch.setattr(export_cache, "content_key", lambda files: hashed.append(1) or real(files))
+    log = Lines()
+    assert ensure_export(tiny_tagger_dir, cache, log=log, exporter=fake_exporter(calls)) == first
+    assert len(calls) == 1 and hashed == [] and log.text == ""  # quick key: no hashing, silent
+    # a touched file: hashed again, the same content finds the same entry (no export)
+    config = tiny_tagger_dir / "config.json"
+    st = config.stat()
+    try:
+        os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert ensure_export(tiny_tagger_dir, cache, log=log, exporter=fake_exporter(calls)) == first
+        assert len(calls) == 1 and hashed == [1] and log.text == ""
+    finally:
+        os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_new_content_or_versions_make_a_new_entry(tiny_tagger_dir, cache, tmp_path, monkeypatch):
+    import shutil
+
+    calls: list = []
+    first = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_tagger_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["threshold"] = 0.25
+    (other / "config.json").write_text(json.dumps(config))
+    second = ensure_export(other, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert second.key != first.key and len(calls) == 2
+    real = export_cache.runtime_versions
+    monkeypatch.setattr(export_cache, "runtime_versions", lambda: {**real(), "onnxruntime": "9"})
+    third = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert third.key not in (first.key, second.key) and len(calls) == 3
+
+
+def test_a_failed_validation_is_remembered_and_falls_back_to_torch(tiny_tagger_dir, cache,
+                                                                   monkeypatch, capsys):
+    calls: list = []
+    boom = ExportValidationError("model.onnx (fp32): the label (p >= 0.5) differs from torch's "
+                                 "at 1 of 900 positions")
+    monkeypatch.setattr(export_cache, "_default_export", fake_exporter(calls, fail=boom))
+    runner = auto_runner(tiny_tagger_dir, threads=1)
+    assert runner.backend == "torch" and len(calls) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2  # the export's own line (ending in "failed"), then why torch runs
+    assert err[0].startswith("mhmla-fast: exporting tagger") and " failed after " in err[0]
+    assert err[1].startswith("mhmla-fast: backend auto runs torch for tagger: its ONNX export "
+                             "failed on ") and "differs from torch's" in err[1]
+    (record,) = (cache / "onnx").glob("*.failed.json")
+    assert "ExportValidationError" in json.loads(record.read_text())["error"]
+    assert str(record) in err[1]
+    # the next run does not try again: one line, the same reason, no export
+    assert auto_runner(tiny_tagger_dir, threads=1).backend == "torch" and len(calls) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "differs from torch's" in line and "delete it to try again" in line
+    with pytest.raises(ExportUnavailable, match="its ONNX export failed"):
+        ensure_export(tiny_tagger_dir, cache, exporter=fake_exporter(calls))
+    record.unlink()  # deleting the record retries
+    ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 2
+
+
+def test_an_unwritable_cache_falls_back_to_torch_with_one_line(tiny_tagger_dir, tmp_path,
+                                                               monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MHMLA_CACHE_DIR", str(blocker / "cache"))
+    assert auto_runner(tiny_tagger_dir, threads=1).backend == "torch"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "runs torch" in line and "cannot be written" in line
+
+
+def test_a_leftover_staging_directory_is_ignored_and_cleaned(tiny_tagger_dir, cache):
+    found = lookup(tiny_tagger_dir, cache)
+    assert found.entry is None and found.failed is None and found.key
+    half = cache / "onnx" / f".tmp-{found.key}-dead"  # a killed exporter's, half written
+    half.mkdir(parents=True)
+    (half / "model.onnx").write_bytes(b"half")
+    assert lookup(tiny_tagger_dir, cache).entry is None  # never read
+    calls: list = []
+    entry = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 1 and not half.exists()
+    assert (entry.path / "model.onnx").read_bytes() == b"not really ONNX"
+    assert [p.name for p in (cache / "onnx").iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_an_entry_appears_whole_or_not_at_all(tiny_tagger_dir, cache):
+    """While the exporter writes, the entry's name does not exist; cache.json is in it once it
+    does."""
+    seen: list = []
+
+    def export(model_dir: Path, out: Path) -> dict:
+        (out / "model.onnx").write_bytes(b"x")
+        seen.append(lookup(model_dir, cache).entry)
+        seen.append(sorted(p.name for p in (cache / "onnx").iterdir() if not p.name.startswith(
+            (".tmp-", "index")) and not p.name.endswith(".lock")))
+        return {}
+
+    entry = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=export)
+    assert seen == [None, []]
+    assert json.loads((entry.path / "cache.json").read_text())["key"] == entry.key
+
+
+def test_two_exporters_of_one_model_export_once(tiny_tagger_dir, cache):
+    calls: list = []
+    logs = [Lines(), Lines()]
+    results: list = [None, None]
+
+    def run(k: int) -> None:
+        results[k] = ensure_export(tiny_tagger_dir, cache, log=logs[k],
+                                   exporter=fake_exporter(calls, delay=0.5))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(30)
+    assert len(calls) == 1 and results[0] == results[1] is not None
+    assert any("waiting for another process" in log.text for log in logs)
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def test_validation_requires_identical_labels():
+    """A probability within the tolerance but on the other side of a threshold fails."""
+    from mhmla_fast.serve import onnx_export
+
+    class Fixed:
+        def __init__(self, *a, **k):
+            pass
+
+        def __call__(self, ids, mask):
+            return np.array([[0.3, 0.50001, 0.9]], dtype=np.float32)
+
+    ids, mask = np.ones((1, 3), dtype=np.int64), np.ones((1, 3), dtype=np.int64)
+    ref = [np.array([[0.3, 0.49999, 0.9]], dtype=np.float32)]
+    real = onnx_export.OnnxRunner
+    onnx_export.OnnxRunner = Fixed
+    try:
+        report = validate_onnx("x.onnx", ref, [(ids, mask)], atol=1e-4, exact_labels=(0.7,))
+        assert report["labels"] == {"thresholds": [0.7], "positions": 3, "differing": [0]}
+        with pytest.raises(ExportValidationError, match=r"label \(p >= 0.5\) differs from torch's "
+                                                        r"at 1 of 3 positions"):
+            validate_onnx("x.onnx", ref, [(ids, mask)], atol=1e-4, exact_labels=(0.7, 0.5))
+    finally:
+        onnx_export.OnnxRunner = real
+
+
+def test_the_export_checks_labels_on_sentences(warm, tiny_tagger_dir):
+    meta = json.loads((lookup(tiny_tagger_dir, warm).entry.path / "export.json").read_text())
+    labels = meta["validation"]["labels"]
+    assert labels["thresholds"] == [0.5] and labels["differing"] == [0]  # tiny: threshold 0.5
+    rows = [b["shape"][0] for b in meta["validation"]["batches"]]
+    assert len(VALIDATION_SENTENCES) in rows  # the sentence batch, beside the random ones
+
+
+# ---------------------------------------------------------------------- the processes
+
+
+def _run(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MHMLA_CACHE_DIR": str(cache), **env})
+
+
+def test_a_warm_start_imports_no_torch(warm, tiny_tagger_dir):
+    code = ("import sys; from mhmla_fast.serve.engine import Engine; "
+            f"e = Engine.load({str(tiny_tagger_dir)!r}, threads=1); "
+            "r = e.tag_texts(['He go to school .']); assert r[0].tokens[0] == 'He'; "
+            "print(e.runner.backend, sorted(m for m in ('torch', 'transformers.modeling_utils') "
+            "if m in sys.modules))")
+    done = _run(code, warm)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["onnx", "[]"], done.stdout + done.stderr
+    assert "mhmla-fast" not in done.stderr  # nothing to say on a warm start
+
+
+def test_the_command_exports_once_then_reuses(tiny_tagger_dir, tiny_engine, tmp_path):
+    """``mhmla-serve tag`` (default backend) in two processes on a cold cache: the first says on
+    one stderr line that it exports; the second is silent; both write torch's labels."""
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
+    root = tmp_path / "cache"
+    want = [r.labels for r in tiny_engine.tag_texts(TEXTS)]
+    errs = []
+    for k in (1, 2):
+        out = tmp_path / f"out{k}.jsonl"
+        code = ("import sys; from mhmla_fast.commands.serve import main; sys.exit(main(['tag', "
+                f"{str(src)!r}, '-o', {str(out)!r}, '--model', {str(tiny_tagger_dir)!r}, "
+                "'--no-progress', '--threads', '1']))")
+        done = _run(code, root)
+        assert done.returncode == 0, done.stderr
+        assert [json.loads(x)["labels"] for x in out.read_text().splitlines()] == want
+        assert json.loads(Path(f"{out}.meta.json").read_text())["made_from"]["backend"] == "auto"
+        errs.append(done.stderr)
+    (line,) = errs[0].splitlines()
+    assert line.startswith("mhmla-fast: exporting tagger to ONNX once") and "done in" in line
+    assert errs[1] == ""
+    assert len([p for p in (root / "onnx").iterdir() if (p / "cache.json").is_file()]) == 1
+
+
+@pytest.mark.skipif(not (default_tagger_path() / "config.json").is_file(),
+                    reason="the shipped tagger is not installed")
+def test_the_shipped_tagger_on_auto_tags_like_torch_fp32(cache, capsys):
+    """The shipped model's validated export (about 5 s to make here) gives torch fp32's labels on
+    learner sentences at the model's threshold, and ``Engine.load()`` finds it."""
+    import torch
+
+    entry = ensure_export(default_tagger_path(), cache, log=Lines())
+    meta = json.loads((entry.path / "export.json").read_text())
+    assert len(meta["validation"]["labels"]["thresholds"]) == 2  # the model's and 0.5
+    assert meta["validation"]["labels"]["differing"] == [0, 0]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = Engine.load(backend="torch", device="cpu").tag_texts(TEXTS)
+    finally:
+        torch.set_num_threads(threads)
+    engine = Engine.load(threads=2)  # the defaults: auto, the shipped model
+    assert engine.runner.backend == "onnx" and engine.runner.path.parent == entry.path
+    assert capsys.readouterr().err == ""  # found, not exported again
+    got = engine.tag_texts(TEXTS)
+    assert [r.labels for r in got] == [r.labels for r in want]
+    assert got[0].labels == ["c", "i", "c", "c", "c", "i", "c"]  # He [go] ... every [days] .
