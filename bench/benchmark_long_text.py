@@ -7,7 +7,7 @@ Issue 14's check: a long record (here all sentences joined into one line of ~110
 characters) must tag within 1.5x of the pieces/s of short sentences. Both inputs carry the
 same words, so the same word pieces; rows alternate short, long, short, long (``--rounds``) so
 that a busy neighbour slows both alike, and the summary compares the medians. The shipped
-tagger, ``Engine.load(device="cpu", dtype="float32")``, ``tag_texts``. FCE is read from
+tagger, ``Engine.load(backend="torch", device="cpu", dtype="float32")``, ``tag_texts``. FCE is read from
 ``$MHMLA_SHARED_DATA`` or ``../shared/data`` and never copied.
 """
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     data = shared_data_dir() / "fce" / "fce-public.test.original.tsv"
     sents = [" ".join(s.tokens) for s in read_ged(data)][: args.sentences]
     long_text = " ".join(sents)
-    engine = Engine.load(device="cpu", dtype="float32")
+    engine = Engine.load(backend="torch", device="cpu", dtype="float32")
     tok = engine.tokenizer
     pieces = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in sents)
     engine.tag_texts(sents[:50])  # warm-up

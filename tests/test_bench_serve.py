@@ -303,3 +303,26 @@ def test_merge_joins_the_stages_of_one_device(bench, tmp_path, capsys):
     assert bench.main(["--merge", *map(str, files), "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())["rows"]) == len(rows)
     assert "PASS" in capsys.readouterr().out
+
+
+def test_first_result_script_times_the_variants_on_a_warm_cache(tiny_tagger_dir, tmp_path,
+                                                                monkeypatch, capsys):
+    """bench/benchmark_first_result.py: a cold run that exports (its line recorded), then the
+    default command (backend auto, warm cache) and --backend torch alternating, same labels."""
+    first = load_bench_script("benchmark_first_result")
+    monkeypatch.setenv("MHMLA_COMMIT", "test-commit")
+    out = tmp_path / "first.json"
+    rc = first.main(["--model", str(tiny_tagger_dir), "--variants", "default", "torch",
+                     "--repeats", "1", "--threads", "1", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert result["header"]["commit"] == "test-commit" and result["header"]["device"]["cpu"]
+    assert {"torch", "onnx", "onnxruntime", "mhmla-fast"} <= set(result["header"]["versions"])
+    assert "exporting tagger to ONNX once" in result["cold"]["stderr"]
+    for v in ("default", "torch"):
+        row = result["variants"][v]
+        assert row["failed"] == [] and row["labels_equal_torch"] is True
+        assert 0 < row["first_result_s_median"] <= row["wall_s_median"]
+    assert "--backend torch" in result["variants"]["torch"]["command"]
+    assert "--backend" not in result["variants"]["default"]["command"]
+    assert len(result["labels"]) == 7  # He go to school every days .
