@@ -275,6 +275,37 @@ def test_two_exporters_of_one_model_export_once(tiny_tagger_dir, cache):
     assert any("waiting for another process" in log.text for log in logs)
 
 
+def test_two_processes_export_once_and_read_only_whole_exports(tiny_tagger_dir, cache):
+    """Two processes start a first run at once: one exports (slowly), the other waits on the
+    lock, then uses that export; neither sees the entry before it is complete."""
+    code = f"""
+import sys, time
+from pathlib import Path
+from mhmla_fast.serve.export_cache import ensure_export, lookup
+
+def export(model_dir, out):
+    print("EXPORT", flush=True)
+    (out / "model.onnx").write_bytes(b"part")
+    time.sleep(1.5)
+    assert lookup(model_dir, {str(cache)!r}).entry is None  # not visible while written
+    (out / "model.onnx").write_bytes(b"whole")
+    return {{}}
+
+entry = ensure_export({str(tiny_tagger_dir)!r}, {str(cache)!r}, exporter=export)
+print("GOT", (entry.path / "model.onnx").read_bytes().decode(), flush=True)
+"""
+    procs = []
+    for _ in range(2):
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        time.sleep(0.3)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    stdout = "".join(o for o, _ in outs)
+    assert stdout.count("EXPORT") == 1 and stdout.count("GOT whole") == 2, outs
+    assert "waiting for another process" in "".join(e for _, e in outs)
+
+
 # ------------------------------------------------------------------------- validation
 
 
