@@ -128,6 +128,29 @@ def test_no_cache_runs_torch_and_writes_nothing(tiny_tagger_dir, cache, monkeypa
     assert not cache.exists()
 
 
+def test_the_no_cache_option_of_the_command(tiny_tagger_dir, tiny_engine, cache, tmp_path,
+                                            monkeypatch):
+    from mhmla_fast.commands import serve as cli
+    from mhmla_fast.serve import engine as engine_module
+
+    seen = []
+    real = engine_module.Engine.load.__func__
+
+    def spy(cls, path, **kw):
+        engine = real(cls, path, **kw)
+        seen.append(engine.runner.backend)
+        return engine
+
+    monkeypatch.setattr(engine_module.Engine, "load", classmethod(spy))
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("He go to school every days .\n")
+    assert cli.main(["tag", str(src), "-o", str(out), "--model", str(tiny_tagger_dir),
+                     "--no-progress", "--threads", "1", "--no-cache"]) == 0
+    assert seen == ["torch"] and not cache.exists()
+    assert json.loads(out.read_text())["labels"] == tiny_engine.tag_texts(
+        ["He go to school every days ."])[0].labels
+
+
 def test_an_export_directory_is_run_as_it_is(warm, tiny_tagger_dir, cache):
     entry = lookup(tiny_tagger_dir, warm).entry
     runner = auto_runner(entry.path, threads=1)
