@@ -21,16 +21,22 @@ Plan (see DESIGN.md section 3):
   one-hot head map, so the weights arrive in the accumulator's layout), accumulated on chip;
   one write of c. Neither the L x N x H values nor the L x N x K keys are
   ever written to memory.
-* backward, GEMM-shaped, over groups of G layers (at most ``BWD_GROUP_ELEMENTS`` elements of
-  G x N x (H + K), so the scratch memory is a fraction of the L x N x H the gradient dh takes):
-  pass 1 recomputes v of a group by one batched GEMM (cuBLAS through ``torch.baddbmm``) and the
-  score-gradient kernel reduces dp = <dc_j, v_j> per head; the softmax backward over the
-  layers runs on the tiny [L, N, J] tensors; pass 2 recomputes z of a group, the key-gradient
-  kernel writes dv = p~ dc and overwrites z with dz (and per-tile partial sums of dW_a), then
-  dh = dv W_v' + dz W_k', dW_v = h' dv and dW_k = h' dz are batched GEMMs over all N tokens.
+* backward, over groups of G layers (at most ``BWD_GROUP_ELEMENTS`` elements of G x N x (H + K),
+  so the scratch memory is a fraction of the L x N x H the gradient dh takes), in two passes
+  because the softmax over the layers couples them:
+  pass 1, values kernel (grid: H column tiles x token tiles x G): per head j one GEMM tile
+  t_j = dc_j W_v^{l,j}' gives both dh_v = sum_j p~_j t_j (written into dh) and the partial
+  dp_j = <h~, t_j> per 64-column slot (no recomputation of v); column tile 0 adds dp's bias
+  term and writes dv = p~ dc, from which cuBLAS forms dW_v = h~' dv;
+  softmax kernel: da = p (dp - sum_l p dp) over the L layers;
+  pass 2, keys kernel (grid: token tiles x K column tiles x G): z = h~ W_k + b_k recomputed on
+  chip, dz = (da W_a') [k~ > 0] / (1 - r_k) written once, with per-token-tile partials of
+  dW_a = k~' da and db_k; then dh += dz W_k' and dW_k = h~' dz as batched GEMMs.
   Every reduction over tokens has a fixed order (GEMMs, per-tile partials summed in tile
-  order): weight gradients are deterministic run to run, and each is one reduction rounded
-  once to the input dtype, as in eager autograd.
+  order): weight gradients are deterministic run to run. dW_v and dW_k are each one
+  reduction rounded once to the input dtype, as in eager autograd. The backward runs five
+  GEMM-sized passes per layer against eager autograd's four: eager keeps the forward's v and
+  k in memory, the fused op recomputes z on chip and never materialises v.
 
 Tiles: on a GPU every kernel is autotuned over configs filtered by a ``keep`` rule (no config
 that would spill registers at BERT-base or MiniLM shape, see ``bench/compile_report.py``);
@@ -199,7 +205,8 @@ def _layer_attention_fwd_values_kernel(
 # forward used, and dc_j the incoming gradient's slice for head j:
 #
 #   dv^{l,j} = p~^{l,j} dc_j                      dW_v^l = sum_n h^l' dv^l, db_v^l = sum_n dv^l
-#   dp~^{l,j} = <dc_j, v^{l,j}>,  dp = dp~ keep_p / (1 - r_p)  (+ the gradient of p if returned)
+#   dp~^{l,j} = <dc_j, v^{l,j}> = <h^l, dc_j W_v^{l,j}'> + <dc_j, b_v^{l,j}>
+#   dp = dp~ keep_p / (1 - r_p)  (+ the gradient of p if returned)
 #   delta_j = sum_l p^{l,j} dp^{l,j}  (from dp itself, not <dc_j, c_j>: exact where c was
 #             rounded to a 16-bit dtype, e.g. da == 0 exactly for L = 1)
 #   da^{l,j} = p^{l,j} (dp^{l,j} - delta_j)       dW_a^l = sum_n k~^l' da^l, db_a^l = sum_n da^l
@@ -208,97 +215,175 @@ def _layer_attention_fwd_values_kernel(
 #                                                dW_k^l = sum_n h^l' dz^l, db_k^l = sum_n dz^l
 #   dh^l = (dv^l W_v^l' + dz^l W_k^l') * keep_h / (1 - r_h)
 #
-# where h^l in the weight gradients is the dropped-out input the forward used. delta couples
-# the layers, so the launcher makes two passes over groups of G layers (layers l0 .. l0 + G):
-# pass 1 recomputes v of a group with one batched GEMM and reduces dp (score-gradient kernel);
-# the softmax backward runs on the [L, N, J] tensors; pass 2 recomputes z of a group, the
-# key-gradient kernel writes dv and dz (and per-tile dW_a), and dh, dW_v and dW_k of the group
-# are batched GEMMs over all N tokens (one reduction, as eager's).
+# where h^l in the weight gradients is the dropped-out input the forward used. The values
+# never need recomputing: the products t_j = dc_j W_v^{l,j}' ([N, H] per head) give both
+# dh_v = dv W_v' = sum_j p~_j t_j and dp~_j = <h, t_j> (+ the bias term), so one GEMM-shaped
+# kernel (bwd_values) yields dh_v, dp, dv and db_v. delta couples the layers, so dz waits for
+# every layer's dp: bwd_softmax forms da, then bwd_keys recomputes z on chip (one GEMM) and
+# writes dz with dW_a and db_k as per-token-tile partials. dW_v, dW_k and dh += dz W_k' are
+# batched GEMMs over all N tokens (one reduction each, as eager autograd's). Every partial
+# is summed in a fixed order: weight gradients are deterministic run to run.
 
 
 @triton.jit
-def _layer_attention_bwd_scores_kernel(
-    V_ptr,  # [G, N, H] recomputed values v of layers l0 .. l0 + G
+def _layer_attention_bwd_values_kernel(
+    H_ptr,  # [G, N, H] inputs h~ of layers l0 .. l0 + G (as the forward used them)
+    WV_ptr,  # [L, H, H] value weights
+    BV_ptr,  # [L, H] value biases
     DC_ptr,  # [N, H] gradient of c
-    DP_ptr,  # [L, N, J] gradient of the undropped layer weights p (out, ACC)
-    N, H, J, D, l0,
+    P_ptr,  # [L, N, J] layer weights p (ACC)
+    DH_ptr,  # [G, N, H] dv W_v' (out)
+    DV_ptr,  # [G, N, H] dv = p~ dc (out, by the programs of column tile 0)
+    DPP_ptr,  # [S + 1, G, N, J] dp: slot s < S the sum over H's columns 64 s .. 64 s + 63,
+    #           slot S the bias term (out, ACC)
+    DBV_ptr,  # [T, G, H] dv summed over each token tile t (out, ACC, column tile 0)
+    G, N, H, J, D, l0, S,
     seed_p, rate_p, scale_p,
-    DROP_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    DROP_P: tl.constexpr,
+    N_BUCKET,  # autotuning key only: N rounded to a power of two
+    BLOCK_D: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
-    """dp^{l,j} = <dc_j, v^{l,j}> keep_p / (1 - r_p) for a [BLOCK_N] tile of tokens, layer l."""
-    pid_n = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)  # layer within the group
+    """For a [BLOCK_N] tile of tokens, columns oo of h and layer l, with t_j = dc_j W_v^{l,j}'
+    [BLOCK_N, BLOCK_O] (one head's D columns of the reduction at a time)::
+
+        dh_v[:, oo] = sum_j p~_j t_j,    dp_j (partial over oo) = sum_oo h~[:, oo] t_j
+
+    dp carries the dropout factor keep_p / (1 - r_p). Column tile 0 also writes the bias
+    term <dc_j, b_v^{l,j}> of dp, dv and dv's column sums.
+    """
+    pid_o = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)  # layer within the group
     l = l0 + g
+    dtype = H_ptr.dtype.element_ty
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows[:, None] < N
-    jj = tl.arange(0, BLOCK_J)
+    row_ok = rows < N
+    oo = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     dd = tl.arange(0, BLOCK_D)
-    dp = tl.zeros((BLOCK_N, BLOCK_J), ACC)
+    col_ok = dd < D
+    h = _load_hidden(H_ptr, g, rows, pid_o * BLOCK_O, N, H, BLOCK_O)
+    # slots of 64 columns, whatever BLOCK_O is: a tile of several slots writes its sum to the
+    # first and zeros to the others, so every slot is written at every launch
+    slot = pid_o * (BLOCK_O // 64)
+    acc = tl.zeros((BLOCK_N, BLOCK_O), ACC)
     for j in range(0, J):
         cols = j * D + dd
-        ok = row_ok & (dd[None, :] < D)
-        v = tl.load(V_ptr + g * N * H + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
-        dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
-        s = tl.sum(v.to(ACC) * dc.to(ACC), axis=1)
-        dp = tl.where(jj[None, :] == j, s[:, None], dp)
-    offs = l * N * J + rows[:, None] * J + jj[None, :]
-    dp = _dropout(dp, seed_p, offs, rate_p, scale_p, DROP_P)
-    tl.store(DP_ptr + offs, dp, mask=row_ok & (jj[None, :] < J))
+        dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :],
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        wt = tl.load(  # [BLOCK_D, BLOCK_O] = W_v^l[oo, cols]'
+            WV_ptr + l * H * H + oo[None, :] * H + cols[:, None],
+            mask=col_ok[:, None] & (oo[None, :] < H), other=0.0,
+        )
+        t = tl.dot(dc, wt, input_precision=PREC, out_dtype=ACC)
+        at = l * N * J + rows * J + j  # (l, n, j) in [L, N, J]: the dropout offset of p
+        pj = _dropout(tl.load(P_ptr + at, mask=row_ok, other=0.0), seed_p, at, rate_p,
+                      scale_p, DROP_P)
+        acc += pj[:, None] * t
+        dp = _dropout(tl.sum(t * h.to(ACC), axis=1), seed_p, at, rate_p, scale_p, DROP_P)
+        to = (g * N + rows) * J + j  # (g, n, j) in one slot
+        tl.store(DPP_ptr + slot * G * N * J + to, dp, mask=row_ok)
+        for r in tl.static_range(1, BLOCK_O // 64):
+            tl.store(DPP_ptr + (slot + r) * G * N * J + to, tl.zeros_like(dp),
+                     mask=row_ok & (slot + r < S))
+    tl.store(DH_ptr + g * N * H + rows[:, None] * H + oo[None, :], acc.to(dtype),
+             mask=row_ok[:, None] & (oo[None, :] < H))
+    if pid_o == 0:
+        for j in range(0, J):
+            cols = j * D + dd
+            ok = row_ok[:, None] & col_ok[None, :]
+            dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0).to(ACC)
+            bv = tl.load(BV_ptr + l * H + cols, mask=col_ok, other=0.0).to(ACC)
+            at = l * N * J + rows * J + j
+            pj = _dropout(tl.load(P_ptr + at, mask=row_ok, other=0.0), seed_p, at, rate_p,
+                          scale_p, DROP_P)
+            dp = _dropout(tl.sum(dc * bv[None, :], axis=1), seed_p, at, rate_p, scale_p, DROP_P)
+            tl.store(DPP_ptr + S * G * N * J + (g * N + rows) * J + j, dp, mask=row_ok)
+            dv = (pj[:, None] * dc).to(dtype)
+            tl.store(DV_ptr + g * N * H + rows[:, None] * H + cols[None, :], dv, mask=ok)
+            tl.store(DBV_ptr + (pid_n * G + g) * H + cols, tl.sum(dv.to(ACC), axis=0), mask=col_ok)
+
+
+@triton.jit
+def _layer_attention_bwd_softmax_kernel(
+    DP_ptr,  # [L, N, J] gradient of the layer weights p (ACC)
+    P_ptr,  # [L, N, J] layer weights p (ACC)
+    DA_ptr,  # [L, N, J] score gradients da (out, ACC)
+    L, N, J,
+    BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """da^l = p^l (dp^l - sum_t p^t dp^t): the softmax backward over the L layers."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    jj = tl.arange(0, BLOCK_J)
+    offs = rows[:, None] * J + jj[None, :]
+    ok = (rows[:, None] < N) & (jj[None, :] < J)
+    delta = tl.zeros((BLOCK_N, BLOCK_J), DP_ptr.dtype.element_ty)
+    for layer in range(0, L):
+        at = tl.cast(layer, tl.int64) * N * J + offs
+        delta += tl.load(P_ptr + at, mask=ok, other=0.0) * tl.load(DP_ptr + at, mask=ok, other=0.0)
+    for layer in range(0, L):
+        at = tl.cast(layer, tl.int64) * N * J + offs
+        p = tl.load(P_ptr + at, mask=ok, other=0.0)
+        tl.store(DA_ptr + at, p * (tl.load(DP_ptr + at, mask=ok, other=0.0) - delta), mask=ok)
 
 
 @triton.jit
 def _layer_attention_bwd_keys_kernel(
-    DV_ptr,  # [G, N, H] dv = p~ dc of layers l0 .. l0 + G (out)
-    Z_ptr,  # [G, N, K] in: recomputed key pre-activations z; out: dz
-    DC_ptr,  # [N, H] gradient of c
-    P_ptr,  # [L, N, J] layer weights p (ACC)
-    DA_ptr,  # [L, N, J] score gradients da (ACC)
+    H_ptr,  # [G, N, H] inputs h~ of layers l0 .. l0 + G
+    WK_ptr,  # [L, H, K] key weights
+    BK_ptr,  # [L, K] key biases
     WA_ptr,  # [L, K, J] scorer weights
-    DWA_ptr,  # [T, G, K, J] dW_a of the group summed over each token tile t (out, ACC)
-    G, N, H, K, J, D, l0,
-    seed_k, rate_k, scale_k, seed_p, rate_p, scale_p,
-    DROP_K: tl.constexpr, DROP_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DA_ptr,  # [L, N, J] score gradients da (ACC)
+    DZ_ptr,  # [G, N, K] dz (out)
+    DWB_ptr,  # [T, G, K, J + 1] per token tile t: k~' da in columns < J, sum_n dz in J (out, ACC)
+    G, N, H, K, J, l0,
+    seed_k, rate_k, scale_k,
+    DROP_K: tl.constexpr,
+    N_BUCKET,  # autotuning key only: N rounded to a power of two
+    BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    """dv = p~ dc; dz = (da W_a') [k~ > 0] / (1 - r_k) over z; per-tile dW_a = k~' da."""
+    """For a [BLOCK_N] tile of tokens, key columns kk and layer l: z = h~ W_k + b_k on chip,
+    k~ = dropout(relu(z)), dz = (da W_a') [k~ > 0] / (1 - r_k), and the tile's k~' da and
+    column sums of dz."""
     pid_n = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)  # layer within the group
+    pid_k = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)  # layer within the group
     l = l0 + g
-    dtype = Z_ptr.dtype.element_ty
+    dtype = H_ptr.dtype.element_ty
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows[:, None] < N
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     jj = tl.arange(0, BLOCK_J)
-    dd = tl.arange(0, BLOCK_D)
-    offs_j = l * N * J + rows[:, None] * J + jj[None, :]
-    ok_j = row_ok & (jj[None, :] < J)
-    p = tl.load(P_ptr + offs_j, mask=ok_j, other=0.0)
-    p = _dropout(p, seed_p, offs_j, rate_p, scale_p, DROP_P)
-    for j in range(0, J):
-        cols = j * D + dd
-        ok = row_ok & (dd[None, :] < D)
-        pj = tl.sum(tl.where(jj[None, :] == j, p, 0.0), axis=1)
-        dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0)
-        tl.store(DV_ptr + g * N * H + rows[:, None] * H + cols[None, :],
-                 (pj[:, None] * dc.to(ACC)).to(dtype), mask=ok)
-    # the score gradient enters both products in the input dtype, as in eager autograd
-    da = tl.load(DA_ptr + offs_j, mask=ok_j, other=0.0).to(dtype)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        offs = rows[:, None] * K + kk[None, :]
-        ok = row_ok & (kk[None, :] < K)
-        z = tl.load(Z_ptr + g * N * K + offs, mask=ok, other=0.0).to(ACC)
-        k = _dropout(tl.maximum(z, 0.0), seed_k, l * N * K + offs, rate_k, scale_k, DROP_K)
-        dwa = tl.dot(tl.trans(k.to(dtype)), da, input_precision=PREC, out_dtype=ACC)
-        tl.store(DWA_ptr + ((pid_n * G + g) * K + kk[:, None]) * J + jj[None, :], dwa,
-                 mask=(kk[:, None] < K) & (jj[None, :] < J))
-        wa_t = tl.load(
-            WA_ptr + l * K * J + kk[None, :] * J + jj[:, None],
-            mask=(jj[:, None] < J) & (kk[None, :] < K), other=0.0,
-        )  # [BLOCK_J, BLOCK_K] = W_a[kk, :]'
-        dk = tl.dot(da, wa_t.to(dtype), input_precision=PREC, out_dtype=ACC)
-        tl.store(Z_ptr + g * N * K + offs, tl.where(k > 0, dk * scale_k, 0.0).to(dtype), mask=ok)
+    z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
+    for i0 in range(0, H, BLOCK_I):
+        h = _load_hidden(H_ptr, g, rows, i0, N, H, BLOCK_I)
+        ii = i0 + tl.arange(0, BLOCK_I)
+        w = tl.load(
+            WK_ptr + l * H * K + ii[:, None] * K + kk[None, :],
+            mask=(ii[:, None] < H) & (kk[None, :] < K), other=0.0,
+        )
+        z = tl.dot(h, w, z, input_precision=PREC, out_dtype=ACC)
+    z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(ACC)[None, :]
+    k = _dropout(tl.maximum(z, 0.0), seed_k, l * N * K + rows[:, None] * K + kk[None, :],
+                 rate_k, scale_k, DROP_K)
+    # the score gradient enters both products in the input dtype, as in eager autograd;
+    # rows past N have da = 0, so they add nothing to k~' da and get dz = 0
+    da = tl.load(DA_ptr + l * N * J + rows[:, None] * J + jj[None, :],
+                 mask=row_ok & (jj[None, :] < J), other=0.0).to(dtype)
+    dwa = tl.dot(tl.trans(k.to(dtype)), da, input_precision=PREC, out_dtype=ACC)
+    at = ((pid_n * G + g) * K + kk[:, None]) * (J + 1) + jj[None, :]
+    tl.store(DWB_ptr + at, dwa, mask=(kk[:, None] < K) & (jj[None, :] < J))
+    wa_t = tl.load(
+        WA_ptr + l * K * J + kk[None, :] * J + jj[:, None],
+        mask=(jj[:, None] < J) & (kk[None, :] < K), other=0.0,
+    )  # [BLOCK_J, BLOCK_K] = W_a[kk, :]'
+    dk = tl.dot(da, wa_t.to(dtype), input_precision=PREC, out_dtype=ACC)
+    dz = tl.where(k > 0, dk * scale_k, 0.0).to(dtype)
+    tl.store(DZ_ptr + g * N * K + rows[:, None] * K + kk[None, :], dz,
+             mask=row_ok & (kk[None, :] < K))
+    tl.store(DWB_ptr + ((pid_n * G + g) * K + kk) * (J + 1) + J, tl.sum(dz.to(ACC), axis=0),
+             mask=kk < K)
 
 
 @triton.jit
@@ -343,39 +428,41 @@ _ACC = {torch.float64: tl.float64}
 _SEED_STREAMS = 3  # h, k, p
 _SMEM_BYTES = 227 * 1024  # per block on sm_90
 _DROPOUT_BLOCK = 1024
-BWD_KEYS_BLOCK_N = 64  # token tile of the key-gradient kernel: fixes the dW_a partial count
+# Token tile of the backward's GEMM kernels, fixed (not autotuned): it sets the number of
+# per-tile partial sums (dW_a, db_k, db_v), which the launcher allocates and sums.
+BWD_BLOCK_N = 64
+_BWD_SLOT = 64  # columns of H per partial dp slot of bwd_values (its smallest BLOCK_O)
 # Backward layer group: at most this many elements of G x N x (H + K) (v and z recomputed for
 # G layers at a time; at least one layer). 2^25 is 64 MiB in bf16: at BERT-base shape and
 # N = 4096 that is 5 layers per group (3 groups). Fewer elements: less memory, more launches.
 BWD_GROUP_ELEMENTS = 1 << 25
-# fp32 elements of one [rows, cols] tile per thread that a kernel may hold, per kernel:
-# the forward GEMMs hold one or two accumulators; the backward kernels three tiles at once
-# (fwd_values, which also holds a row's layer weights and sums, keeps 32 for tiles of more
-# than 64 rows: 128 x 64 on 8 warps spilled 600 bytes, 128 x 128 on 8 warps 256; fwd_scores
-# keeps 32 with key dropout, whose mask arithmetic spilled 16-272 bytes at 64)
-_TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 64, "bwd_scores": 16, "bwd_keys": 16}
+# fp32 elements of one [rows, cols] tile per thread that a kernel may hold, per kernel,
+# calibrated on the sm_90 compile report of every candidate with the alignment Triton's JIT
+# gives a real launch (16-byte aligned pointers, H, K, D divisible by 16: loads vectorised
+# and pipelined). At 32, every kept config compiles without spilling at BERT-base and MiniLM
+# shape, dropout on and off; at 64 most spill (fwd_scores 128 x 128 on 8 warps: 32-72 bytes,
+# fwd_values 64 x 256 on 8 warps: 112-216, bwd_values 64 x 256 on 8 warps: 8, bwd_keys
+# 64 x 128 on 4 warps: 72-88). A compile without that alignment (scalar loads, no pipelining)
+# had admitted 64 for the forward kernels: the report now compiles as the JIT does.
+_TILE_PER_THREAD = {"fwd_scores": 32, "fwd_values": 32, "bwd_values": 32, "bwd_keys": 32}
 _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "BLOCK_O"),
-              "bwd_scores": ("BLOCK_N", "BLOCK_D"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
+              "bwd_values": ("BLOCK_N", "BLOCK_O"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
 
 
 def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     """Whether a config of kernel ``name`` fits an sm_90 SM without spilling (see above).
 
-    ``tiles`` holds the config's block sizes, the shape's (BLOCK_J, BLOCK_D, BLOCK_N of the
-    key-gradient kernel) and DROP_K (key dropout on).
+    ``tiles`` holds the config's block sizes and the shape's (BLOCK_J, BLOCK_D, the
+    backward's BLOCK_N).
     """
     rows, cols = _TILE_DIMS[name]
-    per_thread = _TILE_PER_THREAD[name]
-    if (name == "fwd_values" and tiles["BLOCK_N"] > 64) or (name == "fwd_scores" and tiles["DROP_K"]):
-        per_thread = 32
-    if tiles[rows] * tiles[cols] > per_thread * 32 * warps:
+    if tiles[rows] * tiles[cols] > _TILE_PER_THREAD[name] * 32 * warps:
         return False
     if name == "bwd_keys" and tiles["BLOCK_K"] < 64:  # k~' da has BLOCK_K rows: wgmma needs 64
         return False
-    if name.startswith("fwd"):  # bf16 operand tiles [BLOCK_N, BLOCK_I] and [BLOCK_I, cols] staged
-        smem = stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"]
-        return smem <= _SMEM_BYTES
-    return True
+    # bf16 operand tiles [BLOCK_N, red] and [red, cols] staged, red the reduction block
+    red = tiles["BLOCK_D"] if name == "bwd_values" else tiles["BLOCK_I"]
+    return stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * red <= _SMEM_BYTES
 
 
 def _candidates(name: str) -> list[tuple[dict, int, int]]:
@@ -384,10 +471,10 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
         grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128, 256) for k in (64, 128, 256)]
     elif name == "fwd_values":
         grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128, 256) for o in (64, 128, 256)]
-    elif name == "bwd_scores":
-        return [(dict(BLOCK_N=n), w, 1) for n in (16, 32, 64) for w in (2, 4)]
+    elif name == "bwd_values":
+        return [(dict(BLOCK_O=o), w, s) for o in (64, 128, 256) for w in (4, 8) for s in (2, 3, 4)]
     elif name == "bwd_keys":
-        return [(dict(BLOCK_K=k), w, s) for k in (32, 64, 128) for w in (4, 8) for s in (1, 2)]
+        grid = [dict(BLOCK_K=k, BLOCK_I=i) for k in (64, 128, 256) for i in (32, 64)]
     else:
         raise ValueError(f"no candidates for kernel {name!r}")
     return [(t, w, s) for t in grid for w in (4, 8) for s in (3, 4)]
@@ -397,22 +484,21 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
 _FIXED = {
     "fwd_scores": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64), 4, 3),
     "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64), 4, 3),
-    "bwd_scores": (dict(BLOCK_N=32), 4, 1),
-    "bwd_keys": (dict(BLOCK_K=64), 8, 1),
+    "bwd_values": (dict(BLOCK_O=64), 4, 2),
+    "bwd_keys": (dict(BLOCK_K=64, BLOCK_I=64), 4, 3),
 }
 _KERNELS = {
     "fwd_scores": _layer_attention_fwd_scores_kernel,
     "fwd_values": _layer_attention_fwd_values_kernel,
-    "bwd_scores": _layer_attention_bwd_scores_kernel,
+    "bwd_values": _layer_attention_bwd_values_kernel,
     "bwd_keys": _layer_attention_bwd_keys_kernel,
 }
 _AUTOTUNE_KEY = {
     "fwd_scores": ["H", "K", "J", "N_BUCKET", "DROP_K"],
     "fwd_values": ["H", "J", "N_BUCKET", "DROP_P"],
-    "bwd_scores": ["H", "J", "DROP_P"],
-    "bwd_keys": ["H", "K", "J", "DROP_K", "DROP_P"],
+    "bwd_values": ["H", "J", "N_BUCKET", "DROP_P"],
+    "bwd_keys": ["H", "K", "J", "N_BUCKET", "DROP_K"],
 }
-_RESTORE = {"bwd_keys": ["Z_ptr"]}  # overwritten in place: restored between autotuning trials
 
 
 def _interpreting() -> bool:
@@ -425,23 +511,23 @@ def _fixed_configs() -> bool:
     return _interpreting() or os.environ.get("MHMLA_TRITON_CONFIGS", "") == "fixed"
 
 
-def layer_attention_configs(name: str, H: int = 768, J: int = 12,
-                            dropout_k: bool = False) -> list[tuple[dict, int, int]]:
+def layer_attention_configs(name: str, H: int = 768, J: int = 12) -> list[tuple[dict, int, int]]:
     """The configs kernel ``name`` can launch at hidden size H with J heads (BERT-base by
-    default), with key dropout on or off: the fixed one under the interpreter, else every
-    candidate ``_keep`` admits (the fixed one if none is)."""
+    default): the fixed one under the interpreter, else every candidate ``_keep`` admits
+    (the fixed one if none is)."""
     if _interpreting():
         tiles, w, s = _FIXED[name]
         return [(dict(tiles), w, s)]
-    shape = {**_shape_constexprs(H, J), "BLOCK_N": BWD_KEYS_BLOCK_N, "DROP_K": dropout_k}
+    shape = {**_shape_constexprs(H, J), "BLOCK_N": BWD_BLOCK_N}
     kept = [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**shape, **t}, w, s)]
     return kept or [_FIXED[name]]
 
 
 def _shape_constexprs(H: int, J: int) -> dict:
     """Per-shape tile widths: heads padded to a power of two >= 16 (for tl.dot), one head's
-    D = H / J columns padded to a power of two."""
-    return dict(BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_D=triton.next_power_of_2(H // J))
+    D = H / J columns padded to a power of two >= 16 (the reduction block of bwd_values)."""
+    return dict(BLOCK_J=max(16, triton.next_power_of_2(J)),
+                BLOCK_D=max(16, triton.next_power_of_2(H // J)))
 
 
 @functools.cache
@@ -453,14 +539,12 @@ def _tuned(name: str):
 
     def prune(configs, named_args, **kwargs):
         kept = {(tuple(sorted(t.items())), w, s)
-                for t, w, s in layer_attention_configs(name, named_args["H"], named_args["J"],
-                                                       bool(kwargs.get("DROP_K", False)))}
+                for t, w, s in layer_attention_configs(name, named_args["H"], named_args["J"])}
         return [c for c in configs
                 if (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) in kept]
 
     return triton.autotune(configs=list(by_tiles.values()), key=_AUTOTUNE_KEY[name],
-                           prune_configs_by={"early_config_prune": prune},
-                           restore_value=_RESTORE.get(name, []))(_KERNELS[name])
+                           prune_configs_by={"early_config_prune": prune})(_KERNELS[name])
 
 
 def _launch(name: str, grid, *args, **kwargs) -> None:
@@ -485,21 +569,27 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
                                   candidates: bool = False) -> list[dict]:
     """Every (kernel, config) a launch at this shape and dtype can use (with ``candidates``,
     every autotuning candidate, also those ``_keep`` rejects), as ``triton.compile`` inputs:
-    ``{"kernel", "fn", "signature", "constexprs", "num_warps", "num_stages", "tiles"}``.
+    ``{"kernel", "fn", "signature", "constexprs", "aligned", "num_warps", "num_stages", "tiles"}``.
 
     ``signature`` maps each argument to a Triton type ("*bf16", "*fp32", "i32", "fp32" or
-    "constexpr"); ``constexprs`` gives the constexpr values. For ``bench/compile_report.py``.
+    "constexpr"); ``constexprs`` gives the constexpr values; ``aligned`` names the arguments
+    a launch at this shape passes 16-divisible, as Triton's JIT specialises them: every
+    pointer (torch's allocations are 16-byte aligned) and the sizes H, K, D = H / J, J and L
+    where they are multiples of 16. N, the layer offsets and the seeds vary between launches
+    and count as unaligned. For ``bench/compile_report.py``.
     """
     elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DWA_ptr"}
+    acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWB_ptr"}
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
     drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
+    sizes = dict(H=H, K=K, D=H // J, J=J, L=L)
+    aligned_sizes = {a for a, v in sizes.items() if v % 16 == 0}
     cases = []
     for name, fn in _KERNELS.items():
-        configs = _candidates(name) if candidates else layer_attention_configs(name, H, J, dropout)
+        configs = _candidates(name) if candidates else layer_attention_configs(name, H, J)
         for tiles, warps, stages in configs:
-            extra = dict(BLOCK_N=BWD_KEYS_BLOCK_N) if name == "bwd_keys" else {}
+            extra = dict(BLOCK_N=BWD_BLOCK_N) if name.startswith("bwd") else {}
             values = {**common, **drops, **extra, **tiles}
             consts = {a: values[a] for a in fn.arg_names if a in values}
             signature = {}
@@ -512,8 +602,10 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
                     signature[a] = "fp32"
                 else:
                     signature[a] = "i32"
+            aligned = [a for a in fn.arg_names if a not in consts
+                       and (a.endswith("_ptr") or a in aligned_sizes)]
             cases.append(dict(kernel=name, fn=fn, signature=signature, constexprs=consts,
-                              num_warps=warps, num_stages=stages, tiles=tiles))
+                              aligned=aligned, num_warps=warps, num_stages=stages, tiles=tiles))
     return cases
 
 
@@ -612,11 +704,15 @@ def layer_attention_bwd(
     """Fused backward: (dh [L, N, H], dw_v, db_v, dw_k, db_k, dw_a, db_a).
 
     ``dc`` [N, H] is the gradient of c, ``dp`` [L, N, J] (or None) that of the returned
-    layer weights; the other arguments are the forward's inputs and its weights p. Works on
-    groups of G layers (``_bwd_layer_groups``): besides the gradients it allocates one
-    [G, N, H] and one [G, N, K] buffer (and a [G, N, H] one for h with dropout when the
-    forward dropped it) and [L, N, J]-sized score tensors. Every weight gradient is one GEMM
-    over all N tokens, written in the input dtype, as eager autograd computes it.
+    layer weights; the other arguments are the forward's inputs and its weights p. Two passes
+    over groups of G layers (``_bwd_layer_groups``): pass 1 (bwd_values) gives dh_v, dp, dv,
+    dW_v and db_v of a group; after the softmax backward over all layers (bwd_softmax), pass 2
+    (bwd_keys) gives dz, dW_a and db_k, then dh += dz W_k' and dW_k. Besides the gradients it
+    allocates one [G, N, max(H, K)] buffer (dv in pass 1, dz in pass 2; and a [G, N, H] one
+    for h with dropout when the forward dropped it), [L, N, J]-sized score tensors and
+    per-tile partial sums.
+    dW_v and dW_k are GEMMs over all N tokens, written in the input dtype, as eager autograd
+    computes them; the other weight gradients are sums of per-tile partials in a fixed order.
     """
     _check_launchable(hidden)
     L, N, H = hidden.shape
@@ -625,16 +721,19 @@ def layer_attention_bwd(
     dtype, dev = hidden.dtype, hidden.device
     acc = _acc_dtype(dtype)
     shape = _shape_constexprs(H, J)
-    common = dict(ACC=_ACC.get(dtype, tl.float32), BLOCK_J=shape["BLOCK_J"],
-                  BLOCK_D=shape["BLOCK_D"])
+    common = dict(ACC=_ACC.get(dtype, tl.float32), PREC=_precision(dtype),
+                  BLOCK_J=shape["BLOCK_J"], BLOCK_N=BWD_BLOCK_N, N_BUCKET=_n_bucket(N))
     r = _rates(dropout, seed)
     drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
     dc = dc.contiguous()
     groups = _bwd_layer_groups(L, N, H, K)
     most = max(l1 - l0 for l0, l1 in groups)
-    v_buf = torch.empty((most, N, H), device=dev, dtype=dtype)  # v in pass 1, dv in pass 2
-    z_buf = torch.empty((most, N, K), device=dev, dtype=dtype)  # z, then dz
+    tiles, slots = triton.cdiv(N, BWD_BLOCK_N), triton.cdiv(H, _BWD_SLOT)
+    scratch = torch.empty(most * N * max(H, K), device=dev, dtype=dtype)  # dv in pass 1, dz in 2
     h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
+    dpp_buf = torch.empty((slots + 1) * most * N * J, device=dev, dtype=acc)
+    dbv_buf = torch.empty(tiles * most * H, device=dev, dtype=acc)
+    dwb_buf = torch.empty(tiles * most * K * (J + 1), device=dev, dtype=acc)
 
     def group_hidden(l0: int, l1: int) -> Tensor:
         """h~ of layers l0 .. l1: the forward's dropped-out input."""
@@ -643,50 +742,52 @@ def layer_attention_bwd(
         return _dropout_layers(hidden[l0:l1], h_buf[: l1 - l0], l0, r["seed_h"], r["rate_h"],
                                r["scale_h"])
 
-    # pass 1: dp of every layer
-    dp_all = torch.empty((L, N, J), device=dev, dtype=acc)
-    for l0, l1 in groups:
-        v = torch.baddbmm(b_v[l0:l1].unsqueeze(1), group_hidden(l0, l1), w_v[l0:l1],
-                          out=v_buf[: l1 - l0])
-        _launch(
-            "bwd_scores", lambda m: (triton.cdiv(N, m["BLOCK_N"]), l1 - l0),
-            v, dc, dp_all, N, H, J, D, l0, r["seed_p"], r["rate_p"], r["scale_p"],
-            DROP_P=drop_p, **common,
-        )
-    if dp is not None:  # a gradient flowing into the returned layer weights
-        dp_all += dp
-    da = p * (dp_all - (p * dp_all).sum(0, keepdim=True))  # softmax backward over the layers
-    db_a = da.sum(1)
-    # pass 2: everything else, group by group
     dh = torch.empty_like(hidden)
     dw_v, dw_k = torch.empty_like(w_v), torch.empty_like(w_k)
-    db_v, db_k = torch.empty_like(b_v), torch.empty_like(b_k)
-    dw_a = torch.empty((L, K, J), device=dev, dtype=acc)
-    tiles = triton.cdiv(N, BWD_KEYS_BLOCK_N)
-    dw_a_buf = torch.empty(tiles * most * K * J, device=dev, dtype=acc)
+    db_v = torch.empty((L, H), device=dev, dtype=acc)
+    dwb = torch.empty((L, K, J + 1), device=dev, dtype=acc)  # dW_a | db_k
+    dp_all = torch.empty((L, N, J), device=dev, dtype=acc)
+    # pass 1: dh_v, dp, dv -> dW_v, db_v, group by group
     for l0, l1 in groups:
         G = l1 - l0
         h = group_hidden(l0, l1)
-        dv = v_buf[:G]
-        dz = torch.baddbmm(b_k[l0:l1].unsqueeze(1), h, w_k[l0:l1], out=z_buf[:G])  # z for now
-        dw_a_tiles = dw_a_buf[: tiles * G * K * J].view(tiles, G, K, J)
+        dv = scratch[: G * N * H].view(G, N, H)
+        dpp = dpp_buf[: (slots + 1) * G * N * J].view(slots + 1, G, N, J)
+        dbv = dbv_buf[: tiles * G * H].view(tiles, G, H)
         _launch(
-            "bwd_keys", lambda m: (tiles, G),
-            dv, dz, dc, p, da, w_a, dw_a_tiles, G, N, H, K, J, D, l0,
-            r["seed_k"], r["rate_k"], r["scale_k"], r["seed_p"], r["rate_p"], r["scale_p"],
-            DROP_K=drop_k, DROP_P=drop_p, BLOCK_N=BWD_KEYS_BLOCK_N, PREC=_precision(dtype),
-            **common,
+            "bwd_values", lambda m: (triton.cdiv(H, m["BLOCK_O"]), tiles, G),
+            h, w_v, b_v, dc, p, dh[l0:l1], dv, dpp, dbv, G, N, H, J, D, l0, slots,
+            r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, BLOCK_D=shape["BLOCK_D"],
+            **{k: v for k, v in common.items() if k != "BLOCK_J"},
         )
-        torch.sum(dw_a_tiles, 0, out=dw_a[l0:l1])
-        dh_g = torch.bmm(dv, w_v[l0:l1].mT, out=dh[l0:l1])
-        dh_g.baddbmm_(dz, w_k[l0:l1].mT)
+        torch.sum(dpp, 0, out=dp_all[l0:l1])
+        torch.sum(dbv, 0, out=db_v[l0:l1])
+        torch.bmm(h.mT, dv, out=dw_v[l0:l1])
+    if dp is not None:  # a gradient flowing into the returned layer weights
+        dp_all += dp
+    da = torch.empty_like(dp_all)
+    _layer_attention_bwd_softmax_kernel[(triton.cdiv(N, BWD_BLOCK_N),)](
+        dp_all, p, da, L, N, J, BLOCK_J=shape["BLOCK_J"], BLOCK_N=BWD_BLOCK_N,
+    )
+    db_a = da.sum(1)
+    # pass 2: dz (z recomputed on chip), dW_a, db_k -> dh += dz W_k', dW_k
+    for l0, l1 in groups:
+        G = l1 - l0
+        h = h_buf[:G] if drop_h and len(groups) == 1 else group_hidden(l0, l1)  # still there
+        dz = scratch[: G * N * K].view(G, N, K)
+        dwb_tiles = dwb_buf[: tiles * G * K * (J + 1)].view(tiles, G, K, J + 1)
+        _launch(
+            "bwd_keys", lambda m: (tiles, triton.cdiv(K, m["BLOCK_K"]), G),
+            h, w_k, b_k, w_a, da, dz, dwb_tiles, G, N, H, K, J, l0,
+            r["seed_k"], r["rate_k"], r["scale_k"], DROP_K=drop_k, **common,
+        )
+        torch.sum(dwb_tiles, 0, out=dwb[l0:l1])
+        dh_g = dh[l0:l1].baddbmm_(dz, w_k[l0:l1].mT)
         if drop_h:
             _dropout_layers(dh_g, dh_g, l0, r["seed_h"], r["rate_h"], r["scale_h"])
-        torch.bmm(h.mT, dv, out=dw_v[l0:l1])
         torch.bmm(h.mT, dz, out=dw_k[l0:l1])
-        torch.sum(dv, 1, out=db_v[l0:l1])
-        torch.sum(dz, 1, out=db_k[l0:l1])
-    return dh, dw_v, db_v, dw_k, db_k, dw_a.to(dtype), db_a.to(dtype)
+    return (dh, dw_v, db_v.to(dtype), dw_k, dwb[..., J].to(dtype).contiguous(),
+            dwb[..., :J].to(dtype).contiguous(), db_a.to(dtype))
 
 
 def layer_attention_dropout_masks(

@@ -351,6 +351,57 @@ def test_triton_backward_in_layer_groups_matches_reference(monkeypatch, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("H,K,block_o,block_k,dropout", [
+    (120, 72, 128, 128, False),  # one bwd_values tile over both 64-column dp slots
+    (200, 136, 256, 256, True),  # one tile over 4 slots, the last one partial; dropout
+    (384, 96, 128, 64, False),  # 3 tiles of 2 slots each
+])
+def test_triton_backward_tiles_over_several_slots_read_nothing_unwritten(
+        monkeypatch, H, K, block_o, block_k, dropout):
+    """Backward tiles wider than one 64-column dp slot write every slot they own, and no
+    kernel reads memory it has not written: every buffer the op allocates starts as NaN."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    L, N, J = 3, 70, 4 if H % 4 == 0 else 3
+    monkeypatch.setitem(kernels._FIXED, "bwd_values", (dict(BLOCK_O=block_o), 4, 2))
+    monkeypatch.setitem(kernels._FIXED, "bwd_keys", (dict(BLOCK_K=block_k, BLOCK_I=32), 4, 3))
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t
+
+    base = make_inputs(L, N, H, K, J, dtype=torch.float64, device=DEVICE, seed=H)
+    g = torch.Generator().manual_seed(3)
+    grad_c = torch.randn(N, H, generator=g, dtype=torch.float64).to(DEVICE)
+    grad_p = torch.randn(N, L, J, generator=g, dtype=torch.float64).to(DEVICE)
+    rates = (0.3, 0.2, 0.25) if dropout else (0.0, 0.0, 0.0)
+    masks = kernels.layer_attention_dropout_masks((L, N, H), (L, N, K), (L, N, J), rates, 7, DEVICE)
+
+    def go(ts, fused):
+        ts = leaves(ts)
+        if fused:
+            monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(empty(*a, **k)))
+            monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(empty_like(*a, **k)))
+            c, p = kernels.layer_attention_triton(*ts, J, dropout=rates, seed=7)
+        else:
+            c, p = layer_attention_reference(
+                *ts, J, dropout_h=rates[0], dropout_k=rates[1], dropout_p=rates[2],
+                training=dropout, masks=masks if dropout else None)
+        loss = (c.double() * grad_c).sum() + (p.permute(1, 0, 2).double() * grad_p).sum()
+        out = [c, p, *torch.autograd.grad(loss, ts)]
+        monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch, "empty_like", empty_like)
+        return out
+
+    oracle = go(base, False)
+    eager = go([t.float() for t in base], False)
+    fused = go([t.float() for t in base], True)
+    for i, name in enumerate(("c", "p") + tuple(f"d{n}" for n in NAMES)):
+        assert torch.isfinite(fused[i]).all(), name
+        assert_close_to_oracle(name, fused[i], eager[i], oracle[i], 2.0 if i < 2 else 3.0, 1e-5)
+
+
+@needs_triton
 @pytest.mark.parametrize("kernels", [("triton", "torch"), ("torch", "triton"), ("torch", "torch")])
 def test_mixed_directions_match_the_fused_op(kernels):
     """A fused forward with an eager backward (or the reverse) replays the same dropout masks,
