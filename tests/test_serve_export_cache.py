@@ -238,6 +238,16 @@ def test_a_failed_validation_is_remembered_and_falls_back_to_torch(tiny_tagger_d
     assert len(calls) == 2
 
 
+def test_a_failure_to_write_is_not_remembered(tiny_tagger_dir, cache):
+    calls: list = []
+    full = OSError(28, "No space left on device")
+    with pytest.raises(ExportUnavailable, match="could not be written .*No space left"):
+        ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls, fail=full))
+    assert list((cache / "onnx").glob("*.failed.json")) == []
+    ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 2  # tried again, and made
+
+
 def test_an_unwritable_cache_falls_back_to_torch_with_one_line(tiny_tagger_dir, tmp_path,
                                                                monkeypatch, capsys):
     blocker = tmp_path / "file"

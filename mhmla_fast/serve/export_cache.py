@@ -30,7 +30,8 @@ take ``<key>.lock`` in turn; the second one finds the first's entry when it gets
 
 Failures. An export or validation that fails is recorded in ``<key>.failed.json`` (with the
 versions in the key, a new version tries again); auto then runs torch and says why on stderr
-once per run. Delete the record (or the cache) to try again.
+once per run. Delete the record (or the cache) to try again. A failure to write (an OSError: a
+full disk, a read-only cache) is not recorded: auto runs torch and the next run tries again.
 """
 
 from __future__ import annotations
@@ -313,7 +314,8 @@ def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None =
     ``exporter(model_dir, out_dir)`` writes the export into ``out_dir`` and returns its
     metadata (default: ``export_onnx`` with :data:`EXPORT_OPTIONS`). Raises
     :class:`ExportUnavailable` with the reason when the export failed, now or in an earlier
-    run (recorded), or the cache directory cannot be written."""
+    run (recorded; a failure to write is not recorded), or the cache directory cannot be
+    written."""
     root = Path(root) if root is not None else cache_root()
     found = lookup(model_dir, root)
     if found.entry is not None:
@@ -355,7 +357,11 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
     try:
         try:
             meta = exporter(model_dir, stage)
-        except Exception as err:  # noqa: BLE001 - any failure is recorded and reported
+        except OSError as err:  # the disk, not the model (e.g. full): tried again next run
+            log(f" failed after {time.perf_counter() - t0:.1f} s")
+            raise ExportUnavailable(f"its ONNX export could not be written to {base} "
+                                    f"({type(err).__name__}: {err})") from err
+        except Exception as err:  # noqa: BLE001 - any other failure is recorded and reported
             seconds = time.perf_counter() - t0
             reason = f"{type(err).__name__}: {err}"
             log(f" failed after {seconds:.1f} s")
@@ -417,6 +423,9 @@ def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
         return _onnx_runner(entry.path, threads)
     except ExportUnavailable as err:
         log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: {err}")
+    except OSError as err:  # the cache's disk (staging, index): not recorded
+        log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: the export cache "
+            f"failed ({type(err).__name__}: {err})")
     except ImportError as err:  # onnxruntime found but not importable
         log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
     return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels, threads=threads)
