@@ -439,12 +439,13 @@ BWD_GROUP_ELEMENTS = 1 << 25
 # fp32 elements of one [rows, cols] tile per thread that a kernel may hold, per kernel,
 # calibrated on the sm_90 compile report of every candidate with the alignment Triton's JIT
 # gives a real launch (16-byte aligned pointers, H, K, D divisible by 16: loads vectorised
-# and pipelined). At 32, every kept config compiles without spilling at BERT-base and MiniLM
-# shape, dropout on and off; at 64 most spill (fwd_scores 128 x 128 on 8 warps: 32-72 bytes,
-# fwd_values 64 x 256 on 8 warps: 112-216, bwd_values 64 x 256 on 8 warps: 8, bwd_keys
-# 64 x 128 on 4 warps: 72-88). A compile without that alignment (scalar loads, no pipelining)
-# had admitted 64 for the forward kernels: the report now compiles as the JIT does.
-_TILE_PER_THREAD = {"fwd_scores": 32, "fwd_values": 32, "bwd_values": 32, "bwd_keys": 32}
+# and pipelined). Every kept config compiles without spilling at BERT-base and MiniLM shape,
+# dropout on and off; the next larger tiles spill: fwd_scores at 64 with key dropout (128 x
+# 128 on 8 warps: 32-72 bytes; without it 0), fwd_values at 64 (64 x 128 on 4 warps: 168-304,
+# 64 x 256 on 8 warps: 96-216), bwd_values at 64 (64 x 256 on 8 warps: 8), bwd_keys at 64
+# (64 x 128 on 4 warps: 72-88). A compile without that alignment (scalar loads, no
+# pipelining) had admitted 64 for fwd_values: the report now compiles as the JIT does.
+_TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 32, "bwd_values": 32, "bwd_keys": 32}
 _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "BLOCK_O"),
               "bwd_values": ("BLOCK_N", "BLOCK_O"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
 
@@ -452,11 +453,12 @@ _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "B
 def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     """Whether a config of kernel ``name`` fits an sm_90 SM without spilling (see above).
 
-    ``tiles`` holds the config's block sizes and the shape's (BLOCK_J, BLOCK_D, the
-    backward's BLOCK_N).
+    ``tiles`` holds the config's block sizes, the shape's (BLOCK_J, BLOCK_D, the backward's
+    BLOCK_N) and DROP_K (key dropout on).
     """
     rows, cols = _TILE_DIMS[name]
-    if tiles[rows] * tiles[cols] > _TILE_PER_THREAD[name] * 32 * warps:
+    per_thread = 32 if name == "fwd_scores" and tiles["DROP_K"] else _TILE_PER_THREAD[name]
+    if tiles[rows] * tiles[cols] > per_thread * 32 * warps:
         return False
     if name == "bwd_keys" and tiles["BLOCK_K"] < 64:  # k~' da has BLOCK_K rows: wgmma needs 64
         return False
@@ -511,14 +513,15 @@ def _fixed_configs() -> bool:
     return _interpreting() or os.environ.get("MHMLA_TRITON_CONFIGS", "") == "fixed"
 
 
-def layer_attention_configs(name: str, H: int = 768, J: int = 12) -> list[tuple[dict, int, int]]:
+def layer_attention_configs(name: str, H: int = 768, J: int = 12,
+                            dropout_k: bool = False) -> list[tuple[dict, int, int]]:
     """The configs kernel ``name`` can launch at hidden size H with J heads (BERT-base by
-    default): the fixed one under the interpreter, else every candidate ``_keep`` admits
-    (the fixed one if none is)."""
+    default), with key dropout on or off: the fixed one under the interpreter, else every
+    candidate ``_keep`` admits (the fixed one if none is)."""
     if _interpreting():
         tiles, w, s = _FIXED[name]
         return [(dict(tiles), w, s)]
-    shape = {**_shape_constexprs(H, J), "BLOCK_N": BWD_BLOCK_N}
+    shape = {**_shape_constexprs(H, J), "BLOCK_N": BWD_BLOCK_N, "DROP_K": dropout_k}
     kept = [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**shape, **t}, w, s)]
     return kept or [_FIXED[name]]
 
@@ -539,7 +542,8 @@ def _tuned(name: str):
 
     def prune(configs, named_args, **kwargs):
         kept = {(tuple(sorted(t.items())), w, s)
-                for t, w, s in layer_attention_configs(name, named_args["H"], named_args["J"])}
+                for t, w, s in layer_attention_configs(name, named_args["H"], named_args["J"],
+                                                       bool(kwargs.get("DROP_K", False)))}
         return [c for c in configs
                 if (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) in kept]
 
@@ -587,7 +591,7 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     aligned_sizes = {a for a, v in sizes.items() if v % 16 == 0}
     cases = []
     for name, fn in _KERNELS.items():
-        configs = _candidates(name) if candidates else layer_attention_configs(name, H, J)
+        configs = _candidates(name) if candidates else layer_attention_configs(name, H, J, dropout)
         for tiles, warps, stages in configs:
             extra = dict(BLOCK_N=BWD_BLOCK_N) if name.startswith("bwd") else {}
             values = {**common, **drops, **extra, **tiles}
