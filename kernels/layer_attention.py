@@ -98,6 +98,31 @@ def _load_hidden(
     return tl.load(H_ptr + base + offs, mask=(rows[:, None] < N) & (ii[None, :] < H), other=0.0)
 
 
+@triton.jit
+def _keys_tile(
+    H_ptr, WK_ptr, BK_ptr,  # hidden states, key weights [L, H, K], key biases [L, K]
+    hl, l, rows, kk, N, H, K,
+    seed_k, rate_k, scale_k,
+    DROP_K: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """k~ = dropout(relu(h W_k^l + b_k^l)) [BLOCK_N, BLOCK_K] at rows ``rows``, key columns
+    ``kk``, from the hidden states' layer ``hl`` of ``H_ptr`` (l in [L, N, H]; the group's
+    index in a [G, N, H] buffer), accumulated on chip over H in BLOCK_I steps."""
+    z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
+    for i0 in range(0, H, BLOCK_I):
+        h = _load_hidden(H_ptr, hl, rows, i0, N, H, BLOCK_I)
+        ii = i0 + tl.arange(0, BLOCK_I)
+        w = tl.load(
+            WK_ptr + l * H * K + ii[:, None] * K + kk[None, :],
+            mask=(ii[:, None] < H) & (kk[None, :] < K), other=0.0,
+        )
+        z = tl.dot(h, w, z, input_precision=PREC, out_dtype=ACC)
+    z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(ACC)[None, :]
+    return _dropout(tl.maximum(z, 0.0), seed_k, l * N * K + rows[:, None] * K + kk[None, :],
+                    rate_k, scale_k, DROP_K)
+
+
 # ------------------------------------------------------------------ forward kernels
 
 
@@ -123,19 +148,8 @@ def _layer_attention_fwd_scores_kernel(
     a = tl.zeros((BLOCK_N, BLOCK_J), ACC)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
-        for i0 in range(0, H, BLOCK_I):
-            h = _load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I)
-            ii = i0 + tl.arange(0, BLOCK_I)
-            w = tl.load(
-                WK_ptr + l * H * K + ii[:, None] * K + kk[None, :],
-                mask=(ii[:, None] < H) & (kk[None, :] < K), other=0.0,
-            )
-            z = tl.dot(h, w, z, input_precision=PREC, out_dtype=ACC)
-        z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(ACC)[None, :]
-        k = tl.maximum(z, 0.0)
-        k = _dropout(k, seed_k, l * N * K + rows[:, None] * K + kk[None, :], rate_k, scale_k,
-                     DROP_K)
+        k = _keys_tile(H_ptr, WK_ptr, BK_ptr, l, l, rows, kk, N, H, K, seed_k, rate_k, scale_k,
+                       DROP_K, PREC, ACC, BLOCK_N, BLOCK_K, BLOCK_I)
         wa = tl.load(
             WA_ptr + l * K * J + kk[:, None] * J + jj[None, :],
             mask=(kk[:, None] < K) & (jj[None, :] < J), other=0.0,
@@ -355,18 +369,8 @@ def _layer_attention_bwd_keys_kernel(
     row_ok = rows[:, None] < N
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     jj = tl.arange(0, BLOCK_J)
-    z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
-    for i0 in range(0, H, BLOCK_I):
-        h = _load_hidden(H_ptr, g, rows, i0, N, H, BLOCK_I)
-        ii = i0 + tl.arange(0, BLOCK_I)
-        w = tl.load(
-            WK_ptr + l * H * K + ii[:, None] * K + kk[None, :],
-            mask=(ii[:, None] < H) & (kk[None, :] < K), other=0.0,
-        )
-        z = tl.dot(h, w, z, input_precision=PREC, out_dtype=ACC)
-    z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(ACC)[None, :]
-    k = _dropout(tl.maximum(z, 0.0), seed_k, l * N * K + rows[:, None] * K + kk[None, :],
-                 rate_k, scale_k, DROP_K)
+    k = _keys_tile(H_ptr, WK_ptr, BK_ptr, g, l, rows, kk, N, H, K, seed_k, rate_k, scale_k,
+                   DROP_K, PREC, ACC, BLOCK_N, BLOCK_K, BLOCK_I)
     # the score gradient enters both products in the input dtype, as in eager autograd;
     # rows past N have da = 0, so they add nothing to k~' da and get dz = 0
     da = tl.load(DA_ptr + l * N * J + rows[:, None] * J + jj[None, :],
