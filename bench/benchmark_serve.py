@@ -196,6 +196,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--train-epochs", type=int, default=None, help="epochs (cpu 1, cuda 2)")
     g.add_argument("--train-dev-sentences", type=int, default=256)
     g.add_argument("--train-encoder", default=None, help="--encoder of mhmla-train ged")
+    g.add_argument("--train-compile", nargs="+", default=["off"],
+                   choices=("off", "default", "reduce-overhead", "max-autotune"),
+                   help="--compile of mhmla-train ged: one run per mode (default: off)")
     args = p.parse_args(argv)
 
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
@@ -334,7 +337,7 @@ def target_values(rows: Sequence[dict]) -> dict[str, Any]:
     score = _fastest(rows, "essays_per_s", task="score")
     http = next((r for r in rows if r.get("task") == "http" and r.get("error") is None
                  and r.get("setting", {}).get("per_request") == 1), None)
-    train = next((r for r in rows if r.get("task") == "train" and r.get("error") is None), None)
+    train = _fastest(rows, "sentences_per_s", task="train")  # of the --train-compile modes
     agree = (eng16 or {}).get("vs_cpu_fp32") or {}
     return {
         "tag_engine_best_sentences_per_s": (eng or {}).get(sps),
@@ -1151,20 +1154,21 @@ def http_worker(spec_path: str) -> int:
 # -------------------------------------------------------------------------------- train
 
 
-def train_command(run: Run, train: Path, dev: Path, out: Path) -> list[str]:
+def train_command(run: Run, train: Path, dev: Path, out: Path, compile: str = "off") -> list[str]:
     """``mhmla-train ged`` on a prefix of FCE train, batch 32, the run's head kernels."""
     args = run.args
     cmd = [sys.executable, "-m", "mhmla_fast.commands.train", "ged", "--train", str(train),
            "--dev", str(dev), "--out", str(out), "--epochs", str(args.train_epochs),
            "--batch-size", "32", "--max-train-sentences", str(args.train_sentences),
-           "--backend", args.kernels, "--no-progress", *_threads_flag(args)]
+           "--backend", args.kernels, "--compile", compile, "--no-progress", *_threads_flag(args)]
     if args.train_encoder:
         cmd += ["--encoder", args.train_encoder]
     return cmd
 
 
 def run_train(run: Run) -> list[dict]:
-    """Training throughput from ``log.json`` of a short ``mhmla-train ged`` run."""
+    """Training throughput from ``log.json`` of short ``mhmla-train ged`` runs, one per
+    ``--train-compile`` mode."""
     from mhmla_fast.ged.data import read_ged
     from mhmla_fast.paths import shared_data_dir
 
@@ -1177,30 +1181,33 @@ def run_train(run: Run) -> list[dict]:
     dev_sents = dev_sents[:args.train_dev_sentences]
     dev = write_fce(run.tmp / "train_dev.tsv", [s.tokens for s in dev_sents],
                     [s.labels for s in dev_sents])
-    out = run.tmp / "train_run"
-    cmd = train_command(run, train, dev, out)
     env = _env()
     if run.on_cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # mhmla-train takes the GPU when it sees one
-    result = time_process(cmd, None, env=env)
-    row: dict[str, Any] = {
-        "task": "train", "device": run.device, "path": "mhmla-train ged",
-        "command": shlex.join(cmd), "error": None, "wall_s": round(result["wall_s"], 3),
-        "setting": {"train_sentences": args.train_sentences, "epochs": args.train_epochs,
-                    "batch_size": 32, "dev_sentences": len(dev_sents),
-                    "kernels": args.kernels,
-                    "encoder": args.train_encoder or "the embedded MiniLM"}}
-    if result["exit_status"] != 0:
-        row["error"] = f"exit {result['exit_status']}: {result['stderr_tail']}"
-        return [row]
-    log = json.loads((out / "log.json").read_text())
-    row["epochs"] = [{"epoch": e.get("epoch"), "seconds": e.get("seconds"),
-                      "sentences_per_s": e.get("sentences_per_s"),
-                      "train_loss": e.get("train_loss"), "dev_f05": (e.get("dev") or {}).get("f05")}
-                     for e in log]
-    row.update(train_epoch_summary(row["epochs"]))
-    _progress(row)
-    return [row]
+    rows = []
+    for mode in args.train_compile:
+        out = run.tmp / f"train_run_{mode}"
+        cmd = train_command(run, train, dev, out, mode)
+        result = time_process(cmd, None, env=env)
+        row: dict[str, Any] = {
+            "task": "train", "device": run.device, "path": "mhmla-train ged",
+            "command": shlex.join(cmd), "error": None, "wall_s": round(result["wall_s"], 3),
+            "setting": {"train_sentences": args.train_sentences, "epochs": args.train_epochs,
+                        "batch_size": 32, "dev_sentences": len(dev_sents),
+                        "kernels": args.kernels, "compile": mode,
+                        "encoder": args.train_encoder or "the embedded MiniLM"}}
+        rows.append(row)
+        if result["exit_status"] != 0:
+            row["error"] = f"exit {result['exit_status']}: {result['stderr_tail']}"
+            continue
+        log = json.loads((out / "log.json").read_text())
+        row["epochs"] = [{"epoch": e.get("epoch"), "seconds": e.get("seconds"),
+                          "sentences_per_s": e.get("sentences_per_s"),
+                          "train_loss": e.get("train_loss"),
+                          "dev_f05": (e.get("dev") or {}).get("f05")} for e in log]
+        row.update(train_epoch_summary(row["epochs"]))
+        _progress(row)
+    return rows
 
 
 def train_epoch_summary(epochs: Sequence[dict]) -> dict[str, Any]:

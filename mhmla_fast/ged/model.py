@@ -174,14 +174,20 @@ def encode_sentences(
 
 def collate(
     encoded: Sequence[tuple[list[int], list[int]]], pad_id: int,
-    labels: Sequence[Sequence[int]] | None = None,
+    labels: Sequence[Sequence[int]] | None = None, *, rows: int = 0, length: int = 0,
 ) -> dict[str, Tensor]:
     """Pad encoded sentences into ``input_ids``, ``attention_mask``, ``word_index`` [B, T]
     and, with word ``labels``, ``labels`` [B, T] (the word's label at its first piece,
-    -100 elsewhere)."""
-    B, T = len(encoded), max(len(ids) for ids, _ in encoded)
+    -100 elsewhere).
+
+    B is at least ``rows`` and T at least ``length`` (for static shapes): each filler row is
+    padding whose first piece alone is attended (so attention stays defined) and carries no
+    label."""
+    B = max(len(encoded), rows)
+    T = max(length, max(len(ids) for ids, _ in encoded))
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.long)
+    mask[len(encoded):, 0] = 1
     word_index = torch.full((B, T), -1, dtype=torch.long)
     for b, (ids, index) in enumerate(encoded):
         input_ids[b, : len(ids)] = torch.tensor(ids)
@@ -193,8 +199,9 @@ def collate(
         first = word_index >= 0
         rows = first.nonzero(as_tuple=True)[0]
         if len(rows):
-            counts = torch.tensor([len(labels[b]) for b in range(B)], dtype=torch.long)
-            words = torch.cat([torch.as_tensor(labels[b], dtype=torch.long) for b in range(B)])
+            counts = torch.tensor([len(labels[b]) for b in range(len(encoded))], dtype=torch.long)
+            words = torch.cat([torch.as_tensor(labels[b], dtype=torch.long)
+                               for b in range(len(encoded))])
             starts = torch.cumsum(counts, 0) - counts  # each sentence's first word in ``words``
             lab[first] = words[starts[rows] + word_index[first]]
         batch["labels"] = lab

@@ -48,6 +48,11 @@ def _help(text: str, **more) -> dict:
     return {"help": text, **more}
 
 
+# With --compile, a batch's piece count is padded up to a multiple of this (and its rows to the
+# batch size): at most max_length / 32 shapes to compile and capture (4 at 128 pieces).
+COMPILE_PAD_TO = 32
+
+
 @accepts_flat_keywords
 @dataclass
 class TrainConfig:
@@ -88,6 +93,13 @@ class TrainConfig:
     layer_lr_decay: float = field(default=1.0, metadata=_help(
         "encoder layer i of L trains at lr * decay^(L - i), embeddings at decay^(L + 1); the "
         "head at lr (default 1: one learning rate)"))
+    # torch.compile of the training step's forward (and, through AOTAutograd, its backward)
+    compile: str = field(default="off", metadata=_help(
+        "torch.compile the tagger for training steps: 'reduce-overhead' (CUDA) replays each "
+        "step's forward and backward as CUDA graphs, so the host stops launching every kernel "
+        f"one by one; batches are then padded to {COMPILE_PAD_TO}-piece multiples and to the "
+        "batch size, so that a few shapes repeat (one process only, not under torchrun)",
+        choices=("off", "default", "reduce-overhead", "max-autotune")))
     extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
@@ -99,9 +111,12 @@ class TrainConfig:
             raise ValueError("warmup_ratio: needs lr_schedule='linear' (the constant schedule has no warm-up)")
         if not 0.0 < self.layer_lr_decay <= 1.0:
             raise ValueError(f"layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
 
 LR_SCHEDULES = ("constant", "linear")
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 
 
 LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
@@ -252,7 +267,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             # e's batches depend only on (seed, e), so a shorter run is a prefix of a longer
             # one; a field a checkpoint predates has its default, and a checkpoint in the
             # flat layout of before is read into the groups
-            free = ("progress", "epochs") if cfg.lr_schedule == "constant" else ("progress",)
+            free = ("progress", "compile") + (("epochs",) if cfg.lr_schedule == "constant" else ())
             diff = config_diff(cfg, meta["config"], free)
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
@@ -265,6 +280,20 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
+    step_model, static = model, {}
+    if cfg.compile != "off":
+        if dist_ctx is not None:
+            raise ValueError("compile: not supported under torchrun (one process only)")
+        # one eager call first: a model's lazy set-up on its first call (transformers installs
+        # output hooks under a lock, which dynamo cannot trace) stays out of the graph; in eval
+        # mode, so that it draws no dropout masks from the run's random stream
+        model.eval()
+        with torch.no_grad():
+            model(torch.full((1, 2), tokenizer.pad_token_id, device=device),
+                  torch.ones((1, 2), dtype=torch.long, device=device))
+        # the same module and parameters; evaluation keeps the eager model (other shapes)
+        step_model = torch.compile(model, mode=None if cfg.compile == "default" else cfg.compile)
+        static = {"rows": cfg.batch_size}
     steps_this_call = 0
 
     def checkpoint():
@@ -306,10 +335,13 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             idx = batches[step_in_epoch]
             optimizer.zero_grad(set_to_none=True)
             if dist_ctx is None:
+                if static:
+                    longest = max(lengths[i] for i in idx)
+                    static["length"] = min(max_length, -(-longest // COMPILE_PAD_TO) * COMPILE_PAD_TO)
                 batch = _to_device(collate([encoded[i] for i in idx], tokenizer.pad_token_id,
-                                           [labels[i] for i in idx]), device)
+                                           [labels[i] for i in idx], **static), device)
                 with autocast:
-                    logits = model(batch["input_ids"], batch["attention_mask"])
+                    logits = step_model(batch["input_ids"], batch["attention_mask"])
                 loss = F.cross_entropy(logits.float().flatten(0, 1),
                                        batch["labels"].flatten(), ignore_index=IGNORE)
                 loss.backward()
