@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     sents = [" ".join(s.tokens) for s in read_ged(data)][: args.sentences]
     long_text = " ".join(sents)
     engine = Engine.load(backend="torch", device="cpu", dtype="float32")
-    tok = engine.tokenizer
-    pieces = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in sents)
+    pieces = sum(len(engine.pieces.encode(t, add_special_tokens=False).ids) for t in sents)
     engine.tag_texts(sents[:50])  # warm-up
     rows = []
     for r in range(args.rounds):

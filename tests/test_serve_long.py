@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mhmla_fast.commands.serve import main
-from mhmla_fast.serve.engine import plan_windows, word_tokenize_chunked
+from mhmla_fast.serve.engine import load_tokenizer, plan_windows, word_tokenize_chunked
 from mhmla_fast.serve.tokenize import word_tokenize
 
 WORDS = ("the a cat dog house school every day he she they we go goes went see sees because "
@@ -43,11 +43,12 @@ def megabyte(tmp_path_factory) -> tuple[str, Path]:
     return text, path
 
 
-def reference_probs(engine, words: list[str]) -> np.ndarray:
+def reference_probs(engine, tokenizer, words: list[str]) -> np.ndarray:
     """P(error) per word from tagging each window of ``words`` on its own (windows of
     ``engine.long_window`` pieces overlapping by a quarter): each word's from the window whose
-    edge its first piece is farthest from (the earliest window on a tie)."""
-    enc = engine.tokenizer(words, is_split_into_words=True, add_special_tokens=False)
+    edge its first piece is farthest from (the earliest window on a tie). ``tokenizer``: the
+    model's Hugging Face tokenizer, independent of the engine's own word-piecing."""
+    enc = tokenizer(words, is_split_into_words=True, add_special_tokens=False)
     ids, wids = np.asarray(enc["input_ids"]), enc.word_ids()
     first = np.array([w if w is not None and (q == 0 or wids[q - 1] != w) else -1
                       for q, w in enumerate(wids)])
@@ -70,14 +71,14 @@ def reference_probs(engine, words: list[str]) -> np.ndarray:
     return probs
 
 
-def test_a_megabyte_text_equals_tagging_its_windows(megabyte, tiny_engine):
+def test_a_megabyte_text_equals_tagging_its_windows(megabyte, tiny_engine, tiny_tagger_dir):
     text, _ = megabyte
     text = long_text(20_000, seed=5, words=UNICODE) + " " + text  # with CJK, emoji, marks
     (res,) = tiny_engine.tag_texts([text])
     assert len(res.tokens) > 150_000
     assert res.tokens == [t.text for t in word_tokenize(text)]  # chunked tokenising is exact
     assert all(text[a:b] == t for t, (a, b) in zip(res.tokens[::997], res.offsets[::997]))
-    want = reference_probs(tiny_engine, res.tokens)
+    want = reference_probs(tiny_engine, load_tokenizer(tiny_tagger_dir), res.tokens)
     np.testing.assert_allclose(res.probs, want, atol=2e-5, rtol=0)
     assert res.labels == ["i" if p >= tiny_engine.threshold else "c" for p in res.probs]
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..packing import pack_by_token_budget
+from .pieces import WordPieces
 from .tokenize import Token, word_tokenize
 
 __all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
@@ -140,12 +141,7 @@ def piece_tokenizer(tokenizer):
     """The word-piece ``tokenizers.Tokenizer`` behind a Hugging Face fast tokenizer, copied, with
     truncation and padding off (a saved ``tokenizer.json`` may carry either); the engine calls it
     directly, without transformers' per-call wrapping."""
-    from tokenizers import Tokenizer
-
-    pieces = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    pieces.no_truncation()
-    pieces.no_padding()
-    return pieces
+    return WordPieces.from_hf(tokenizer).pieces
 
 
 def encode_words(pieces, unk: str, sentences: Sequence[Sequence[str]]
@@ -236,7 +232,9 @@ class Engine:
     Args:
         runner: maps (input_ids, attention_mask) int64 arrays [B, T] to error
             probabilities [B, T] (see ``runners.py``).
-        tokenizer: the tagger's Hugging Face tokenizer.
+        tokenizer: the tagger's Hugging Face fast tokenizer, or its
+            :class:`~mhmla_fast.serve.pieces.WordPieces` (what ``Engine.load`` passes: read
+            without importing transformers).
         max_pieces: the encoder's limit including the two special tokens (512 for BERT).
         threshold: error-probability decision threshold (the model's dev-tuned one by
             default; 0.5 is the paper's argmax).
@@ -262,17 +260,20 @@ class Engine:
         if long_window < 4:
             raise ValueError(f"long_window: expected at least 4, got {long_window}")
         self.long_window = min(int(long_window), max_pieces - 2)
-        # the engine windows long inputs itself: transformers' "Token indices sequence length is
-        # longer than the specified maximum ... will result in indexing errors" is false here
-        tokenizer.model_max_length = int(1e30)
+        if isinstance(tokenizer, WordPieces):
+            vocab = tokenizer
+        else:
+            # the engine windows long inputs itself: transformers' "Token indices sequence
+            # length is longer than the specified maximum ..." warning is false here
+            tokenizer.model_max_length = int(1e30)
+            vocab = WordPieces.from_hf(tokenizer)
         self.runner, self.tokenizer = runner, tokenizer
         self.max_pieces, self.threshold = max_pieces, float(threshold)
         self.token_budget, self.max_batch = int(token_budget), int(max_batch)
         self.max_padding = max_padding
-        self.cls_id, self.sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
-        self.pad_id = tokenizer.pad_token_id or 0
-        self._unk = tokenizer.unk_token or "[UNK]"
-        self.pieces = piece_tokenizer(tokenizer)
+        self.cls_id, self.sep_id, self.pad_id = vocab.cls_id, vocab.sep_id, vocab.pad_id
+        self._unk = vocab.unk
+        self.pieces = vocab.pieces
         if host_workers < 0:
             raise ValueError(f"host_workers: expected >= 0, got {host_workers}")
         self.host_workers = int(host_workers)
@@ -303,7 +304,7 @@ class Engine:
         opts = resolve_options(backend, device, dtype, kernels)
         path = Path(model_dir) if model_dir else default_tagger_path()
         config = read_tagger_config(path)
-        tokenizer = load_tokenizer(path)
+        tokenizer = WordPieces.from_dir(path) or load_tokenizer(path)
         runner = runners.make_runner(path, backend=opts.backend, device=opts.device,
                                      dtype=opts.dtype, kernels=opts.kernels, threads=threads,
                                      cache=cache)
