@@ -53,8 +53,11 @@ from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords
 from ..encoder import freeze_encoder_parts, load_encoder, load_tokenizer
 from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
-from .data import SCORE_RANGES, denormalise_scores
-from .windows import average_windows, split_windows
+from .data import SCORE_RANGES
+from .scoring import (DECISIONS, FORMAT, OBJECTIVES, EssayPlan,  # noqa: F401
+                      combine_windows, default_model_path, essay_scores, num_labels,
+                      piece_windows)
+from .windows import split_windows
 
 __all__ = [
     "FORMAT", "ScorerConfig", "ScorerHead", "EssayScorer", "EssayPlan", "combine_windows",
@@ -62,10 +65,7 @@ __all__ = [
     "default_model_path",
 ]
 
-FORMAT = "mhmla-aes-scorer/1"
 POOLINGS = ("cls", "attention")
-OBJECTIVES = ("classification", "regression")
-DECISIONS = ("argmax", "expected")
 
 
 @accepts_flat_keywords
@@ -143,17 +143,6 @@ class ScorerConfig:
         return cls(**data)
 
 
-def default_model_path() -> Path:
-    """The scorer shipped inside the package (frozen MiniLM + MHMLA J = 12 [CLS] head, 8 prompts)."""
-    return Path(__file__).resolve().parents[1] / "models" / "aes-minilm-mhmla12"
-
-
-def num_labels(prompt: int) -> int:
-    """C_p = hi - lo + 1 score labels of ``prompt``."""
-    lo, hi = SCORE_RANGES[int(prompt)]
-    return hi - lo + 1
-
-
 class ScorerHead(nn.Module):
     """Layer attention + pooling + per-prompt output layers (everything above the encoder).
 
@@ -225,24 +214,6 @@ class ScorerHead(nn.Module):
         if self.config.objective == "classification":
             return torch.softmax(raw.float(), dim=-1)
         return raw.float()
-
-
-@dataclass
-class EssayPlan:
-    """One essay cut into windows (:meth:`EssayScorer.plan_essay`): its prompt, word pieces,
-    window spans ``[start, end)`` over the pieces (:func:`split_windows`), and the tokenizer's
-    special ids; window ``w`` is ``[CLS] pieces[start:end] [SEP]``."""
-
-    prompt: int
-    pieces: list[int]
-    windows: list[tuple[int, int]]
-    cls_id: int
-    sep_id: int
-    pad_id: int
-
-    def window_ids(self, w: int) -> list[int]:
-        start, end = self.windows[w]
-        return [self.cls_id, *self.pieces[start:end], self.sep_id]
 
 
 class EssayScorer(ModelDirMixin, nn.Module):
@@ -321,24 +292,14 @@ class EssayScorer(ModelDirMixin, nn.Module):
         if len(prompts) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
         self._check_prompts(prompts)
-        scores = np.zeros(len(texts), dtype=np.int64)
-        outputs: list[np.ndarray] = [np.zeros(0)] * len(texts)
         if not texts:
+            scores, outputs = np.zeros(0, dtype=np.int64), []
             return (scores, outputs) if return_outputs else scores
         windows, essay_index = encode_essay_windows(tokenizer, list(texts), self.config.window)
         preds = self._window_outputs(windows, [prompts[e] for e in essay_index],
                                      tokenizer.pad_token_id, token_budget)
-        for p in sorted(set(prompts)):
-            idx = [i for i, q in enumerate(prompts) if q == p]
-            local = {e: k for k, e in enumerate(idx)}
-            ws = [j for j, e in enumerate(essay_index) if prompts[e] == p]
-            window_out = torch.stack([preds[j] for j in ws]).double().numpy()
-            essay_scores, essay_out = combine_windows(
-                window_out, [local[essay_index[j]] for j in ws], p, self.config.objective,
-                self.config.decision, n_essays=len(idx), return_mean=True)
-            scores[idx] = essay_scores
-            for k, i in enumerate(idx):
-                outputs[i] = essay_out[k]
+        scores, outputs = essay_scores([p.numpy() for p in preds], essay_index, prompts,
+                                       self.config.objective, self.config.decision)
         return (scores, outputs) if return_outputs else scores
 
     def _check_prompts(self, prompts: Sequence[int]) -> None:
@@ -423,14 +384,7 @@ def encode_essay_windows(tokenizer, texts: Sequence[str], window: int = 510
         return [], []
     pieces = tokenizer(list(texts), add_special_tokens=False, truncation=False,
                        verbose=False)["input_ids"]
-    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
-    windows: list[list[int]] = []
-    index: list[int] = []
-    for e, ids in enumerate(pieces):
-        for s, t in split_windows(len(ids), window):
-            windows.append([cls_id, *ids[s:t], sep_id])
-            index.append(e)
-    return windows, index
+    return piece_windows(pieces, window, tokenizer.cls_token_id, tokenizer.sep_token_id)
 
 
 def collate_windows(windows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -454,39 +408,3 @@ def token_budget_batches(lengths: Sequence[int], token_budget: int,
     from ..packing import pack_by_token_budget
 
     return pack_by_token_budget(lengths, token_budget, max_batch or None, longest_first=True)
-
-
-def combine_windows(
-    window_outputs: np.ndarray, essay_index: Sequence[int] | np.ndarray, prompt: int,
-    objective: str = "classification", decision: str = "argmax", *,
-    n_essays: int | None = None, return_mean: bool = False,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """Window outputs -> integer essay scores in ``SCORE_RANGES[prompt]``.
-
-    ``mean_e = average_windows(window_outputs, essay_index)``; classification
-    (``window_outputs`` [W, C_p] probabilities): ``lo + argmax(mean_e)`` (ties to the
-    lower score), or with ``decision="expected"`` ``round_half_up(sum_k mean_e[k] (lo + k))``;
-    regression (``[W]`` values in [0, 1]): ``denormalise(mean_e)`` (clip, scale, round
-    half up). With ``return_mean`` also ``mean_e``.
-    """
-    lo, hi = SCORE_RANGES[int(prompt)]
-    mean = average_windows(np.asarray(window_outputs, dtype=np.float64), essay_index, n_essays)
-    if objective == "classification":
-        if mean.ndim != 2 or mean.shape[1] != hi - lo + 1:
-            raise ValueError(f"prompt {prompt}: expected [W, {hi - lo + 1}] probabilities, "
-                             f"got {list(np.shape(window_outputs))}")
-        if decision == "argmax":
-            scores = lo + mean.argmax(axis=1)
-        elif decision == "expected":
-            expected = mean @ np.arange(lo, hi + 1, dtype=np.float64) / mean.sum(axis=1)
-            scores = denormalise_scores((expected - lo) / (hi - lo), prompt)
-        else:
-            raise ValueError(f"decision: expected one of {DECISIONS}, got {decision!r}")
-    elif objective == "regression":
-        if mean.ndim != 1:
-            raise ValueError(f"regression window outputs must be [W], got {list(np.shape(window_outputs))}")
-        scores = denormalise_scores(mean, prompt)
-    else:
-        raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
-    scores = np.clip(np.asarray(scores, dtype=np.int64), lo, hi)
-    return (scores, mean) if return_mean else scores

@@ -10,14 +10,17 @@ when a score is wanted).
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar, Union
+import sys
+from typing import TYPE_CHECKING, Sequence, TypeVar, Union
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported only by its callers: numpy input needs no torch
+    import torch
 
 __all__ = ["average_windows", "split_windows", "window_plan"]
 
-ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
+ArrayT = TypeVar("ArrayT", np.ndarray, "torch.Tensor")
 
 
 def split_windows(n_pieces: int, window: int = 510) -> list[tuple[int, int]]:
@@ -62,7 +65,7 @@ def window_plan(lengths: Sequence[int], window: int = 510) -> tuple[list[tuple[i
 
 def average_windows(
     window_preds: ArrayT,
-    essay_index: Union[np.ndarray, torch.Tensor, Sequence[int]],
+    essay_index: Union[np.ndarray, "torch.Tensor", Sequence[int]],
     n_essays: int | None = None,
 ) -> ArrayT:
     """Per-essay mean of window predictions: ``out[e] = mean(window_preds[j] for j with essay_index[j] == e)``.
@@ -75,11 +78,18 @@ def average_windows(
     (``0 .. n_essays-1``) it came from, in any order. ``n_essays`` defaults to
     ``max(essay_index) + 1``; an essay with no window raises ValueError (its mean is undefined).
     """
-    if isinstance(window_preds, torch.Tensor):
+    if _is_tensor(window_preds):
         return _average_torch(window_preds, essay_index, n_essays)
     if isinstance(window_preds, np.ndarray):
         return _average_numpy(window_preds, essay_index, n_essays)
     raise TypeError(f"window_preds must be a numpy array or torch tensor, not {type(window_preds).__name__}")
+
+
+def _is_tensor(x: object) -> bool:
+    """Whether ``x`` is a torch tensor, asked without importing torch (a tensor exists only
+    once its caller imported torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _check_index(idx: np.ndarray, n_windows: int, n_essays: int | None) -> int:
@@ -100,7 +110,7 @@ def _check_index(idx: np.ndarray, n_windows: int, n_essays: int | None) -> int:
 def _average_numpy(preds: np.ndarray, essay_index: object, n_essays: int | None) -> np.ndarray:
     if preds.ndim not in (1, 2):
         raise ValueError(f"window_preds must have shape [n_windows] or [n_windows, C], got {list(preds.shape)}")
-    if isinstance(essay_index, torch.Tensor):
+    if _is_tensor(essay_index):
         essay_index = essay_index.detach().cpu().numpy()
     idx = np.asarray(essay_index)
     if idx.size == 0:
@@ -114,6 +124,8 @@ def _average_numpy(preds: np.ndarray, essay_index: object, n_essays: int | None)
 
 
 def _average_torch(preds: torch.Tensor, essay_index: object, n_essays: int | None) -> torch.Tensor:
+    import torch
+
     if preds.dim() not in (1, 2):
         raise ValueError(f"window_preds must have shape [n_windows] or [n_windows, C], got {list(preds.shape)}")
     if isinstance(essay_index, torch.Tensor):

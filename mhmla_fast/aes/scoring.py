@@ -1,0 +1,127 @@
+"""What the essay scorer does around its network, in numpy: the shipped scorer's directory, an
+essay's windows (:class:`EssayPlan`) and window outputs to integer scores
+(:func:`combine_windows`). Shared by the torch scorer (:mod:`.model`) and the ONNX Runtime one
+(:mod:`mhmla_fast.serve.score_onnx`); importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .data import SCORE_RANGES, denormalise_scores
+from .windows import average_windows, split_windows
+
+__all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
+           "piece_windows", "default_model_path", "num_labels"]
+
+FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
+OBJECTIVES = ("classification", "regression")
+DECISIONS = ("argmax", "expected")
+
+
+def default_model_path() -> Path:
+    """The scorer shipped inside the package (frozen MiniLM + MHMLA J = 12 [CLS] head, 8
+    prompts)."""
+    return Path(__file__).resolve().parents[1] / "models" / "aes-minilm-mhmla12"
+
+
+def num_labels(prompt: int) -> int:
+    """C_p = hi - lo + 1 score labels of ``prompt``."""
+    lo, hi = SCORE_RANGES[int(prompt)]
+    return hi - lo + 1
+
+
+@dataclass
+class EssayPlan:
+    """One essay cut into windows (``plan_essay`` of a scorer): its prompt, word pieces,
+    window spans ``[start, end)`` over the pieces (:func:`.windows.split_windows`), and the
+    tokenizer's special ids; window ``w`` is ``[CLS] pieces[start:end] [SEP]``."""
+
+    prompt: int
+    pieces: list[int]
+    windows: list[tuple[int, int]]
+    cls_id: int
+    sep_id: int
+    pad_id: int
+
+    def window_ids(self, w: int) -> list[int]:
+        start, end = self.windows[w]
+        return [self.cls_id, *self.pieces[start:end], self.sep_id]
+
+
+def piece_windows(pieces: Sequence[Sequence[int]], window: int, cls_id: int, sep_id: int
+                  ) -> tuple[list[list[int]], list[int]]:
+    """Essays' word pieces (no special tokens) -> windows ``[CLS] pieces[s:e] [SEP]`` cut by
+    :func:`.windows.split_windows` (an empty essay gives one window ``[CLS] [SEP]``) and the
+    essay of each window: ``(windows, essay_index)``."""
+    windows: list[list[int]] = []
+    index: list[int] = []
+    for e, ids in enumerate(pieces):
+        ids = list(ids)
+        for s, t in split_windows(len(ids), window):
+            windows.append([cls_id, *ids[s:t], sep_id])
+            index.append(e)
+    return windows, index
+
+
+def essay_scores(window_outputs: Sequence[np.ndarray], essay_index: Sequence[int],
+                 prompts: Sequence[int], objective: str = "classification",
+                 decision: str = "argmax") -> tuple[np.ndarray, list[np.ndarray]]:
+    """Integer scores [n_essays] and averaged window outputs of essays of ``prompts`` [n_essays]
+    from the outputs of their windows (``window_outputs[j]``: window j's output for its essay's
+    prompt, probabilities [C_p] or a value; ``essay_index[j]``: its essay), by
+    :func:`combine_windows` per prompt (in float64)."""
+    scores = np.zeros(len(prompts), dtype=np.int64)
+    outputs: list[np.ndarray] = [np.zeros(0)] * len(prompts)
+    for p in sorted(set(prompts)):
+        idx = [i for i, q in enumerate(prompts) if q == p]
+        local = {e: k for k, e in enumerate(idx)}
+        ws = [j for j, e in enumerate(essay_index) if prompts[e] == p]
+        window_out = np.stack([np.asarray(window_outputs[j]) for j in ws]).astype(np.float64)
+        got, mean = combine_windows(window_out, [local[essay_index[j]] for j in ws], p,
+                                    objective, decision, n_essays=len(idx), return_mean=True)
+        scores[idx] = got
+        for k, i in enumerate(idx):
+            outputs[i] = mean[k]
+    return scores, outputs
+
+
+def combine_windows(
+    window_outputs: np.ndarray, essay_index: Sequence[int] | np.ndarray, prompt: int,
+    objective: str = "classification", decision: str = "argmax", *,
+    n_essays: int | None = None, return_mean: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Window outputs -> integer essay scores in ``SCORE_RANGES[prompt]``.
+
+    ``mean_e = average_windows(window_outputs, essay_index)``; classification
+    (``window_outputs`` [W, C_p] probabilities): ``lo + argmax(mean_e)`` (ties to the
+    lower score), or with ``decision="expected"`` ``round_half_up(sum_k mean_e[k] (lo + k))``;
+    regression (``[W]`` values in [0, 1]): ``denormalise(mean_e)`` (clip, scale, round
+    half up). With ``return_mean`` also ``mean_e``.
+    """
+    lo, hi = SCORE_RANGES[int(prompt)]
+    mean = average_windows(np.asarray(window_outputs, dtype=np.float64), essay_index, n_essays)
+    if objective == "classification":
+        if mean.ndim != 2 or mean.shape[1] != hi - lo + 1:
+            raise ValueError(f"prompt {prompt}: expected [W, {hi - lo + 1}] probabilities, "
+                             f"got {list(np.shape(window_outputs))}")
+        if decision == "argmax":
+            scores = lo + mean.argmax(axis=1)
+        elif decision == "expected":
+            expected = mean @ np.arange(lo, hi + 1, dtype=np.float64) / mean.sum(axis=1)
+            scores = denormalise_scores((expected - lo) / (hi - lo), prompt)
+        else:
+            raise ValueError(f"decision: expected one of {DECISIONS}, got {decision!r}")
+    elif objective == "regression":
+        if mean.ndim != 1:
+            raise ValueError(f"regression window outputs must be [W], got "
+                             f"{list(np.shape(window_outputs))}")
+        scores = denormalise_scores(mean, prompt)
+    else:
+        raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
+    scores = np.clip(np.asarray(scores, dtype=np.int64), lo, hi)
+    return (scores, mean) if return_mean else scores
