@@ -1,8 +1,14 @@
-"""The ONNX export cache behind ``backend="auto"`` on the CPU: export a tagger once, validated to
-tag exactly as torch fp32, and reuse it on later runs without importing torch.
+"""The ONNX export cache behind ``backend="auto"`` on the CPU: export a model once, validated to
+give exactly torch fp32's results, and reuse it on later runs without importing torch.
 
-    <root>/onnx/<key>/                  a complete export (``onnx_export.export_onnx``'s files) and
-                                        cache.json; never changed once it exists
+One cache for every kind of model (:class:`ExportKind`): :data:`TAGGER` (a GED tagger,
+``onnx_export.export_onnx``: labels identical to torch's) and :data:`SCORER` (an essay scorer,
+``score_onnx.export_scorer``: integer scores identical to torch's). The kind is read from the
+model's ``config.json`` ("format"); it is part of every key, so the two never share an entry.
+
+    <root>/onnx/<key>/                  a complete export (the kind's files: ``model.onnx``,
+                                        export.json, ...) and cache.json; never changed once it
+                                        exists
     <root>/onnx/<key>.failed.json       why the export of <key> failed (it is not retried)
     <root>/onnx/index/<quick>.json      {"entry": <key>, ...}: the quick key's entry
     <root>/onnx/<key>.lock              held (``flock``) while <key> is exported
@@ -11,14 +17,16 @@ tag exactly as torch fp32, and reuse it on later runs without importing torch.
 
 ``<root>`` is ``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast``, else
 ``~/.cache/mhmla-fast``. ``MHMLA_NO_CACHE=1`` (or ``cache=False``) turns the cache off; auto then
-runs torch.
+runs torch. :func:`auto_load` is the rule itself (cached export, else torch with one line);
+:func:`auto_runner` applies it to a tagger, ``score_onnx.auto_scorer`` to a scorer.
 
-Keys. ``<key>`` hashes the content of the model's files (the tagger directory's files and, when
-the tagger reads tensors or its tokenizer from its encoder's directory, that directory's files:
-for the shipped model 25 MB + 91 MB, 0.25 s to hash here), the versions of mhmla-fast, torch,
-transformers, onnx and onnxruntime, and the export options (:data:`EXPORT_OPTIONS`).
+Keys. ``<key>`` hashes the export kind, the content of the model's files (the model directory's
+files and, when the model reads tensors or its tokenizer from its encoder's directory, that
+directory's files: for the shipped tagger 25 MB + 91 MB, 0.25 s to hash here), the versions of
+mhmla-fast, torch, transformers, onnx and onnxruntime, and the kind's export options
+(:data:`EXPORT_OPTIONS`, :data:`SCORER_EXPORT_OPTIONS`).
 Hashing on every start would cost that quarter second, so the start-up path first computes the
-*quick key*: the same versions and options with each file's path, size, mtime, ctime and inode
+*quick key*: the same kind, versions and options with each file's path, size, mtime, ctime and inode
 (a few ``stat`` calls). ``index/<quick>.json`` names the entry the content hash led to last
 time; a changed file changes its stat, so the content is hashed again (and, when equal, the
 same entry is found and a new index record written).
@@ -47,10 +55,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CACHE_ENV", "NO_CACHE_ENV", "EXPORT_OPTIONS", "CacheEntry", "ExportUnavailable", "Lookup",
+from ..aes.scoring import FORMAT as SCORER_FORMAT
+from .engine import TAGGER_FORMAT
+
+__all__ = ["CACHE_ENV", "NO_CACHE_ENV", "EXPORT_OPTIONS", "SCORER_EXPORT_OPTIONS", "ExportKind",
+           "TAGGER", "SCORER", "KINDS", "kind_of", "CacheEntry", "ExportUnavailable", "Lookup",
            "cache_root", "cache_enabled", "source_files", "runtime_versions", "quick_key",
-           "content_key", "entry_key", "lookup", "ensure_export", "auto_runner"]
+           "content_key", "entry_key", "lookup", "ensure_export", "auto_load", "auto_runner"]
 
 CACHE_ENV = "MHMLA_CACHE_DIR"
 NO_CACHE_ENV = "MHMLA_NO_CACHE"
@@ -59,6 +72,10 @@ CACHE_META = "cache.json"
 # What the cached export is made with (onnx_export.export_onnx's defaults): part of the key.
 EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
                   "graphs": ["fp32"], "labels": "identical to torch at the threshold and 0.5"}
+# What a scorer's cached export is made with (score_onnx.export_scorer's defaults): its key.
+SCORER_EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
+                         "graph": "encoder + head: every prompt's window outputs",
+                         "scores": "identical to torch on the validation essays"}
 _VERSIONED = ("mhmla-fast", "torch", "transformers", "onnx", "onnxruntime")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
 
@@ -68,6 +85,19 @@ Log = Callable[..., None]
 class ExportUnavailable(RuntimeError):
     """No validated export can be had (failed now or before, or the cache cannot be written):
     the message says why, for the one stderr line."""
+
+
+@dataclass(frozen=True, eq=False)
+class ExportKind:
+    """What the cache exports for one kind of model: ``name`` (in the key), the ``format`` of the
+    models' ``config.json``, the export ``options`` (in the key) and ``export(model_dir,
+    out_dir)``, which writes a validated export (``model.onnx`` and its side files) into
+    ``out_dir`` and returns its metadata (``export.json``), raising when the validation fails."""
+
+    name: str
+    format: str
+    options: dict
+    export: Callable[[Path, Path], dict]
 
 
 @dataclass(frozen=True)
@@ -105,18 +135,36 @@ def cache_enabled(cache: bool | None = None) -> bool:
 # ---------------------------------------------------------------------------------- the keys
 
 
-def source_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The files a tagger directory is loaded from, in a fixed order: its regular files, then
-    those of its encoder's local directory when it reads tensors (``base_tensors``) or its
-    tokenizer from there."""
-    from .engine import read_tagger_config
+def _read_config(model_dir: Path) -> dict:
+    """``config.json`` of a model directory as a dict ({} when it has none or it is not JSON:
+    then :func:`kind_of` names the problem)."""
+    return _read_json(model_dir / "config.json") or {}
 
+
+def kind_of(model_dir: str | os.PathLike) -> ExportKind:
+    """The export kind of the model in ``model_dir``, by its ``config.json``'s "format";
+    ValueError naming the file when it is none of :data:`KINDS`."""
+    config = _read_config(Path(model_dir))
+    for kind in KINDS:
+        if config.get("format") == kind.format:
+            return kind
+    raise ValueError(f"{Path(model_dir) / 'config.json'}: not a model the export cache knows "
+                     f"(format {config.get('format')!r}; expected one of "
+                     f"{[k.format for k in KINDS]})")
+
+
+def source_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The files a model directory (tagger or scorer) is loaded from, in a fixed order: its
+    regular files, then those of its encoder's local directory when it reads tensors
+    (``base_tensors``) or its tokenizer from there."""
     model_dir = Path(model_dir).resolve()
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
-    config = read_tagger_config(model_dir)
+    config = _read_config(model_dir)
     own_tokenizer = any((model_dir / n).is_file() for n in _TOKENIZER_FILES)
     if config.get("base_tensors") or not own_tokenizer:
-        encoder = _encoder_dir(config.get("encoder"))
+        spec = config.get("encoder_spec")  # the nested layout; "encoder" the flat one
+        name = spec.get("name_or_path") if isinstance(spec, dict) else config.get("encoder")
+        encoder = _encoder_dir(name)
         if encoder is not None and encoder != model_dir:
             files += sorted(p for p in encoder.iterdir() if p.is_file())
     return files
@@ -155,14 +203,16 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def quick_key(files: list[Path], versions: dict) -> str:
-    """The start-up key: versions, options and each file's path, size, mtime, ctime and inode."""
+def quick_key(files: list[Path], versions: dict, kind: ExportKind | None = None) -> str:
+    """The start-up key: kind, versions, options and each file's path, size, mtime, ctime and
+    inode (``kind`` default: :data:`TAGGER`)."""
+    kind = kind or TAGGER
     stats = []
     for p in files:
         st = p.stat()
         stats.append([str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    return _digest({"format": CACHE_FORMAT, "files": stats, "versions": versions,
-                    "options": EXPORT_OPTIONS})[:32]
+    return _digest({"format": CACHE_FORMAT, "kind": kind.name, "files": stats,
+                    "versions": versions, "options": kind.options})[:32]
 
 
 def content_key(files: list[Path]) -> str:
@@ -177,10 +227,12 @@ def content_key(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def entry_key(content: str, versions: dict) -> str:
-    """The entry's name: content hash, versions, export options and the cache format."""
-    return _digest({"format": CACHE_FORMAT, "content": content, "versions": versions,
-                    "options": EXPORT_OPTIONS})[:32]
+def entry_key(content: str, versions: dict, kind: ExportKind | None = None) -> str:
+    """The entry's name: export kind (default :data:`TAGGER`), content hash, versions, the
+    kind's export options and the cache format."""
+    kind = kind or TAGGER
+    return _digest({"format": CACHE_FORMAT, "kind": kind.name, "content": content,
+                    "versions": versions, "options": kind.options})[:32]
 
 
 # ------------------------------------------------------------------------------ the lookup
@@ -199,6 +251,7 @@ class Lookup:
     files: list[Path]
     versions: dict
     content: str | None = None
+    kind: ExportKind | None = None
 
 
 def _onnx_dir(root: Path) -> Path:
@@ -222,27 +275,34 @@ def _state(base: Path, key: str) -> tuple[CacheEntry | None, dict | None]:
 
 
 def lookup(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
-           hash_content: bool = True) -> Lookup:
-    """The cache's state for ``model_dir``: by the quick key's index record when there is one
-    (no hashing), else (``hash_content``) by the content hash."""
+           hash_content: bool = True, kind: ExportKind | None = None) -> Lookup:
+    """The cache's state for ``model_dir`` (of ``kind``; default: :func:`kind_of` it, and
+    ValueError when it is another kind): by the quick key's index record when there is one (no
+    hashing), else (``hash_content``) by the content hash."""
+    found = kind_of(model_dir)
+    if kind is not None and kind is not found:
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: a {found.name} ({found.format}), "
+                         f"not a {kind.name} ({kind.format})")
+    kind = found
     base = _onnx_dir(Path(root) if root is not None else cache_root())
     files = source_files(model_dir)
     versions = runtime_versions()
-    quick = quick_key(files, versions)
+    quick = quick_key(files, versions, kind)
     record = _read_json(base / "index" / f"{quick}.json")
     key = record.get("entry") if record else None
     if isinstance(key, str) and key:
         entry, failed = _state(base, key)
         if entry is not None or failed is not None:
-            return Lookup(entry, failed, key, quick, files, versions, record.get("content_sha256"))
+            return Lookup(entry, failed, key, quick, files, versions,
+                          record.get("content_sha256"), kind)
     if not hash_content:
-        return Lookup(None, None, None, quick, files, versions)
+        return Lookup(None, None, None, quick, files, versions, kind=kind)
     content = content_key(files)
-    key = entry_key(content, versions)
+    key = entry_key(content, versions, kind)
     entry, failed = _state(base, key)
     if entry is not None or failed is not None:
-        _write_index(base, quick, key, content, model_dir)
-    return Lookup(entry, failed, key, quick, files, versions, content)
+        _write_index(base, quick, key, content, model_dir, kind)
+    return Lookup(entry, failed, key, quick, files, versions, content, kind)
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -260,11 +320,12 @@ def _write_json_atomic(path: Path, data: dict) -> None:
         raise
 
 
-def _write_index(base: Path, quick: str, key: str, content: str, model_dir) -> None:
+def _write_index(base: Path, quick: str, key: str, content: str, model_dir,
+                 kind: ExportKind) -> None:
     """Best effort: a cache that cannot be written still works, by content hash."""
     try:
         _write_json_atomic(base / "index" / f"{quick}.json",
-                           {"entry": key, "content_sha256": content,
+                           {"entry": key, "kind": kind.name, "content_sha256": content,
                             "model_dir": str(Path(model_dir).resolve())})
     except OSError:
         pass
@@ -305,19 +366,40 @@ def _default_export(model_dir: Path, out_dir: Path) -> dict:
     return json.loads((out_dir / EXPORT_META).read_text(encoding="utf-8"))
 
 
+def _scorer_export(model_dir: Path, out_dir: Path) -> dict:
+    """``score_onnx.export_scorer`` with :data:`SCORER_EXPORT_OPTIONS`; returns its export.json."""
+    from .onnx_export import EXPORT_META
+    from .score_onnx import export_scorer
+
+    export_scorer(model_dir, out_dir, opset=SCORER_EXPORT_OPTIONS["opset"],
+                  exporter=SCORER_EXPORT_OPTIONS["exporter"], atol=SCORER_EXPORT_OPTIONS["atol"],
+                  seed=SCORER_EXPORT_OPTIONS["seed"])
+    return json.loads((out_dir / EXPORT_META).read_text(encoding="utf-8"))
+
+
+# The kinds (looked up at call time, so that a test may replace the module's functions).
+TAGGER = ExportKind("tagger", TAGGER_FORMAT, EXPORT_OPTIONS,
+                    lambda model_dir, out_dir: _default_export(model_dir, out_dir))
+SCORER = ExportKind("scorer", SCORER_FORMAT, SCORER_EXPORT_OPTIONS,
+                    lambda model_dir, out_dir: _scorer_export(model_dir, out_dir))
+KINDS = (TAGGER, SCORER)
+
+
 def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
-                  log: Log = _stderr, exporter: Callable[[Path, Path], dict] | None = None
-                  ) -> CacheEntry:
-    """The cached, validated export of the tagger in ``model_dir``: found (quick key, else
-    content hash), or made now (one line on stderr through ``log``: what, where, how long).
+                  log: Log = _stderr, exporter: Callable[[Path, Path], dict] | None = None,
+                  kind: ExportKind | None = None) -> CacheEntry:
+    """The cached, validated export of the model in ``model_dir`` (a tagger or a scorer:
+    ``kind``, default :func:`kind_of` it): found (quick key, else content hash), or made now
+    (one line on stderr through ``log``: what, where, how long).
 
     ``exporter(model_dir, out_dir)`` writes the export into ``out_dir`` and returns its
-    metadata (default: ``export_onnx`` with :data:`EXPORT_OPTIONS`). Raises
+    metadata (default: the kind's, e.g. ``export_onnx`` with :data:`EXPORT_OPTIONS`). Raises
     :class:`ExportUnavailable` with the reason when the export failed, now or in an earlier
     run (recorded; a failure to write is not recorded), or the cache directory cannot be
     written."""
     root = Path(root) if root is not None else cache_root()
-    found = lookup(model_dir, root)
+    found = lookup(model_dir, root, kind=kind)
+    kind = found.kind
     if found.entry is not None:
         return found.entry
     base = _onnx_dir(root)
@@ -340,13 +422,14 @@ def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None =
             for old in base.glob(f".tmp-{key}-*"):  # dead: their exporter held this lock
                 shutil.rmtree(old, ignore_errors=True)
             entry = _export_entry(Path(model_dir), base, key, content, found.versions,
-                                  exporter or _default_export, log)
-    _write_index(base, found.quick, key, content, model_dir)
+                                  kind, exporter or kind.export, log)
+    _write_index(base, found.quick, key, content, model_dir, kind)
     return entry
 
 
 def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions: dict,
-                  exporter: Callable[[Path, Path], dict], log: Log) -> CacheEntry:
+                  kind: ExportKind, exporter: Callable[[Path, Path], dict], log: Log
+                  ) -> CacheEntry:
     """Export into a staging directory, complete it, rename it to ``base/key``; on failure
     record it and raise :class:`ExportUnavailable`."""
     final = base / key
@@ -365,10 +448,10 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
             seconds = time.perf_counter() - t0
             reason = f"{type(err).__name__}: {err}"
             log(f" failed after {seconds:.1f} s")
-            record = {"format": CACHE_FORMAT, "key": key, "error": reason,
+            record = {"format": CACHE_FORMAT, "kind": kind.name, "key": key, "error": reason,
                       "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "model_dir": str(model_dir.resolve()), "content_sha256": content,
-                      "versions": versions, "options": EXPORT_OPTIONS}
+                      "versions": versions, "options": kind.options}
             failed = base / f"{key}.failed.json"
             try:
                 _write_json_atomic(failed, record)
@@ -377,9 +460,9 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
             raise ExportUnavailable(_failed_reason(record, failed)) from err
         seconds = time.perf_counter() - t0
         _write_json_atomic(stage / CACHE_META, {
-            "format": CACHE_FORMAT, "key": key, "content_sha256": content,
+            "format": CACHE_FORMAT, "kind": kind.name, "key": key, "content_sha256": content,
             "model_dir": str(model_dir.resolve()), "versions": versions,
-            "options": EXPORT_OPTIONS, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "options": kind.options, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": round(seconds, 2),
             "validation": (meta or {}).get("validation")})
         try:
@@ -401,26 +484,22 @@ def _failed_reason(record: dict, path: Path) -> str:
 # --------------------------------------------------------------------------- the runner
 
 
-def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
-                kernels: str = "auto", cache: bool | None = None,
-                root: str | os.PathLike | None = None, log: Log = _stderr):
-    """The runner of ``backend="auto"`` on the CPU in float32 (the options already resolved to
-    "auto" by :func:`.options.resolve_options`): ONNX Runtime on ``model_dir`` itself when it is
-    an export (``model.onnx``, no ``model.safetensors``); else, with the cache on, ONNX Runtime
-    on the cached export (made now if needed); else, or when no export can be had (one line on
-    stderr says why), eager torch in float32 with ``kernels``."""
-    from .onnx_export import ONNX_FILE
-    from .runners import TorchRunner
-
+def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
+              onnx: Callable[[Path], Any], torch: Callable[[], Any], cache: bool | None = None,
+              root: str | os.PathLike | None = None, log: Log = _stderr):
+    """The rule of ``backend="auto"`` on the CPU in float32, for any kind of model:
+    ``onnx(export_dir)`` on ``model_dir`` itself when it is an export (``model.onnx``, no
+    ``model.safetensors``); else, with the cache on, ``onnx`` on the cached export of ``kind``
+    (made now if needed); else, or when no export can be had (one line on stderr says why),
+    ``torch()``."""
     model_dir = Path(model_dir)
-    if (model_dir / ONNX_FILE).is_file() and not (model_dir / "model.safetensors").is_file():
-        return _onnx_runner(model_dir, threads)
+    if (model_dir / "model.onnx").is_file() and not (model_dir / "model.safetensors").is_file():
+        return onnx(model_dir)
     if not cache_enabled(cache):
-        return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels,
-                           threads=threads)
+        return torch()
     try:
-        entry = ensure_export(model_dir, root, log=log)
-        return _onnx_runner(entry.path, threads)
+        entry = ensure_export(model_dir, root, log=log, kind=kind)
+        return onnx(entry.path)
     except ExportUnavailable as err:
         log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: {err}")
     except OSError as err:  # the cache's disk (staging, index): not recorded
@@ -428,7 +507,24 @@ def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
             f"failed ({type(err).__name__}: {err})")
     except ImportError as err:  # onnxruntime found but not importable
         log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
-    return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels, threads=threads)
+    return torch()
+
+
+def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
+                kernels: str = "auto", cache: bool | None = None,
+                root: str | os.PathLike | None = None, log: Log = _stderr):
+    """The tagging runner of ``backend="auto"`` on the CPU in float32 (the options already
+    resolved to "auto" by :func:`.options.resolve_options`), by :func:`auto_load`: ONNX Runtime
+    on ``model_dir`` itself when it is an export, else on the cached export; else eager torch
+    in float32 with ``kernels``."""
+    from .runners import TorchRunner
+
+    def torch():
+        return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels,
+                           threads=threads)
+
+    return auto_load(model_dir, TAGGER, onnx=lambda path: _onnx_runner(path, threads),
+                     torch=torch, cache=cache, root=root, log=log)
 
 
 def _onnx_runner(export_dir: Path, threads: int | None):

@@ -173,9 +173,11 @@ def _quiet_export() -> Iterator[None]:
 
 
 def torch_to_onnx(module, example: tuple, path: Path, *, opset: int = DEFAULT_OPSET,
-                  exporter: str = "torchscript", custom_opsets: dict | None = None) -> Path:
+                  exporter: str = "torchscript", custom_opsets: dict | None = None,
+                  output_name: str = OUTPUT_NAME, output_axes: dict | None = None) -> Path:
     """Export ``module(input_ids, attention_mask)`` to one self-contained ONNX file with
-    dynamic ``batch`` and ``sequence`` axes on both inputs and the output.
+    dynamic ``batch`` and ``sequence`` axes on both inputs; its output ``output_name`` has the
+    dynamic axes ``output_axes`` (default: ``batch`` and ``sequence``, the tagger's [B, T]).
 
     ``exporter``: "torchscript" (the tracing exporter: needs only ``onnx``, emits the
     requested opset natively) or "dynamo" (``torch.export``-based; needs ``onnxscript``).
@@ -184,11 +186,12 @@ def torch_to_onnx(module, example: tuple, path: Path, *, opset: int = DEFAULT_OP
 
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter: expected one of {EXPORTERS}, got {exporter!r}")
-    common = dict(input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
+    common = dict(input_names=list(INPUT_NAMES), output_names=[output_name],
                   opset_version=int(opset))
     with _quiet_export(), torch.no_grad():
         if exporter == "torchscript":
-            dyn = {n: {0: "batch", 1: "sequence"} for n in (*INPUT_NAMES, OUTPUT_NAME)}
+            dyn = {n: {0: "batch", 1: "sequence"} for n in INPUT_NAMES}
+            dyn[output_name] = {0: "batch", 1: "sequence"} if output_axes is None else output_axes
             torch.onnx.export(module, example, str(path), dynamo=False, dynamic_axes=dyn,
                               do_constant_folding=True, custom_opsets=custom_opsets, **common)
         else:
@@ -450,7 +453,8 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
 
 class OnnxRunner:
-    """ONNX Runtime: ``(input_ids, attention_mask)`` int64 [B, T] -> P(error) float32 [B, T].
+    """ONNX Runtime: ``(input_ids, attention_mask)`` int64 [B, T] -> P(error) float32 [B, T]
+    (or, for another graph, its output ``output_name`` as float32: the scorer's [B, K]).
 
     Args:
         onnx_path: an exported ``model.onnx`` / ``model.int8.onnx``.
@@ -460,14 +464,17 @@ class OnnxRunner:
             cannot run there.
         providers: ONNX Runtime execution providers, instead of ``device`` (for tests and
             special set-ups).
+        output_name: the graph's output that a call returns (default the tagger's).
     """
 
     backend = "onnx"
 
     def __init__(self, onnx_path: str | os.PathLike, *, threads: int | None = None,
-                 device: str | None = None, providers: Sequence | None = None):
+                 device: str | None = None, providers: Sequence | None = None,
+                 output_name: str = OUTPUT_NAME):
         import onnxruntime as ort
 
+        self.output_name = output_name
         self.path = Path(onnx_path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such ONNX file")
@@ -519,7 +526,7 @@ class OnnxRunner:
         if ids.ndim != 2 or ids.shape != mask.shape:
             raise ValueError(f"input_ids {list(ids.shape)} and attention_mask "
                              f"{list(mask.shape)}: expected two arrays of the same shape [B, T]")
-        out = self.session.run([OUTPUT_NAME], {INPUT_NAMES[0]: ids, INPUT_NAMES[1]: mask})[0]
+        out = self.session.run([self.output_name], {INPUT_NAMES[0]: ids, INPUT_NAMES[1]: mask})[0]
         return np.asarray(out, dtype=np.float32)
 
     def __repr__(self) -> str:
