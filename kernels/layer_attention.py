@@ -533,8 +533,8 @@ def layer_attention_configs(name: str, H: int = 768, J: int = 12,
 def _shape_constexprs(H: int, J: int) -> dict:
     """Per-shape tile widths: heads padded to a power of two >= 16 (for tl.dot), one head's
     D = H / J columns padded to a power of two >= 16 (the reduction block of bwd_values)."""
-    return dict(BLOCK_J=max(16, triton.next_power_of_2(J)),
-                BLOCK_D=max(16, triton.next_power_of_2(H // J)))
+    return dict(BLOCK_J=max(16, _pow2(J)),
+                BLOCK_D=max(16, _pow2(H // J)))
 
 
 @functools.cache
@@ -569,7 +569,7 @@ def _launch(name: str, grid, *args, **kwargs) -> None:
 
 def _n_bucket(n: int) -> int:
     """The autotuning key for a token count: its power of two, clamped to [1024, 65536]."""
-    return min(max(triton.next_power_of_2(n), 1024), 65536)
+    return min(max(_pow2(n), 1024), 65536)
 
 
 def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 12, H: int = 768,
@@ -618,6 +618,17 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
 
 
 # ------------------------------------------------------------------------ launchers
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python (``triton.cdiv`` and ``triton.next_power_of_2`` are
+    constexpr functions, about 2 us per call from the host)."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -671,14 +682,14 @@ def layer_attention_fwd(
                                  r["scale_h"])
     scores = torch.empty((L, N, J), device=hidden.device, dtype=acc)
     _launch(
-        "fwd_scores", lambda m: (triton.cdiv(N, m["BLOCK_N"]), L),
+        "fwd_scores", lambda m: (_cdiv(N, m["BLOCK_N"]), L),
         hidden, w_k, b_k, w_a, b_a, scores, N, H, K, J, r["seed_k"], r["rate_k"], r["scale_k"],
         DROP_K=drop_k, N_BUCKET=_n_bucket(N), BLOCK_J=shape["BLOCK_J"], **common,
     )
     p = torch.softmax(scores, dim=0)
     c = torch.empty((N, H), device=hidden.device, dtype=hidden.dtype)
     _launch(
-        "fwd_values", lambda m: (triton.cdiv(H, m["BLOCK_O"]), triton.cdiv(N, m["BLOCK_N"])),
+        "fwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), _cdiv(N, m["BLOCK_N"])),
         hidden, w_v, b_v, p, c, L, N, H, J, H // J, r["seed_p"], r["rate_p"], r["scale_p"],
         DROP_P=drop_p, N_BUCKET=_n_bucket(N), BLOCK_J=shape["BLOCK_J"], **common,
     )
@@ -697,7 +708,7 @@ def _dropout_layers(x: Tensor, out: Tensor, l0: int, seed: int, rate: float,
     """out = x keep / (1 - rate) for layers l0 .. l0 + G ([G, N, W], contiguous) of an
     [L, N, W] tensor, the keep mask drawn at the whole tensor's flat offsets."""
     G, N, W = x.shape
-    _layer_attention_dropout_layers_kernel[(triton.cdiv(N * W, _DROPOUT_BLOCK), G)](
+    _layer_attention_dropout_layers_kernel[(_cdiv(N * W, _DROPOUT_BLOCK), G)](
         x, out, N * W, l0, seed, rate, scale, ACC=_ACC.get(x.dtype, tl.float32),
         BLOCK=_DROPOUT_BLOCK,
     )
@@ -736,7 +747,7 @@ def layer_attention_bwd(
     dc = dc.contiguous()
     groups = _bwd_layer_groups(L, N, H, K)
     most = max(l1 - l0 for l0, l1 in groups)
-    tiles, slots = triton.cdiv(N, BWD_BLOCK_N), triton.cdiv(H, _BWD_SLOT)
+    tiles, slots = _cdiv(N, BWD_BLOCK_N), _cdiv(H, _BWD_SLOT)
     scratch = torch.empty(most * N * max(H, K), device=dev, dtype=dtype)  # dv in pass 1, dz in 2
     h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
     dpp_buf = torch.empty((slots + 1) * most * N * J, device=dev, dtype=acc)
@@ -763,7 +774,7 @@ def layer_attention_bwd(
         dpp = dpp_buf[: (slots + 1) * G * N * J].view(slots + 1, G, N, J)
         dbv = dbv_buf[: tiles * G * H].view(tiles, G, H)
         _launch(
-            "bwd_values", lambda m: (triton.cdiv(H, m["BLOCK_O"]), tiles, G),
+            "bwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), tiles, G),
             h, w_v, b_v, dc, p, dh[l0:l1], dv, dpp, dbv, G, N, H, J, D, l0, slots,
             r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, BLOCK_D=shape["BLOCK_D"],
             **{k: v for k, v in common.items() if k != "BLOCK_J"},
@@ -774,7 +785,7 @@ def layer_attention_bwd(
     if dp is not None:  # a gradient flowing into the returned layer weights
         dp_all += dp
     da = torch.empty_like(dp_all)
-    _layer_attention_bwd_softmax_kernel[(triton.cdiv(N, BWD_BLOCK_N),)](
+    _layer_attention_bwd_softmax_kernel[(_cdiv(N, BWD_BLOCK_N),)](
         dp_all, p, da, L, N, J, BLOCK_J=shape["BLOCK_J"], BLOCK_N=BWD_BLOCK_N,
     )
     db_a = da.sum(1)
@@ -785,7 +796,7 @@ def layer_attention_bwd(
         dz = scratch[: G * N * K].view(G, N, K)
         dwb_tiles = dwb_buf[: tiles * G * K * (J + 1)].view(tiles, G, K, J + 1)
         _launch(
-            "bwd_keys", lambda m: (tiles, triton.cdiv(K, m["BLOCK_K"]), G),
+            "bwd_keys", lambda m: (tiles, _cdiv(K, m["BLOCK_K"]), G),
             h, w_k, b_k, w_a, da, dz, dwb_tiles, G, N, H, K, J, l0,
             r["seed_k"], r["rate_k"], r["scale_k"], DROP_K=drop_k, **common,
         )
@@ -813,7 +824,7 @@ def layer_attention_dropout_masks(
         keep = torch.empty(shape, dtype=torch.int8, device=device)
         _check_launchable(keep)
         numel = keep.numel()
-        _layer_attention_dropout_masks_kernel[(triton.cdiv(numel, _DROPOUT_BLOCK),)](
+        _layer_attention_dropout_masks_kernel[(_cdiv(numel, _DROPOUT_BLOCK),)](
             keep, numel, r[f"seed_{name}"], r[f"rate_{name}"], BLOCK=_DROPOUT_BLOCK,
         )
         out.append(keep)
@@ -881,6 +892,14 @@ def _reference_replaying_masks(inputs, num_heads, dropout, seed):
     )
 
 
+def _direct(t: Tensor) -> bool:
+    """Whether to call the launchers themselves rather than the registered custom ops: for
+    plain tensors outside ``torch.compile``'s tracing, where the ops' dispatch layers would
+    only add host time (about 100 us per forward + backward on the CPU this was measured on);
+    tracing and fake tensors go through the ops, which have fake implementations."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
+
+
 class LayerAttentionFunction(torch.autograd.Function):
     """Autograd over the layer-attention ops with one implementation per direction.
 
@@ -894,7 +913,10 @@ class LayerAttentionFunction(torch.autograd.Function):
     def forward(ctx, hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout_h, dropout_k,
                 dropout_p, seed, kernels):
         dropout = (dropout_h, dropout_k, dropout_p)
-        if kernels[0] == "triton":
+        if kernels[0] == "triton" and _direct(hidden):
+            c, p = layer_attention_fwd(hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout,
+                                       int(seed.item()))
+        elif kernels[0] == "triton":
             c, p = torch.ops.mhmla_fast.layer_attention_fwd(
                 hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, *dropout, seed,
             )
@@ -914,7 +936,11 @@ class LayerAttentionFunction(torch.autograd.Function):
         inputs = (hidden, w_v, b_v, w_k, b_k, w_a, b_a)
         if dc is None:
             dc = hidden.new_zeros(ctx.c_shape)
-        if ctx.backward_kernels == "triton":
+        if ctx.backward_kernels == "triton" and _direct(dc):
+            num_heads, *dropout = ctx.config
+            grads = layer_attention_bwd(dc, dp, *inputs, p, num_heads, tuple(dropout),
+                                        int(seed.item()))
+        elif ctx.backward_kernels == "triton":
             grads = torch.ops.mhmla_fast.layer_attention_bwd(dc, dp, *inputs, p, *ctx.config, seed)
         else:
             num_heads, *dropout = ctx.config

@@ -596,6 +596,26 @@ def test_compiles_without_graph_breaks():
     assert grads[0].shape == (L, N, H)
 
 
+@needs_triton
+def test_direct_calls_and_the_custom_ops_give_the_same_bits(monkeypatch):
+    """Outside torch.compile the autograd Function calls the launchers directly; through the
+    registered custom ops (what tracing uses) output and gradients are bit-identical, with
+    dropout."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    L, N, H, K, J = 3, 21, 24, 16, 4
+    base = make_inputs(L, N, H, K, J, device=DEVICE, seed=4)
+    grad_c = torch.randn(N, H, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out = {}
+    for direct in (True, False):
+        monkeypatch.setattr(kernels, "_direct", lambda t, direct=direct: direct)
+        ts = leaves(base)
+        c, p = kernels.layer_attention_triton(*ts, J, dropout=(0.2, 0.2, 0.2), seed=11)
+        out[direct] = [c, p, *torch.autograd.grad((c * grad_c).sum() + p.sum(), ts)]
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------- bad input
 
 
