@@ -194,16 +194,19 @@ def test_scorer_takes_the_same_contract(tiny_scorer_dir, no_gpu):
 
     from mhmla_fast.serve.score import load_scorer, scorer_options
 
-    scorer = load_scorer(tiny_scorer_dir, kernels="torch", device="cpu")
+    scorer = load_scorer(tiny_scorer_dir, backend="torch", kernels="torch", device="cpu")
     assert scorer.head.layer_attention.backend == "torch"
     assert next(scorer.parameters()).dtype is torch.float32  # the rule's CPU default
-    assert scorer_options("auto", device="cpu") == scorer_options("torch", device="cpu")
+    assert scorer_options("auto", device="cpu").backend == "auto"  # export or torch, at load
+    assert scorer_options("auto", device="cpu", dtype="bfloat16") == scorer_options(
+        "torch", device="cpu", dtype="bfloat16")  # what only torch honours: torch
     for backend in ("onnx", "tensorrt"):
-        with pytest.raises(ValueError, match=rf"^backend: the essay scorer runs on 'torch' only"
-                                             rf".*'{backend}'"):
+        with pytest.raises(ValueError, match=rf"^backend: the essay scorer runs on 'auto' or "
+                                             rf"'torch'.*'{backend}'"):
             load_scorer(tiny_scorer_dir, backend=backend)
-    with pytest.raises(ValueError, match="^dtype: the torch backend"):
-        load_scorer(tiny_scorer_dir, dtype="int8")
+    for backend in ("auto", "torch"):
+        with pytest.raises(ValueError, match="^dtype: the essay scorer has"):
+            load_scorer(tiny_scorer_dir, backend=backend, dtype="int8")
 
 
 # ---------------------------------------------------------------- the CLI
@@ -226,7 +229,7 @@ def test_the_cli_refuses_what_a_backend_cannot_honour(tmp_path, tiny_tagger_dir,
          "--dtype: the torch backend"),
         (["tag", str(src), "--dtype", "int8"], "--dtype: 'int8' is a graph of the onnx backend"),
         (["score", str(src), "--backend", "onnx", "--model", str(tiny_scorer_dir)],
-         "--backend: the essay scorer runs on 'torch' only"),
+         "--backend: the essay scorer runs on 'auto' or 'torch'"),
         (["http", "--backend", "onnx", "--device", "cuda"], "--device: 'cuda' with the onnx"),
     ]
     for argv, message in cases:
@@ -269,7 +272,8 @@ def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagg
     assert cli.main(["score", str(essays), "-o", str(tmp_path / "s.jsonl"), "--model",
                      str(tiny_scorer_dir), "--kernels", "torch", "--device", "cpu",
                      "--threads", "1", "--no-progress"]) == 0
-    assert seen["scorer"] == dict(device="cpu", dtype=None, kernels="torch", threads=1)
+    assert seen["scorer"] == dict(backend="auto", device="cpu", dtype=None, kernels="torch",
+                                  threads=1, cache=None)
 
 
 # ------------------------------------------------------------------ start-up

@@ -146,17 +146,26 @@ def test_scores_in_input_order_with_every_malformed_kind(tmp_path, tiny_scorer_d
     assert len({r["score"] for _, r in good}) > 2, "the tiny scorer gives different scores"
 
 
-def test_each_chunk_is_one_scorer_call_over_mixed_prompts(tmp_path, tiny_scorer_dir, monkeypatch):
+def patch_predict_scores(monkeypatch, wrap) -> None:
+    """``predict_scores`` of both scorers (torch's, and the ONNX runner of backend auto)
+    replaced by ``wrap(real)``."""
     from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.serve.score_onnx import OnnxScorer
 
+    for cls in (EssayScorer, OnnxScorer):
+        monkeypatch.setattr(cls, "predict_scores", wrap(cls.predict_scores))
+
+
+def test_each_chunk_is_one_scorer_call_over_mixed_prompts(tmp_path, tiny_scorer_dir, monkeypatch):
     calls = []
-    real = EssayScorer.predict_scores
 
-    def recording(self, texts, prompt, **kw):
-        calls.append((list(prompt), kw.get("token_budget")))
-        return real(self, texts, prompt, **kw)
+    def recording(real):
+        def predict_scores(self, texts, prompt, **kw):
+            calls.append((list(prompt), kw.get("token_budget")))
+            return real(self, texts, prompt, **kw)
+        return predict_scores
 
-    monkeypatch.setattr(EssayScorer, "predict_scores", recording)
+    patch_predict_scores(monkeypatch, recording)
     rng = random.Random(5)
     records = [{"text": essay(rng, long=k == 3), "prompt": 1 + k % 7, "id": f"e{k}"}
                for k in range(10)]
@@ -219,9 +228,9 @@ def test_refusals_exit_2_with_clear_messages(tmp_path, tiny_scorer_dir, tiny_tag
     assert "not an essay-scorer directory" in capsys.readouterr().err
     assert main(["score", str(src), "-o", str(fresh), "--model", str(tiny_tagger_dir)]) == 2
     assert "cannot load the essay scorer" in capsys.readouterr().err  # a GED tagger
-    from mhmla_fast.aes import model as aes_model
+    from mhmla_fast.aes import scoring
 
-    monkeypatch.setattr(aes_model, "default_model_path", lambda: tmp_path / "shipped")
+    monkeypatch.setattr(scoring, "default_model_path", lambda: tmp_path / "shipped")
     assert main(["score", str(src), "-o", str(fresh)]) == 2
     err = capsys.readouterr().err
     assert "the shipped essay scorer is not installed" in err and "--model DIR" in err
@@ -230,18 +239,17 @@ def test_refusals_exit_2_with_clear_messages(tmp_path, tiny_scorer_dir, tiny_tag
 
 def test_a_scorer_crash_stops_with_exit_3_and_keeps_the_output(tmp_path, tiny_scorer_dir,
                                                                monkeypatch, capsys):
-    from mhmla_fast.aes.model import EssayScorer
-
     calls = []
-    real = EssayScorer.predict_scores
 
-    def crash_on_second_chunk(self, texts, prompt, **kw):
-        calls.append(len(texts))
-        if len(calls) == 2:
-            raise RuntimeError("device lost")
-        return real(self, texts, prompt, **kw)
+    def crash_on_second_chunk(real):
+        def predict_scores(self, texts, prompt, **kw):
+            calls.append(len(texts))
+            if len(calls) == 2:
+                raise RuntimeError("device lost")
+            return real(self, texts, prompt, **kw)
+        return predict_scores
 
-    monkeypatch.setattr(EssayScorer, "predict_scores", crash_on_second_chunk)
+    patch_predict_scores(monkeypatch, crash_on_second_chunk)
     data = b'{"text": "one two", "prompt": 2}\n' * 10
     rc, out = score_cli(tmp_path, tiny_scorer_dir, data, "--batch-essays", "4")
     assert rc == 3
@@ -499,7 +507,7 @@ def test_without_a_scorer_v1_score_answers_404():
 def test_http_command_loads_the_scorer(tiny_tagger_dir, tiny_scorer_dir, tmp_path, monkeypatch,
                                        capsys):
     uvicorn = pytest.importorskip("uvicorn")
-    from mhmla_fast.aes import model as aes_model
+    from mhmla_fast.aes import scoring as aes_scoring
 
     seen: dict = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
@@ -511,11 +519,11 @@ def test_http_command_loads_the_scorer(tiny_tagger_dir, tiny_scorer_dir, tmp_pat
     assert batcher.scorer.config.prompts == (1, 2, 3, 4, 5, 6, 7)
     assert main([*base, "--no-scorer"]) == 0
     assert seen["app"].state.batcher.scorer is None
-    monkeypatch.setattr(aes_model, "default_model_path", lambda: tmp_path / "shipped")
+    monkeypatch.setattr(aes_scoring, "default_model_path", lambda: tmp_path / "shipped")
     assert main(base) == 0  # no shipped scorer: tagging only, with a note
     assert seen["app"].state.batcher.scorer is None
     assert "no essay scorer installed" in capsys.readouterr().err
-    monkeypatch.setattr(aes_model, "default_model_path", lambda: tiny_scorer_dir)
+    monkeypatch.setattr(aes_scoring, "default_model_path", lambda: tiny_scorer_dir)
     assert main(base) == 0  # the shipped scorer when it is installed
     assert seen["app"].state.batcher.scorer is not None
     assert main([*base, "--scorer", str(tmp_path / "nope")]) == 2

@@ -40,7 +40,8 @@
     scored in chunks of ``--batch-essays`` (64) valid records, each chunk ONE ``predict_scores``
     call, so all windows of all its essays go through the encoder together (``--token-budget``
     padded word pieces per forward pass). ``--output``, ``--resume``, the progress bar (essays/s)
-    and the exit statuses are those of ``tag``.
+    and the exit statuses are those of ``tag``. ``--backend`` auto (default) runs the scorer's
+    cached ONNX export on the CPU (:mod:`mhmla_fast.serve.score_onnx`), torch elsewhere.
 
 ``tag --ray`` / ``score --ray``
     The same records, sidecar and exit statuses, computed on Ray Data
@@ -69,10 +70,10 @@
 The model is ``--model DIR`` (a tagger directory, or an ONNX/TensorRT export for those
 backends), by default the tagger shipped in the package. ``tag``, ``score`` and ``http`` load it
 with the one serving contract of :mod:`mhmla_fast.serve.options`: ``--backend`` is the runtime
-(auto, torch, onnx, tensorrt; the scorer runs on torch only; auto, the default of ``tag`` and
-``http``, runs ONNX Runtime on a cached export validated to give torch's labels on the CPU in
-float32 and torch otherwise, see :mod:`mhmla_fast.serve.export_cache`; ``--no-cache`` or
-``MHMLA_NO_CACHE=1`` keeps it on torch), ``--device`` (default: cuda when the
+(auto, torch, onnx, tensorrt; the scorer: auto or torch; auto, the default, runs ONNX Runtime
+on a cached export validated to give torch's labels or scores on the CPU in float32 and torch
+otherwise, see :mod:`mhmla_fast.serve.export_cache`; ``--no-cache`` or ``MHMLA_NO_CACHE=1``
+keeps it on torch), ``--device`` (default: cuda when the
 backend can use a GPU, else cpu), ``--dtype`` (default: bfloat16 for torch on cuda, else
 float32), ``--kernels`` the layer-attention head's implementation (auto, torch, triton) and
 ``--threads`` the runtime's CPU threads. An option the backend cannot honour (e.g. ``--device
@@ -216,14 +217,16 @@ def resolve_scorer_dir(model: str | None, option: str = "--model") -> Path:
     return path
 
 
-def load_scorer_dir(path: Path, args: argparse.Namespace, *, dtype: str | None = None):
-    """``serve.score.load_scorer(path)`` with ``args``' device, kernels and threads (and
-    ``dtype``); any failure becomes a UsageError naming ``path``."""
+def load_scorer_dir(path: Path, args: argparse.Namespace, *, backend: str = "auto",
+                    dtype: str | None = None):
+    """``serve.score.load_scorer(path)`` with ``backend``, ``args``' device, kernels, threads and
+    ``--no-cache`` (and ``dtype``); any failure becomes a UsageError naming ``path``."""
     from ..serve.score import load_scorer
 
     try:
-        return load_scorer(path, device=args.device, dtype=dtype, kernels=args.kernels,
-                           threads=args.threads)
+        return load_scorer(path, backend=backend, device=args.device, dtype=dtype,
+                           kernels=args.kernels, threads=args.threads,
+                           cache=False if getattr(args, "no_cache", False) else None)
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the essay scorer from {path}: "
                          f"{type(err).__name__}: {err}") from err
@@ -598,7 +601,7 @@ def run_score(args: argparse.Namespace) -> int:
     records = read_inputs(args, inputs, "score")
     opts = check_options(args, scorer=True)
     path = resolve_scorer_dir(args.model)
-    scorer = load_scorer_dir(path, args, dtype=args.dtype)  # before the output is opened
+    scorer = load_scorer_dir(path, args, backend=opts.backend, dtype=args.dtype)  # before output
     writer = open_output(args.output, args.resume, lambda: made_from(
         "score", path, args, dtype=opts.dtype))
     progress = not args.no_progress
@@ -649,9 +652,11 @@ def run_http(args: argparse.Namespace) -> int:
 
 def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
     """(directory, scorer) for ``http``: ``--scorer DIR``; nothing with ``--no-scorer``; else the
-    shipped scorer when it is installed (a note on stderr when it is not). The scorer runs on
-    torch on ``--device`` with ``--kernels`` and the default dtype (``--dtype`` is the
-    tagger's); see :mod:`mhmla_fast.serve.options`."""
+    shipped scorer when it is installed (a note on stderr when it is not). The scorer follows
+    the tagger's rule: backend torch with ``--backend torch``, else auto (on the CPU, ONNX
+    Runtime on its cached export; ``--no-cache`` turns that off), on ``--device`` with
+    ``--kernels`` and the default dtype (``--dtype`` is the tagger's); see
+    :mod:`mhmla_fast.serve.options`."""
     from ..serve.score import default_scorer_path
 
     if args.no_scorer:
@@ -662,7 +667,8 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
               file=sys.stderr)
         return None, None
     path = resolve_scorer_dir(args.scorer, "--scorer")
-    return path, load_scorer_dir(path, args)
+    return path, load_scorer_dir(path, args,
+                                 backend="torch" if args.backend == "torch" else "auto")
 
 
 # ----------------------------------------------------------------------------------- export
@@ -751,10 +757,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("scorer")
     g.add_argument("--model", metavar="DIR", default=None,
                    help="essay-scorer directory (default: the shipped scorer)")
-    _add_backend_option(g, help="the runtime: the scorer runs on torch only (default; auto "
-                        "is torch too)", default="torch")
+    _add_backend_option(g, help="the runtime: auto (default: on the CPU in float32, ONNX "
+                        "Runtime on a cached export of the scorer validated to give torch's "
+                        "scores, made once on first use; torch on a GPU or where onnxruntime is "
+                        "missing) or torch; the scorer has no onnx or tensorrt backend")
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
                    help="scorer weights and compute (default bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="backend auto: neither read nor write the ONNX export cache (run torch); "
+                   "also MHMLA_NO_CACHE=1")
     _add_compute_options(g)
     _add_ray_options(p, "score")
     p.set_defaults(run=run_score)

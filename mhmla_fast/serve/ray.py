@@ -364,7 +364,7 @@ def load_processor(job: RayJob) -> Callable[[list[InputRecord]], list[dict]]:
     from .score import load_scorer, score_records
 
     scorer = load_scorer(job.model, backend=job.backend, device=job.device, dtype=job.dtype,
-                         kernels=job.kernels, threads=job.num_cpus)
+                         kernels=job.kernels, threads=job.num_cpus, cache=job.cache)
     return lambda batch: score_records(scorer, batch, job.token_budget)
 
 

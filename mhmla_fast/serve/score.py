@@ -1,8 +1,10 @@
 """Essay scoring for ``mhmla-serve score`` and ``POST /v1/score``: loading, checks, results.
 
-Both front ends hand a chunk of essays (texts with their ASAP prompts) to :func:`score_essays`,
-which makes ONE ``EssayScorer.predict_scores`` call for the whole chunk, so that all windows of
-all its essays go through the encoder together in token-budget batches. A result is
+Both front ends load the scorer with :func:`load_scorer` (the serving contract of
+:mod:`.options`; by default on the CPU, ONNX Runtime on a cached export validated against torch,
+:mod:`.score_onnx`) and hand a chunk of essays (texts with their ASAP prompts) to
+:func:`score_essays`, which makes ONE ``predict_scores`` call for the whole chunk, so that all
+windows of all its essays go through the encoder together in token-budget batches. A result is
 ``{"prompt": p, "score": s}`` with ``s`` an integer on prompt ``p``'s scale
 (``SCORE_RANGES[p]``, e.g. 2..12 for prompt 1).
 
@@ -18,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .options import TORCH_DTYPES, ServeOptions, resolve_options
+from .options import TORCH_DTYPES, ServeOptions, resolve_dtype, resolve_options
 from .records import location
 
 __all__ = ["DTYPES", "check_prompts", "default_scorer_path", "load_scorer", "score_essays",
@@ -29,33 +31,56 @@ DTYPES = TORCH_DTYPES
 
 def default_scorer_path() -> Path:
     """The directory of the scorer shipped in the package (it may not be installed)."""
-    from ..aes.model import default_model_path
+    from ..aes.scoring import default_model_path
 
     return default_model_path()
 
 
-def scorer_options(backend: str = "torch", device: str | None = None, dtype: str | None = None,
+def scorer_options(backend: str = "auto", device: str | None = None, dtype: str | None = None,
                    kernels: str = "auto") -> ServeOptions:
-    """The scorer's options resolved by the serving rule (:func:`.options.resolve_options`);
-    ValueError naming the option for one the scorer cannot honour (any backend but torch, or
-    "auto", which is torch for the scorer)."""
+    """The scorer's options resolved by the serving rule (:func:`.options.resolve_options`):
+    backend "auto" (ONNX Runtime on the scorer's cached export on the CPU in float32, else
+    torch) or "torch". ValueError naming the option for one the scorer cannot honour: backend
+    "onnx" or "tensorrt" (no explicit export of a scorer is offered: auto makes and keeps
+    its own), a dtype not in :data:`DTYPES` (int8), an unknown kernels name."""
     if backend not in ("torch", "auto"):
-        raise ValueError(f"backend: the essay scorer runs on 'torch' only (it has no ONNX or "
-                         f"TensorRT export), got {backend!r}")
-    return resolve_options("torch", device, dtype, kernels)
+        raise ValueError(f"backend: the essay scorer runs on 'auto' or 'torch' (it has no "
+                         f"explicit ONNX or TensorRT export: auto makes and keeps its own), got "
+                         f"{backend!r}")
+    if dtype and resolve_dtype(dtype, "cpu") not in DTYPES:
+        raise ValueError(f"dtype: the essay scorer has {DTYPES} (auto's export is float32), "
+                         f"got {dtype!r}")
+    return resolve_options(backend, device, dtype, kernels)
 
 
-def load_scorer(path: str | Path, *, backend: str = "torch", device: str | None = None,
-                dtype: str | None = None, kernels: str = "auto", threads: int | None = None):
-    """``EssayScorer.load(path)`` with the load contract of tagging (:mod:`.options`): on
-    ``device`` (default: CUDA when available), in ``dtype`` (one of :data:`DTYPES`; default
-    bfloat16 on CUDA, float32 on the CPU), with the head's ``kernels`` ("auto", "torch",
-    "triton") and ``threads`` torch CPU threads; in eval mode with its tokenizer attached.
+def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None = None,
+                dtype: str | None = None, kernels: str = "auto", threads: int | None = None,
+                cache: bool | None = None):
+    """An essay scorer on ``path`` with the load contract of tagging (:mod:`.options`).
 
-    The scorer runs on torch only: ``backend`` "onnx" or "tensorrt" is a ValueError, as is an
-    unknown dtype or kernels name. Load errors (not a scorer directory, bad weights) propagate
-    from ``EssayScorer.load``."""
+    ``backend="auto"`` (default), on the CPU in float32 (the CPU's default dtype): an
+    :class:`~.score_onnx.OnnxScorer` on the scorer's cached ONNX export, validated to give torch
+    fp32's scores (:mod:`.export_cache`; made on first use; ``cache`` False or
+    ``$MHMLA_NO_CACHE`` turns it off), and torch when onnxruntime is missing, the cache is off or
+    no export can be had (one stderr line says why). Elsewhere, and with ``backend="torch"``:
+    ``EssayScorer.load(path)`` on ``device`` (default: CUDA when available), in ``dtype`` (one of
+    :data:`DTYPES`; default bfloat16 on CUDA, float32 on the CPU), with the head's ``kernels``
+    ("auto", "torch", "triton") and ``threads`` torch CPU threads; in eval mode with its
+    tokenizer attached. Both have ``config.prompts`` and ``predict_scores``.
+
+    ``backend`` "onnx" or "tensorrt" is a ValueError, as is an unknown dtype or kernels name.
+    Load errors (not a scorer directory, bad weights) propagate."""
     opts = scorer_options(backend, device, dtype, kernels)
+    if opts.backend == "auto":
+        from .export_cache import SCORER, auto_load
+        from .score_onnx import OnnxScorer
+
+        return auto_load(path, SCORER, onnx=lambda d: OnnxScorer(d, threads=threads),
+                         torch=lambda: _torch_scorer(path, opts, threads), cache=cache)
+    return _torch_scorer(path, opts, threads)
+
+
+def _torch_scorer(path: str | Path, opts: ServeOptions, threads: int | None):
     import torch
 
     from ..aes.model import EssayScorer
