@@ -1,6 +1,8 @@
-"""Time to the first result of ``mhmla-serve tag`` on one sentence, as a user types it:
+"""Time to the first result of ``mhmla-serve tag`` on one sentence, or of ``mhmla-serve score``
+on one short essay (``--command score``), as a user types it:
 
     echo "He go to school every days ." | mhmla-serve tag
+    echo '{"text": "Dear local newspaper, ...", "prompt": 1}' | mhmla-serve score
 
 Per variant, ``--repeats`` whole processes (alternating between the variants, so that a busy
 neighbour slows them alike), each timed from spawn to the first line on its standard output
@@ -9,17 +11,20 @@ neighbour slows them alike), each timed from spawn to the first line on its stan
 default   the command's defaults (backend auto: on the CPU, ONNX Runtime on the model's cached
           export), on a warm cache in a scratch folder (``$MHMLA_CACHE_DIR``)
 torch     ``--backend torch``
-onnx      ``--backend onnx`` on an explicit ``mhmla-serve export --onnx`` (``--onnx``)
+onnx      (tag only) ``--backend onnx`` on an explicit ``mhmla-serve export --onnx`` (``--onnx``)
 
 Before the timed runs, the default command runs ``--cold`` times on an empty cache (each one
 exports the model: ``cold`` in the results, with the line it printed), then once untimed to warm
-the disk. The labels of every run are checked against the first torch run's.
+the disk. The labels (tag) or the score (score) of every run are checked against the first torch
+run's.
 
     python bench/benchmark_first_result.py --repeats 5 --threads 2
+    python bench/benchmark_first_result.py --command score --variants default torch
     python bench/benchmark_first_result.py --out bench/results/   # default folder
 
-Results: ``bench/results/first_result_cpu_<date>.json`` (``-2``... rather than overwriting) with
-the machine (CPU model, cores, load averages), versions and commit. Nothing runs at import.
+Results: ``bench/results/first_result_cpu_<date>.json`` (tag) or
+``first_result_score_cpu_<date>.json`` (score), ``-2``... rather than overwriting, with the
+machine (CPU model, cores, load averages), versions and commit. Nothing runs at import.
 """
 
 from __future__ import annotations
@@ -42,27 +47,55 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
 SENTENCE = "He go to school every days ."
+# A short essay in the style of ASAP prompt 1 (written for the benchmarks; 116 word pieces).
+ESSAY = ("Dear local newspaper, I think that computers have a good effect on people. First of all "
+         "computers let you talk to your family and friends who live far away, my cousin lives "
+         "in Spain and we chat every weekend. Second, you can learn about almost anything, like "
+         "the history of other countries or how to cook a new food. Some people say that kids "
+         "spend too much time on the computer and dont go outside, but thats the parents job to "
+         "set limits. In conclusion computers help us to learn, to communicate and to work, so "
+         "they are good for our society.")
 VARIANTS = ("default", "torch", "onnx")
+COMMANDS = ("tag", "score")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Time to the first result of mhmla-serve tag.")
+    p = argparse.ArgumentParser(description="Time to the first result of mhmla-serve tag or "
+                                "score.")
+    p.add_argument("--command", default="tag", choices=COMMANDS,
+                   help="tag (one sentence, default) or score (one essay)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
     p.add_argument("--cold", type=int, default=1, help="runs on an empty cache (each exports)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                   help="default: default torch onnx for tag, default torch for score")
     p.add_argument("--threads", type=int, default=None, help="--threads of the commands")
-    p.add_argument("--model", default=None, help="tagger directory (default: the shipped one)")
-    p.add_argument("--sentence", default=SENTENCE)
+    p.add_argument("--model", default=None, help="tagger or scorer directory (default: the "
+                   "shipped one)")
+    p.add_argument("--sentence", default=SENTENCE, help="tag's input")
+    p.add_argument("--essay", default=ESSAY, help="score's input text")
+    p.add_argument("--prompt", type=int, default=1, help="score's input prompt (default 1)")
     p.add_argument("--out", default=None, help="results .json file or folder")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.cold < 0:
         p.error("--repeats must be at least 1 and --cold not negative")
+    if args.variants is None:
+        args.variants = list(VARIANTS) if args.command == "tag" else ["default", "torch"]
+    if args.command == "score" and "onnx" in args.variants:
+        p.error("--variants onnx: the scorer has no explicit ONNX export (its default, backend "
+                "auto, runs its cached one)")
     return args
 
 
+def input_line(args: argparse.Namespace) -> str:
+    """The one input line: the sentence (tag) or the essay as JSON with its prompt (score)."""
+    if args.command == "tag":
+        return args.sentence
+    return json.dumps({"text": args.essay, "prompt": args.prompt}, ensure_ascii=False)
+
+
 def command(args: argparse.Namespace, variant: str, onnx_dir: Path | None) -> list[str]:
-    """``mhmla-serve tag`` reading standard input, for ``variant``."""
-    cmd = [sys.executable, "-m", "mhmla_fast.commands.serve", "tag"]
+    """``mhmla-serve tag`` (or ``score``) reading standard input, for ``variant``."""
+    cmd = [sys.executable, "-m", "mhmla_fast.commands.serve", args.command]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if variant == "onnx":
@@ -93,9 +126,10 @@ def time_first_result(cmd: Sequence[str], sentence: str, env: dict) -> dict[str,
             "line": line.decode(errors="replace").strip(), "stderr": tail}
 
 
-def labels(result: dict) -> list[str] | None:
+def labels(result: dict, command: str = "tag") -> list[str] | int | None:
+    """The result of the run's first line: its labels (tag) or its score (score)."""
     try:
-        return json.loads(result["line"])["labels"]
+        return json.loads(result["line"])["labels" if command == "tag" else "score"]
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -126,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "physical_cores": physical_cores(), "versions": runtime_versions(),
         "python": sys.version.split()[0], "commit": prov["commit"], "date": prov["date"],
         "command": shlex.join(["python", "bench/benchmark_first_result.py", *argv]),
-        "sentence": args.sentence, "settings": vars(args)}
+        "input": input_line(args), "settings": vars(args)}
     results: dict[str, Any] = {"header": header}
     with tempfile.TemporaryDirectory(prefix="first-result-") as tmp:
         tmp = Path(tmp)
@@ -141,28 +175,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         cold = []
         for _ in range(args.cold):
             shutil.rmtree(cache, ignore_errors=True)
-            cold.append(time_first_result(command(args, "default", None), args.sentence, env))
+            cold.append(time_first_result(command(args, "default", None), input_line(args), env))
             print(f"cold (export): {cold[-1]['wall_s']:.2f} s", flush=True)
         if cold:
             results["cold"] = {**summarize(cold), "stderr": cold[-1]["stderr"]}
-        time_first_result(command(args, "default", None), args.sentence, env)  # warm the cache
+        time_first_result(command(args, "default", None), input_line(args), env)  # warm it
         runs: dict[str, list[dict]] = {v: [] for v in args.variants}
         for _ in range(args.repeats):
             for v in args.variants:
-                runs[v].append(time_first_result(command(args, v, onnx_dir), args.sentence, env))
+                runs[v].append(time_first_result(command(args, v, onnx_dir), input_line(args),
+                                                 env))
                 print(f"{v}: first result {runs[v][-1]['first_result_s']}", flush=True)
-    reference = labels(runs["torch"][0]) if "torch" in runs else None
+    reference = labels(runs["torch"][0], args.command) if "torch" in runs else None
     results["variants"] = {}
     for v, rs in runs.items():
         row = {"command": shlex.join(command(args, v, onnx_dir)).replace(str(REPO_ROOT), "."),
                **summarize(rs)}
         if reference is not None:
-            row["labels_equal_torch"] = all(labels(r) == reference for r in rs)
+            row["labels_equal_torch" if args.command == "tag" else "score_equal_torch"] = all(
+                labels(r, args.command) == reference for r in rs)
         row["failed"] = [r["stderr"] for r in rs if r["exit_status"] != 0]
         results["variants"][v] = row
-    results["labels"] = reference
+    results["labels" if args.command == "tag" else "score"] = reference
     header["device"]["load_average_end"] = load_average()
-    out = dated_results_path(args.out, "first_result_cpu", DEFAULT_OUT_DIR,
+    stem = "first_result_cpu" if args.command == "tag" else "first_result_score_cpu"
+    out = dated_results_path(args.out, stem, DEFAULT_OUT_DIR,
                              datetime.datetime.now(datetime.timezone.utc).date())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -326,3 +326,22 @@ def test_first_result_script_times_the_variants_on_a_warm_cache(tiny_tagger_dir,
     assert "--backend torch" in result["variants"]["torch"]["command"]
     assert "--backend" not in result["variants"]["default"]["command"]
     assert len(result["labels"]) == 7  # He go to school every days .
+
+
+def test_first_result_script_times_score_too(tiny_scorer_dir, tmp_path, monkeypatch, capsys):
+    """``--command score``: one essay through ``mhmla-serve score``, default (auto, warm cache)
+    and --backend torch, the same score; the scorer has no explicit onnx variant."""
+    first = load_bench_script("benchmark_first_result")
+    monkeypatch.setenv("MHMLA_COMMIT", "test-commit")
+    out = tmp_path / "first.json"
+    rc = first.main(["--command", "score", "--model", str(tiny_scorer_dir), "--repeats", "1",
+                     "--cold", "0", "--threads", "1", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert set(result["variants"]) == {"default", "torch"}
+    for row in result["variants"].values():
+        assert row["failed"] == [] and row["score_equal_torch"] is True
+        assert " score " in row["command"]
+    assert isinstance(result["score"], int) and json.loads(result["header"]["input"])["prompt"] == 1
+    with pytest.raises(SystemExit):
+        first.parse_args(["--command", "score", "--variants", "onnx"])

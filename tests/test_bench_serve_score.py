@@ -54,6 +54,10 @@ def test_score_benchmark_main_writes_a_checked_result(tiny_scorer_dir, tmp_path,
     assert result["end_to_end"]["exit_status"] == 0
     assert "--device cpu --dtype float32" in result["end_to_end"]["command"]
     assert result["check"] == {"cli_equals_in_process": True, "mismatches": 0}
+    assert head["settings"]["backend"] == "auto" and "--backend auto" in result["end_to_end"][
+        "command"]
+    assert result["in_process"]["scorer"] == "OnnxScorer"  # auto on the CPU: the export
+    assert result["end_to_end"]["cold_cache"]["exit_status"] == 0
     assert result["end_to_end"]["essays_per_s"] > 0 and result["in_process"]["essays_per_s"] > 0
     assert "essays/s" in capsys.readouterr().out
 
