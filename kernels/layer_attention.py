@@ -163,6 +163,25 @@ def _layer_attention_fwd_scores_kernel(
 
 
 @triton.jit
+def _weighted_values(
+    v, BV_ptr, P_ptr, head_of,
+    l, rows, oo, jj, N, H, J,
+    seed_p, rate_p, scale_p,
+    DROP_P: tl.constexpr, PREC: tl.constexpr,
+):
+    """p~^{l, head(o)} (v + b_v^l)[:, o] for a [BLOCK_N, BLOCK_O] tile of layer l's values."""
+    dtype = head_of.dtype
+    v += tl.load(BV_ptr + l * H + oo, mask=oo < H, other=0.0).to(v.dtype)[None, :]
+    offs_p = l * N * J + rows[:, None] * J + jj[None, :]
+    p = tl.load(P_ptr + offs_p, mask=(rows[:, None] < N) & (jj[None, :] < J), other=0.0)
+    p = _dropout(p, seed_p, offs_p, rate_p, scale_p, DROP_P)
+    # p~ in the input dtype, as eager multiplies it (exact for fp32: one term per column)
+    pw = tl.dot(p.to(dtype), head_of, input_precision="ieee" if dtype == tl.float32 else PREC,
+                out_dtype=v.dtype)
+    return pw * v
+
+
+@triton.jit
 def _layer_attention_fwd_values_kernel(
     H_ptr,  # [L, N, H] hidden states
     WV_ptr,  # [L, H, H] value weights
@@ -175,7 +194,11 @@ def _layer_attention_fwd_values_kernel(
     N_BUCKET,  # autotuning key only: N rounded to a power of two
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+    FLAT: tl.constexpr,  # one loop over (layer, H block): the pipeline runs on across layers
 ):
+    """c[:, oo] = sum_l p~^{l, head(o)} (h^l W_v^l + b_v^l)[:, oo] for a [BLOCK_N] tile of
+    tokens; the value GEMM tile accumulates over H in BLOCK_I steps, layer by layer (FLAT:
+    in one loop over all L x H / BLOCK_I steps, each layer's weighting at its last step)."""
     # column tiles vary fastest: the H / BLOCK_O programs that read the same [L, BLOCK_N, H]
     # rows of h run together and share them through L2 (W_v, 2 L H^2 bytes, stays in L2)
     pid_o = tl.program_id(0)
@@ -188,10 +211,13 @@ def _layer_attention_fwd_values_kernel(
     # weight over its D columns, in the accumulator's own layout (no gather)
     head_of = (((oo[None, :] // D) == jj[:, None]) & (oo[None, :] < H)).to(dtype)
     acc = tl.zeros((BLOCK_N, BLOCK_O), ACC)
-    for layer in range(0, L):
-        l = tl.cast(layer, tl.int64)
+    if FLAT:
+        steps = tl.cdiv(H, BLOCK_I)
         v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
-        for i0 in range(0, H, BLOCK_I):
+        for it in range(0, L * steps):
+            layer = it // steps
+            i0 = (it - layer * steps) * BLOCK_I
+            l = tl.cast(layer, tl.int64)
             h = _load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I)
             ii = i0 + tl.arange(0, BLOCK_I)
             w = tl.load(
@@ -199,14 +225,24 @@ def _layer_attention_fwd_values_kernel(
                 mask=(ii[:, None] < H) & (oo[None, :] < H), other=0.0,
             )
             v = tl.dot(h, w, v, input_precision=PREC, out_dtype=ACC)
-        v += tl.load(BV_ptr + l * H + oo, mask=oo < H, other=0.0).to(ACC)[None, :]
-        offs_p = l * N * J + rows[:, None] * J + jj[None, :]
-        p = tl.load(P_ptr + offs_p, mask=(rows[:, None] < N) & (jj[None, :] < J), other=0.0)
-        p = _dropout(p, seed_p, offs_p, rate_p, scale_p, DROP_P)
-        # p~ in the input dtype, as eager multiplies it (exact for fp32: one term per column)
-        pw = tl.dot(p.to(dtype), head_of, input_precision="ieee" if dtype == tl.float32 else PREC,
-                    out_dtype=ACC)
-        acc += pw * v
+            if i0 + BLOCK_I >= H:  # the layer's last step: weight its values, start the next
+                acc += _weighted_values(v, BV_ptr, P_ptr, head_of, l, rows, oo, jj, N, H, J,
+                                        seed_p, rate_p, scale_p, DROP_P, PREC)
+                v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
+    else:
+        for layer in range(0, L):
+            l = tl.cast(layer, tl.int64)
+            v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
+            for i0 in range(0, H, BLOCK_I):
+                h = _load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I)
+                ii = i0 + tl.arange(0, BLOCK_I)
+                w = tl.load(
+                    WV_ptr + l * H * H + ii[:, None] * H + oo[None, :],
+                    mask=(ii[:, None] < H) & (oo[None, :] < H), other=0.0,
+                )
+                v = tl.dot(h, w, v, input_precision=PREC, out_dtype=ACC)
+            acc += _weighted_values(v, BV_ptr, P_ptr, head_of, l, rows, oo, jj, N, H, J,
+                                    seed_p, rate_p, scale_p, DROP_P, PREC)
     tl.store(
         C_ptr + rows[:, None] * H + oo[None, :], acc.to(C_ptr.dtype.element_ty),
         mask=(rows[:, None] < N) & (oo[None, :] < H),
@@ -462,6 +498,9 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     """
     rows, cols = _TILE_DIMS[name]
     per_thread = 32 if name == "fwd_scores" and tiles["DROP_K"] else _TILE_PER_THREAD[name]
+    if name == "fwd_values" and tiles["FLAT"] and warps == 8 and tiles[rows] == tiles[cols]:
+        per_thread = 64  # the flat loop holds fewer registers: 128 x 128 on 8 warps spills 0
+        # (64 x 128 on 4 warps: 8 bytes, 128 x 64 on 4 warps: 48-72, 256 x 64 on 8: 48-64)
     if tiles[rows] * tiles[cols] > per_thread * 32 * warps:
         return False
     if name == "bwd_keys" and tiles["BLOCK_K"] < 64:  # k~' da has BLOCK_K rows: wgmma needs 64
@@ -476,7 +515,8 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
     if name == "fwd_scores":
         grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128, 256) for k in (64, 128, 256)]
     elif name == "fwd_values":
-        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128, 256) for o in (64, 128, 256)]
+        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64, FLAT=f)
+                for n in (64, 128, 256) for o in (64, 128, 256) for f in (False, True)]
     elif name == "bwd_values":
         return [(dict(BLOCK_O=o), w, s) for o in (64, 128, 256) for w in (4, 8) for s in (2, 3, 4)]
     elif name == "bwd_keys":
@@ -489,7 +529,7 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
 # The fixed config per kernel: the interpreter's and the tests', and the autotuner's fallback.
 _FIXED = {
     "fwd_scores": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64), 4, 3),
-    "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64), 4, 3),
+    "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64, FLAT=False), 4, 3),
     "bwd_values": (dict(BLOCK_O=64), 4, 2),
     "bwd_keys": (dict(BLOCK_K=64, BLOCK_I=64), 4, 3),
 }

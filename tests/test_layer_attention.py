@@ -597,6 +597,23 @@ def test_compiles_without_graph_breaks():
 
 
 @needs_triton
+@pytest.mark.parametrize("L,N,H,K,J", [(1, 37, 120, 72, 3), (13, 37, 120, 96, 1), (6, 70, 384, 64, 12)])
+def test_the_flat_values_loop_gives_the_nested_loops_bits(monkeypatch, L, N, H, K, J):
+    """fwd_values with FLAT (one loop over all layer x H-block steps, the weighting at each
+    layer's last step) against the nested loops: the same sums in the same order, with
+    dropout on p, so bit-identical under the interpreter."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=L + H)
+    tiles, warps, stages = kernels._FIXED["fwd_values"]
+    out = {}
+    for flat in (False, True):
+        monkeypatch.setitem(kernels._FIXED, "fwd_values", ({**tiles, "FLAT": flat}, warps, stages))
+        out[flat] = kernels.layer_attention_fwd(*ts, J, (0.0, 0.0, 0.3), 17)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+
+
+@needs_triton
 def test_direct_calls_and_the_custom_ops_give_the_same_bits(monkeypatch):
     """Outside torch.compile the autograd Function calls the launchers directly; through the
     registered custom ops (what tracing uses) output and gradients are bit-identical, with
