@@ -99,6 +99,21 @@ def _load_hidden(
 
 
 @triton.jit
+def _hidden_times_weights(
+    acc, H_ptr, W_ptr,  # accumulator; hidden states; weights [L, H, C]
+    hl, l, rows, i0, cols, N, H, C,
+    PREC: tl.constexpr, ACC: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """acc + h[rows, i0 .. i0 + BLOCK_I] W^l[i0 .. i0 + BLOCK_I, cols]: one reduction step of a
+    GEMM tile over H, h from layer ``hl`` of ``H_ptr`` (see :func:`_load_hidden`)."""
+    h = _load_hidden(H_ptr, hl, rows, i0, N, H, BLOCK_I)
+    ii = i0 + tl.arange(0, BLOCK_I)
+    w = tl.load(W_ptr + l * H * C + ii[:, None] * C + cols[None, :],
+                mask=(ii[:, None] < H) & (cols[None, :] < C), other=0.0)
+    return tl.dot(h, w, acc, input_precision=PREC, out_dtype=ACC)
+
+
+@triton.jit
 def _keys_tile(
     H_ptr, WK_ptr, BK_ptr,  # hidden states, key weights [L, H, K], key biases [L, K]
     hl, l, rows, kk, N, H, K,
@@ -111,13 +126,8 @@ def _keys_tile(
     index in a [G, N, H] buffer), accumulated on chip over H in BLOCK_I steps."""
     z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
     for i0 in range(0, H, BLOCK_I):
-        h = _load_hidden(H_ptr, hl, rows, i0, N, H, BLOCK_I)
-        ii = i0 + tl.arange(0, BLOCK_I)
-        w = tl.load(
-            WK_ptr + l * H * K + ii[:, None] * K + kk[None, :],
-            mask=(ii[:, None] < H) & (kk[None, :] < K), other=0.0,
-        )
-        z = tl.dot(h, w, z, input_precision=PREC, out_dtype=ACC)
+        z = _hidden_times_weights(z, H_ptr, WK_ptr, hl, l, rows, i0, kk, N, H, K, PREC, ACC,
+                                  BLOCK_I)
     z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(ACC)[None, :]
     return _dropout(tl.maximum(z, 0.0), seed_k, l * N * K + rows[:, None] * K + kk[None, :],
                     rate_k, scale_k, DROP_K)
@@ -218,13 +228,8 @@ def _layer_attention_fwd_values_kernel(
             layer = it // steps
             i0 = (it - layer * steps) * BLOCK_I
             l = tl.cast(layer, tl.int64)
-            h = _load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I)
-            ii = i0 + tl.arange(0, BLOCK_I)
-            w = tl.load(
-                WV_ptr + l * H * H + ii[:, None] * H + oo[None, :],
-                mask=(ii[:, None] < H) & (oo[None, :] < H), other=0.0,
-            )
-            v = tl.dot(h, w, v, input_precision=PREC, out_dtype=ACC)
+            v = _hidden_times_weights(v, H_ptr, WV_ptr, l, l, rows, i0, oo, N, H, H, PREC, ACC,
+                                      BLOCK_I)
             if i0 + BLOCK_I >= H:  # the layer's last step: weight its values, start the next
                 acc += _weighted_values(v, BV_ptr, P_ptr, head_of, l, rows, oo, jj, N, H, J,
                                         seed_p, rate_p, scale_p, DROP_P, PREC)
@@ -234,13 +239,8 @@ def _layer_attention_fwd_values_kernel(
             l = tl.cast(layer, tl.int64)
             v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
             for i0 in range(0, H, BLOCK_I):
-                h = _load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I)
-                ii = i0 + tl.arange(0, BLOCK_I)
-                w = tl.load(
-                    WV_ptr + l * H * H + ii[:, None] * H + oo[None, :],
-                    mask=(ii[:, None] < H) & (oo[None, :] < H), other=0.0,
-                )
-                v = tl.dot(h, w, v, input_precision=PREC, out_dtype=ACC)
+                v = _hidden_times_weights(v, H_ptr, WV_ptr, l, l, rows, i0, oo, N, H, H, PREC,
+                                          ACC, BLOCK_I)
             acc += _weighted_values(v, BV_ptr, P_ptr, head_of, l, rows, oo, jj, N, H, J,
                                     seed_p, rate_p, scale_p, DROP_P, PREC)
     tl.store(
