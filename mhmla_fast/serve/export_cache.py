@@ -75,6 +75,7 @@ EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 
 # What a scorer's cached export is made with (score_onnx.export_scorer's defaults): its key.
 SCORER_EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
                          "graph": "encoder + head: every prompt's window outputs",
+                         "attention": "eager",
                          "scores": "identical to torch on the validation essays"}
 _VERSIONED = ("mhmla-fast", "torch", "transformers", "onnx", "onnxruntime")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
