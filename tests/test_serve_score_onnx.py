@@ -150,11 +150,39 @@ def test_a_cls_regression_scorer_like_the_shipped_one(cls_regression_scorer_dir,
     np.testing.assert_allclose(np.array(got_out), np.array(want_out), atol=1e-5)
     meta = json.loads((entry.path / "export.json").read_text())
     assert meta["objective"] == "regression" and meta["pooling"] == "cls"
+    assert meta["graph"] == "cls-last-layer" and meta["attention"] == "eager"
     assert meta["columns"] == {str(p): [p - 1, p] for p in range(1, 9)}
     valid = meta["validation"]
     assert valid["windows"]["essay_scores"] == {"compared": 8 * len(VALIDATION_ESSAYS),
                                                 "differing": 0}
     assert valid["essays"]["differing"] == 0 and valid["essays"]["pieces_equal"]
+
+
+def test_the_exported_forms_compute_what_the_scorer_computes(cls_regression_scorer_dir,
+                                                            tiny_scorer_dir):
+    """The [CLS]-only last layer (cls pooling) and the unindexed attention pooling, in torch,
+    against the scorer's own ``pooled_windows`` on ragged windows."""
+    import torch
+
+    from mhmla_fast.serve.score_onnx import export_graph, window_outputs_module
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 20000, (4, 40), generator=g)
+    mask = torch.ones_like(ids)
+    for b, n in enumerate((40, 1, 17, 33)):
+        mask[b, n:] = 0
+        ids[b, n:] = 0
+    for path, graph in [(cls_regression_scorer_dir, "cls-last-layer"),
+                        (tiny_scorer_dir, "attention-pooling")]:
+        scorer = EssayScorer.load(path, device="cpu", backend="torch").eval()
+        assert export_graph(scorer) == graph
+        reference, _ = window_outputs_module(scorer)
+        form, _ = window_outputs_module(scorer, graph)
+        with torch.no_grad():
+            torch.testing.assert_close(form(ids, mask), reference(ids, mask), atol=1e-5,
+                                       rtol=1e-5)
+    with pytest.raises(ValueError, match="graph: expected one of"):
+        window_outputs_module(scorer, "fast")
 
 
 def test_torch_where_asked_or_where_only_torch_honours_the_options(warm, tiny_scorer_dir,

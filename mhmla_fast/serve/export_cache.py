@@ -74,7 +74,8 @@ EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 
                   "graphs": ["fp32"], "labels": "identical to torch at the threshold and 0.5"}
 # What a scorer's cached export is made with (score_onnx.export_scorer's defaults): its key.
 SCORER_EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
-                         "graph": "encoder + head: every prompt's window outputs",
+                         "graph": "encoder + head: every prompt's window outputs; the last "
+                                  "layer at [CLS] only for cls pooling",
                          "attention": "eager",
                          "scores": "identical to torch on the validation essays"}
 _VERSIONED = ("mhmla-fast", "torch", "transformers", "onnx", "onnxruntime")

@@ -15,7 +15,10 @@
 
 What is exported is the part that needs torch, per window: the encoder, the layer attention,
 the pooling and every prompt's output layer (a few hundred multiply-adds per prompt: computing
-them all costs nothing beside the encoder, and one graph serves any mix of prompts). What stays
+them all costs nothing beside the encoder, and one graph serves any mix of prompts). With
+"cls" pooling (the shipped scorer) the head reads every layer at [CLS] only, so the exported
+last layer computes its query, attention output and feed-forward at [CLS] only
+(:func:`window_outputs_module`, "cls-last-layer": 1/7 of MiniLM-L6's work skipped). What stays
 in numpy, shared with the torch scorer (:mod:`mhmla_fast.aes.scoring`): word-piecing (the
 ``tokenizers`` library), cutting essays into 510-piece windows, packing windows into
 token-budget batches, picking each window's prompt columns, averaging windows per essay and
@@ -65,7 +68,8 @@ from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
                           ExportValidationError, OnnxRunner)
 
 __all__ = ["EXPORT_FORMAT", "OUTPUT_NAME", "VALIDATION_ESSAYS", "ExportedScorerConfig",
-           "OnnxScorer", "export_scorer", "validate_scorer", "window_outputs_module"]
+           "GRAPHS", "OnnxScorer", "export_graph", "export_scorer", "validate_scorer",
+           "window_outputs_module"]
 
 EXPORT_FORMAT = "mhmla-onnx-scorer/1"
 OUTPUT_NAME = "window_outputs"
@@ -119,19 +123,36 @@ class _Unsupported(RuntimeError):
 # ------------------------------------------------------------------------------ the graph
 
 
-def window_outputs_module(scorer):
-    """An :class:`~mhmla_fast.aes.model.EssayScorer` as the exported graph, an eval-mode
-    ``nn.Module``: windows (input_ids, attention_mask) int64 [B, T] -> float32 [B, K], every
-    prompt's ``head.window_outputs(head.output(pooled, p))`` (as [B, C_p] or [B, 1]) side by
-    side in ``scorer.config.prompts`` order; ``pooled`` is ``scorer.pooled_windows`` ("cls"
-    pooling) or the same attention pooling written without boolean indexing. Returns
-    ``(module, columns)``, ``columns[p] = (start, end)``. (Defined in here so that importing
-    this module needs no torch.)"""
+GRAPHS = ("reference", "cls-last-layer", "attention-pooling", "whole-encoder")
+
+
+def window_outputs_module(scorer, graph: str = "reference"):
+    """An :class:`~mhmla_fast.aes.model.EssayScorer` as an eval-mode ``nn.Module``: windows
+    (input_ids, attention_mask) int64 [B, T] -> float32 [B, K], every prompt's
+    ``head.window_outputs(head.output(pooled, p))`` (as [B, C_p] or [B, 1]) side by side in
+    ``scorer.config.prompts`` order, with ``pooled`` [B, H] computed as ``graph`` says:
+
+    reference          ``scorer.pooled_windows``: the torch scorer's own computation (what the
+                       validation compares with)
+    cls-last-layer     "cls" pooling on a BERT-like encoder: the head reads each layer's output
+                       at [CLS] only, so the last layer computes its keys and values at every
+                       position but its query, attention output and feed-forward at [CLS]
+                       only (10 of its 12 H x H-sized products per token skipped: 1/7 of the
+                       encoder's work for MiniLM-L6); the other layers as the encoder runs them
+    attention-pooling  "attention" pooling without boolean indexing (which the tracer cannot
+                       follow): the layer attention at every position, padding included, padded
+                       positions zeroed and masked out of the softmax, as the scorer does
+    whole-encoder      as reference (the exported form of "cls" pooling on other encoders)
+
+    Returns ``(module, columns)``, ``columns[p] = (start, end)``. (Defined in here so that
+    importing this module needs no torch.)"""
     import torch
     from torch import nn
 
     from ..aes.scoring import num_labels
 
+    if graph not in GRAPHS:
+        raise ValueError(f"graph: expected one of {GRAPHS}, got {graph!r}")
     prompts = [int(p) for p in scorer.config.prompts]
     widths = [num_labels(p) if scorer.config.objective == "classification" else 1
               for p in prompts]
@@ -145,18 +166,34 @@ def window_outputs_module(scorer):
 
         def forward(self, input_ids, attention_mask):
             head = self.scorer.head
-            if self.scorer.config.pooling == "cls":
-                pooled = self.scorer.pooled_windows(input_ids, attention_mask)
-            else:
+            if graph == "cls-last-layer":
+                pooled = self.cls_pooled(input_ids, attention_mask)
+            elif graph == "attention-pooling":
                 pooled = self.attention_pooled(input_ids, attention_mask)
+            else:
+                pooled = self.scorer.pooled_windows(input_ids, attention_mask)
             outs = [head.window_outputs(head.output(pooled, p)).reshape(pooled.shape[0], -1)
                     for p in prompts]
             return torch.cat(outs, dim=1)
 
+        def cls_pooled(self, input_ids, attention_mask):
+            """``pooled_windows`` for "cls" pooling: embeddings and layers 1..L-1 as the
+            encoder runs them, layer L at [CLS] only; the layer attention over the L + 1
+            states at [CLS]."""
+            encoder = self.scorer.encoder
+            h = encoder.embeddings(input_ids=input_ids)  # [B, T, H]
+            # the eager attention's additive mask: 0 where attended, the lowest float elsewhere
+            added = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) * torch.finfo(h.dtype).min
+            states = [h[:, 0]]
+            layers = encoder.encoder.layer
+            for layer in layers[:-1]:
+                h = layer(h, added)
+                h = h[0] if isinstance(h, tuple) else h
+                states.append(h[:, 0])
+            states.append(_cls_layer(layers[-1], h, added)[:, 0])
+            return self.scorer.head.layer_attention(torch.stack(states, 0))  # [L+1, B, H]
+
         def attention_pooled(self, input_ids, attention_mask):
-            """``head.pooled`` for attention pooling without boolean indexing (which the tracer
-            cannot follow): the layer attention runs at every position, padding included, and
-            padded positions are zeroed and masked out of the softmax, as the scorer does."""
             head = self.scorer.head
             hidden = self.scorer.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                          output_hidden_states=True).hidden_states
@@ -170,6 +207,47 @@ def window_outputs_module(scorer):
             return torch.einsum("bt,bth->bh", alpha, c)
 
     return WindowOutputs(scorer).eval(), columns
+
+
+def _cls_layer(layer, hidden, added):
+    """A BERT layer's output at [CLS] only: ``layer(hidden)[:, :1]``, with keys and values from
+    every position. hidden [B, T, H], added [B, 1, 1, T] (the additive mask) -> [B, 1, H]."""
+    import torch
+
+    attn = layer.attention.self
+    B, T, _ = hidden.shape
+    J, D = attn.num_attention_heads, attn.attention_head_size
+    scaling = getattr(attn, "scaling", D ** -0.5)
+    q = attn.query(hidden[:, :1]).view(B, 1, J, D).transpose(1, 2)  # [B, J, 1, D]
+    k = attn.key(hidden).view(B, T, J, D).transpose(1, 2)  # [B, J, T, D]
+    v = attn.value(hidden).view(B, T, J, D).transpose(1, 2)
+    p = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * scaling + added, dim=-1)
+    context = torch.matmul(p, v).transpose(1, 2).reshape(B, 1, J * D)
+    a = layer.attention.output(context, hidden[:, :1])  # dense, LayerNorm(+ residual)
+    return layer.output(layer.intermediate(a), a)
+
+
+def export_graph(scorer) -> str:
+    """The form :func:`export_scorer` traces (see :func:`window_outputs_module`):
+    "attention-pooling" for attention pooling; "cls-last-layer" for "cls" pooling on an encoder
+    whose layers have BERT's parts (``encoder.layer[i].attention.self.query/key/value``,
+    ``attention.output``, ``intermediate``, ``output``; absolute positions, not a decoder);
+    else "whole-encoder"."""
+    if scorer.config.pooling != "cls":
+        return "attention-pooling"
+    encoder = scorer.encoder
+    config = getattr(encoder, "config", None)
+    layers = getattr(getattr(encoder, "encoder", None), "layer", None)
+    if (not hasattr(encoder, "embeddings") or not layers or getattr(config, "is_decoder", False)
+            or getattr(config, "position_embedding_type", "absolute") != "absolute"):
+        return "whole-encoder"
+    last = layers[-1]
+    attn = getattr(getattr(last, "attention", None), "self", None)
+    parts = [getattr(attn, n, None) for n in ("query", "key", "value", "num_attention_heads",
+                                               "attention_head_size")]
+    parts += [getattr(getattr(last, "attention", None), "output", None),
+              getattr(last, "intermediate", None), getattr(last, "output", None)]
+    return "cls-last-layer" if all(x is not None for x in parts) else "whole-encoder"
 
 
 @contextmanager
@@ -388,10 +466,11 @@ def _torch_outputs(module, batches) -> list[np.ndarray]:
         return [module(torch.from_numpy(i), torch.from_numpy(m)).numpy() for i, m in batches]
 
 
-def validate_scorer(export_dir: Path, scorer, tokenizer, module, columns: dict, *,
+def validate_scorer(export_dir: Path, scorer, tokenizer, reference, columns: dict, *,
                     atol: float = 1e-4, seed: int = 0, threads: int | None = None,
                     token_budget: int = VALIDATION_TOKEN_BUDGET) -> dict:
-    """Check the export in ``export_dir`` against the torch ``scorer`` (see the module doc);
+    """Check the export in ``export_dir`` against the torch ``scorer`` (see the module doc; the
+    windows through ``reference``, :func:`window_outputs_module`'s "reference" form of it);
     returns the report, raises :class:`~.onnx_export.ExportValidationError` naming what differs.
     ``token_budget`` packs the validation essays' windows (small: little padding)."""
     from .onnx_export import validation_batches
@@ -413,7 +492,7 @@ def validate_scorer(export_dir: Path, scorer, tokenizer, module, columns: dict, 
     batches = validation_batches(max_length, vocab, pad_id, seed=seed, shapes=shapes)
     batches += [_collate([windows[j] for j in batch], pad_id) for batch in essay_batches]
     got_all, want_all, rows = [], [], []
-    for (ids, mask), ref in zip(batches, _torch_outputs(module, batches)):
+    for (ids, mask), ref in zip(batches, _torch_outputs(reference, batches)):
         got = onnx_scorer.runner(ids, mask)
         if got.shape != ref.shape:
             raise ExportValidationError(f"{ONNX_FILE}: output shape {list(got.shape)} for "
@@ -511,7 +590,9 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     scorer, tokenizer = _load_for_export(model_dir)
-    module, columns = window_outputs_module(scorer)
+    reference, columns = window_outputs_module(scorer)
+    graph = export_graph(scorer)
+    module, _ = window_outputs_module(scorer, graph)
     hf = scorer.encoder.config
     cfg = scorer.config
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
@@ -527,7 +608,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               output_axes={0: "batch"})
         except Exception as err:  # name what was being exported: the error alone may not
             raise _Unsupported(f"the {cfg.pooling} pooling / {cfg.objective} scorer could not "
-                               f"be exported ({type(err).__name__}: {err})") from err
+                               f"be exported as {graph} ({type(err).__name__}: {err})") from err
         onnx.checker.check_model(str(path))
         export_s = time.perf_counter() - t0
         with _quiet_export():
@@ -543,7 +624,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                                      "meaning": "every prompt's window output side by side"}},
             "prompts": [int(p) for p in cfg.prompts],
             "columns": {str(p): list(c) for p, c in columns.items()},
-            "attention": attention,
+            "graph": graph, "attention": attention,
             "objective": cfg.objective, "decision": cfg.decision, "pooling": cfg.pooling,
             "window": int(cfg.window), "max_length": int(cfg.encoder_spec.max_length),
             "special_ids": {"cls": int(tokenizer.cls_token_id),
@@ -553,7 +634,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         (stage / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         if validate:
             t0 = time.perf_counter()
-            meta["validation"] = validate_scorer(stage, scorer, tokenizer, module, columns,
+            meta["validation"] = validate_scorer(stage, scorer, tokenizer, reference, columns,
                                                  atol=atol, seed=seed, threads=threads)
             meta["validation_seconds"] = round(time.perf_counter() - t0, 2)
             (stage / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
