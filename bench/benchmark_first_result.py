@@ -19,7 +19,7 @@ the disk. The labels (tag) or the score (score) of every run are checked against
 run's.
 
     python bench/benchmark_first_result.py --repeats 5 --threads 2
-    python bench/benchmark_first_result.py --command score --variants default torch
+    python bench/benchmark_first_result.py --command score --profile  # and where start-up goes
     python bench/benchmark_first_result.py --out bench/results/   # default folder
 
 Results: ``bench/results/first_result_cpu_<date>.json`` (tag) or
@@ -74,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sentence", default=SENTENCE, help="tag's input")
     p.add_argument("--essay", default=ESSAY, help="score's input text")
     p.add_argument("--prompt", type=int, default=1, help="score's input prompt (default 1)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, one more run per variant under python -X "
+                   "importtime: where its start-up goes (imports by top-level module)")
     p.add_argument("--out", default=None, help="results .json file or folder")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.cold < 0:
@@ -134,6 +137,26 @@ def labels(result: dict, command: str = "tag") -> list[str] | int | None:
         return None
 
 
+def import_profile(cmd: Sequence[str], line: str, env: dict, top: int = 10) -> dict[str, Any]:
+    """``cmd`` run once under ``python -X importtime`` (untimed otherwise): the seconds its
+    imports took, all and per top-level module (the ``top`` largest), and whether torch,
+    transformers and onnxruntime were imported."""
+    proc = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], input=(line + "\n").encode(),
+                          capture_output=True, env=env)
+    per: dict[str, int] = {}
+    for raw in proc.stderr.decode(errors="replace").splitlines():
+        if not raw.startswith("import time:") or raw.count("|") < 2:
+            continue
+        _, cumulative, name = raw.split("|", 2)
+        if cumulative.strip().isdigit() and not name.startswith("  "):  # a top-level import
+            per[name.strip()] = per.get(name.strip(), 0) + int(cumulative)
+    biggest = sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    return {"exit_status": proc.returncode, "imports_s": round(sum(per.values()) / 1e6, 3),
+            "top_level_s": {k: round(v / 1e6, 3) for k, v in biggest},
+            "imported": {m: any(k == m or k.startswith(m + ".") for k in per)
+                         for m in ("torch", "transformers", "onnxruntime", "tokenizers")}}
+
+
 def summarize(runs: Sequence[dict]) -> dict[str, Any]:
     firsts = [r["first_result_s"] for r in runs if r["first_result_s"] is not None]
     return {"first_result_s_median": round(statistics.median(firsts), 3) if firsts else None,
@@ -186,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs[v].append(time_first_result(command(args, v, onnx_dir), input_line(args),
                                                  env))
                 print(f"{v}: first result {runs[v][-1]['first_result_s']}", flush=True)
+        profiles = {v: import_profile(command(args, v, onnx_dir), input_line(args), env)
+                    for v in (args.variants if args.profile else ())}
     reference = labels(runs["torch"][0], args.command) if "torch" in runs else None
     results["variants"] = {}
     for v, rs in runs.items():
@@ -195,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             row["labels_equal_torch" if args.command == "tag" else "score_equal_torch"] = all(
                 labels(r, args.command) == reference for r in rs)
         row["failed"] = [r["stderr"] for r in rs if r["exit_status"] != 0]
+        if v in profiles:
+            row["import_profile"] = profiles[v]
         results["variants"][v] = row
     results["labels" if args.command == "tag" else "score"] = reference
     header["device"]["load_average_end"] = load_average()

@@ -335,13 +335,17 @@ def test_first_result_script_times_score_too(tiny_scorer_dir, tmp_path, monkeypa
     monkeypatch.setenv("MHMLA_COMMIT", "test-commit")
     out = tmp_path / "first.json"
     rc = first.main(["--command", "score", "--model", str(tiny_scorer_dir), "--repeats", "1",
-                     "--cold", "0", "--threads", "1", "--out", str(out)])
+                     "--cold", "0", "--threads", "1", "--profile", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     result = json.loads(out.read_text())
     assert set(result["variants"]) == {"default", "torch"}
     for row in result["variants"].values():
         assert row["failed"] == [] and row["score_equal_torch"] is True
         assert " score " in row["command"]
+        assert row["import_profile"]["exit_status"] == 0 and row["import_profile"]["imports_s"] > 0
+    assert result["variants"]["torch"]["import_profile"]["imported"]["torch"] is True
+    assert result["variants"]["default"]["import_profile"]["imported"] == {
+        "torch": False, "transformers": False, "onnxruntime": True, "tokenizers": True}
     assert isinstance(result["score"], int) and json.loads(result["header"]["input"])["prompt"] == 1
     with pytest.raises(SystemExit):
         first.parse_args(["--command", "score", "--variants", "onnx"])
