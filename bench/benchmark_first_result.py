@@ -144,16 +144,18 @@ def import_profile(cmd: Sequence[str], line: str, env: dict, top: int = 10) -> d
     proc = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], input=(line + "\n").encode(),
                           capture_output=True, env=env)
     per: dict[str, int] = {}
+    every: set[str] = set()
     for raw in proc.stderr.decode(errors="replace").splitlines():
         if not raw.startswith("import time:") or raw.count("|") < 2:
             continue
         _, cumulative, name = raw.split("|", 2)
+        every.add(name.strip())
         if cumulative.strip().isdigit() and not name.startswith("  "):  # a top-level import
             per[name.strip()] = per.get(name.strip(), 0) + int(cumulative)
     biggest = sorted(per.items(), key=lambda kv: -kv[1])[:top]
     return {"exit_status": proc.returncode, "imports_s": round(sum(per.values()) / 1e6, 3),
             "top_level_s": {k: round(v / 1e6, 3) for k, v in biggest},
-            "imported": {m: any(k == m or k.startswith(m + ".") for k in per)
+            "imported": {m: m in every
                          for m in ("torch", "transformers", "onnxruntime", "tokenizers")}}
 
 
