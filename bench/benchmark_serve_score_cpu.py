@@ -3,6 +3,7 @@ essays.
 
     python bench/benchmark_serve_score_cpu.py                       # shipped scorer, 400 essays
     python bench/benchmark_serve_score_cpu.py --backend torch       # torch, not the export
+    python bench/benchmark_serve_score_cpu.py --compare-torch       # auto's scores = torch's?
     python bench/benchmark_serve_score_cpu.py --device cuda --dtype bfloat16 --essays 4000
     python bench/benchmark_serve_score_cpu.py --model runs/aes-shipped/aes-minilm-mhmla12
     python bench/benchmark_serve_score_cpu.py --essays 40 --out /tmp/   # a quick check
@@ -43,7 +44,8 @@ JSON (``--out``, default ``bench/results/aes_serve_cpu_<date>.json``, ``-2``, ``
 rather than overwriting; ``--out DIR`` gets the default name in DIR): ``header`` (device: CPU
 model, cores, load average before and after; torch/transformers versions, commit, command,
 date; model and its settings; data and sample), ``sample`` (essays, pieces, windows, means),
-``end_to_end``, ``in_process``, ``check`` and ``quality``. A summary is printed.
+``end_to_end``, ``in_process``, ``check`` (with ``--compare-torch`` also ``equals_torch``) and
+``quality``. A summary is printed.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="scorer weights and compute (default float32)")
     p.add_argument("--repeats", type=int, default=1, help="end-to-end runs (median; default 1)")
+    p.add_argument("--compare-torch", action="store_true",
+                   help="with --backend auto: also score the sample in process with --backend "
+                   "torch (untimed) and count the essays whose scores differ")
     p.add_argument("--out", default=None, help="results .json file or folder")
     args = p.parse_args(argv)
     if not (args.device == "cpu" or args.device.startswith("cuda")):
@@ -217,6 +222,19 @@ def time_in_process(model: Path, texts: list[str], prompts: list[int],
     return load_s, time.perf_counter() - t0, scores, type(scorer).__name__
 
 
+def torch_scores(model: Path, texts: list[str], prompts: list[int],
+                 args: argparse.Namespace) -> list[int]:
+    """The sample's scores by ``load_scorer(--backend torch)`` in the same chunks (untimed)."""
+    from mhmla_fast.serve.score import load_scorer
+
+    scorer = load_scorer(model, backend="torch", device=args.device, dtype=args.dtype,
+                         threads=args.threads)
+    b = args.batch_essays
+    return [int(s) for k in range(0, len(texts), b)
+            for s in scorer.predict_scores(texts[k:k + b], prompts[k:k + b],
+                                           token_budget=args.token_budget)]
+
+
 def rates(seconds: float, essays: int, pieces: int, windows: int) -> dict[str, float | None]:
     """essays/s, pieces/s and windows/s over ``seconds``."""
     if seconds <= 0:
@@ -287,7 +305,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"command overhead (start, imports, load, I/O): {result['command_overhead_s']:.2f} s",
         f"scores equal in process: {result['check']['cli_equals_in_process']} "
         f"({result['check']['mismatches']} differ)",
-    ]
+    ] + ([f"scores equal to --backend torch's: {t['essays'] - t['differing']} of {t['essays']}"]
+         if (t := result["check"].get("equals_torch")) else [])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -343,6 +362,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "check": {"cli_equals_in_process": status == 0 and mismatches == 0,
                         "mismatches": mismatches},
               "quality": quality(sample, scores)}
+    if args.compare_torch and args.backend != "torch":
+        want = torch_scores(model, texts, prompts, args)
+        result["check"]["equals_torch"] = {
+            "essays": n, "differing": sum(a != b for a, b in zip(scores, want)),
+            "note": "this backend's in-process scores against --backend torch's, same chunks"}
 
     path = resolve_out_path(args.out, datetime.datetime.now(datetime.timezone.utc).date(),
                             args.device)

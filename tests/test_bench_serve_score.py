@@ -42,7 +42,7 @@ def test_score_benchmark_main_writes_a_checked_result(tiny_scorer_dir, tmp_path,
     out = tmp_path / "score.json"
     rc = bench.main(["--model", str(tiny_scorer_dir), "--tsv", str(tsv), "--essays", "24",
                      "--threads", "1", "--batch-essays", "8", "--token-budget", "256",
-                     "--out", str(out)])
+                     "--compare-torch", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     result = json.loads(out.read_text())
     head = result["header"]
@@ -53,11 +53,12 @@ def test_score_benchmark_main_writes_a_checked_result(tiny_scorer_dir, tmp_path,
     assert result["sample"]["multi_window_essays"] >= 1  # windows are exercised
     assert result["end_to_end"]["exit_status"] == 0
     assert "--device cpu --dtype float32" in result["end_to_end"]["command"]
-    assert result["check"] == {"cli_equals_in_process": True, "mismatches": 0}
+    assert result["check"]["cli_equals_in_process"] is True and result["check"]["mismatches"] == 0
     assert head["settings"]["backend"] == "auto" and "--backend auto" in result["end_to_end"][
         "command"]
     assert result["in_process"]["scorer"] == "OnnxScorer"  # auto on the CPU: the export
     assert result["end_to_end"]["cold_cache"]["exit_status"] == 0
+    assert result["check"]["equals_torch"]["differing"] == 0
     assert result["end_to_end"]["essays_per_s"] > 0 and result["in_process"]["essays_per_s"] > 0
     assert "essays/s" in capsys.readouterr().out
 
