@@ -29,6 +29,7 @@ from mhmla_fast.serve.export_cache import (  # noqa: E402
 from mhmla_fast.serve.onnx_export import (  # noqa: E402
     VALIDATION_SENTENCES, ExportValidationError, validate_onnx,
 )
+from export_cache_fixtures import Lines, cache  # noqa: E402, F401 - the fixture
 
 TEXTS = [
     "He go to school every days .",
@@ -38,20 +39,6 @@ TEXTS = [
     "house was barking at the postman who delivers letters every single morning .",
     *VALIDATION_SENTENCES,
 ]
-
-
-class Lines:
-    """A ``log`` that keeps what the cache prints (parts joined into lines, as on stderr)."""
-
-    def __init__(self):
-        self.text = ""
-
-    def __call__(self, *parts, end="\n"):
-        self.text += " ".join(parts) + end
-
-    @property
-    def lines(self) -> list[str]:
-        return self.text.splitlines()
 
 
 def fake_exporter(calls: list, delay: float = 0.0, fail: Exception | None = None):
@@ -67,15 +54,6 @@ def fake_exporter(calls: list, delay: float = 0.0, fail: Exception | None = None
         return {"validation": {"max_abs_diff": 0.0}}
 
     return export
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    """A fresh cache for one test (``$MHMLA_CACHE_DIR``)."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("MHMLA_CACHE_DIR", str(root))
-    monkeypatch.delenv("MHMLA_NO_CACHE", raising=False)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from mhmla_fast.serve.export_cache import (  # noqa: E402
 from mhmla_fast.serve.onnx_export import ExportValidationError  # noqa: E402
 from mhmla_fast.serve.score import load_scorer  # noqa: E402
 from mhmla_fast.serve.score_onnx import VALIDATION_ESSAYS, OnnxScorer, export_scorer  # noqa: E402
+from export_cache_fixtures import Lines, cache  # noqa: E402, F401 - the fixture
 
 WORDS = ("the a cat dog house school every day he she they we go goes went see sees because "
          "computers people library books café naïve don't 3.14 !? …").split()
@@ -41,29 +42,6 @@ def essays(n: int, seed: int = 3) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(150, 260) if k % 4 == 3
                                                       else rng.choice([3, 12, 30, 55]))) + " ."
             for k in range(n)]
-
-
-class Lines:
-    """A ``log`` that keeps what the cache prints (parts joined into lines, as on stderr)."""
-
-    def __init__(self):
-        self.text = ""
-
-    def __call__(self, *parts, end="\n"):
-        self.text += " ".join(parts) + end
-
-    @property
-    def lines(self) -> list[str]:
-        return self.text.splitlines()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    """A fresh cache for one test (``$MHMLA_CACHE_DIR``)."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("MHMLA_CACHE_DIR", str(root))
-    monkeypatch.delenv("MHMLA_NO_CACHE", raising=False)
-    return root
 
 
 @pytest.fixture(scope="module")
