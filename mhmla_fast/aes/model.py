@@ -55,8 +55,8 @@ from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES
 from .scoring import (DECISIONS, FORMAT, OBJECTIVES, EssayPlan,  # noqa: F401
-                      combine_windows, default_model_path, essay_scores, num_labels,
-                      piece_windows)
+                      combine_windows, default_model_path, essay_prompts, essay_scores,
+                      num_labels, piece_windows)
 from .windows import split_windows
 
 __all__ = [
@@ -288,10 +288,7 @@ class EssayScorer(ModelDirMixin, nn.Module):
         or normalised score).
         """
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
-        prompts = [int(prompt)] * len(texts) if isinstance(prompt, (int, np.integer)) else [int(p) for p in prompt]
-        if len(prompts) != len(texts):
-            raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
-        self._check_prompts(prompts)
+        prompts = essay_prompts(len(texts), prompt, self.config.prompts)
         if not texts:
             scores, outputs = np.zeros(0, dtype=np.int64), []
             return (scores, outputs) if return_outputs else scores
@@ -301,12 +298,6 @@ class EssayScorer(ModelDirMixin, nn.Module):
         scores, outputs = essay_scores([p.numpy() for p in preds], essay_index, prompts,
                                        self.config.objective, self.config.decision)
         return (scores, outputs) if return_outputs else scores
-
-    def _check_prompts(self, prompts: Sequence[int]) -> None:
-        unknown = sorted(set(prompts) - set(self.config.prompts))
-        if unknown:
-            raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
-                             f"{list(self.config.prompts)} only")
 
     @torch.no_grad()
     def _window_outputs(self, windows: Sequence[Sequence[int]], prompts: Sequence[int],
@@ -338,7 +329,7 @@ class EssayScorer(ModelDirMixin, nn.Module):
         """One essay tokenized and cut into the windows :meth:`predict_scores` would use, to be
         scored window by window (:meth:`score_windows`, any order and batches) and combined
         (:meth:`finish_essay`) into exactly :meth:`predict_scores`' score."""
-        self._check_prompts([int(prompt)])
+        essay_prompts(1, prompt, self.config.prompts)
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
         pieces = tokenizer([text], add_special_tokens=False, truncation=False,
                            verbose=False)["input_ids"][0]

@@ -16,7 +16,7 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
-           "piece_windows", "default_model_path", "num_labels"]
+           "essay_prompts", "piece_windows", "default_model_path", "num_labels"]
 
 FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
 OBJECTIVES = ("classification", "regression")
@@ -51,6 +51,20 @@ class EssayPlan:
     def window_ids(self, w: int) -> list[int]:
         start, end = self.windows[w]
         return [self.cls_id, *self.pieces[start:end], self.sep_id]
+
+
+def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int]) -> list[int]:
+    """Each of ``n_texts`` essays' prompt (one ``prompt`` for all, or one per essay); ValueError
+    when the counts differ or a prompt is not among ``known`` (the scorer's heads)."""
+    prompts = ([int(prompt)] * n_texts if isinstance(prompt, (int, np.integer))
+               else [int(p) for p in prompt])
+    if len(prompts) != n_texts:
+        raise ValueError(f"{n_texts} texts but {len(prompts)} prompts")
+    unknown = sorted(set(prompts) - set(known))
+    if unknown:
+        raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
+                         f"{list(known)} only")
+    return prompts
 
 
 def piece_windows(pieces: Sequence[Sequence[int]], window: int, cls_id: int, sep_id: int

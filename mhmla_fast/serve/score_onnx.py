@@ -62,7 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..aes.scoring import EssayPlan, combine_windows, essay_scores, piece_windows
+from ..aes.scoring import EssayPlan, combine_windows, essay_prompts, essay_scores, piece_windows
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
@@ -354,12 +354,6 @@ class OnnxScorer:
     def __repr__(self) -> str:
         return f"OnnxScorer({str(self.path)!r}, threads={self.threads})"
 
-    def _check_prompts(self, prompts: Sequence[int]) -> None:
-        unknown = sorted(set(prompts) - set(self.config.prompts))
-        if unknown:
-            raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
-                             f"{list(self.config.prompts)} only")
-
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Word pieces of ``texts`` (no special tokens, no truncation)."""
         return [e.ids for e in self.pieces.encode_batch(list(texts), add_special_tokens=False)]
@@ -392,11 +386,7 @@ class OnnxScorer:
         ``EssayScorer.predict_scores`` (windows of all essays in token-budget batches, window
         outputs averaged per essay, rounded); with ``return_outputs`` also the averaged
         outputs."""
-        prompts = ([int(prompt)] * len(texts) if isinstance(prompt, (int, np.integer))
-                   else [int(p) for p in prompt])
-        if len(prompts) != len(texts):
-            raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
-        self._check_prompts(prompts)
+        prompts = essay_prompts(len(texts), prompt, self.config.prompts)
         if not texts:
             scores, outputs = np.zeros(0, dtype=np.int64), []
             return (scores, outputs) if return_outputs else scores
@@ -411,7 +401,7 @@ class OnnxScorer:
 
     def plan_essay(self, text: str, prompt: int) -> EssayPlan:
         """One essay word-pieced and cut into the windows :meth:`predict_scores` would use."""
-        self._check_prompts([int(prompt)])
+        essay_prompts(1, prompt, self.config.prompts)
         pieces = self.encode([text])[0]
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
                          self.cls_id, self.sep_id, self.pad_id)
