@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["cuda_available", "gpu_device_possible", "resolve_device", "physical_cores"]
+__all__ = [
+    "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores",
+    "TRAIN_PRECISIONS", "training_autocast",
+]
 
 # Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
 # (/dev/nvidiactl, /proc/driver/nvidia), ROCm (/dev/kfd), WSL 2 (/dev/dxg).
@@ -62,6 +65,25 @@ def resolve_device(device: str | None = None, backend: str = "torch") -> str:
     if backend == "tensorrt":
         return "cuda"
     return "cuda" if cuda_available(backend) else "cpu"
+
+
+# How training steps compute: "auto" is bf16 autocast on CUDA and float32 on the CPU (where
+# bf16 is fast only with AMX, and would change the numerics of a CPU run by default)
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def training_autocast(precision: str, device):
+    """The ``torch.autocast`` context of a training step on ``device`` (a ``torch.device``):
+    bfloat16 matmuls under "bf16" (CUDA or CPU), and under "auto" on CUDA; disabled under
+    "fp32", and under "auto" on any other device. Losses are taken in float32 either way."""
+    import torch
+
+    if precision not in TRAIN_PRECISIONS:
+        raise ValueError(f"precision: expected one of {TRAIN_PRECISIONS}, got {precision!r}")
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if bf16 and device.type not in ("cuda", "cpu"):
+        raise ValueError(f"precision: bf16 autocast is supported on cuda and cpu, not {device.type}")
+    return torch.autocast(device.type if bf16 else "cpu", dtype=torch.bfloat16, enabled=bf16)
 
 
 def physical_cores() -> int:

@@ -259,3 +259,41 @@ def test_compiled_training_ends_where_eager_training_does(tmp_path):
     assert runs["off"][1].keys() == runs["default"][1].keys()
     for name, w in runs["off"][1].items():
         torch.testing.assert_close(runs["default"][1][name], w, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_training_autocast_follows_precision_and_device():
+    from mhmla_fast.devices import training_autocast
+
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    for precision, dtype in (("auto", torch.float32), ("fp32", torch.float32),
+                             ("bf16", torch.bfloat16)):
+        with training_autocast(precision, torch.device("cpu")):
+            assert (a @ b).dtype == dtype, precision
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        training_autocast("fp16", torch.device("cpu"))
+    with pytest.raises(ValueError, match="bf16 autocast is supported on cuda and cpu"):
+        training_autocast("bf16", torch.device("meta"))
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        TrainConfig(train="t", dev="d", out="o", precision="half")
+
+
+def test_bf16_training_on_the_cpu_learns_and_resumes_exactly(tmp_path, tiny_encoder):
+    kw = dict(epochs=2, precision="bf16")
+    full = train(config(tmp_path, tiny_encoder, tmp_path / "full", **kw))
+    log = json.loads((tmp_path / "full" / "log.json").read_text())
+    assert log[-1]["train_loss"] < log[0]["train_loss"]
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "resumed", **kw)
+    train(cfg, stop_after_steps=11)
+    resumed = train(cfg)
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+    # the steps really ran in bf16: the same run in fp32 ends elsewhere
+    fp32 = train(config(tmp_path, tiny_encoder, tmp_path / "fp32", epochs=2))
+    c = load_file(fp32 / "model.safetensors")
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert json.loads((full / "config.json").read_text())["training"]["config"]["precision"] == "bf16"
+    # a run may not change precision on resume
+    cfg.precision = "fp32"
+    with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
+        train(cfg)
