@@ -40,7 +40,8 @@ http    ``mhmla-serve http`` started as a subprocess (``startup_s`` until ``/hea
 train   ``mhmla-train ged`` in a subprocess (``--train-sentences`` prefix of FCE train,
         ``--train-epochs``, batch 32, dev = the first ``--train-dev-sentences`` of FCE dev):
         per epoch seconds and sentences/s from its ``log.json`` (which include the small dev
-        evaluation), and the estimated seconds of a whole 28,731-sentence FCE epoch.
+        evaluation), and the estimated seconds of a whole 28,731-sentence FCE epoch; one run
+        per ``--train-compile`` mode and ``--train-precision``.
 
 Results (``--out``: a .json file, or a folder, default ``bench/results/``, that gets
 ``benchmark_serve_<cpu|cuda>_<date>.json``, ``-2``... rather than overwriting): ``header``
@@ -199,6 +200,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--train-compile", nargs="+", default=["off"],
                    choices=("off", "default", "reduce-overhead", "max-autotune"),
                    help="--compile of mhmla-train ged: one run per mode (default: off)")
+    g.add_argument("--train-precision", nargs="+", default=["auto"],
+                   choices=("auto", "fp32", "bf16"),
+                   help="--precision of mhmla-train ged: one run per precision and compile "
+                        "mode (default: auto)")
     args = p.parse_args(argv)
 
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
@@ -337,7 +342,7 @@ def target_values(rows: Sequence[dict]) -> dict[str, Any]:
     score = _fastest(rows, "essays_per_s", task="score")
     http = next((r for r in rows if r.get("task") == "http" and r.get("error") is None
                  and r.get("setting", {}).get("per_request") == 1), None)
-    train = _fastest(rows, "sentences_per_s", task="train")  # of the --train-compile modes
+    train = _fastest(rows, "sentences_per_s", task="train")  # of the --train-compile modes and precisions
     agree = (eng16 or {}).get("vs_cpu_fp32") or {}
     return {
         "tag_engine_best_sentences_per_s": (eng or {}).get(sps),
@@ -1154,13 +1159,15 @@ def http_worker(spec_path: str) -> int:
 # -------------------------------------------------------------------------------- train
 
 
-def train_command(run: Run, train: Path, dev: Path, out: Path, compile: str = "off") -> list[str]:
+def train_command(run: Run, train: Path, dev: Path, out: Path, compile: str = "off",
+                  precision: str = "auto") -> list[str]:
     """``mhmla-train ged`` on a prefix of FCE train, batch 32, the run's head kernels."""
     args = run.args
     cmd = [sys.executable, "-m", "mhmla_fast.commands.train", "ged", "--train", str(train),
            "--dev", str(dev), "--out", str(out), "--epochs", str(args.train_epochs),
            "--batch-size", "32", "--max-train-sentences", str(args.train_sentences),
-           "--backend", args.kernels, "--compile", compile, "--no-progress", *_threads_flag(args)]
+           "--backend", args.kernels, "--compile", compile, "--precision", precision,
+           "--no-progress", *_threads_flag(args)]
     if args.train_encoder:
         cmd += ["--encoder", args.train_encoder]
     return cmd
@@ -1168,7 +1175,7 @@ def train_command(run: Run, train: Path, dev: Path, out: Path, compile: str = "o
 
 def run_train(run: Run) -> list[dict]:
     """Training throughput from ``log.json`` of short ``mhmla-train ged`` runs, one per
-    ``--train-compile`` mode."""
+    ``--train-compile`` mode and ``--train-precision``."""
     from mhmla_fast.ged.data import read_ged
     from mhmla_fast.paths import shared_data_dir
 
@@ -1185,16 +1192,16 @@ def run_train(run: Run) -> list[dict]:
     if run.on_cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # mhmla-train takes the GPU when it sees one
     rows = []
-    for mode in args.train_compile:
-        out = run.tmp / f"train_run_{mode}"
-        cmd = train_command(run, train, dev, out, mode)
+    for mode, precision in [(m, q) for m in args.train_compile for q in args.train_precision]:
+        out = run.tmp / f"train_run_{mode}_{precision}"
+        cmd = train_command(run, train, dev, out, mode, precision)
         result = time_process(cmd, None, env=env)
         row: dict[str, Any] = {
             "task": "train", "device": run.device, "path": "mhmla-train ged",
             "command": shlex.join(cmd), "error": None, "wall_s": round(result["wall_s"], 3),
             "setting": {"train_sentences": args.train_sentences, "epochs": args.train_epochs,
                         "batch_size": 32, "dev_sentences": len(dev_sents),
-                        "kernels": args.kernels, "compile": mode,
+                        "kernels": args.kernels, "compile": mode, "precision": precision,
                         "encoder": args.train_encoder or "the embedded MiniLM"}}
         rows.append(row)
         if result["exit_status"] != 0:

@@ -105,7 +105,7 @@ class TrainConfig:
     # bf16 autocast of the training steps (evaluation stays float32)
     precision: str = field(default="auto", metadata=_help(
         "training-step precision: auto (bf16 autocast on CUDA, float32 on the CPU), fp32, or "
-        "bf16 (autocast on CUDA or the CPU; on a CPU with AMX about 1.6x faster than fp32)",
+        "bf16 (autocast on CUDA or the CPU, where it pays on CPUs with AMX bf16 units)",
         choices=TRAIN_PRECISIONS))
     extra: dict = field(default_factory=dict, metadata={"cli": False})
 
