@@ -636,7 +636,7 @@ def run_tag(run: Run) -> list[dict]:
                 error = None
             except Exception as e:  # noqa: BLE001
                 engine, error = None, f"{type(e).__name__}: {e}"
-            for budget, chunk in settings:
+            for budget, chunk in dict.fromkeys((b, c) for b, c, _ in settings):  # no workers
                 base = {"path": "engine", "backend": "onnx", "dtype": dtype,
                         "setting": {"token_budget": budget, "max_batch": args.max_batch,
                                     "chunk": chunk}}
@@ -680,9 +680,9 @@ def essay_sample(run: Run) -> dict:
 
 
 def score_args(run: Run, dtype: str) -> argparse.Namespace:
-    """The arguments ``benchmark_serve_score_cpu``'s functions read."""
-    return argparse.Namespace(threads=run.threads, device=run.device, dtype=dtype,
-                              batch_essays=run.args.batch_essays,
+    """The arguments ``benchmark_serve_score_cpu``'s functions read (the scorer in torch)."""
+    return argparse.Namespace(backend="torch", threads=run.threads, device=run.device,
+                              dtype=dtype, batch_essays=run.args.batch_essays,
                               token_budget=run.args.token_budget)
 
 
@@ -698,14 +698,14 @@ def run_score(run: Run) -> list[dict]:
                                         "token_budget": run.args.token_budget},
             "essays": len(s["texts"]), "error": None}
         try:
-            load_s, predict_s, scores = scorebench.time_in_process(
+            load_s, predict_s, scores, scorer = scorebench.time_in_process(
                 s["model"], s["texts"], s["prompts"], score_args(run, dtype))
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"
             rows.append(row)
             _progress(row)
             continue
-        row.update(load_s=round(load_s, 3), predict_s=round(predict_s, 3),
+        row.update(scorer=scorer, load_s=round(load_s, 3), predict_s=round(predict_s, 3),
                    **scorebench.rates(predict_s, len(scores), s["pieces"], s["windows"]))
         run.score_reference[dtype] = scores
         if first is None:

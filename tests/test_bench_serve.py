@@ -242,6 +242,36 @@ def test_tag_task_end_to_end(bench, tiny_tagger_dir, tmp_path, monkeypatch, caps
     assert "targets" in capsys.readouterr().out
 
 
+def test_onnx_tag_rows_and_the_score_task_end_to_end(bench, tiny_tagger_dir, tiny_scorer_dir,
+                                                     tmp_path, monkeypatch, capsys):
+    """The ONNX engine rows (one per budget and chunk, whatever --host-workers lists) and the
+    in-process score rows, bf16 beside fp32 with its agreement counted."""
+    from test_bench_serve_score import _write_tsv
+
+    monkeypatch.setenv("MHMLA_COMMIT", "test-commit")
+    monkeypatch.setenv("MHMLA_CACHE_DIR", str(tmp_path / "cache"))
+    data = _write_fce(tmp_path / "fce.tsv", 8)
+    tsv = _write_tsv(tmp_path / "asap.tsv", per_prompt=2)
+    out = tmp_path / "tag_score.json"
+    rc = bench.main(["--tasks", "tag", "score", "--model", str(tiny_tagger_dir), "--data",
+                     str(data), "--repeats", "1", "--warmup", "2", "--threads", "1",
+                     "--tag-paths", "plain", "onnx", "--budgets", "256", "--chunks", "0",
+                     "--host-workers", "0", "1", "--scorer", str(tiny_scorer_dir), "--tsv",
+                     str(tsv), "--essays", "14", "--batch-essays", "4", "--token-budget", "256",
+                     "--score-dtypes", "float32", "bfloat16", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]]
+    onnx = [(r["dtype"], r["setting"]["token_budget"]) for r in rows if r.get("backend") == "onnx"]
+    assert onnx == [("float32", 256), ("int8", 256)]
+    fp32 = next(r for r in rows if r.get("backend") == "onnx" and r["dtype"] == "float32")
+    assert fp32["vs_reference"]["labels_identical"]
+    score = [r for r in rows if r["task"] == "score"]
+    assert [r["dtype"] for r in score] == ["float32", "bfloat16"]
+    assert all(r["essays_per_s"] > 0 for r in score)
+    assert score[1]["vs_float32"]["essays"] == score[0]["essays"] == 13  # no prompt 8 here
+
+
 def test_cli_and_http_tasks_end_to_end(bench, tiny_tagger_dir, tmp_path, monkeypatch, capsys):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
