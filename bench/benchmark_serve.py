@@ -631,6 +631,8 @@ def run_tag(run: Run) -> list[dict]:
             try:
                 if export_dir is None:
                     raise RuntimeError("; ".join(report["errors"].values()))
+                if dtype == "int8" and "export_int8" in report["errors"]:  # fp32 exported only
+                    raise RuntimeError(f"the int8 export failed: {report['errors']['export_int8']}")
                 engine = Engine.load(export_dir, backend="onnx", device=device, dtype=dtype,
                                      threads=run.threads, threshold=run.threshold)
                 error = None
