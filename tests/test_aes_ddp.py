@@ -60,7 +60,7 @@ def _grads_worker(rank: int, port: int, encoder: str, out: str) -> None:
     rows = list(range(len(windows)))
     mine = shard(rows, [len(w) for w in windows], ctx.rank, ctx.world_size)
     loss = _window_loss(net, cfg, mine, 3, windows, scores, tok.pad_token_id, torch.device("cpu"),
-                        False, reduction="sum")
+                        torch.autocast("cpu", enabled=False), reduction="sum")
     (loss * ctx.world_size / len(rows)).backward()
     if rank == 0:
         save_file({n: p.grad.contiguous() for n, p in scorer.named_parameters() if p.grad is not None},
@@ -75,8 +75,9 @@ def test_ddp_gradients_equal_one_process_on_the_whole_batch(tmp_path, tiny_encod
     mp.spawn(_grads_worker, args=(free_port(), tiny_encoder, out), nprocs=WORLD, join=True)
     ddp = load_file(out)
     cfg, scorer, tok, windows, scores = _scorer_and_windows(tiny_encoder)
+    off = torch.autocast("cpu", enabled=False)
     loss = _window_loss(scorer, cfg, list(range(len(windows))), 3, windows, scores, tok.pad_token_id,
-                        torch.device("cpu"), False, reduction="mean")
+                        torch.device("cpu"), off, reduction="mean")
     loss.backward()
     named = dict(scorer.named_parameters())
     assert set(ddp) == {n for n, p in named.items() if p.grad is not None}

@@ -250,3 +250,42 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
     other = FinetuneConfig(out=str(tmp_path / "parts"), epochs=3, **{**base, "lr": 5e-4})
     with pytest.raises(ValueError, match="different run"):
         finetune(other, train, dev, log=None)
+
+
+def test_finetuning_precision_is_honoured_on_the_cpu_and_old_checkpoints_resume(tiny_encoder,
+                                                                                tmp_path):
+    """precision="bf16" runs bf16 autocast on the CPU (a different run from fp32); a checkpoint
+    written before the option (``"bf16": true``, applied on CUDA only) resumes as "auto"."""
+    from safetensors.torch import load_file
+
+    from mhmla_fast.aes.train import FinetuneConfig, finetune
+
+    rng = random.Random(6)
+    train = [Essay(i, 3, " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))),
+                   i % 4, i % 4, i % 4, i + 1) for i in range(12)]
+    base = dict(prompts=(3,), encoder=tiny_encoder, num_heads=4, batch_size=4, lr=1e-3,
+                head_lr=3e-3, backend="torch")
+    finetune(FinetuneConfig(out=str(tmp_path / "auto"), epochs=1, **base), train, train[:4], log=None)
+    finetune(FinetuneConfig(out=str(tmp_path / "bf16"), epochs=1, precision="bf16", **base), train,
+             train[:4], log=None)
+    a = load_file(tmp_path / "auto" / "checkpoint-1.safetensors")
+    b = load_file(tmp_path / "bf16" / "checkpoint-1.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # bf16 was not dropped on the CPU
+    meta_file = tmp_path / "auto" / "checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["config"]["precision"] == "auto"
+    meta["config"].pop("precision")
+    meta["config"]["bf16"] = True  # the layout of before
+    meta_file.write_text(json.dumps(meta))
+    _, state = finetune(FinetuneConfig(out=str(tmp_path / "auto"), epochs=2, **base), train,
+                        train[:4], log=None)
+    assert state["epoch"] == 2
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        FinetuneConfig(out=str(tmp_path / "x"), precision="fp16", **base)
+
+
+def test_aes_precision_flag_needs_finetune(tmp_path, capsys):
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    assert mhmla_train(["aes", "--precision", "bf16", "--out", str(tmp_path / "x")]) == 2
+    assert "--precision applies to --finetune only" in capsys.readouterr().err

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
+from ..devices import TRAIN_PRECISIONS, training_autocast
 from ..distributed import check_resume_world, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from .data import SCORE_RANGES, Essay
@@ -58,8 +59,12 @@ class FinetuneConfig:
     lr: float = 1e-5
     head_lr: float = 1e-3
     seed: int = 0
-    bf16: bool = True
+    precision: str = "auto"  # devices.TRAIN_PRECISIONS: auto = bf16 autocast on CUDA, fp32 on CPU
     backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.precision not in TRAIN_PRECISIONS:
+            raise ValueError(f"precision: expected one of {TRAIN_PRECISIONS}, got {self.precision!r}")
 
 
 def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Sequence[Essay], *,
@@ -95,7 +100,10 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config}
     saved = load_checkpoint(out, model, opt)
     if saved is not None:
-        diff = config_diff(cfg, saved["config"], free=("epochs",))  # old layouts read too
+        stored = dict(saved["config"])
+        if "bf16" in stored:  # a checkpoint from before `precision`: bf16 applied on CUDA only
+            stored["precision"] = "auto" if stored.pop("bf16") else "fp32"
+        diff = config_diff(cfg, stored, free=("epochs",))  # old layouts read too
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
@@ -103,7 +111,7 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
         state["config"] = config
     state["world_size"] = dist_ctx.world_size if dist_ctx else 1
-    use_bf16 = cfg.bf16 and device.type == "cuda"
+    autocast = training_autocast(cfg.precision, device)
     # a batch is one prompt's: the other prompts' output layers get no gradient
     net = wrap(model, device, dist_ctx, find_unused=True)
     win_len = [len(w) for w in windows]
@@ -116,7 +124,7 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
             opt.zero_grad(set_to_none=True)
             if dist_ctx is None:
                 loss = _window_loss(model, cfg, rows, p, windows, win_score, tokenizer.pad_token_id,
-                                    device, use_bf16, reduction="mean")
+                                    device, autocast, reduction="mean")
                 loss.backward()
                 total_t += loss.detach().double() * len(rows)
             else:
@@ -126,7 +134,7 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
                 mine = shard(list(rows), win_len, dist_ctx.rank, dist_ctx.world_size)
                 weight = 1.0 if mine else 0.0  # an empty share still joins the all-reduce
                 loss_sum = _window_loss(net, cfg, mine or [rows[0]], p, windows, win_score,
-                                        tokenizer.pad_token_id, device, use_bf16, reduction="sum")
+                                        tokenizer.pad_token_id, device, autocast, reduction="sum")
                 # DDP averages over ranks: sum * world / global count is the global mean's gradient
                 (loss_sum * weight * dist_ctx.world_size / len(rows)).backward()
                 total_t += loss_sum.detach().double() * weight
@@ -164,14 +172,14 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
 
 
 def _window_loss(net, cfg: FinetuneConfig, rows, prompt: int, windows, win_score, pad_id: int,
-                 device: torch.device, use_bf16: bool, reduction: str) -> torch.Tensor:
+                 device: torch.device, autocast, reduction: str) -> torch.Tensor:
     """The loss of windows ``rows`` (all of ``prompt``): cross-entropy over the score classes,
     or the squared error of the score scaled to [0, 1], by ``reduction`` ("mean" or "sum")."""
     from .model import collate_windows
 
     ids, mask = collate_windows([windows[j] for j in rows], pad_id)
     lo, hi = SCORE_RANGES[prompt]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+    with autocast:
         raw = net(ids.to(device), mask.to(device), prompt)
     gold = win_score[rows]
     if cfg.objective == "classification":

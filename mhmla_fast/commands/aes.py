@@ -93,6 +93,9 @@ def add_train_parser(sub) -> None:
                    "better on dev)")
     p.add_argument("--finetune", action="store_true",
                    help="full fine-tuning of encoder + MHMLA head per prompt (meant for a GPU)")
+    p.add_argument("--precision", default=None, choices=("auto", "fp32", "bf16"),
+                   help="--finetune: training-step precision (default auto: bf16 autocast on "
+                   "CUDA, fp32 on the CPU; bf16 also on a CPU)")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
@@ -115,6 +118,9 @@ def run_train(args) -> int:
     try:
         prompts = parse_prompts(args.prompt)
         folds = parse_folds(args.fold)
+        if args.precision is not None and not args.finetune:
+            raise ValueError("--precision applies to --finetune only (the other paths train "
+                             "heads on cached float32 features)")
         if args.export_shipped:
             path = export_shipped_scorer(args.export_shipped, data_dir=args.data_dir,
                                          cache_dir=args.cache_dir,
@@ -195,7 +201,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
             cfg = FinetuneConfig(out=str(out), prompts=(p,), fold=k, encoder=args.encoder,
                                  epochs=args.epochs or 10, batch_size=args.batch_size or 8,
                                  lr=args.lr or 1e-5, head_lr=args.head_lr, seed=args.seed,
-                                 backend=args.backend)
+                                 precision=args.precision or "auto", backend=args.backend)
             model, state = finetune(cfg, sp["train"], sp["dev"], log=_log(args))
             pred = model.predict_scores([e.text for e in sp["test"]], p)
             gold = np.array([e.score for e in sp["test"]])
