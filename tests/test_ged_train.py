@@ -48,7 +48,8 @@ def config(tmp_path, encoder, out, **kw):
 
 def test_collate_puts_each_words_label_at_its_first_piece():
     """Labels [B, T]: word w's label at the piece whose word index is w, IGNORE elsewhere
-    (padding, continuation pieces, [CLS]/[SEP]), against a plain loop over random sentences."""
+    (padding, continuation pieces, [CLS]/[SEP]), and the pieces, mask and word indices, against
+    a plain loop over random sentences, with and without static rows and length."""
     from mhmla_fast.ged.model import IGNORE, collate
 
     rng = random.Random(0)
@@ -61,13 +62,22 @@ def test_collate_puts_each_words_label_at_its_first_piece():
             for w in range(words):
                 index += [w] + [-1] * rng.randint(0, 2)
             encoded.append((list(range(len(index) + 1)), index + [-1]))
-        got = collate(encoded, 0, labels)["labels"]
+        rows, length = rng.choice([(0, 0), (8, 40)])
+        batch = collate(encoded, 5, labels, rows=rows, length=length)
+        got = batch["labels"]
         want = torch.full(got.shape, IGNORE)
-        for b, (_, index) in enumerate(encoded):
-            for t, w in enumerate(index):
+        ids, mask, wi = torch.full(got.shape, 5), torch.zeros(got.shape, dtype=torch.long), \
+            torch.full(got.shape, -1)
+        for b, (pieces, index) in enumerate(encoded):
+            for t, (piece, w) in enumerate(zip(pieces, index)):
+                ids[b, t], mask[b, t], wi[b, t] = piece, 1, w
                 if w >= 0:
                     want[b, t] = labels[b][w]
+        mask[len(encoded):, 0] = 1
         assert torch.equal(got, want)
+        assert torch.equal(batch["input_ids"], ids) and torch.equal(batch["word_index"], wi)
+        assert torch.equal(batch["attention_mask"], mask)
+        assert all(v.dtype == torch.long for v in batch.values())
 
 
 def test_length_bucketed_batches_cover_every_sentence_once():

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -183,28 +185,34 @@ def collate(
     B is at least ``rows`` and T at least ``length`` (for static shapes): each filler row is
     padding whose first piece alone is attended (so attention stays defined) and carries no
     label."""
-    B = max(len(encoded), rows)
-    T = max(length, max(len(ids) for ids, _ in encoded))
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    mask[len(encoded):, 0] = 1
-    word_index = torch.full((B, T), -1, dtype=torch.long)
-    for b, (ids, index) in enumerate(encoded):
-        input_ids[b, : len(ids)] = torch.tensor(ids)
-        mask[b, : len(ids)] = 1
-        word_index[b, : len(ids)] = torch.tensor(index)
-    batch = {"input_ids": input_ids, "attention_mask": mask, "word_index": word_index}
+    n = len(encoded)
+    lens = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=n)
+    B, T = max(n, rows), max(length, int(lens.max()))
+    # one flat copy of every row's pieces, scattered row by row into the padded [n, T] grid
+    # (a boolean mask assigns in row-major order): no per-row tensor
+    filled = np.arange(T) < lens[:, None]
+    total = int(lens.sum())
+    input_ids = np.full((B, T), pad_id, dtype=np.int64)
+    input_ids[:n][filled] = np.fromiter(chain.from_iterable(ids for ids, _ in encoded),
+                                        dtype=np.int64, count=total)
+    word_index = np.full((B, T), -1, dtype=np.int64)
+    word_index[:n][filled] = np.fromiter(chain.from_iterable(ix for _, ix in encoded),
+                                         dtype=np.int64, count=total)
+    mask = np.zeros((B, T), dtype=np.int64)
+    mask[:n] = filled
+    mask[n:, 0] = 1
+    batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(mask),
+             "word_index": torch.from_numpy(word_index)}
     if labels is not None:  # each word's label at its first piece
-        lab = torch.full((B, T), IGNORE, dtype=torch.long)
+        lab = np.full((B, T), IGNORE, dtype=np.int64)
         first = word_index >= 0
-        rows = first.nonzero(as_tuple=True)[0]
-        if len(rows):
-            counts = torch.tensor([len(labels[b]) for b in range(len(encoded))], dtype=torch.long)
-            words = torch.cat([torch.as_tensor(labels[b], dtype=torch.long)
-                               for b in range(len(encoded))])
-            starts = torch.cumsum(counts, 0) - counts  # each sentence's first word in ``words``
-            lab[first] = words[starts[rows] + word_index[first]]
-        batch["labels"] = lab
+        if first.any():
+            counts = np.fromiter((len(labels[b]) for b in range(n)), dtype=np.int64, count=n)
+            words = np.fromiter(chain.from_iterable(labels[b] for b in range(n)),
+                                dtype=np.int64, count=int(counts.sum()))
+            starts = np.cumsum(counts) - counts  # each sentence's first word in ``words``
+            lab[first] = words[starts[first.nonzero()[0]] + word_index[first]]
+        batch["labels"] = torch.from_numpy(lab)
     return batch
 
 
