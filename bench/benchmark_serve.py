@@ -26,8 +26,9 @@ cli     whole processes, wall clock from spawn to exit and the time until the ou
         user watching the file sees a result): ``mhmla-serve tag IN --output OUT`` with the
         defaults (the headline: backend auto, on a warm export cache in the run's scratch
         folder, ``$MHMLA_CACHE_DIR``; one untimed first run fills it and is recorded as
-        ``cold_cache``), per ``--cli-tag-backends`` also with ``--backend torch`` and, on the
-        CPU, ``--backend onnx`` on a fresh ``mhmla-serve export --onnx``, the Hugging Face pipeline
+        ``cold_cache``), per ``--cli-tag-backends`` also with ``--backend torch``, with
+        ``--backend torch --dtype bfloat16`` (``torch-bf16``) and, on the CPU, ``--backend
+        onnx`` on a fresh ``mhmla-serve export --onnx``, the Hugging Face pipeline
         as a whole process (``--hf-worker``: import, load, tag, write) per pipeline setting,
         and ``mhmla-serve score``. ``--cli-repeats`` runs alternate between the commands.
         The commands' labels and scores are checked against the engine / scorer in process.
@@ -94,7 +95,8 @@ TASKS = ("tag", "score", "cli", "http", "train")
 FCE_TRAIN_SENTENCES = 28_731  # one epoch of the issue's training goal
 TAG_PATH = "/v1/tag"
 CLI_COMMANDS = ("tag", "hf", "score")
-CLI_TAG_BACKENDS = ("default", "torch", "onnx")  # default: the command's own (auto)
+# default: the command's own (auto); torch-bf16: --backend torch --dtype bfloat16
+CLI_TAG_BACKENDS = ("default", "torch", "onnx", "torch-bf16")
 TAG_PATHS = ("plain", "hf", "engine", "onnx")
 
 # defaults that differ by device: (cpu, cuda)
@@ -173,7 +175,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    choices=CLI_TAG_BACKENDS,
                    help="the mhmla-serve tag rows: default (the command's defaults, backend "
                    "auto on a warm cache), torch (--backend torch), onnx (--backend onnx on an "
-                   "export; CPU only, not with --no-onnx); default: default onnx")
+                   "export; CPU only, not with --no-onnx), torch-bf16 (--backend torch --dtype "
+                   "bfloat16); default: default onnx")
     g.add_argument("--cli-hf-batch-sizes", type=int, nargs="+", default=None,
                    help="HF pipeline whole-process batch sizes (default: --pipeline-batch-sizes)")
     g = p.add_argument_group("http")
@@ -759,8 +762,8 @@ def _has_line(path: Path) -> bool:
 
 
 def tag_command(run: Run, src: Path, out: Path, backend: str) -> list[str]:
-    """``mhmla-serve tag`` as a user runs it: defaults ("default"), ``--backend torch``, or
-    ``--backend onnx`` on an export."""
+    """``mhmla-serve tag`` as a user runs it: defaults ("default"), ``--backend torch``,
+    ``--backend onnx`` on an export, or ``--backend torch --dtype bfloat16`` ("torch-bf16")."""
     cmd = [sys.executable, "-m", "mhmla_fast.commands.serve", "tag", str(src), "--output",
            str(out), "--no-progress", "--device", run.device, "--threshold", str(run.threshold),
            *_threads_flag(run.args)]
@@ -768,6 +771,8 @@ def tag_command(run: Run, src: Path, out: Path, backend: str) -> list[str]:
         return [*cmd, "--model", str(run.onnx_dir), "--backend", "onnx"]
     if backend == "torch":
         return [*cmd, "--model", str(run.model_dir), "--backend", "torch"]
+    if backend == "torch-bf16":
+        return [*cmd, "--model", str(run.model_dir), "--backend", "torch", "--dtype", "bfloat16"]
     return [*cmd, "--model", str(run.model_dir)]
 
 
@@ -889,11 +894,14 @@ def cli_row(base: dict, cmd: Sequence[str], results: Sequence[dict], device: str
 def check_cli(run: Run, base: dict, out: Path, texts: list[str]) -> dict:
     """The command's output against the library in process: tag labels against the torch
     engine's ``tag_texts`` on this device in the command's default dtype (float32 on the CPU:
-    the CPU goal's "identical to the torch fp32 path"; bfloat16 on CUDA), scores against the
+    the CPU goal's "identical to the torch fp32 path"; bfloat16 on CUDA; bfloat16 for the
+    torch-bf16 command), scores against the
     score task's in-process scores."""
     records = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     if base["path"] == "mhmla-serve tag":
         dtype = "float32" if run.on_cpu else "bfloat16"
+        if base["setting"]["backend"] == "torch-bf16":
+            dtype = "bfloat16"
         ref = reference_tag_texts(run, texts, dtype)
         differing = sum(a != b for r, e in zip(records, ref)
                         for a, b in zip(r.get("labels", []), e))

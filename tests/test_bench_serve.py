@@ -281,13 +281,18 @@ def test_cli_and_http_tasks_end_to_end(bench, tiny_tagger_dir, tmp_path, monkeyp
     rc = bench.main(["--tasks", "cli", "http", "--model", str(tiny_tagger_dir), "--data",
                      str(data), "--threads", "1", "--cli-commands", "tag", "--http-clients", "4",
                      "--http-requests", "24", "--http-warmup", "0", "--http-check", "6",
-                     "--http-per-request", "1", "3", "--no-onnx", "--out", str(out)])
+                     "--http-per-request", "1", "3", "--no-onnx", "--cli-tag-backends",
+                     "default", "torch-bf16", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     result = json.loads(out.read_text())
     _check_header(result, ["cli", "http"])
     cli = [r for r in result["rows"] if r["task"] == "cli"]
-    assert [r["path"] for r in cli] == ["mhmla-serve tag"]
-    (tag,) = cli
+    assert [(r["path"], r["setting"]["backend"]) for r in cli] == [
+        ("mhmla-serve tag", "default"), ("mhmla-serve tag", "torch-bf16")]
+    tag, bf16 = cli
+    assert "--backend torch --dtype bfloat16" in bf16["command"]
+    assert bf16["check"]["reference"].startswith("Engine torch bfloat16")
+    assert bf16["check"]["labels_identical"], bf16["check"]
     assert tag["error"] is None and tag["sentences_per_s"] > 0
     assert [r["exit_status"] for r in tag["runs"]] == [0]
     assert 0 < tag["first_line_s"] <= tag["wall_s"]
