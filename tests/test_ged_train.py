@@ -187,8 +187,9 @@ def test_layer_wise_learning_rates(tiny_encoder):
     assert len(layer_lr_groups(model, TrainConfig(train="t", dev="d", out="o"))) == 1
 
 
-def test_linear_schedule_run_resumes_exactly(tmp_path, tiny_encoder):
-    kw = dict(epochs=2, lr_schedule="linear", warmup_ratio=0.2, layer_lr_decay=0.8)
+def _resumes_exactly(tmp_path, tiny_encoder, **kw):
+    """A run stopped after 11 steps and resumed ends with the weights of an uninterrupted one;
+    returns (the uninterrupted run's best dir, its weights, the resumed run's config)."""
     full = train(config(tmp_path, tiny_encoder, tmp_path / "full", **kw))
     cfg = config(tmp_path, tiny_encoder, tmp_path / "resumed", **kw)
     train(cfg, stop_after_steps=11)
@@ -196,6 +197,12 @@ def test_linear_schedule_run_resumes_exactly(tmp_path, tiny_encoder):
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+    return full, a, cfg
+
+
+def test_linear_schedule_run_resumes_exactly(tmp_path, tiny_encoder):
+    _, _, cfg = _resumes_exactly(tmp_path, tiny_encoder, epochs=2, lr_schedule="linear",
+                                 warmup_ratio=0.2, layer_lr_decay=0.8)
     # with a schedule the length of the run sets the learning rates: a changed --epochs is refused
     cfg.epochs = 3
     with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
@@ -288,16 +295,9 @@ def test_training_autocast_follows_precision_and_device():
 
 
 def test_bf16_training_on_the_cpu_learns_and_resumes_exactly(tmp_path, tiny_encoder):
-    kw = dict(epochs=2, precision="bf16")
-    full = train(config(tmp_path, tiny_encoder, tmp_path / "full", **kw))
+    full, a, cfg = _resumes_exactly(tmp_path, tiny_encoder, epochs=2, precision="bf16")
     log = json.loads((tmp_path / "full" / "log.json").read_text())
     assert log[-1]["train_loss"] < log[0]["train_loss"]
-    cfg = config(tmp_path, tiny_encoder, tmp_path / "resumed", **kw)
-    train(cfg, stop_after_steps=11)
-    resumed = train(cfg)
-    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
     # the steps really ran in bf16: the same run in fp32 ends elsewhere
     fp32 = train(config(tmp_path, tiny_encoder, tmp_path / "fp32", epochs=2))
     c = load_file(fp32 / "model.safetensors")
