@@ -44,3 +44,34 @@ def test_heatmap_with_matplotlib(tmp_path, tiny_tagger_dir):
     assert mhmla_eval(["ged-layers", "--model", str(tiny_tagger_dir),
                        "--data", str(fce(tmp_path / "d.tsv")), "--png", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ged_suite_scores_every_set_at_argmax_and_at_the_stored_threshold(tmp_path,
+                                                                          tiny_tagger_dir, capsys):
+    """``mhmla-eval ged-suite`` over a data folder laid out like the shared one (FCE test,
+    CoNLL-14 per annotator, JFLEG test): one results file, every set scored at 0.5 and at the
+    model's stored threshold, with the model's head and training recorded."""
+    root = tmp_path / "data"
+    (root / "fce").mkdir(parents=True)
+    fce(root / "fce" / "fce-public.test.original.tsv")
+    (root / "conll2014").mkdir()
+    for k in (0, 1):
+        (root / "conll2014" / f"official-2014.{k}.m2").write_text(
+            "S He go to school .\nA 1 2|||R:VERB:SVA|||goes|||REQUIRED|||-NONE-|||0\n\n"
+            "S They goes home .\nA 1 2|||R:VERB:SVA|||go|||REQUIRED|||-NONE-|||0\n\n",
+            encoding="utf-8")
+    (root / "jfleg" / "test").mkdir(parents=True)
+    (root / "jfleg" / "test" / "test.src").write_text("He go home .\n", encoding="utf-8")
+    for k in range(4):
+        (root / "jfleg" / "test" / f"test.ref{k}").write_text("He goes home .\n", encoding="utf-8")
+    out = tmp_path / "suite.json"
+    assert mhmla_eval(["ged-suite", "--model", str(tiny_tagger_dir), "--data-dir", str(root),
+                       "--out", str(out)]) == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert set(result["sets"]) == {"fce_test", "conll14_a1", "conll14_a2", "jfleg_test"}
+    assert result["threshold"] == 0.5 and result["head"] == "mhmla"
+    for entry in result["sets"].values():
+        assert entry["at_threshold"] == entry["argmax"]  # threshold 0.5 is argmax
+        assert entry["tokens"] == entry["argmax"]["tp"] + entry["argmax"]["fp"] + \
+            entry["argmax"]["fn"] + entry["argmax"]["tn"]
+    assert result["sets"]["jfleg_test"]["tokens"] == 4

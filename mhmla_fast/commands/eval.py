@@ -163,8 +163,8 @@ def run_suite(args) -> int:
         gold = np.concatenate([np.asarray(s.labels) for s in sentences])
         entry = {"data": rel, "sentences": len(sentences), "tokens": int(gold.size),
                  "argmax": ged_scores(gold, (probs >= 0.5).astype(int)).to_dict()}
-        if config["threshold"] is not None:
-            entry["at_threshold"] = ged_scores(gold, (probs >= config["threshold"]).astype(int)).to_dict()
+        if config.threshold is not None:
+            entry["at_threshold"] = ged_scores(gold, (probs >= config.threshold).astype(int)).to_dict()
         result["sets"][name] = entry
         s = entry["argmax"]
         t = entry.get("at_threshold") or {}
