@@ -88,6 +88,7 @@ if str(BENCH_DIR) not in sys.path:
 import benchmark_serve_cpu as tagbench  # noqa: E402 - the sibling scripts, by file name
 import benchmark_serve_score_cpu as scorebench  # noqa: E402
 
+from mhmla_fast.devices import TRAIN_PRECISIONS  # noqa: E402
 from mhmla_fast.provenance import cpu_info, dated_results_path, load_average  # noqa: E402
 
 DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
@@ -204,7 +205,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    choices=("off", "default", "reduce-overhead", "max-autotune"),
                    help="--compile of mhmla-train ged: one run per mode (default: off)")
     g.add_argument("--train-precision", nargs="+", default=["auto"],
-                   choices=("auto", "fp32", "bf16"),
+                   choices=TRAIN_PRECISIONS,
                    help="--precision of mhmla-train ged: one run per precision and compile "
                         "mode (default: auto)")
     args = p.parse_args(argv)

@@ -14,7 +14,7 @@ import sys
 
 __all__ = [
     "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores",
-    "TRAIN_PRECISIONS", "training_autocast",
+    "TRAIN_PRECISIONS", "check_train_precision", "training_autocast",
 ]
 
 # Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
@@ -72,14 +72,20 @@ def resolve_device(device: str | None = None, backend: str = "torch") -> str:
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 
 
+def check_train_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`TRAIN_PRECISIONS`, else a ValueError naming them."""
+    if precision not in TRAIN_PRECISIONS:
+        raise ValueError(f"precision: expected one of {TRAIN_PRECISIONS}, got {precision!r}")
+    return precision
+
+
 def training_autocast(precision: str, device):
     """The ``torch.autocast`` context of a training step on ``device`` (a ``torch.device``):
     bfloat16 matmuls under "bf16" (CUDA or CPU), and under "auto" on CUDA; disabled under
     "fp32", and under "auto" on any other device. Losses are taken in float32 either way."""
     import torch
 
-    if precision not in TRAIN_PRECISIONS:
-        raise ValueError(f"precision: expected one of {TRAIN_PRECISIONS}, got {precision!r}")
+    check_train_precision(precision)
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     if bf16 and device.type not in ("cuda", "cpu"):
         raise ValueError(f"precision: bf16 autocast is supported on cuda and cpu, not {device.type}")

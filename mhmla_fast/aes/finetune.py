@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..devices import TRAIN_PRECISIONS, training_autocast
+from ..devices import check_train_precision, training_autocast
 from ..distributed import check_resume_world, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from .data import SCORE_RANGES, Essay
@@ -63,8 +63,7 @@ class FinetuneConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.precision not in TRAIN_PRECISIONS:
-            raise ValueError(f"precision: expected one of {TRAIN_PRECISIONS}, got {self.precision!r}")
+        check_train_precision(self.precision)
 
 
 def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Sequence[Essay], *,

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..devices import TRAIN_PRECISIONS
+
 __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
            "export_shipped_scorer", "parse_prompts", "parse_folds"]
 
@@ -93,7 +95,7 @@ def add_train_parser(sub) -> None:
                    "better on dev)")
     p.add_argument("--finetune", action="store_true",
                    help="full fine-tuning of encoder + MHMLA head per prompt (meant for a GPU)")
-    p.add_argument("--precision", default=None, choices=("auto", "fp32", "bf16"),
+    p.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
                    help="--finetune: training-step precision (default auto: bf16 autocast on "
                    "CUDA, fp32 on the CPU; bf16 also on a CPU)")
     p.add_argument("--export-shipped", default=None, metavar="DIR",

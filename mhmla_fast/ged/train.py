@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..checkpoint import CheckpointWriter, atomic_write_text, load_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..devices import TRAIN_PRECISIONS, training_autocast
+from ..devices import TRAIN_PRECISIONS, check_train_precision, training_autocast
 from ..distributed import check_resume_world, shard, training_device, wrap
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
@@ -110,8 +110,7 @@ class TrainConfig:
     extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        if self.precision not in TRAIN_PRECISIONS:
-            raise ValueError(f"precision: expected one of {TRAIN_PRECISIONS}, got {self.precision!r}")
+        check_train_precision(self.precision)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
