@@ -9,11 +9,13 @@
         config.json, tokenizer files   so that out_dir is a self-contained engine directory
 
 The layer-attention head is exported from its eager torch backend (``backend="torch"``),
-which traces to standard ONNX ops (MatMul, Relu, Softmax, ...); the Triton kernels are
-never part of the graph. Export validates by default: ONNX Runtime and torch run on random
-ragged batches of several shapes (length 1 up to the encoder's limit), and when the error
-probabilities differ by more than the tolerance at any real (unpadded) position,
-:class:`ExportValidationError` is raised and nothing is written to ``out_dir``. The batches are
+folded with the classifier (:meth:`GedTagger.folded`), which traces to standard ONNX ops
+(MatMul, Relu, Softmax, ...); the Triton kernels are never part of the graph. Export
+validates by default: ONNX Runtime and torch (the tagger as trained: head, then classifier,
+unfolded) run on random ragged batches of several shapes (length 1 up to the encoder's
+limit), and when the error probabilities differ by more than the tolerance at any real
+(unpadded) position, :class:`ExportValidationError` is raised and nothing is written to
+``out_dir``. The batches are
 random ragged ones plus :data:`VALIDATION_SENTENCES` (English learner-style sentences) through
 the tagger's tokenizer. For the fp32 graph the tagging decision must also be identical: at
 every real position, ``p >= t`` must agree with torch for the model's threshold and for 0.5
@@ -105,18 +107,20 @@ class ExportValidationError(RuntimeError):
 # ------------------------------------------------------------------------- the graph
 
 
-def error_probability_module(tagger):
+def error_probability_module(tagger, *, folded: bool = True):
     """A :class:`GedTagger` as the exported graph, an eval-mode ``nn.Module``:
     (input_ids, attention_mask) int64 [B, T] -> P(error) float32 [B, T] =
-    softmax(logits)[..., 1]. (Defined in here so that importing this module, and running
-    ONNX Runtime, needs no torch.)"""
+    softmax(logits)[..., 1], with the logits of the folded tagger (:meth:`GedTagger.folded`:
+    head and classifier in one op; ``folded=False``: the tagger as trained, the validation's
+    reference). (Defined in here so that importing this module, and running ONNX Runtime,
+    needs no torch.)"""
     import torch
     from torch import nn
 
     class ErrorProbability(nn.Module):
         def __init__(self, tagger):
             super().__init__()
-            self.tagger = tagger
+            self.tagger = tagger.folded() if folded else tagger
 
         def forward(self, input_ids, attention_mask):
             logits = self.tagger(input_ids, attention_mask)
@@ -363,7 +367,7 @@ def _copy_side_files(model_dir: Path, dest: Path, encoder: str) -> list[str]:
 def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 opset: int = DEFAULT_OPSET, int8: bool = False, atol: float = 1e-4,
                 int8_atol: float = INT8_ATOL, validate: bool = True,
-                exporter: str = "torchscript", seed: int = 0) -> Path:
+                exporter: str = "torchscript", seed: int = 0, fold: bool = True) -> Path:
     """Export the tagger in ``model_dir`` to ``out_dir/model.onnx`` (see the module doc).
 
     Args:
@@ -377,6 +381,9 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         validate: run the validation (strongly recommended; False only for debugging).
         exporter: "torchscript" (default) or "dynamo" (needs onnxscript).
         seed: seed of the random validation batches.
+        fold: the head and classifier folded into one op (default; False: the graph of the
+            tagger as trained, for comparisons). Either way the validation's reference is
+            the tagger as trained.
 
     Returns:
         the path of ``model.onnx``. Files are staged and moved into ``out_dir`` only after
@@ -389,7 +396,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     tagger = load_tagger_for_export(model_dir)
-    module = error_probability_module(tagger)
+    module = error_probability_module(tagger, folded=fold)
     hf = tagger.encoder.config
     vocab, pad_id = int(hf.vocab_size), int(getattr(hf, "pad_token_id", 0) or 0)
     max_length = int(getattr(hf, "max_position_embeddings", 512))
@@ -408,7 +415,8 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "source": {"model_dir": str(model_dir.resolve()),
                        "model_sha256": _sha256(model_dir / "model.safetensors")},
-            "exporter": exporter, "opset": int(opset), "versions": _versions(),
+            "exporter": exporter, "opset": int(opset), "folded": bool(fold),
+            "versions": _versions(),
             "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in INPUT_NAMES},
             "output": {OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", "sequence"],
                                      "meaning": "softmax(logits)[..., 1], P(error)"}},
@@ -421,7 +429,8 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             batches = validation_batches(max_length, vocab, pad_id, seed=seed)
             batches.append(sentence_batch(_tokenizer(model_dir, tagger), VALIDATION_SENTENCES,
                                           max_length))
-        reference = _torch_probs(module, batches) if validate else []
+        reference = _torch_probs(error_probability_module(tagger, folded=False),
+                                 batches) if validate else []
         if validate:
             meta["validation"] = validate_onnx(onnx_path, reference, batches, atol=atol,
                                                exact_labels=(threshold, 0.5))

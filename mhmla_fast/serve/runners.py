@@ -29,12 +29,17 @@ class TorchRunner:
     """Eager PyTorch: CPU (fp32) or CUDA (bf16 by default, SDPA attention); ``kernels`` is the
     head's implementation ("auto": what ``mhmla_fast.dispatch`` measured faster, the fused
     Triton forward for large batches on CUDA, else eager; "torch"; "triton").
-    Device and dtype defaults: :func:`.options.resolve_options`."""
+    Device and dtype defaults: :func:`.options.resolve_options`.
+
+    Where the head runs eager ("torch", or "auto" off CUDA) it runs folded with the classifier
+    (:meth:`GedTagger.folded`: the same logits up to rounding, about half the head's work);
+    ``fold=False`` runs the head and classifier as trained (for comparisons)."""
 
     backend = "torch"
 
     def __init__(self, model_dir: str | os.PathLike, *, device: str | None = None,
-                 dtype: str | None = None, kernels: str = "auto", threads: int | None = None):
+                 dtype: str | None = None, kernels: str = "auto", threads: int | None = None,
+                 fold: bool = True):
         opts = resolve_options("torch", device, dtype, kernels)
         import torch
 
@@ -47,13 +52,16 @@ class TorchRunner:
         self.kernels = opts.kernels
         self.model = GedTagger.load(model_dir, device=self.device, dtype=self.dtype,
                                     backend=opts.kernels)
+        eager = opts.kernels == "torch" or (opts.kernels == "auto" and self.device.type != "cuda")
+        self.folded = fold and eager
+        self.net = self.model.folded() if self.folded else self.model
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         torch = self.torch
         with torch.inference_mode():
             ids = torch.from_numpy(input_ids).to(self.device, non_blocking=True)
             mask = torch.from_numpy(attention_mask).to(self.device, non_blocking=True)
-            logits = self.model(ids, mask)
+            logits = self.net(ids, mask)
             return torch.softmax(logits.float(), -1)[..., 1].cpu().numpy()
 
 
