@@ -242,7 +242,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
 
 
 def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWriter) -> Path:
-    from tqdm.auto import tqdm
+    from ..progress import progress_bar
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -324,8 +324,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         loss_sum = log[-1]["_loss_sum"] if log and log[-1].get("_open") else 0.0
         if not (log and log[-1].get("_open")):
             log.append({"epoch": epoch + 1, "_open": True, "_loss_sum": 0.0})
-        bar = tqdm(total=len(batches), initial=step_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                   disable=not (cfg.progress and main_rank), unit="batch", dynamic_ncols=True)
+        bar = progress_bar(total=len(batches), initial=step_in_epoch,
+                           desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                           disable=not (cfg.progress and main_rank), unit="batch")
         # step losses stay on the device and are read every LOSS_SYNC_STEPS steps (and before a
         # checkpoint or the epoch's record): a .item() per step would stall the host on the GPU
         pending = torch.zeros((), dtype=torch.float64, device=device)

@@ -50,7 +50,6 @@ import io
 import json
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -508,7 +507,7 @@ def run_job(job: RayJob, paths: Sequence[str], output: str, *, made_from: dict[s
     resumed job keeps its own). ``on_commit(k)`` is called after shard ``k`` is committed.
     Refusals are the CLI's: :class:`~.records.OutputExistsError`, ``ResumeMismatchError``,
     ``OutputLockedError``, ``OutputCorruptError``."""
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     if workers < 1:
         raise ValueError(f"workers: expected a positive integer, got {workers}")
@@ -533,7 +532,7 @@ def run_job(job: RayJob, paths: Sequence[str], output: str, *, made_from: dict[s
             _check_vouched(writer, plan)
         if writer.done < plan.records:
             _run_shards(job, plan, committed, writer.done, folder, address, workers, progress,
-                        on_commit, tqdm)
+                        on_commit, progress_bar)
         summary = _concatenate(writer, plan, folder)
         if folder.exists():
             shutil.rmtree(folder)  # while the lock is held
@@ -554,16 +553,16 @@ def _check_vouched(writer: ResumableJsonlWriter, plan: Plan) -> None:
 
 def _run_shards(job: RayJob, plan: Plan, committed: dict[int, Path], done: int, folder: Path,
                 address: str | None, workers: int, progress: bool,
-                on_commit: Callable[[int], None] | None, tqdm: Any) -> None:
+                on_commit: Callable[[int], None] | None, progress_bar: Any) -> None:
     """Process and commit every shard of ``plan`` that is neither in ``committed`` nor within
     the first ``done`` records (already in the output)."""
     todo = [s for s in plan.shards if s.shard not in committed and s.first + s.count - 1 > done]
     if not todo:
         return
     started = _init_ray(address, workers * job.num_cpus)
-    bar = tqdm(total=plan.records, initial=plan.records - sum(s.count for s in todo),
-               desc=f"{job.kind} on Ray ({workers} workers)", unit="rec", unit_scale=True,
-               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=plan.records, initial=plan.records - sum(s.count for s in todo),
+                       desc=f"{job.kind} on Ray ({workers} workers)", unit="rec",
+                       unit_scale=True, disable=not progress)
     try:
         for row in _process(job, todo, workers):
             shard = plan.shards[int(row["shard"])]

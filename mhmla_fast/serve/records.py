@@ -115,6 +115,8 @@ from typing import IO, Any, BinaryIO
 
 from tqdm import tqdm
 
+from ..progress import progress_bar
+
 try:
     import fcntl
 except ImportError:  # not on Windows: no lock there
@@ -974,16 +976,8 @@ def run_records(
     n_ok = n_resumed - n_errors
     pending: list[InputRecord] = []  # records waiting to be written, in input order
     batch: list[InputRecord] = []  # the valid ones among them
-    bar = tqdm(
-        total=total,
-        initial=n_resumed,
-        desc=desc,
-        unit=unit,
-        unit_scale=True,
-        file=sys.stderr,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
+    bar = progress_bar(total=total, initial=n_resumed, desc=desc, unit=unit, unit_scale=True,
+                       disable=not progress)
     report = _PieceCounter(bar) if count_pieces else None
 
     def emit(out: dict[str, Any]) -> None:
