@@ -90,36 +90,34 @@ def test_fold_equals_head_then_linear_in_float64(settings):
     torch.testing.assert_close(LayerAttentionLinear(head, linear)(torch.stack(hs)), got)
 
 
-@pytest.mark.parametrize("settings", CASES)
-def test_fold_in_fp32_is_as_close_to_float64_as_the_head(settings):
+def _errors_from_float64(settings, dtype, tokens, reduce):
+    """(folded output dtype, the folded and the unfolded logits' ``reduce``d abs error from a
+    float64 computation of the same weights) in ``dtype``."""
     head64, linear64 = _head_and_linear(**settings)
-    hs64 = _hidden(lead=(64,))
+    hs64 = _hidden(lead=(tokens,))
     with torch.no_grad():
         exact = linear64(head64(hs64))
-        head, linear = _head_and_linear(torch.float32, **settings)
-        hs = tuple(h.float() for h in hs64)
+        head, linear = _head_and_linear(dtype, **settings)
+        hs = tuple(h.to(dtype) for h in hs64)
         unfolded = linear(head(hs)).double()
         folded = LayerAttentionLinear(head, linear)(hs)
-    assert folded.dtype == torch.float32
-    err_folded = (folded.double() - exact).abs().max().item()
-    err_unfolded = (unfolded - exact).abs().max().item()
+    return (folded.dtype, reduce((folded.double() - exact).abs()).item(),
+            reduce((unfolded - exact).abs()).item())
+
+
+@pytest.mark.parametrize("settings", CASES)
+def test_fold_in_fp32_is_as_close_to_float64_as_the_head(settings):
+    dtype, err_folded, err_unfolded = _errors_from_float64(settings, torch.float32, 64, torch.max)
+    assert dtype == torch.float32
     assert err_folded < 1e-5 and err_unfolded < 1e-5
     assert err_folded <= 4 * err_unfolded + 1e-7
 
 
 @pytest.mark.parametrize("settings", [CASES[0], CASES[5]])
 def test_fold_in_bf16_is_no_further_from_float64_than_the_head(settings):
-    head64, linear64 = _head_and_linear(**settings)
-    hs64 = _hidden(lead=(256,))
-    with torch.no_grad():
-        exact = linear64(head64(hs64))
-        head, linear = _head_and_linear(torch.bfloat16, **settings)
-        hs = tuple(h.bfloat16() for h in hs64)
-        unfolded = linear(head(hs)).double()
-        folded = LayerAttentionLinear(head, linear)(hs)
-    assert folded.dtype == torch.float32  # scores, softmax and the sums run in float32
-    err_folded = (folded.double() - exact).abs().mean().item()
-    err_unfolded = (unfolded - exact).abs().mean().item()
+    dtype, err_folded, err_unfolded = _errors_from_float64(settings, torch.bfloat16, 256,
+                                                           torch.mean)
+    assert dtype == torch.float32  # scores, softmax and the sums run in float32
     assert err_folded <= 1.5 * err_unfolded
 
 
