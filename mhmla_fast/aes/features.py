@@ -92,14 +92,15 @@ class CachedFeatures:
 
 
 def encoder_window(encoder: str) -> int:
-    """Word pieces per window for ``encoder``: ``min(510, max_position_embeddings - 2)``,
-    the window :class:`~mhmla_fast.aes.model.EssayScorer` picks by default."""
+    """Word pieces per window for ``encoder``: ``min(510, max_input_length - 2)`` (the encoder's
+    input limit less [CLS] and [SEP]), the window :class:`~mhmla_fast.aes.model.EssayScorer`
+    picks by default."""
     from transformers import AutoConfig
 
-    from ..encoder import resolve_encoder
+    from ..encoder import max_input_length, resolve_encoder
 
     hf = AutoConfig.from_pretrained(resolve_encoder(encoder))
-    return int(min(510, hf.max_position_embeddings - 2))
+    return int(min(510, max_input_length(hf) - 2))
 
 
 def _slug(name: str) -> str:

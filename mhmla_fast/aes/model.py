@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords
-from ..encoder import freeze_encoder_parts, load_encoder, load_tokenizer
+from ..encoder import freeze_encoder_parts, load_encoder, load_tokenizer, max_input_length
 from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES
@@ -232,11 +232,12 @@ class EssayScorer(ModelDirMixin, nn.Module):
             config.encoder_spec, None if pretrained else config.encoder_config)
         hf = self.encoder.config
         spec = config.encoder_spec
+        limit = max_input_length(hf)
         if spec.max_length is None:
-            spec.max_length = int(min(512, hf.max_position_embeddings))
-        if spec.max_length > hf.max_position_embeddings:
+            spec.max_length = min(512, limit)
+        if spec.max_length > limit:
             raise ValueError(f"window {config.window} + 2 special tokens exceeds the encoder's "
-                             f"{hf.max_position_embeddings} positions")
+                             f"{limit} positions")
         self.head = ScorerHead(hf.hidden_size, hf.num_hidden_layers, config, backend=backend)
         self.tokenizer = None
         freeze_encoder_parts(self.encoder, spec.freeze)

@@ -35,6 +35,7 @@ from ..checkpoint import CheckpointWriter, atomic_write_text, load_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import TRAIN_PRECISIONS, check_train_precision, training_autocast
 from ..distributed import check_resume_world, shard, training_device, wrap
+from ..encoder import max_input_length
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
 from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
@@ -259,8 +260,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     model = GedTagger(tagger_cfg, backend=cfg.backend)  # freezes what encoder_spec.freeze names
     model.to(device)
     tokenizer = load_tokenizer(cfg.encoder_spec)
-    max_length = cfg.encoder_spec.max_length or min(
-        512, int(model.encoder.config.max_position_embeddings))
+    max_length = cfg.encoder_spec.max_length or min(512, max_input_length(model.encoder.config))
     encoded = encode_sentences(tokenizer, [s.tokens for s in train_set], max_length)
     labels = [s.labels for s in train_set]
     lengths = [len(ids) for ids, _ in encoded]

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..encoder import max_input_length
 from ..packing import pack_by_token_budget
 from .pieces import WordPieces
 from .tokenize import Token, word_tokenize
@@ -311,8 +312,7 @@ class Engine:
         if threshold is None:
             threshold = config.get("threshold")
             threshold = 0.5 if threshold is None else threshold
-        kw.setdefault("max_pieces",
-                      int(config.get("encoder_config", {}).get("max_position_embeddings", 512)))
+        kw.setdefault("max_pieces", max_input_length(config.get("encoder_config", {})))
         return cls(runner, tokenizer, threshold=threshold, **kw)
 
     # ------------------------------------------------------------------ encoding

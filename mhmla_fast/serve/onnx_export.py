@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from ..devices import physical_cores
+from ..encoder import max_input_length
 from .options import resolve_options
 
 __all__ = [
@@ -399,7 +400,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     module = error_probability_module(tagger, folded=fold)
     hf = tagger.encoder.config
     vocab, pad_id = int(hf.vocab_size), int(getattr(hf, "pad_token_id", 0) or 0)
-    max_length = int(getattr(hf, "max_position_embeddings", 512))
+    max_length = max_input_length(hf)
     threshold = tagger.config.threshold if tagger.config.threshold is not None else 0.5
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -67,6 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..encoder import max_input_length
 from .onnx_export import INPUT_NAMES, ONNX_FILE, OUTPUT_NAME
 from .options import resolve_options
 
@@ -562,8 +563,8 @@ def build_engine_dir(model_dir: str | os.PathLike, *, layer_attention_plugin: bo
                      tagger_dir: str | os.PathLike | None = None, **kw) -> Path:
     """Build ``model_dir/model.plan`` for an ONNX export directory (``export_onnx``).
 
-    The encoder's limit (``max_position_embeddings`` in config.json) is the default
-    ``max_sequence``. With ``layer_attention_plugin`` the plugin graph
+    The encoder's limit (``encoder.max_input_length`` of config.json's encoder config) is the
+    default ``max_sequence``. With ``layer_attention_plugin`` the plugin graph
     ``model.plugin.onnx`` is exported first from ``tagger_dir`` (default: the source
     tagger recorded in export.json). Other keywords go to :func:`build_engine`.
     """
@@ -573,8 +574,7 @@ def build_engine_dir(model_dir: str | os.PathLike, *, layer_attention_plugin: bo
         raise FileNotFoundError(f"{model_dir}: no {ONNX_FILE}; export the tagger first: "
                                 f"mhmla-serve export --onnx {model_dir}")
     config = json.loads((model_dir / "config.json").read_text())
-    kw.setdefault("max_sequence",
-                  int(config.get("encoder_config", {}).get("max_position_embeddings", 512)))
+    kw.setdefault("max_sequence", max_input_length(config.get("encoder_config", {})))
     if layer_attention_plugin:
         if tagger_dir is None:
             tagger_dir = json.loads((model_dir / "export.json").read_text())["source"]["model_dir"]
