@@ -12,7 +12,21 @@ from torch import Tensor, nn
 from ..configs import MODES, LayerAttentionConfig
 from ..functional import BACKENDS, layer_attention
 
-__all__ = ["FusedLayerAttention", "LayerAttentionConfig", "MODES"]
+__all__ = ["FusedLayerAttention", "LayerAttentionConfig", "MODES", "select_hidden_states"]
+
+
+def select_hidden_states(hidden_states: Tensor | Sequence[Tensor], num_layers: int,
+                         layers: Sequence[int]) -> list[Tensor]:
+    """Entries ``layers`` of an encoder's ``hidden_states`` (the HF tuple of ``num_layers + 1``
+    tensors [*, H], or a tensor [num_layers + 1, *, H]); ValueError for another count."""
+    n = len(hidden_states)
+    if n != num_layers + 1:
+        shape = list(hidden_states.shape) if isinstance(hidden_states, Tensor) else f"{n} tensors"
+        raise ValueError(
+            f"hidden_states: expected the encoder's {num_layers + 1} hidden states "
+            f"(embeddings + {num_layers} layers), got {shape}"
+        )
+    return [hidden_states[i] for i in layers]
 
 
 class FusedLayerAttention(nn.Module):
@@ -102,14 +116,7 @@ class FusedLayerAttention(nn.Module):
 
     def select(self, hidden_states: Tensor | Sequence[Tensor]) -> list[Tensor]:
         """The selected layers of ``hidden_states`` (the HF tuple or [num_layers + 1, *, H])."""
-        n = len(hidden_states)
-        if n != self.num_layers + 1:
-            shape = list(hidden_states.shape) if isinstance(hidden_states, Tensor) else f"{n} tensors"
-            raise ValueError(
-                f"hidden_states: expected the encoder's {self.num_layers + 1} hidden states "
-                f"(embeddings + {self.num_layers} layers), got {shape}"
-            )
-        return [hidden_states[i] for i in self.layers]
+        return select_hidden_states(hidden_states, self.num_layers, self.layers)
 
     def forward(
         self, hidden_states: Tensor | Sequence[Tensor], return_weights: bool = False,

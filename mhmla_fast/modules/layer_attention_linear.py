@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layer_attention import FusedLayerAttention
+from .layer_attention import FusedLayerAttention, select_hidden_states
 
 __all__ = ["LayerAttentionLinear"]
 
@@ -78,11 +78,7 @@ class LayerAttentionLinear(nn.Module):
 
     def forward(self, hidden_states: Tensor | Sequence[Tensor]) -> Tensor:
         """y [*, C] (see the class docstring)."""
-        n = len(hidden_states)
-        if n != self.num_layers + 1:
-            raise ValueError(f"hidden_states: expected the encoder's {self.num_layers + 1} hidden "
-                             f"states (embeddings + {self.num_layers} layers), got {n}")
-        hs = [hidden_states[i] for i in self.layers]
+        hs = select_hidden_states(hidden_states, self.num_layers, self.layers)
         dtype = hs[0].dtype
         acc = torch.promote_types(dtype, torch.float32)
         if self.mode == "last":
