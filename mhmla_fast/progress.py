@@ -23,7 +23,7 @@ def _is_terminal(stream) -> bool:
 
 
 def progress_bar(*, file=None, **kw):
-    """``tqdm(file=file or sys.stderr, dynamic_ncols=True, **kw)``, with ``mininterval``
+    """``tqdm.auto.tqdm(file=file or sys.stderr, dynamic_ncols=True, **kw)``, with ``mininterval``
     :data:`LOG_INTERVAL_S` when ``file`` is not a terminal (unless given)."""
     from tqdm.auto import tqdm
 

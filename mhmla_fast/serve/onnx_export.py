@@ -108,11 +108,11 @@ class ExportValidationError(RuntimeError):
 # ------------------------------------------------------------------------- the graph
 
 
-def error_probability_module(tagger, *, folded: bool = True):
+def error_probability_module(tagger, *, fold: bool = True):
     """A :class:`GedTagger` as the exported graph, an eval-mode ``nn.Module``:
     (input_ids, attention_mask) int64 [B, T] -> P(error) float32 [B, T] =
     softmax(logits)[..., 1], with the logits of the folded tagger (:meth:`GedTagger.folded`:
-    head and classifier in one op; ``folded=False``: the tagger as trained, the validation's
+    head and classifier in one op; ``fold=False``: the tagger as trained, the validation's
     reference). (Defined in here so that importing this module, and running ONNX Runtime,
     needs no torch.)"""
     import torch
@@ -121,7 +121,7 @@ def error_probability_module(tagger, *, folded: bool = True):
     class ErrorProbability(nn.Module):
         def __init__(self, tagger):
             super().__init__()
-            self.tagger = tagger.folded() if folded else tagger
+            self.tagger = tagger.folded() if fold else tagger
 
         def forward(self, input_ids, attention_mask):
             logits = self.tagger(input_ids, attention_mask)
@@ -397,7 +397,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     tagger = load_tagger_for_export(model_dir)
-    module = error_probability_module(tagger, folded=fold)
+    module = error_probability_module(tagger, fold=fold)
     hf = tagger.encoder.config
     vocab, pad_id = int(hf.vocab_size), int(getattr(hf, "pad_token_id", 0) or 0)
     max_length = max_input_length(hf)
@@ -430,7 +430,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             batches = validation_batches(max_length, vocab, pad_id, seed=seed)
             batches.append(sentence_batch(_tokenizer(model_dir, tagger), VALIDATION_SENTENCES,
                                           max_length))
-        reference = _torch_probs(error_probability_module(tagger, folded=False),
+        reference = _torch_probs(error_probability_module(tagger, fold=False),
                                  batches) if validate else []
         if validate:
             meta["validation"] = validate_onnx(onnx_path, reference, batches, atol=atol,
