@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import chain
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from .tokenize import Token, word_tokenize
 __all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
            "read_tagger_config", "default_tagger_path"]
 
+_ONLY_STR = frozenset({str})
 TAGGER_FORMAT = "mhmla-ged-tagger/1"  # config.json "format" of a tagger (ged.model)
 
 
@@ -150,25 +152,58 @@ def encode_words(pieces, unk: str, sentences: Sequence[Sequence[str]]
     """Per sentence (a list of words): its piece ids (int32, no special tokens) and, per piece,
     the index of the word it starts (-1 for a word's later pieces), by the word-piece tokenizer
     ``pieces`` (:func:`piece_tokenizer`). A word that gives no pieces (e.g. only invisible
-    characters) is replaced by ``unk``, so every word has a first piece."""
+    characters) is replaced by ``unk``, so every word has a first piece.
+
+    One batched tokenizer call, then the whole batch at once in numpy: the pieces of all
+    sentences are laid end to end, a piece starts a word where its word id differs from the
+    previous piece's or it opens its sentence, and the arrays are cut back into per-sentence
+    views (no Python loop over pieces)."""
     if not sentences:
         return []
     encodings = pieces.encode_batch([list(s) for s in sentences], is_pretokenized=True,
                                     add_special_tokens=False)
-    out = []
-    for words, enc in zip(sentences, encodings):
-        ids, wids = enc.ids, enc.word_ids
-        if len({w for w in wids if w is not None}) < len(words):
-            fixed = [w if pieces.encode(w, add_special_tokens=False).ids else unk for w in words]
-            enc = pieces.encode(fixed, is_pretokenized=True, add_special_tokens=False)
-            ids, wids = enc.ids, enc.word_ids
-        first, prev = np.full(len(wids), -1, dtype=np.int64), None
-        for q, w in enumerate(wids):
-            if w is not None and w != prev:
-                first[q] = w
-            prev = w
-        out.append((np.asarray(ids, dtype=np.int32), first))
+    ids_lists = [e.ids for e in encodings]
+    wid_lists = [e.word_ids for e in encodings]
+    counts = np.fromiter(map(len, ids_lists), dtype=np.int64, count=len(ids_lists))
+    total = int(counts.sum())
+    try:
+        wids = np.fromiter(chain.from_iterable(wid_lists), dtype=np.int64, count=total)
+    except TypeError:  # a piece outside every word (word id None): sentence by sentence
+        return [_encode_one(pieces, unk, words, enc.ids, enc.word_ids)
+                for words, enc in zip(sentences, encodings)]
+    ids = np.fromiter(chain.from_iterable(ids_lists), dtype=np.int32, count=total)
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    new = np.ones(total, dtype=bool)
+    new[1:] = wids[1:] != wids[:-1]
+    new[starts[counts > 0]] = True
+    first = np.where(new, wids, -1)
+    # word ids rise through a sentence, so its distinct words are its word starts
+    seen = np.zeros(total + 1, dtype=np.int64)
+    np.cumsum(new, out=seen[1:])
+    found = seen[starts + counts] - seen[starts]
+    words_in = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
+    edges = zip(starts.tolist(), (starts + counts).tolist())
+    out = [(ids[a:b], first[a:b]) for a, b in edges]
+    for k in np.flatnonzero(found < words_in).tolist():  # a word without pieces
+        out[k] = _encode_one(pieces, unk, sentences[k], ids_lists[k], wid_lists[k])
     return out
+
+
+def _encode_one(pieces, unk: str, words: Sequence[str], ids: list[int],
+                wids: list[int | None]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`encode_words` of one sentence from its encoding's ``ids`` and ``word_ids``, with
+    the words that give no pieces replaced by ``unk``."""
+    if len({w for w in wids if w is not None}) < len(words):
+        fixed = [w if pieces.encode(w, add_special_tokens=False).ids else unk for w in words]
+        enc = pieces.encode(fixed, is_pretokenized=True, add_special_tokens=False)
+        ids, wids = enc.ids, enc.word_ids
+    first, prev = np.full(len(wids), -1, dtype=np.int64), None
+    for q, w in enumerate(wids):
+        if w is not None and w != prev:
+            first[q] = w
+        prev = w
+    return np.asarray(ids, dtype=np.int32), first
 
 
 ENCODE_CHUNK = 2048  # words per tokenizer call for a long input
@@ -335,20 +370,21 @@ class Engine:
     def _forward(self, rows: Sequence[np.ndarray], on_pieces=None):
         """Run piece-id rows (no special tokens) packed by ``token_budget``: yields, per forward
         pass, the row indices and the probabilities [B, T] (piece r of a row at r + 1)."""
-        lengths = [len(r) + 2 for r in rows]  # with [CLS] and [SEP]
-        for picked in pack_by_token_budget(lengths, self.token_budget, self.max_batch,
-                                           max_padding=self.max_padding):
-            T = max(lengths[k] for k in picked)
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        for picked in pack_by_token_budget((lengths + 2).tolist(), self.token_budget,
+                                           self.max_batch, max_padding=self.max_padding):
+            n = lengths[picked]
+            T = int(n.max()) + 2  # with [CLS] and [SEP]
+            col = np.arange(T)
+            mask = (col < (n + 2)[:, None]).astype(np.int64)
             input_ids = np.full((len(picked), T), self.pad_id, dtype=np.int64)
-            mask = np.zeros((len(picked), T), dtype=np.int64)
-            for r, k in enumerate(picked):
-                n = len(rows[k])
-                input_ids[r, 0], input_ids[r, n + 1] = self.cls_id, self.sep_id
-                input_ids[r, 1 : n + 1] = rows[k]
-                mask[r, : n + 2] = 1
+            input_ids[(col >= 1) & (col <= n[:, None])] = np.concatenate(
+                [rows[k] for k in picked])  # row-major: each row's pieces after its [CLS]
+            input_ids[:, 0] = self.cls_id
+            input_ids[np.arange(len(picked)), n + 1] = self.sep_id
             out = np.asarray(self.runner(input_ids, mask), dtype=np.float32)
             if on_pieces is not None:
-                on_pieces(int(mask.sum()) - 2 * len(picked))
+                on_pieces(int(n.sum()))
             yield picked, out
 
     @staticmethod
@@ -369,19 +405,49 @@ class Engine:
                    ) -> list[np.ndarray]:
         """Error probability of every word of every sentence, in input order (``on_pieces(n)``:
         called after each forward pass with its ``n`` real word pieces; ``encoded``: the
-        sentences' word-piece encoding, if already made)."""
+        sentences' word-piece encoding, if already made).
+
+        The probabilities of all sentences live in one array (the returned arrays are views of
+        it). A sentence that fits the encoder is one window holding all its words, so a forward
+        pass's such rows are merged in one gather; only windows of long inputs go through
+        :meth:`_merge_window`."""
         if encoded is None:
             encoded = self._encode(sentences)
-        rows = [(s, start, end) for s, (ids, _) in enumerate(encoded)
-                for start, end in self.window_spans(len(ids))]  # (sentence, start, end)
-        probs = [np.zeros(len(words), dtype=np.float32) for words in sentences]
-        margin = [np.full(len(words), -1, dtype=np.int64) for words in sentences]
-        views = [encoded[s][0][start:end] for s, start, end in rows]
-        for picked, out in self._forward(views, on_pieces):
+        n_words = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
+        word_start = np.zeros(len(sentences) + 1, dtype=np.int64)
+        np.cumsum(n_words, out=word_start[1:])
+        flat = np.zeros(int(word_start[-1]), dtype=np.float32)
+        n_pieces = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64,
+                               count=len(encoded))
+        whole = np.flatnonzero((n_pieces > 0) & (n_pieces <= self.max_pieces - 2)).tolist()
+        rows = [encoded[s][0] for s in whole]
+        firsts = [encoded[s][1] for s in whole]
+        offset = word_start[whole]  # a whole row's first word in ``flat``
+        long_rows: dict[int, tuple[int, int, int]] = {}  # row -> (sentence, start, end)
+        for s in np.flatnonzero(n_pieces > self.max_pieces - 2).tolist():
+            ids, _ = encoded[s]
+            for start, end in self.window_spans(len(ids)):
+                long_rows[len(rows)] = (s, start, end)
+                rows.append(ids[start:end])
+        margin = {s: np.full(int(n_words[s]), -1, dtype=np.int64)
+                  for s, _, _ in long_rows.values()}
+        for picked, out in self._forward(rows, on_pieces):
+            local = [r for r, k in enumerate(picked) if k < len(whole)]
+            if local:
+                ks = [picked[r] for r in local]
+                first = np.concatenate([firsts[k] for k in ks])
+                size = n_pieces[[whole[k] for k in ks]]
+                row = np.repeat(np.asarray(local), size)
+                piece = np.arange(len(first)) - np.repeat(np.cumsum(size) - size, size)
+                at = first >= 0
+                flat[(first + np.repeat(offset[ks], size))[at]] = out[row[at], piece[at] + 1]
             for r, k in enumerate(picked):
-                s, start, end = rows[k]
-                self._merge_window(encoded[s][1][start:end], out[r], probs[s], margin[s])
-        return probs
+                if k >= len(whole):
+                    s, start, end = long_rows[k]
+                    self._merge_window(encoded[s][1][start:end], out[r],
+                                       flat[word_start[s]:word_start[s + 1]], margin[s])
+        edges = word_start.tolist()
+        return [flat[a:b] for a, b in zip(edges[:-1], edges[1:])]
 
     # ------------------------------------------------------- tagging window by window
 
@@ -434,35 +500,63 @@ class Engine:
         margin = np.full(len(plan.tokens), -1, dtype=np.int64)
         for (start, end), out in zip(plan.windows, window_probs, strict=True):
             self._merge_window(plan.first[start:end], out, probs, margin)
-        return self._result(plan.tokens, probs, plan.offsets, plan.text)
+        texts = None if plan.text is None else [plan.text]
+        offsets = None if plan.offsets is None else [plan.offsets]
+        result, = self._results([plan.tokens], [probs], offsets, texts)
+        return result
 
-    def _result(self, tokens, probs, offsets=None, text=None) -> TagResult:
-        labels = ["i" if p >= self.threshold else "c" for p in probs]
-        spans, k = [], 0
-        while k < len(labels):
-            if labels[k] == "i":
-                e = k
-                while e + 1 < len(labels) and labels[e + 1] == "i":
-                    e += 1
+    _LABELS = np.array(["c", "i"], dtype=object)
+
+    def _results(self, tokens: Sequence[Sequence[str]], probs: Sequence[np.ndarray],
+                 offsets: Sequence[list[tuple[int, int]]] | None = None,
+                 texts: Sequence[str] | None = None) -> list[TagResult]:
+        """A :class:`TagResult` per input from its words' error probabilities: label "i" where
+        ``p >= threshold`` (compared in float32, the probabilities' type), spans the runs of "i"
+        words, found for all inputs at once on the concatenated probabilities; with
+        ``offsets`` and ``texts`` (raw text) spans are character spans, else token spans."""
+        flat = np.concatenate(probs) if len(probs) else np.zeros(0, np.float32)
+        sizes = np.fromiter(map(len, probs), dtype=np.int64, count=len(probs))
+        bounds = np.zeros(len(probs) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bounds[1:])
+        flags = flat >= self.threshold
+        labels = self._LABELS[flags.view(np.int8)].tolist()
+        values = flat.tolist()
+        spans: dict[int, list[dict]] = {}
+        if flags.any():
+            opens = flags.copy()  # a run of "i" opens where the previous word is not "i"
+            opens[1:] &= ~flags[:-1]
+            closes = flags.copy()  # and closes where the next word is not "i"
+            closes[:-1] &= ~flags[1:]
+            inner = bounds[1:-1][(sizes[1:] > 0) & (bounds[1:-1] > 0)]  # inputs' first words:
+            # runs never cross them
+            opens[inner] = flags[inner]
+            closes[inner - 1] = flags[inner - 1]
+            starts, ends = np.flatnonzero(opens), np.flatnonzero(closes) + 1
+            owner = np.searchsorted(bounds, starts, side="right") - 1
+            for s, a, e in zip(owner.tolist(), (starts - bounds[owner]).tolist(),
+                               (ends - bounds[owner]).tolist()):
                 if offsets is not None:
-                    a, b = offsets[k][0], offsets[e][1]
-                    spans.append({"start": a, "end": b, "text": text[a:b]})
+                    c, d = offsets[s][a][0], offsets[s][e - 1][1]
+                    span = {"start": c, "end": d, "text": texts[s][c:d]}
                 else:
-                    spans.append({"start": k, "end": e + 1})
-                k = e + 1
-            else:
-                k += 1
-        return TagResult(list(tokens), labels, [float(p) for p in probs], offsets, spans)
+                    span = {"start": a, "end": e}
+                spans.setdefault(s, []).append(span)
+        edges = bounds.tolist()
+        return [TagResult(list(tokens[s]), labels[edges[s]:edges[s + 1]],
+                          values[edges[s]:edges[s + 1]],
+                          None if offsets is None else offsets[s], spans.get(s) or [])
+                for s in range(len(probs))]
 
     def tag_tokens(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[TagResult]:
         """Tag pre-tokenised sentences (lists of words); ``on_pieces``: see :meth:`word_probs`."""
         for i, s in enumerate(sentences):
-            if isinstance(s, str) or not all(isinstance(w, str) and w for w in s):
+            # fast: every word exactly a str and none empty; else the full check decides
+            if isinstance(s, str) or not (all(s) and _ONLY_STR.issuperset(map(type, s))) and \
+                    not all(isinstance(w, str) and w for w in s):
                 raise ValueError(f"sentences[{i}]: expected a list of non-empty strings")
         pool = self._host_pool(len(sentences))
         encoded = pool.tokens(sentences) if pool is not None else None
-        probs = self.word_probs(sentences, on_pieces, encoded)
-        return [self._result(s, p) for s, p in zip(sentences, probs)]
+        return self._results(sentences, self.word_probs(sentences, on_pieces, encoded))
 
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
@@ -476,8 +570,7 @@ class Engine:
             words = [[t.text for t in ts] for ts in toks]
             offsets = [[(t.start, t.end) for t in ts] for ts in toks]
             encoded = None
-        probs = self.word_probs(words, on_pieces, encoded)
-        return [self._result(w, p, o, text) for text, w, o, p in zip(texts, words, offsets, probs)]
+        return self._results(words, self.word_probs(words, on_pieces, encoded), offsets, texts)
 
     def _host_pool(self, n_inputs: int):
         """The host workers for a call of ``n_inputs`` inputs, or None (none asked for, or too

@@ -50,8 +50,8 @@ def _pack(encoded: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...
 
 def _unpack(counts: np.ndarray, ids: np.ndarray, first: np.ndarray
             ) -> list[tuple[np.ndarray, np.ndarray]]:
-    cuts = np.cumsum(counts)[:-1]
-    return list(zip(np.split(ids, cuts), np.split(first, cuts)))
+    edges = [0, *np.cumsum(counts).tolist()]
+    return [(ids[a:b], first[a:b]) for a, b in zip(edges[:-1], edges[1:])]
 
 
 def _texts_task(texts: Sequence[str]):
@@ -93,7 +93,7 @@ class HostPool:
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
         for w, n_tokens, offs, packed in self._pool.map(_texts_task, chunks):
             words.extend(w)
-            pairs = list(map(tuple, offs.tolist()))
+            pairs = list(zip(offs[:, 0].tolist(), offs[:, 1].tolist()))
             a = 0
             for n in n_tokens.tolist():
                 offsets.append(pairs[a:a + n])
