@@ -294,3 +294,25 @@ def test_ascii_fast_path_equals_the_cluster_rules():
         assert word_tokenize(text) == tokenize._word_tokenize_clusters(text), repr(text)
     for text in ("caf\u00e9", "a\x7fb", "a\x00b", "x\u200by"):
         assert not tokenize._ASCII_ONLY.match(text)
+
+
+def test_word_tokenize_lists_equals_word_tokenize():
+    """The list form (texts and offsets, the engine's) gives word_tokenize's tokens on random
+    printable ASCII with and without apostrophes (its one-pass path and the fallback), and on
+    non-ASCII text."""
+    from mhmla_fast.serve.tokenize import word_tokenize_lists
+
+    rng = random.Random(11)
+    alphabets = ([chr(c) for c in range(0x20, 0x7F) if c != 0x27] + ["...", "3.1", "a-b"] * 3,
+                 [chr(c) for c in range(0x20, 0x7F)] + ["'s", "n't", "can't"] * 3,
+                 list("aé日 '👍\u0301\u200b-.") + ["don't"])
+    fast = 0
+    for alphabet in alphabets:
+        for _ in range(5_000):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+            words, offsets = word_tokenize_lists(text)
+            tokens = word_tokenize(text)
+            assert words == [t.text for t in tokens], repr(text)
+            assert offsets == [(t.start, t.end) for t in tokens], repr(text)
+            fast += "'" not in text and text.isascii()
+    assert fast > 4_000  # the one-pass path ran

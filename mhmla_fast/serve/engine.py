@@ -39,7 +39,7 @@ import numpy as np
 from ..encoder import max_input_length
 from ..packing import pack_by_token_budget
 from .pieces import WordPieces
-from .tokenize import Token, word_tokenize
+from .tokenize import Token, word_tokenize, word_tokenize_lists
 
 __all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
            "read_tagger_config", "default_tagger_path"]
@@ -242,6 +242,23 @@ def word_tokenize_chunked(text: str, chunk: int = 1 << 16) -> list[Token]:
     if len(text) <= chunk:
         return word_tokenize(text)
     return [t for part in iter_word_tokenize(text, chunk) for t in part]
+
+
+def word_tokenize_texts(texts: Sequence[str], chunk: int = 1 << 16
+                        ) -> tuple[list[list[str]], list[list[tuple[int, int]]]]:
+    """Per text, the words and ``(start, end)`` offsets of :func:`word_tokenize_chunked` (by
+    ``tokenize.word_tokenize_lists`` for texts of at most ``chunk`` characters)."""
+    words: list[list[str]] = []
+    offsets: list[list[tuple[int, int]]] = []
+    for text in texts:
+        if len(text) <= chunk:
+            w, o = word_tokenize_lists(text)
+        else:
+            toks = word_tokenize_chunked(text, chunk)
+            w, o = [t.text for t in toks], [(t.start, t.end) for t in toks]
+        words.append(w)
+        offsets.append(o)
+    return words, offsets
 
 
 def iter_word_tokenize(text: str, chunk: int = 1 << 16) -> Iterator[list[Token]]:
@@ -566,9 +583,7 @@ class Engine:
         if pool is not None:
             words, offsets, encoded = pool.texts(texts)
         else:
-            toks = [word_tokenize_chunked(t) for t in texts]
-            words = [[t.text for t in ts] for ts in toks]
-            offsets = [[(t.start, t.end) for t in ts] for ts in toks]
+            words, offsets = word_tokenize_texts(texts)
             encoded = None
         return self._results(words, self.word_probs(words, on_pieces, encoded), offsets, texts)
 

@@ -57,12 +57,11 @@ def _unpack(counts: np.ndarray, ids: np.ndarray, first: np.ndarray
 def _texts_task(texts: Sequence[str]):
     """A worker's chunk of raw texts: words, offsets (as one [n, 2] array per chunk) and the
     word-piece encoding of each text."""
-    from .engine import encode_sentences, word_tokenize_chunked
+    from .engine import encode_sentences, word_tokenize_texts
 
-    toks = [word_tokenize_chunked(t) for t in texts]
-    words = [[t.text for t in ts] for ts in toks]
-    n_tokens = np.array([len(ts) for ts in toks], dtype=np.int64)
-    offsets = np.array([(t.start, t.end) for ts in toks for t in ts], dtype=np.int64).reshape(-1, 2)
+    words, spans = word_tokenize_texts(texts)
+    n_tokens = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+    offsets = np.array([o for os in spans for o in os], dtype=np.int64).reshape(-1, 2)
     encoded = encode_sentences(_STATE["pieces"], _STATE["unk"], words)
     return words, n_tokens, offsets, _pack(encoded)
 

@@ -84,7 +84,7 @@ import unicodedata
 from bisect import bisect_right
 from typing import NamedTuple
 
-__all__ = ["Token", "word_tokenize"]
+__all__ = ["Token", "word_tokenize", "word_tokenize_lists"]
 
 
 class Token(NamedTuple):
@@ -402,6 +402,18 @@ def _word_tokenize_ascii(text: str) -> list[Token]:
         else:
             out.append(Token(m.group(), start, end))
     return out
+
+
+def word_tokenize_lists(text: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """:func:`word_tokenize` as two lists, the tokens' texts and their ``(start, end)`` offsets,
+    without a :class:`Token` per token. Printable-ASCII text without an apostrophe (so without
+    clitics to split) takes one pass of ``_ASCII_TOKEN`` whose matches are read in C; any
+    other text goes through :func:`word_tokenize`."""
+    if "'" not in text and _ASCII_ONLY.match(text):
+        matches = list(_ASCII_TOKEN.finditer(text))
+        return list(map(re.Match.group, matches)), list(map(re.Match.span, matches))
+    tokens = word_tokenize(text)
+    return [t.text for t in tokens], [(t.start, t.end) for t in tokens]
 
 
 def word_tokenize(text: str) -> list[Token]:
