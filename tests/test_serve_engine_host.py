@@ -131,3 +131,29 @@ def test_tag_tokens_still_refuses_bad_words(hf_tokenizer):
     for bad in (["a", ""], "abc", ["a", 3], [b"x"]):
         with pytest.raises(ValueError, match=r"sentences\[1\]"):
             engine.tag_tokens([["fine"], bad])
+
+
+def test_tagging_pauses_the_cyclic_gc_and_restores_it(hf_tokenizer):
+    import gc
+
+    seen = []
+
+    class Spy(HashRunner):
+        def __call__(self, input_ids, attention_mask):
+            seen.append(gc.isenabled())
+            return super().__call__(input_ids, attention_mask)
+
+    engine = Engine(Spy(), hf_tokenizer)
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        engine.tag_texts(["He go to school ."])
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(ValueError):
+            engine.tag_tokens([["fine"], [""]])
+        assert gc.isenabled()
+        gc.disable()
+        engine.tag_tokens([["He", "go"]])
+        assert seen == [False, False] and not gc.isenabled()  # left off, as the caller had it
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -26,8 +26,10 @@ probabilities [B, T].
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+from contextlib import contextmanager
 from itertools import chain
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -277,6 +279,26 @@ def iter_word_tokenize(text: str, chunk: int = 1 << 16) -> Iterator[list[Token]]
             b = c
         yield [Token(t.text, t.start + a, t.end + a) for t in word_tokenize(text[a:b])]
         a = b
+
+
+@contextmanager
+def gc_paused():
+    """Pause Python's cyclic garbage collector for a block, then restore it as it was.
+
+    A tagging call builds a few objects per word (tokens, labels, offsets, results) and no
+    reference cycles; with the collector on, every few hundred new containers trigger a
+    collection that walks the growing results again, which took 30-70% of the host time of
+    building results in ``bench/benchmark_host_path.py``. Reference counting still frees
+    everything the block drops. Left off if it was off; re-enabled only by the block that
+    turned it off."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 class Engine:
@@ -571,21 +593,24 @@ class Engine:
             if isinstance(s, str) or not (all(s) and _ONLY_STR.issuperset(map(type, s))) and \
                     not all(isinstance(w, str) and w for w in s):
                 raise ValueError(f"sentences[{i}]: expected a list of non-empty strings")
-        pool = self._host_pool(len(sentences))
-        encoded = pool.tokens(sentences) if pool is not None else None
-        return self._results(sentences, self.word_probs(sentences, on_pieces, encoded))
+        with gc_paused():
+            pool = self._host_pool(len(sentences))
+            encoded = pool.tokens(sentences) if pool is not None else None
+            return self._results(sentences, self.word_probs(sentences, on_pieces, encoded))
 
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
         ``on_pieces``: see :meth:`word_probs`."""
         texts = list(texts)
-        pool = self._host_pool(len(texts))
-        if pool is not None:
-            words, offsets, encoded = pool.texts(texts)
-        else:
-            words, offsets = word_tokenize_texts(texts)
-            encoded = None
-        return self._results(words, self.word_probs(words, on_pieces, encoded), offsets, texts)
+        with gc_paused():
+            pool = self._host_pool(len(texts))
+            if pool is not None:
+                words, offsets, encoded = pool.texts(texts)
+            else:
+                words, offsets = word_tokenize_texts(texts)
+                encoded = None
+            return self._results(words, self.word_probs(words, on_pieces, encoded), offsets,
+                                 texts)
 
     def _host_pool(self, n_inputs: int):
         """The host workers for a call of ``n_inputs`` inputs, or None (none asked for, or too
