@@ -157,3 +157,48 @@ def test_tagging_pauses_the_cyclic_gc_and_restores_it(hf_tokenizer):
         assert seen == [False, False] and not gc.isenabled()  # left off, as the caller had it
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_passes_are_pipelined_one_deep_with_the_same_results(hf_tokenizer):
+    """With a runner that has ``submit`` (torch on CUDA returns at once), pass k + 1 is packed
+    and submitted before pass k's probabilities are taken and merged; the results are those of
+    the plain runner."""
+    log = []
+
+    class Deferred(HashRunner):
+        def submit(self, input_ids, attention_mask):
+            k = sum(1 for e in log if e[0] == "submit")
+            log.append(("submit", k))
+            runner = self
+
+            class Job:
+                def result(self):
+                    log.append(("result", k))
+                    return HashRunner.__call__(runner, input_ids, attention_mask)
+
+            return Job()
+
+    batch = sentences(120, seed=6)
+    kw = dict(token_budget=256, max_batch=8)
+    got = Engine(Deferred(), hf_tokenizer, **kw).tag_tokens(batch)
+    want = Engine(HashRunner(), hf_tokenizer, **kw).tag_tokens(batch)
+    assert [r.to_dict() for r in got] == [r.to_dict() for r in want]
+    passes = sum(1 for e in log if e[0] == "submit")
+    assert passes > 5
+    for k in range(passes - 1):  # pass k+1 went out before pass k came back
+        assert log.index(("submit", k + 1)) < log.index(("result", k))
+    assert log[-1] == ("result", passes - 1)
+
+
+def test_torch_runner_submit_gives_its_call_result(tiny_tagger_dir):
+    from mhmla_fast.serve.runners import TorchRunner
+
+    runner = TorchRunner(tiny_tagger_dir, device="cpu")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 2000, size=(3, 9)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0
+    job = runner.submit(ids, mask)
+    out = job.result()
+    assert out.dtype == np.float32 and out.shape == (3, 9)
+    np.testing.assert_array_equal(out, runner(ids, mask))

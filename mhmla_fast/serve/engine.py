@@ -408,8 +408,15 @@ class Engine:
 
     def _forward(self, rows: Sequence[np.ndarray], on_pieces=None):
         """Run piece-id rows (no special tokens) packed by ``token_budget``: yields, per forward
-        pass, the row indices and the probabilities [B, T] (piece r of a row at r + 1)."""
+        pass, the row indices and the probabilities [B, T] (piece r of a row at r + 1).
+
+        Passes are pipelined one deep: pass k + 1 is packed and submitted (``runners.submit``)
+        before pass k is yielded, so with a runner that returns at once (torch on CUDA) the
+        caller's merging of pass k and the packing of pass k + 1 overlap the device's work."""
+        from .runners import submit
+
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        pending = None
         for picked in pack_by_token_budget((lengths + 2).tolist(), self.token_budget,
                                            self.max_batch, max_padding=self.max_padding):
             n = lengths[picked]
@@ -421,10 +428,20 @@ class Engine:
                 [rows[k] for k in picked])  # row-major: each row's pieces after its [CLS]
             input_ids[:, 0] = self.cls_id
             input_ids[np.arange(len(picked)), n + 1] = self.sep_id
-            out = np.asarray(self.runner(input_ids, mask), dtype=np.float32)
-            if on_pieces is not None:
-                on_pieces(int(n.sum()))
-            yield picked, out
+            started = (picked, int(n.sum()), submit(self.runner, input_ids, mask))
+            if pending is not None:
+                yield self._finish(pending, on_pieces)
+            pending = started
+        if pending is not None:
+            yield self._finish(pending, on_pieces)
+
+    @staticmethod
+    def _finish(pending, on_pieces):
+        picked, n_pieces, job = pending
+        out = job.result()
+        if on_pieces is not None:
+            on_pieces(n_pieces)
+        return picked, out
 
     @staticmethod
     def _merge_window(first: np.ndarray, out: np.ndarray, probs: np.ndarray,

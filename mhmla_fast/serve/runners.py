@@ -14,7 +14,7 @@ import numpy as np
 
 from .options import BACKENDS, resolve_options
 
-__all__ = ["TorchRunner", "make_runner", "set_torch_threads", "BACKENDS"]
+__all__ = ["TorchRunner", "Pending", "submit", "make_runner", "set_torch_threads", "BACKENDS"]
 
 
 def set_torch_threads(threads: int | None) -> None:
@@ -57,12 +57,57 @@ class TorchRunner:
         self.net = self.model.folded() if self.folded else self.model
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        return self.submit(input_ids, attention_mask).result()
+
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+        """Start a forward pass and return at once; ``.result()`` waits for the probabilities.
+
+        On CUDA the batch goes up from pinned memory, the pass and the copy of the
+        probabilities into a fresh pinned buffer are queued on the current stream, and an event
+        marks their end, so the caller packs the next batch (or merges the last one) while the
+        GPU works. Elsewhere the pass runs here and the result is ready."""
         torch = self.torch
+        cuda = self.device.type == "cuda"
         with torch.inference_mode():
-            ids = torch.from_numpy(input_ids).to(self.device, non_blocking=True)
-            mask = torch.from_numpy(attention_mask).to(self.device, non_blocking=True)
-            logits = self.net(ids, mask)
-            return torch.softmax(logits.float(), -1)[..., 1].cpu().numpy()
+            ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
+            if cuda:
+                ids, mask = ids.pin_memory(), mask.pin_memory()
+            ids = ids.to(self.device, non_blocking=True)
+            mask = mask.to(self.device, non_blocking=True)
+            probs = torch.softmax(self.net(ids, mask).float(), -1)[..., 1]
+            if not cuda:
+                return Pending(probs.numpy())
+            host = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True)
+            host.copy_(probs, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return Pending(host, done)
+
+
+class Pending:
+    """A forward pass started by a runner's ``submit``: ``result()`` waits for its end (a CUDA
+    event, if any) and returns the probabilities as a float32 array."""
+
+    __slots__ = ("_out", "_done")
+
+    def __init__(self, out, done=None):
+        self._out, self._done = out, done
+
+    def result(self) -> np.ndarray:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        out = self._out
+        return np.asarray(out if isinstance(out, np.ndarray) else out.numpy(), dtype=np.float32)
+
+
+def submit(runner, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+    """``runner.submit(...)`` where the runner has one (it overlaps with the caller), else the
+    runner called now, its result wrapped as ready."""
+    start = getattr(runner, "submit", None)
+    if start is not None:
+        return start(input_ids, attention_mask)
+    return Pending(np.asarray(runner(input_ids, attention_mask), dtype=np.float32))
 
 
 def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
