@@ -1,7 +1,8 @@
 """Worker processes for the tagging engine's host path: word tokenisation and word-piecing of
 large calls, in parallel, off the process that drives the model.
 
-One Python thread tokenises about 12,000 FCE sentences/s (``bench/benchmark_host_path.py``),
+One Python thread tokenises and word-pieces about 12,600 FCE sentences/s on a 2-core EPYC
+(``bench/results/host_path_epyc_2026-11-23.json``),
 which caps the engine on a GPU that could tag several times more. With ``host_workers=N``
 (:class:`~mhmla_fast.serve.engine.Engine`) a call of at least ``2 * CHUNK`` inputs is cut into
 chunks of ``CHUNK`` that N spawned processes tokenise and word-piece, each returning its chunk
