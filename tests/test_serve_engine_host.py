@@ -202,3 +202,29 @@ def test_torch_runner_submit_gives_its_call_result(tiny_tagger_dir):
     out = job.result()
     assert out.dtype == np.float32 and out.shape == (3, 9)
     np.testing.assert_array_equal(out, runner(ids, mask))
+
+
+def test_word_cache_equals_the_tokenizer_on_every_sentence(hf_tokenizer):
+    """Word-piecing by distinct word gives encode_words' pieces (the tokenizer over whole
+    sentences), with cold and warm caches, across a restart at max_words, for odd words too
+    (no pieces, special tokens' texts, invisible and combining characters)."""
+    from mhmla_fast.serve.pieces import WordCache
+
+    pieces = WordPieces.from_hf(hf_tokenizer)
+    rng = random.Random(8)
+    odd = [NO_PIECES, "\u200d", "\ufeff", "[UNK]", "[CLS]", "[MASK]", "a\u0301", "ﬁ", "日本", "😀"]
+    batch = sentences(300, seed=9) + [[rng.choice(odd + WORDS) for _ in range(rng.randint(1, 9))]
+                                      for _ in range(300)] + [[], ["x"]]
+    want = encode_words(pieces.pieces, pieces.unk, batch)
+    cache = WordCache(pieces.pieces, pieces.unk, max_words=40)
+    for rep in range(2):
+        for a in range(0, len(batch), 25):  # small calls: the cache restarts past 40 words
+            got = cache.encode(batch[a:a + 25])
+            for (ids, first), (ids1, first1) in zip(got, want[a:a + 25]):
+                assert ids.dtype == np.int32 and first.dtype == np.int64
+                np.testing.assert_array_equal(ids, ids1)
+                np.testing.assert_array_equal(first, first1)
+    assert 0 < len(cache) <= 40 + 25 * 9
+    whole = WordCache(pieces.pieces, pieces.unk).encode(batch)
+    assert all(np.array_equal(g[0], w[0]) and np.array_equal(g[1], w[1])
+               for g, w in zip(whole, want))

@@ -2,7 +2,9 @@
 
 Throughput by construction:
 
-* every input is word-pieced once, in one batched tokenizer call;
+* words are word-pieced by distinct word (``pieces.WordCache``: the tokenizer runs once per
+  word never seen before, in one batched call; the rest is dictionary lookups and numpy
+  gathers), and everything after, packing, merging and results, works on whole batches;
 * inputs longer than the encoder's limit are cut into overlapping windows and never
   truncated: windows of ``long_window`` pieces (254 by default, at most the encoder's limit)
   overlapping by a quarter window, so a long text costs about 1.33x its pieces (not 2x, as
@@ -10,7 +12,7 @@ Throughput by construction:
   to stay small; each word takes its probability from the window in which its first piece
   sits farthest from a window edge (so at least an eighth of a window of context on each
   side). Texts that fit the encoder are one window, as before;
-* a long input is word-pieced in chunks of words and kept as int32 arrays, and its windows are
+* a long input's pieces are kept as int32 arrays, and its windows are
   packed like any others, so memory grows with the batch, plus a few bytes per piece of the
   text (not with a Python object per piece); ``on_pieces`` reports progress as windows are
   encoded;
@@ -40,7 +42,7 @@ import numpy as np
 
 from ..encoder import max_input_length
 from ..packing import pack_by_token_budget
-from .pieces import WordPieces
+from .pieces import WordCache, WordPieces
 from .tokenize import Token, word_tokenize, word_tokenize_lists
 
 __all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
@@ -208,27 +210,7 @@ def _encode_one(pieces, unk: str, words: Sequence[str], ids: list[int],
     return np.asarray(ids, dtype=np.int32), first
 
 
-ENCODE_CHUNK = 2048  # words per tokenizer call for a long input
-
-
-def encode_sentences(pieces, unk: str, sentences: Sequence[Sequence[str]],
-                     chunk: int = ENCODE_CHUNK) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`encode_words` of every sentence; sentences of more than ``chunk`` words are
-    word-pieced in chunks of words (the same pieces: words are pieced one by one)."""
-    out: list[Any] = [None] * len(sentences)
-    short = [k for k, s in enumerate(sentences) if len(s) <= chunk]
-    for k, enc in zip(short, encode_words(pieces, unk, [sentences[k] for k in short])):
-        out[k] = enc
-    for k, words in enumerate(sentences):
-        if out[k] is not None:
-            continue
-        ids, first = [], []
-        for a in range(0, len(words), chunk):
-            (i, f), = encode_words(pieces, unk, [words[a:a + chunk]])
-            ids.append(i)
-            first.append(np.where(f >= 0, f + a, -1))
-        out[k] = (np.concatenate(ids), np.concatenate(first))
-    return out
+ENCODE_CHUNK = 2048  # words per step of Engine.plan_steps
 
 
 def _is_separator(ch: str) -> bool:
@@ -324,7 +306,7 @@ class Engine:
             the results are the same. :meth:`close` stops them.
     """
 
-    ENCODE_CHUNK = ENCODE_CHUNK  # words per tokenizer call for a long input
+    ENCODE_CHUNK = ENCODE_CHUNK  # words per step of plan_steps
 
     def __init__(self, runner, tokenizer, *, max_pieces: int = 512, threshold: float = 0.5,
                  token_budget: int = 8192, max_batch: int = 256,
@@ -349,6 +331,7 @@ class Engine:
         self.cls_id, self.sep_id, self.pad_id = vocab.cls_id, vocab.sep_id, vocab.pad_id
         self._unk = vocab.unk
         self.pieces = vocab.pieces
+        self._words = WordCache(vocab.pieces, vocab.unk)
         if host_workers < 0:
             raise ValueError(f"host_workers: expected >= 0, got {host_workers}")
         self.host_workers = int(host_workers)
@@ -392,10 +375,8 @@ class Engine:
     # ------------------------------------------------------------------ encoding
 
     def _encode(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        return encode_sentences(self.pieces, self._unk, sentences, self.ENCODE_CHUNK)
-
-    def _encode_batch(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        return encode_words(self.pieces, self._unk, sentences)
+        """:func:`encode_words` of every sentence, through the engine's word cache."""
+        return self._words.encode(sentences)
 
     # ------------------------------------------------------------------- tagging
 
@@ -532,7 +513,7 @@ class Engine:
             words, offsets = [t.text for t in toks], [(t.start, t.end) for t in toks]
         ids, first = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int64)]
         for a in range(0, len(words), self.ENCODE_CHUNK):
-            (i, f), = self._encode_batch([words[a:a + self.ENCODE_CHUNK]])
+            (i, f), = self._encode([words[a:a + self.ENCODE_CHUNK]])
             ids.append(i)
             first.append(np.where(f >= 0, f + a, -1))
             yield None

@@ -38,7 +38,9 @@ def _init(tokenizer_json: str, unk: str) -> None:
     pieces = Tokenizer.from_str(tokenizer_json)
     pieces.no_truncation()
     pieces.no_padding()
-    _STATE.update(pieces=pieces, unk=unk)
+    from .pieces import WordCache
+
+    _STATE.update(words=WordCache(pieces, unk))
 
 
 def _pack(encoded: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
@@ -58,19 +60,17 @@ def _unpack(counts: np.ndarray, ids: np.ndarray, first: np.ndarray
 def _texts_task(texts: Sequence[str]):
     """A worker's chunk of raw texts: words, offsets (as one [n, 2] array per chunk) and the
     word-piece encoding of each text."""
-    from .engine import encode_sentences, word_tokenize_texts
+    from .engine import word_tokenize_texts
 
     words, spans = word_tokenize_texts(texts)
     n_tokens = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
     offsets = np.array([o for os in spans for o in os], dtype=np.int64).reshape(-1, 2)
-    encoded = encode_sentences(_STATE["pieces"], _STATE["unk"], words)
+    encoded = _STATE["words"].encode(words)
     return words, n_tokens, offsets, _pack(encoded)
 
 
 def _tokens_task(sentences: Sequence[Sequence[str]]):
-    from .engine import encode_sentences
-
-    return _pack(encode_sentences(_STATE["pieces"], _STATE["unk"], sentences))
+    return _pack(_STATE["words"].encode(sentences))
 
 
 class HostPool:

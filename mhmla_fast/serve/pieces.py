@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WordPieces"]
+__all__ = ["WordPieces", "WordCache"]
 
 _ROLES = ("cls_token", "sep_token", "pad_token", "unk_token")
 
@@ -76,3 +78,81 @@ class WordPieces:
         pieces.no_padding()
         return cls(pieces, ids["cls_token"], ids["sep_token"], ids["pad_token"],
                    names.get("unk_token") or "[UNK]")
+
+
+class WordCache:
+    """Word-piecing by distinct word: each word's piece ids are computed once (one batched
+    tokenizer call over the words not seen before) and kept, so a batch of sentences is
+    word-pieced by dictionary lookups and numpy gathers instead of the tokenizer re-running on
+    every word. Pre-tokenised words are pieced one by one (the tokenizer never looks across a
+    word's edges), so the result equals :func:`mhmla_fast.serve.engine.encode_words` (tested).
+    A word that gives no pieces is stored as ``unk``'s pieces. At most ``max_words`` words are
+    kept; past that the cache starts again. Thread-safe.
+
+    Args:
+        pieces: the word-piece ``tokenizers.Tokenizer`` (truncation and padding off).
+        unk: the unknown token's text.
+    """
+
+    def __init__(self, pieces: Any, unk: str, max_words: int = 1 << 18):
+        import threading
+
+        import numpy as np
+
+        self.pieces, self.unk, self.max_words = pieces, unk, int(max_words)
+        self._np = np
+        self._lock = threading.Lock()
+        self._unk_ids = pieces.encode([unk], is_pretokenized=True, add_special_tokens=False).ids
+        self._clear()
+
+    def _clear(self) -> None:
+        np = self._np
+        self._index: dict[str, int] = {}
+        self._chunks: list[list[int]] = []
+        self._start = np.zeros(0, dtype=np.int64)  # word -> its first piece in _ids
+        self._count = np.zeros(0, dtype=np.int64)  # word -> its number of pieces
+        self._ids = np.zeros(0, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _add(self, words: list[str]) -> None:
+        np = self._np
+        encodings = self.pieces.encode_batch([[w] for w in words], is_pretokenized=True,
+                                             add_special_tokens=False)
+        lists = [e.ids or self._unk_ids for e in encodings]
+        count = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        start = len(self._ids) + np.cumsum(count) - count
+        base = len(self._index)
+        self._index.update(zip(words, range(base, base + len(words))))
+        self._start = np.concatenate([self._start, start])
+        self._count = np.concatenate([self._count, count])
+        self._ids = np.concatenate([self._ids, np.fromiter(
+            (i for ids in lists for i in ids), dtype=np.int32, count=int(count.sum()))])
+
+    def encode(self, sentences: Sequence[Sequence[str]]) -> list[tuple[Any, Any]]:
+        """Per sentence: its piece ids (int32 [P]) and, per piece, the index of the word it
+        starts, else -1 (int64 [P]), as :func:`~mhmla_fast.serve.engine.encode_words`."""
+        np = self._np
+        flat = list(chain.from_iterable(sentences))
+        with self._lock:
+            new = set(flat).difference(self._index)
+            if new and len(self._index) + len(new) > self.max_words:
+                self._clear()
+                new = set(flat)
+            if new:
+                self._add(sorted(new))
+            word = np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
+                               count=len(flat))
+            count, start, table = self._count[word], self._start[word], self._ids
+        n_words = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
+        at = np.cumsum(count) - count  # each word's first piece in the output
+        total = int(count.sum())
+        piece = np.arange(total) - np.repeat(at, count)  # piece's rank within its word
+        ids = table[np.repeat(start, count) + piece]
+        sentence_at = np.cumsum(n_words) - n_words  # each sentence's first word
+        first = np.full(total, -1, dtype=np.int64)
+        first[at] = np.arange(len(flat)) - np.repeat(sentence_at, n_words)
+        word_edges = np.append(sentence_at, len(flat))
+        piece_edges = np.append(at, total)[word_edges].tolist()
+        return [(ids[a:b], first[a:b]) for a, b in zip(piece_edges[:-1], piece_edges[1:])]
