@@ -18,17 +18,22 @@ def tag_records(engine: Any, records: Sequence[Any], report: Any = None) -> list
     one ``engine.tag_texts`` call, the token lists in one ``engine.tag_tokens`` call (``report``:
     called with the word pieces of each forward pass, for the progress bar). A record cut by
     ``--max-chars``/``--over-long cap`` gets ``"capped_from"``: its original length."""
+    from .engine import gc_paused
+
     out: list[Any] = [None] * len(records)
     texts = [k for k, r in enumerate(records) if r.text is not None]
     tokens = [k for k, r in enumerate(records) if r.text is None]
     kw = {"on_pieces": report} if report is not None else {}
     if texts:
-        for k, res in zip(texts, engine.tag_texts([records[k].text for k in texts], **kw)):
-            out[k] = res.to_dict()
+        results = engine.tag_texts([records[k].text for k in texts], **kw)
+        with gc_paused():  # many small containers, no cycles (see gc_paused)
+            for k, res in zip(texts, results):
+                out[k] = res.to_dict()
     if tokens:
-        for k, res in zip(tokens, engine.tag_tokens([list(records[k].tokens) for k in tokens],
-                                                    **kw)):
-            out[k] = res.to_dict()
+        results = engine.tag_tokens([list(records[k].tokens) for k in tokens], **kw)
+        with gc_paused():
+            for k, res in zip(tokens, results):
+                out[k] = res.to_dict()
     for rec, res in zip(records, out):
         if rec.capped_from is not None:
             res["capped_from"] = rec.capped_from

@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .engine import gc_paused
 from .score import score_essays
 
 __all__ = ["MicroBatcher", "QueueFull", "TooCostly", "Unavailable", "EngineFailure",
@@ -427,8 +428,9 @@ class MicroBatcher:
             results = fn([items[k].job.inputs[items[k].pos] for k in idx])
             if len(results) != len(idx):
                 raise RuntimeError(f"engine returned {len(results)} results for {len(idx)} inputs")
-            for k, res in zip(idx, results):
-                out[k] = res.to_dict()
+            with gc_paused():  # many small containers, no cycles (see engine.gc_paused)
+                for k, res in zip(idx, results):
+                    out[k] = res.to_dict()
         idx = [k for k, it in enumerate(items) if it.window >= 0]
         if idx:
             with self._cond:  # a dropped job's plans are gone: skip its windows
