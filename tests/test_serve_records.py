@@ -374,6 +374,24 @@ def test_run_records_in_order_with_errors_and_batches(tmp_path, capsys):
     assert "rec/s" in capsys.readouterr().err  # the progress bar
 
 
+def test_run_records_first_batch_ramps_up_to_batch_size(tmp_path):
+    """first_batch: batches of 1, 2, 4, 4, ... valid records, the same output in order."""
+    src = make_input(tmp_path)
+    seen: list[list[int]] = []
+    out = tmp_path / "out.jsonl"
+    with ResumableJsonlWriter(str(out), resume=False) as w:
+        run_records(iter_input_records([src]), upper_batch(seen), w, batch_size=4,
+                    progress=False, first_batch=1)
+    assert read_jsonl(out) == expected_output(src)
+    valid = [i for i in range(1, 24) if i % 5]
+    assert [len(b) for b in seen] == [1, 2, 4, 4, 4, 4]
+    assert [i for b in seen for i in b] == valid
+    with pytest.raises(ValueError, match="first_batch"):
+        with ResumableJsonlWriter(str(tmp_path / "x.jsonl"), resume=False) as w:
+            run_records(iter_input_records([src]), upper_batch([]), w, batch_size=4,
+                        progress=False, first_batch=0)
+
+
 def test_run_records_resume_that_is_complete_reruns_nothing(tmp_path, capsys):
     src = make_input(tmp_path)
     out = tmp_path / "out.jsonl"

@@ -423,16 +423,22 @@ def made_from(command: str, model: Path, args: argparse.Namespace, **settings: A
             "over_long": args.over_long if args.max_chars else None, **settings}
 
 
+FIRST_BATCH = 32  # records in the first batch of tag/score; the next ones double
+
+
 def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
                   output: str | None, progress: bool, total: int | None, desc: str,
                   verb: str, unit: str = "rec", count_pieces: bool = False) -> int:
     """Run :func:`~mhmla_fast.serve.records.run_records` and turn its outcome into the exit
-    status of ``tag``/``score`` (:func:`exit_status`). The writer is closed."""
+    status of ``tag``/``score`` (:func:`exit_status`). The writer is closed. Batches start at
+    ``FIRST_BATCH`` records and double up to ``batch_size``, so the first results are written
+    soon after start."""
     from ..serve.records import run_records
 
     def run():
         summary = run_records(records, process, writer, batch_size, progress=progress,
-                              total=total, desc=desc, unit=unit, count_pieces=count_pieces)
+                              total=total, desc=desc, unit=unit, count_pieces=count_pieces,
+                              first_batch=FIRST_BATCH)
         writer.close()
         return summary
 

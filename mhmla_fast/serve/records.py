@@ -944,6 +944,7 @@ def run_records(
     desc: str | None = None,
     unit: str = "rec",
     count_pieces: bool = False,
+    first_batch: int | None = None,
 ) -> RunSummary:
     """Process ``records`` into ``writer`` in input order, resuming after ``writer.done``.
 
@@ -956,11 +957,17 @@ def run_records(
     the sidecar vouches for are written, ``writer.vouch`` records the fingerprint of all input
     records read so far. ``total`` (the number of input records, if known) only sets the progress
     bar's length; ``desc`` and ``unit`` (what a record is, e.g. ``"essay"``: the bar shows
-    ``<unit>s/s``) label it. The writer is synced, not closed, at the end.
+    ``<unit>s/s``) label it. ``first_batch``: the first batch holds at most this many valid
+    records and each next one twice the last, up to ``batch_size``, so that the first results
+    are written soon after start (None: every batch ``batch_size``). The writer is synced, not
+    closed, at the end.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if first_batch is not None and first_batch < 1:
+        raise ValueError(f"first_batch must be >= 1, got {first_batch}")
     max_pending = 8 * batch_size
+    limit = batch_size if first_batch is None else min(first_batch, batch_size)
     fp = InputFingerprint()
     source = iter(records)
     n_resumed = writer.done
@@ -989,8 +996,10 @@ def run_records(
             n_ok += 1
 
     def flush() -> None:
+        nonlocal limit
         if not pending:
             return
+        limit = min(2 * limit, batch_size)
         if batch:
             results = process_batch(list(batch), report) if count_pieces else process_batch(list(batch))
         else:
@@ -1024,7 +1033,7 @@ def run_records(
             pending.append(rec)
             if rec.error is None:
                 batch.append(rec)
-            if len(batch) >= batch_size or len(pending) >= max_pending:
+            if len(batch) >= limit or len(pending) >= max_pending:
                 flush()
         flush()
         writer.sync()
