@@ -32,7 +32,6 @@ import gc
 import json
 import os
 from contextlib import contextmanager
-from itertools import chain
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from dataclasses import dataclass
@@ -158,56 +157,26 @@ def encode_words(pieces, unk: str, sentences: Sequence[Sequence[str]]
     ``pieces`` (:func:`piece_tokenizer`). A word that gives no pieces (e.g. only invisible
     characters) is replaced by ``unk``, so every word has a first piece.
 
-    One batched tokenizer call, then the whole batch at once in numpy: the pieces of all
-    sentences are laid end to end, a piece starts a word where its word id differs from the
-    previous piece's or it opens its sentence, and the arrays are cut back into per-sentence
-    views (no Python loop over pieces)."""
+    The plain definition, sentence by sentence; the engine gets the same arrays faster from
+    :class:`~mhmla_fast.serve.pieces.WordCache` (tested against this)."""
     if not sentences:
         return []
     encodings = pieces.encode_batch([list(s) for s in sentences], is_pretokenized=True,
                                     add_special_tokens=False)
-    ids_lists = [e.ids for e in encodings]
-    wid_lists = [e.word_ids for e in encodings]
-    counts = np.fromiter(map(len, ids_lists), dtype=np.int64, count=len(ids_lists))
-    total = int(counts.sum())
-    try:
-        wids = np.fromiter(chain.from_iterable(wid_lists), dtype=np.int64, count=total)
-    except TypeError:  # a piece outside every word (word id None): sentence by sentence
-        return [_encode_one(pieces, unk, words, enc.ids, enc.word_ids)
-                for words, enc in zip(sentences, encodings)]
-    ids = np.fromiter(chain.from_iterable(ids_lists), dtype=np.int32, count=total)
-    starts = np.zeros(len(counts), dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    new = np.ones(total, dtype=bool)
-    new[1:] = wids[1:] != wids[:-1]
-    new[starts[counts > 0]] = True
-    first = np.where(new, wids, -1)
-    # word ids rise through a sentence, so its distinct words are its word starts
-    seen = np.zeros(total + 1, dtype=np.int64)
-    np.cumsum(new, out=seen[1:])
-    found = seen[starts + counts] - seen[starts]
-    words_in = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
-    edges = zip(starts.tolist(), (starts + counts).tolist())
-    out = [(ids[a:b], first[a:b]) for a, b in edges]
-    for k in np.flatnonzero(found < words_in).tolist():  # a word without pieces
-        out[k] = _encode_one(pieces, unk, sentences[k], ids_lists[k], wid_lists[k])
-    return out
-
-
-def _encode_one(pieces, unk: str, words: Sequence[str], ids: list[int],
-                wids: list[int | None]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`encode_words` of one sentence from its encoding's ``ids`` and ``word_ids``, with
-    the words that give no pieces replaced by ``unk``."""
-    if len({w for w in wids if w is not None}) < len(words):
-        fixed = [w if pieces.encode(w, add_special_tokens=False).ids else unk for w in words]
-        enc = pieces.encode(fixed, is_pretokenized=True, add_special_tokens=False)
+    out = []
+    for words, enc in zip(sentences, encodings):
         ids, wids = enc.ids, enc.word_ids
-    first, prev = np.full(len(wids), -1, dtype=np.int64), None
-    for q, w in enumerate(wids):
-        if w is not None and w != prev:
-            first[q] = w
-        prev = w
-    return np.asarray(ids, dtype=np.int32), first
+        if len({w for w in wids if w is not None}) < len(words):
+            fixed = [w if pieces.encode(w, add_special_tokens=False).ids else unk for w in words]
+            enc = pieces.encode(fixed, is_pretokenized=True, add_special_tokens=False)
+            ids, wids = enc.ids, enc.word_ids
+        first, prev = np.full(len(wids), -1, dtype=np.int64), None
+        for q, w in enumerate(wids):
+            if w is not None and w != prev:
+                first[q] = w
+            prev = w
+        out.append((np.asarray(ids, dtype=np.int32), first))
+    return out
 
 
 ENCODE_CHUNK = 2048  # words per step of Engine.plan_steps
