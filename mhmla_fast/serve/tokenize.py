@@ -406,14 +406,27 @@ def _word_tokenize_ascii(text: str) -> list[Token]:
 
 def word_tokenize_lists(text: str) -> tuple[list[str], list[tuple[int, int]]]:
     """:func:`word_tokenize` as two lists, the tokens' texts and their ``(start, end)`` offsets,
-    without a :class:`Token` per token. Printable-ASCII text without an apostrophe (so without
-    clitics to split) takes one pass of ``_ASCII_TOKEN`` whose matches are read in C; any
-    other text goes through :func:`word_tokenize`."""
-    if "'" not in text and _ASCII_ONLY.match(text):
-        matches = list(_ASCII_TOKEN.finditer(text))
-        return list(map(re.Match.group, matches)), list(map(re.Match.span, matches))
-    tokens = word_tokenize(text)
-    return [t.text for t in tokens], [(t.start, t.end) for t in tokens]
+    without a :class:`Token` per token. Printable-ASCII text takes one pass of ``_ASCII_TOKEN``
+    whose matches are read in C; only its words that hold an apostrophe (rule 4c: clitics to
+    split) are then split one by one. Any other text goes through :func:`word_tokenize`."""
+    if not _ASCII_ONLY.match(text):
+        tokens = word_tokenize(text)
+        return [t.text for t in tokens], [(t.start, t.end) for t in tokens]
+    matches = list(_ASCII_TOKEN.finditer(text))
+    words = list(map(re.Match.group, matches))
+    spans = list(map(re.Match.span, matches))
+    if "'" not in text:
+        return words, spans
+    # Words (they start with a letter or digit; a rule-4d token or a symbol run starts with a
+    # symbol) with an apostrophe, from the last, so that splicing keeps earlier indices.
+    split = [i for i, w in enumerate(words) if "'" in w and w[0] != "'"]
+    for i in reversed(split):
+        parts: list[Token] = []
+        _split_clitics(text, *spans[i], parts)
+        if len(parts) > 1:
+            words[i:i + 1] = [t.text for t in parts]
+            spans[i:i + 1] = [(t.start, t.end) for t in parts]
+    return words, spans
 
 
 def word_tokenize(text: str) -> list[Token]:
