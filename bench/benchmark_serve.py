@@ -15,7 +15,8 @@ tag     in process, on the GED sentences (``--data``, default FCE dev + test fro
         timed as in ``bench/benchmark_serve_cpu.py`` (its functions are used): ``plain_torch``
         (fp32 on the device, the label reference), ``hf_pipeline`` per ``--pipeline-dtypes`` x
         ``--pipeline-batch-sizes``, ``engine`` (``Engine.load(backend="torch")``) per
-        ``--dtypes`` x ``--budgets`` x ``--chunks``, and ``engine`` on ONNX Runtime (fp32, int8)
+        ``--dtypes`` x ``--budgets`` x ``--chunks`` x ``--host-workers`` x ``--overlap`` (``off``:
+        each pass waited for before the next is packed), and ``engine`` on ONNX Runtime (fp32, int8)
         where it applies: on the CPU, or on CUDA when onnxruntime has its CUDA provider. On cuda
         every row also gets ``vs_cpu_fp32``: the share of words whose label (stored threshold)
         equals the CPU fp32 engine's on the first ``--agree-sentences`` sentences.
@@ -148,6 +149,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--host-workers", type=int, nargs="+", default=[0],
                    help="engine host_workers settings: processes that tokenise large calls "
                         "(0: the calling thread)")
+    g.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["on"],
+                   help="engine rows with passes pipelined one deep (on: the engine's own "
+                        "behaviour) and/or with the runner called synchronously (off: its "
+                        "submit hidden), the A/B of the host-device overlap")
     g.add_argument("--pipeline-dtypes", nargs="+", default=None,
                    help="HF pipeline dtypes (cpu: float32; cuda: float32 float16)")
     g.add_argument("--pipeline-batch-sizes", type=int, nargs="+", default=None,
@@ -606,21 +611,24 @@ def run_tag(run: Run) -> list[dict]:
                 measure(base, tagbench.pipeline_tagger(pipe, bs))
         del pipe
 
-    settings = [(b, c, w) for b in args.budgets for c in args.chunks for w in args.host_workers]
+    settings = [(b, c, w, o) for b in args.budgets for c in args.chunks for w in args.host_workers
+                for o in args.overlap]
     for dtype in args.dtypes if "engine" in args.tag_paths else []:
         try:
             engine, error = Engine.load(run.model_dir, backend="torch", device=device,
                                         dtype=dtype, kernels=args.kernels), None
         except Exception as e:  # noqa: BLE001
             engine, error = None, f"{type(e).__name__}: {e}"
-        for budget, chunk, workers in settings:
+        for budget, chunk, workers, overlap in settings:
             base = {"path": "engine", "backend": "torch", "dtype": dtype, "kernels": args.kernels,
                     "setting": {"token_budget": budget, "max_batch": args.max_batch,
-                                "chunk": chunk, "host_workers": workers}}
+                                "chunk": chunk, "host_workers": workers, "overlap": overlap}}
             if engine is None:
                 finish(tagbench.error_row(base, error), None)
                 continue
             budgeted = tagbench.with_budget(engine, budget, args.max_batch, workers)
+            if overlap == "off":
+                budgeted.runner = Synchronous(engine.runner)
             row, _ = measure(base, tagbench.engine_tagger(budgeted, chunk))
             budgeted.close()
             if dtype == "float32":
@@ -642,7 +650,7 @@ def run_tag(run: Run) -> list[dict]:
                 error = None
             except Exception as e:  # noqa: BLE001
                 engine, error = None, f"{type(e).__name__}: {e}"
-            for budget, chunk in dict.fromkeys((b, c) for b, c, _ in settings):  # no workers
+            for budget, chunk in dict.fromkeys((b, c) for b, c, *_ in settings):  # no workers
                 base = {"path": "engine", "backend": "onnx", "dtype": dtype,
                         "setting": {"token_budget": budget, "max_batch": args.max_batch,
                                     "chunk": chunk}}
@@ -653,6 +661,22 @@ def run_tag(run: Run) -> list[dict]:
                         tagbench.with_budget(engine, budget, args.max_batch), chunk))
             del engine
     return rows
+
+
+class Synchronous:
+    """A runner with its ``submit`` hidden: the engine then calls it and waits for each pass
+    before packing the next (``runners.submit``), the no-overlap side of ``--overlap``."""
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+
+    def __call__(self, input_ids, attention_mask):
+        return self._runner(input_ids, attention_mask)
+
+    def __getattr__(self, name: str):
+        if name == "submit":
+            raise AttributeError(name)
+        return getattr(self._runner, name)
 
 
 def agreement(reference, probs, threshold: float) -> dict[str, Any]:

@@ -139,7 +139,7 @@ PY
   tag-engine)  # the in-process engine at the size; CPU fp32 labels on the 4,942 distinct sentences
     prepare
     bench --tasks tag --tag-paths plain engine --repeat-to 98840 --repeats 2 --chunks 0 \
-      --budgets 65536 --host-workers 0 8 \
+      --budgets 65536 --host-workers 0 8 --overlap on off \
       --out "$OUT/tag_engine.json" 2>&1 | tee "$OUT/tag_engine.log" ;;
   tag-hf)  # the pipeline's settings (the best: fp16, batch 256) on the 4,942 sentences
     prepare

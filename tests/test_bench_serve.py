@@ -224,15 +224,17 @@ def test_tag_task_end_to_end(bench, tiny_tagger_dir, tmp_path, monkeypatch, caps
     rc = bench.main(["--tasks", "tag", "--model", str(tiny_tagger_dir), "--data", str(data),
                      "--repeat-to", "30", "--repeats", "1", "--warmup", "2", "--threads", "1",
                      "--pipeline-batch-sizes", "4", "--budgets", "256", "--chunks", "0", "5",
-                     "--no-onnx", "--out", str(out)])
+                     "--overlap", "on", "off", "--no-onnx", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     result = json.loads(out.read_text())
     _check_header(result, ["tag"])
     assert result["header"]["data"]["distinct_sentences"] == 12
     assert result["header"]["data"]["sentences"] == 30
-    kinds = sorted((r["path"], r.get("dtype"), r["setting"].get("chunk")) for r in result["rows"])
-    assert kinds == [("engine", "float32", 0), ("engine", "float32", 5),
-                     ("hf_pipeline", "float32", None), ("plain_torch", "float32", None)]
+    kinds = sorted((r["path"], r.get("dtype"), r["setting"].get("chunk"),
+                    r["setting"].get("overlap", "")) for r in result["rows"])
+    assert kinds == [("engine", "float32", 0, "off"), ("engine", "float32", 0, "on"),
+                     ("engine", "float32", 5, "off"), ("engine", "float32", 5, "on"),
+                     ("hf_pipeline", "float32", None, ""), ("plain_torch", "float32", None, "")]
     for r in result["rows"]:
         assert r["task"] == "tag" and r["error"] is None and r["sentences_per_s"] > 0
         assert r["vs_reference"]["labels_identical"] or r["path"] == "plain_torch"
@@ -240,6 +242,21 @@ def test_tag_task_end_to_end(bench, tiny_tagger_dir, tmp_path, monkeypatch, caps
     assert result["summary"]["values"]["tag_engine_best_sentences_per_s"] > 0
     assert all(c["verdict"] == "n/a" for c in result["targets"]["checks"])  # no CLI rows
     assert "targets" in capsys.readouterr().out
+
+
+def test_synchronous_runner_hides_submit_only(bench, tiny_tagger_dir):
+    """--overlap off: the wrapped runner has no submit, so ``runners.submit`` calls it and waits;
+    its other attributes and its results are the runner's."""
+    import numpy as np
+
+    from mhmla_fast.serve.runners import TorchRunner, submit
+
+    runner = TorchRunner(tiny_tagger_dir, device="cpu", dtype="float32", threads=1)
+    sync = bench.Synchronous(runner)
+    assert not hasattr(sync, "submit") and sync.device == runner.device
+    ids = np.array([[2, 5, 6, 3], [2, 7, 3, 0]], dtype=np.int64)
+    mask = (ids != 0).astype(np.int64)
+    np.testing.assert_array_equal(submit(sync, ids, mask).result(), runner(ids, mask))
 
 
 def test_onnx_tag_rows_and_the_score_task_end_to_end(bench, tiny_tagger_dir, tiny_scorer_dir,
