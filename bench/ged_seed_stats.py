@@ -297,19 +297,19 @@ def sign_flip_p(d: Sequence[float]) -> float:
 
 
 def verdict(n: int, mean_diff: float, p: float | None, alpha: float = 0.05,
-            min_seeds: int = 3) -> str:
-    """The comparison in words (see the module doc)."""
+            min_seeds: int = 3, name: str = "MHMLA") -> str:
+    """The comparison in words (see the module doc); ``name``: the system compared."""
     if n < min_seeds:
         return f"too few seeds (need >= {min_seeds})"
     if p is None:
         return f"no significant difference at {100 * alpha:g}% (identical scores)"
     if p < alpha:
-        return f"MHMLA {'higher' if mean_diff > 0 else 'lower'}, p={p:.2g}"
+        return f"{name} {'higher' if mean_diff > 0 else 'lower'}, p={p:.2g}"
     return f"no significant difference at {100 * alpha:g}% (p={p:.2g})"
 
 
 def paired(mhmla: Sequence[float], baseline: Sequence[float], alpha: float = 0.05,
-           min_seeds: int = 3) -> dict[str, Any]:
+           min_seeds: int = 3, name: str = "MHMLA") -> dict[str, Any]:
     """Paired comparison of per-seed scores (same seed order): mean difference, its 95% t-interval,
     the paired t-test and the exact sign-flip test, and the verdict. Tests need n >= 2; with all
     differences equal the t statistic is undefined (identical scores: p None; a constant nonzero
@@ -334,7 +334,7 @@ def paired(mhmla: Sequence[float], baseline: Sequence[float], alpha: float = 0.0
             out["t"], out["p_ttest"] = float(res.statistic), float(res.pvalue)
             half = float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
         out["ci95"] = [out["mean_diff"] - half, out["mean_diff"] + half]
-    out["verdict"] = verdict(n, out["mean_diff"], out["p_ttest"], alpha, min_seeds)
+    out["verdict"] = verdict(n, out["mean_diff"], out["p_ttest"], alpha, min_seeds, name)
     return out
 
 
