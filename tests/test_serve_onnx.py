@@ -19,7 +19,7 @@ from mhmla_fast.ged.model import GedTagger, TaggerConfig, load_tokenizer  # noqa
 from mhmla_fast.serve import onnx_export  # noqa: E402
 from mhmla_fast.serve.engine import Engine  # noqa: E402
 from mhmla_fast.serve.onnx_export import (  # noqa: E402
-    INT8_ATOL, ExportValidationError, OnnxRunner, export_onnx, validation_batches,
+    ExportValidationError, Int8Tolerance, OnnxRunner, export_onnx, validation_batches,
 )
 from mhmla_fast.serve.runners import TorchRunner, make_runner  # noqa: E402
 
@@ -37,7 +37,7 @@ def make_tagger(tiny_tagger_dir, out, *, head: str = "mhmla", scale: float = 15.
     """A tagger with a fresh random head and classifier (seed 0; classifier weights scaled by
     ``scale`` so that error probabilities spread over (0, 1)) on the tiny encoder of conftest's
     ``tiny_tagger_dir``, saved at ``out`` with its tokenizer. Milder than that tagger's x30, so
-    that the int8 graph stays well inside INT8_ATOL (0.05 measured, vs 0.09 at x30)."""
+    that the int8 graph stays well inside its tolerance (Int8Tolerance)."""
     base = TaggerConfig.from_json((tiny_tagger_dir / "config.json").read_text())
     assert base.encoder_config["max_position_embeddings"] == MAX_POSITIONS
     torch.manual_seed(0)
@@ -91,9 +91,14 @@ def test_export_is_a_self_contained_validated_engine_directory(export_dir, tagge
     assert val["atol"] == 1e-4 and 0 <= val["max_abs_diff"] <= 1e-4
     shapes = [tuple(b["shape"]) for b in val["batches"]]
     assert (1, 1) in shapes and (2, MAX_POSITIONS) in shapes and (8, 16) in shapes
-    q = meta["int8"]["validation"]
-    assert q["atol"] == INT8_ATOL and q["max_abs_diff"] <= INT8_ATOL
-    assert 0.0 <= q["label_agreement"] <= 1.0 and q["threshold"] == 0.5
+    q, tol = meta["int8"]["validation"], Int8Tolerance()
+    assert meta["int8"]["tolerance"] == {"max_abs": tol.max_abs, "mean_abs": tol.mean_abs,
+                                         "min_label_agreement": tol.min_label_agreement}
+    assert meta["int8"]["per_channel"] and meta["int8"]["reduce_range"]
+    assert q["atol"] == tol.max_abs and q["max_abs_diff"] <= tol.max_abs
+    assert q["mean_atol"] == tol.mean_abs and q["mean_abs_diff"] <= tol.mean_abs
+    assert q["min_label_agreement"] == tol.min_label_agreement
+    assert tol.min_label_agreement <= q["label_agreement"] <= 1.0 and q["threshold"] == 0.5
 
 
 def test_onnx_runner_matches_torch_on_ragged_batches(export_dir, tagger_dir):
@@ -112,7 +117,8 @@ def test_onnx_runner_matches_torch_on_ragged_batches(export_dir, tagger_dir):
     assert int8.path.name == "model.int8.onnx"
     ids, mask = ragged(8, [(4, 30)])[0]
     real = mask.astype(bool)
-    assert np.abs(int8(ids, mask)[real] - torch_runner(ids, mask)[real]).max() <= INT8_ATOL
+    diff = np.abs(int8(ids, mask)[real] - torch_runner(ids, mask)[real])
+    assert diff.max() <= Int8Tolerance().max_abs and diff.mean() <= Int8Tolerance().mean_abs
 
 
 def test_a_wrong_graph_is_refused_and_leaves_out_dir_alone(export_dir, tagger_dir, monkeypatch):
@@ -132,10 +138,35 @@ def test_a_wrong_graph_is_refused_and_leaves_out_dir_alone(export_dir, tagger_di
 
 
 def test_int8_is_held_to_its_own_tolerance(tagger_dir, tmp_path):
-    # the fp32 graph passes at 1e-4, the int8 graph cannot pass a tolerance that tight
-    with pytest.raises(ExportValidationError, match=r"model\.int8\.onnx \(int8\)"):
-        export_onnx(tagger_dir, tmp_path / "e", int8=True, int8_atol=1e-6)
-    assert not (tmp_path / "e" / "model.onnx").exists()
+    # the fp32 graph passes at 1e-4, the int8 graph cannot pass tolerances that tight
+    for tol, message in ((Int8Tolerance(max_abs=1e-6), "max abs"),
+                         (Int8Tolerance(mean_abs=1e-7), "on average")):
+        with pytest.raises(ExportValidationError, match=rf"model\.int8\.onnx \(int8\).*{message}"):
+            export_onnx(tagger_dir, tmp_path / "e", int8=True, int8_tolerance=tol)
+        assert not (tmp_path / "e" / "model.onnx").exists()
+    with pytest.raises(ValueError, match="min_label_agreement"):
+        Int8Tolerance(min_label_agreement=1.5)
+
+
+def test_validation_checks_mean_difference_and_label_agreement(export_dir, tagger_dir):
+    """validate_onnx's int8 criteria: the mean abs difference and the share of labels at the
+    threshold that agree with the reference, each an error when missed, named in the error."""
+    from mhmla_fast.serve.onnx_export import validate_onnx
+
+    batches = ragged(9, [(3, 12), (2, 40)])
+    ref = [TorchRunner(tagger_dir, device="cpu")(ids, mask) for ids, mask in batches]
+    path = export_dir / "model.onnx"
+    ok = validate_onnx(path, ref, batches, atol=1e-4, mean_atol=1e-4, min_agreement=1.0,
+                       threshold=0.5)
+    assert ok["label_agreement"] == 1.0 and ok["mean_abs_diff"] <= 1e-4
+    flipped = [1.0 - r for r in ref]  # nearly every label at 0.5 flips
+    with pytest.raises(ExportValidationError, match=r"is torch's at 0\.\d+ of \d+ positions"):
+        validate_onnx(path, flipped, batches, atol=2.0, mean_atol=2.0, min_agreement=0.9,
+                      threshold=0.5)
+    with pytest.raises(ExportValidationError, match="on average"):
+        validate_onnx(path, [r + 0.01 for r in ref], batches, atol=2.0, mean_atol=1e-3)
+    with pytest.raises(ValueError, match="needs the threshold"):
+        validate_onnx(path, ref, batches, atol=1.0, min_agreement=0.9)
 
 
 def test_export_into_the_tagger_directory_itself(tagger_dir, tmp_path):

@@ -22,12 +22,10 @@ every real position, ``p >= t`` must agree with torch for the model's threshold 
 (argmax), so the export tags exactly as torch fp32 on those batches.
 
 Tolerances: ``atol`` (default 1e-4) for the fp32 graph, which measures about 1e-7
-(1.5e-7 max on the MiniLM tagger, 6.6e-7 on a tiny random one); :data:`INT8_ATOL` (0.1)
-for the int8 graph, whose per-tensor weight and per-batch activation quantisation move
-probabilities by a few 1e-2 (0.02 on real sentences and up to 0.05 on random 512-piece
-inputs for the MiniLM tagger). For int8 the agreement of the labels with torch's at the
-model's decision threshold is also reported in ``export.json``; it is not a pass/fail
-criterion (a weak model has many probabilities near its threshold: 0.96 measured).
+(1.5e-7 max on the MiniLM tagger, 6.6e-7 on a tiny random one). The int8 graph (7-bit
+weights per output channel, activations quantised per batch, the head in fp32) is lossy by
+design and held to :class:`Int8Tolerance`: its mean abs difference, its label agreement at
+the model's threshold and a loose max abs bound, all recorded in ``export.json``.
 
 :class:`OnnxRunner` maps ``input_ids, attention_mask`` int64 [B, T] to float32 error
 probabilities [B, T] with ONNX Runtime (graph optimisation level ALL, intra-op threads =
@@ -47,6 +45,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +58,7 @@ __all__ = [
     "ExportValidationError", "OnnxRunner", "export_onnx", "validate_onnx", "validation_batches",
     "error_probability_module", "load_tagger_for_export", "torch_to_onnx", "example_inputs",
     "physical_cores", "ONNX_FILE", "INT8_FILE", "EXPORT_META", "INPUT_NAMES", "OUTPUT_NAME",
-    "DEFAULT_OPSET", "INT8_ATOL", "VALIDATION_SENTENCES", "sentence_batch",
+    "DEFAULT_OPSET", "Int8Tolerance", "VALIDATION_SENTENCES", "sentence_batch",
 ]
 
 ONNX_FILE = "model.onnx"
@@ -69,8 +68,6 @@ INPUT_NAMES = ("input_ids", "attention_mask")
 OUTPUT_NAME = "error_prob"
 DEFAULT_OPSET = 17
 EXPORTERS = ("torchscript", "dynamo")
-# Max abs difference allowed between int8 ONNX Runtime and fp32 torch probabilities.
-INT8_ATOL = 0.1
 EXPORT_FORMAT = "mhmla-onnx-export/1"
 # Natural sentences for the validation (written for it, in the style of learner English: FCE-like
 # errors, punctuation, a number, a long clause, a one-word line), beside the random batches.
@@ -103,6 +100,29 @@ _SIDE_FILES = (
 
 class ExportValidationError(RuntimeError):
     """ONNX Runtime's output differs from torch's by more than the tolerance."""
+
+
+@dataclass(frozen=True)
+class Int8Tolerance:
+    """What the int8 graph must meet against torch fp32 at the validation's real positions.
+
+    Quantisation moves every probability a little and a few near a steep part of the
+    softmax a lot, so the int8 graph is held to its average and to its labels rather than to
+    its worst position: ``mean_abs`` bounds the mean abs probability difference,
+    ``min_label_agreement`` the share of positions whose label at the model's threshold is
+    torch's, and ``max_abs`` (loose) catches a broken graph. On the shipped MiniLM tagger
+    (per-channel 7-bit weights): mean 0.015, agreement 0.990, max 0.32; the per-tensor graph
+    it replaced measured 0.038, 0.977 and 0.87 and lost 6.4 F0.5 points on FCE dev, and fails.
+    """
+
+    max_abs: float = 0.5
+    mean_abs: float = 0.02
+    min_label_agreement: float = 0.985
+
+    def __post_init__(self):
+        if not (self.max_abs > 0 and self.mean_abs > 0 and 0 <= self.min_label_agreement <= 1):
+            raise ValueError(f"Int8Tolerance: max_abs and mean_abs must be > 0 and "
+                             f"min_label_agreement in [0, 1], got {self}")
 
 
 # ------------------------------------------------------------------------- the graph
@@ -262,7 +282,8 @@ def _torch_probs(module, batches) -> list[np.ndarray]:
 def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
                   batches: Sequence[tuple[np.ndarray, np.ndarray]], *, atol: float,
                   threshold: float | None = None, threads: int | None = None,
-                  what: str = "fp32", exact_labels: Sequence[float] = ()) -> dict:
+                  what: str = "fp32", exact_labels: Sequence[float] = (),
+                  mean_atol: float | None = None, min_agreement: float | None = None) -> dict:
     """Compare ONNX Runtime on ``onnx_path`` with ``reference`` probabilities on ``batches``.
 
     Differences are taken at real positions (attention_mask == 1; padded positions are
@@ -270,10 +291,13 @@ def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
     "batches": [{"shape", "max_abs_diff"}], with ``threshold`` "threshold" and
     "label_agreement", and with ``exact_labels`` "labels": {"thresholds", "positions",
     "differing"}}; raises :class:`ExportValidationError` naming the max abs difference and the
-    shapes when it exceeds ``atol`` (or is not finite), or naming the threshold and the count
+    shapes when it exceeds ``atol`` (or is not finite), naming the threshold and the count
     when the decision ``p >= t`` differs from the reference's at any real position for a ``t``
-    in ``exact_labels``.
+    in ``exact_labels``, when the mean abs difference exceeds ``mean_atol`` and when the label
+    agreement at ``threshold`` falls below ``min_agreement`` (each where given).
     """
+    if min_agreement is not None and threshold is None:
+        raise ValueError("validate_onnx: min_agreement needs the threshold")
     runner = OnnxRunner(onnx_path, threads=threads)
     exact = sorted({float(t) for t in exact_labels})
     differing = [0] * len(exact)
@@ -314,6 +338,18 @@ def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
             raise ExportValidationError(
                 f"{Path(onnx_path).name} ({what}): the label (p >= {t:g}) differs from torch's at "
                 f"{n} of {count} positions (max abs probability difference {worst:.3g})")
+    if mean_atol is not None:
+        report["mean_atol"] = float(mean_atol)
+        if not report["mean_abs_diff"] <= mean_atol:
+            raise ExportValidationError(
+                f"{Path(onnx_path).name} ({what}): ONNX Runtime and torch error probabilities "
+                f"differ by {report['mean_abs_diff']:.3g} on average > {mean_atol:g}")
+    if min_agreement is not None:
+        report["min_label_agreement"] = float(min_agreement)
+        if not report["label_agreement"] >= min_agreement:
+            raise ExportValidationError(
+                f"{Path(onnx_path).name} ({what}): the label (p >= {threshold:g}) is torch's at "
+                f"{report['label_agreement']:.4f} of {count} positions < {min_agreement:g}")
     return report
 
 
@@ -367,7 +403,7 @@ def _copy_side_files(model_dir: Path, dest: Path, encoder: str) -> list[str]:
 
 def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 opset: int = DEFAULT_OPSET, int8: bool = False, atol: float = 1e-4,
-                int8_atol: float = INT8_ATOL, validate: bool = True,
+                int8_tolerance: Int8Tolerance = Int8Tolerance(), validate: bool = True,
                 exporter: str = "torchscript", seed: int = 0, fold: bool = True) -> Path:
     """Export the tagger in ``model_dir`` to ``out_dir/model.onnx`` (see the module doc).
 
@@ -376,7 +412,9 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         out_dir: the engine directory to write (created; may be ``model_dir`` itself).
         opset: ONNX opset (17: LayerNormalization is a single op).
         int8: also write ``model.int8.onnx`` (dynamic int8 weights via
-            ``onnxruntime.quantization.quantize_dynamic``), validated with ``int8_atol``.
+            ``onnxruntime.quantization.quantize_dynamic``: 7-bit weights per output channel,
+            activations per batch; the head's MatMuls stay fp32), validated against
+            ``int8_tolerance`` (:class:`Int8Tolerance`).
         atol: max abs difference of fp32 error probabilities, ONNX Runtime vs torch; the fp32
             labels at the model's threshold and at 0.5 must also be identical.
         validate: run the validation (strongly recommended; False only for debugging).
@@ -448,14 +486,17 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 # saturate in 16-bit sums, which flipped labels (max abs 0.47 on an EPYC)
                 quantize_dynamic(str(onnx_path), str(stage / INT8_FILE),
                                  weight_type=QuantType.QInt8, reduce_range=True,
-                                 nodes_to_exclude=head)
+                                 per_channel=True, nodes_to_exclude=head)
             meta["int8"] = {"method": "onnxruntime.quantization.quantize_dynamic",
-                            "weight_type": "QInt8", "reduce_range": True,
+                            "weight_type": "QInt8", "reduce_range": True, "per_channel": True,
                             "fp32_nodes": head, "activations": "uint8, dynamic per batch"}
             if validate:
+                meta["int8"]["tolerance"] = asdict(int8_tolerance)
                 meta["int8"]["validation"] = validate_onnx(
-                    stage / INT8_FILE, reference, batches, atol=int8_atol,
-                    threshold=threshold, what="int8")
+                    stage / INT8_FILE, reference, batches, atol=int8_tolerance.max_abs,
+                    mean_atol=int8_tolerance.mean_abs,
+                    min_agreement=int8_tolerance.min_label_agreement, threshold=threshold,
+                    what="int8")
         written = _copy_side_files(model_dir, stage, tagger.config.encoder)
         meta["files"]["side"] = written
         (stage / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
