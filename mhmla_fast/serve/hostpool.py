@@ -1,9 +1,9 @@
 """Worker processes for the tagging engine's host path: word tokenisation and word-piecing of
 large calls, in parallel, off the process that drives the model.
 
-One Python thread runs the whole host path of ``tag_texts`` for about 21,000 FCE sentences/s
-on a 2-core EPYC (``bench/results/host_path_epyc_2026-11-23.json``), word tokenisation about
-half of it, which caps the engine on a GPU that could tag more. With ``host_workers=N``
+One Python thread runs the whole host path of ``tag_texts`` for about 30,000 FCE sentences/s
+on a 2-core EPYC (``bench/results/host_path_epyc_apostrophe_ab_2026-11-23.json``), word
+tokenisation a large part of it, which caps the engine on a GPU that could tag more. With ``host_workers=N``
 (:class:`~mhmla_fast.serve.engine.Engine`) a call of at least ``2 * CHUNK`` inputs is cut into
 chunks of ``CHUNK`` that N spawned processes tokenise and word-piece, each returning its chunk
 packed into a few arrays (cheap to pickle); the engine then packs, runs and merges as usual.
