@@ -11,6 +11,10 @@ A checkpoint of a folder ``out`` is two files::
 The tensors are written (and fsynced) under a new name first, then the JSON that names them
 replaces the old JSON atomically, and only then are older tensor files removed: a run killed
 at any point leaves one complete checkpoint. Used by the GED trainer and AES fine-tuning.
+
+A training run holds :func:`run_lock` on its folder: a second process started on the same
+folder stops at once with :class:`RunLockedError` instead of interleaving its checkpoints,
+log and best model with the first one's.
 """
 
 from __future__ import annotations
@@ -18,11 +22,55 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-__all__ = ["atomic_write_text", "save_checkpoint", "load_checkpoint", "CheckpointWriter"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: runs are not locked
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["atomic_write_text", "save_checkpoint", "load_checkpoint", "CheckpointWriter",
+           "run_lock", "RunLockedError", "LOCK_FILE"]
+
+LOCK_FILE = ".lock"
+
+
+class RunLockedError(RuntimeError):
+    """Another process is training into the same run folder."""
+
+
+@contextmanager
+def run_lock(out: Path, *, held: bool = True) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``out/.lock`` (holding this process's id) for the block.
+
+    Raises :class:`RunLockedError` at once, naming the folder and the holder's process id, when
+    another process holds it. ``held=False`` takes no lock: the other ranks of a torchrun job
+    work in rank 0's folder under rank 0's lock. The lock goes with the process (a killed run
+    leaves nothing held); without ``fcntl`` (Windows) no lock is taken.
+    """
+    if not held or fcntl is None:
+        yield
+        return
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise RunLockedError(
+                f"{out}: another process (pid {holder}) is training into this folder; wait "
+                "for it to finish or give this run another output folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -43,6 +43,11 @@ class DistContext:
         return self.rank == 0
 
 
+def rank_from_env() -> int:
+    """``RANK`` as torchrun sets it (0 when absent)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def world_size_from_env() -> int:
     """``WORLD_SIZE`` as torchrun sets it (1 when absent)."""
     return int(os.environ.get("WORLD_SIZE", "1"))

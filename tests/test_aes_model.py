@@ -216,6 +216,10 @@ def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path):
     # resuming a finished run trains nothing more and returns the same best scorer
     _, again = finetune(cfg, train, dev, log=None)
     assert again["log"] == state["log"]
+    from mhmla_fast.checkpoint import RunLockedError, run_lock
+
+    with run_lock(tmp_path / "ft"), pytest.raises(RunLockedError):  # the folder in use
+        finetune(cfg, train, dev, log=None)
 
 
 def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, tmp_path):

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from mhmla_fast.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
+from mhmla_fast.checkpoint import (LOCK_FILE, CheckpointWriter, RunLockedError, load_checkpoint,
+                                   run_lock, save_checkpoint)
 
 
 def model_and_optimizer(seed: int):
@@ -53,3 +54,24 @@ def test_a_failed_write_is_raised_by_the_next_call(tmp_path):
     with pytest.raises(RuntimeError, match="writing a checkpoint in .* failed"):
         writer.close()
     writer.close()  # reported once
+
+
+def test_run_lock_refuses_a_second_holder_until_released(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    with run_lock(out):
+        assert (out / LOCK_FILE).read_text().strip() == str(os.getpid())
+        with pytest.raises(RunLockedError, match=rf"pid {os.getpid()}\b.*another output folder"):
+            with run_lock(out):
+                pass
+        # another process is refused too (flock, not a file's mere existence)
+        code = ("import sys; from mhmla_fast.checkpoint import run_lock, RunLockedError\n"
+                "try:\n    run_lock(sys.argv[1]).__enter__()\nexcept RunLockedError: sys.exit(3)")
+        assert subprocess.run([sys.executable, "-c", code, str(out)]).returncode == 3
+        with run_lock(out, held=False):  # torchrun's other ranks take no lock
+            pass
+    with run_lock(out):  # released on leaving, although the file stays
+        pass

@@ -149,6 +149,16 @@ def test_resume_refuses_a_different_run(tmp_path, tiny_encoder):
         train(other)
 
 
+def test_a_run_folder_in_use_is_refused_untouched(tmp_path, tiny_encoder):
+    from mhmla_fast.checkpoint import RunLockedError, run_lock
+
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
+    with run_lock(tmp_path / "run"):  # as a second `mhmla-train ged --out run` finds it
+        with pytest.raises(RunLockedError, match="is training into this folder"):
+            train(cfg)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]
+
+
 def test_linear_schedule_warms_up_then_decays_to_zero(tmp_path):
     from mhmla_fast.ged.train import lr_factor
 

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, run_lock, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import check_train_precision, training_autocast
-from ..distributed import check_resume_world, shard, training_device, wrap
+from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from .data import SCORE_RANGES, Essay
 from .heads import _epoch_batches
@@ -71,8 +71,15 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     """Fine-tune encoder + head on ``train_essays``; returns the best (by dev) scorer and its log.
 
     Each window carries its essay's score; loss as in :func:`train_head`. The best scorer
-    is saved to ``<out>/best``.
+    is saved to ``<out>/best``. The run holds :func:`~mhmla_fast.checkpoint.run_lock` on
+    ``cfg.out`` (a second process on the same folder raises ``RunLockedError``).
     """
+    with run_lock(Path(cfg.out), held=rank_from_env() == 0):
+        return _finetune(cfg, train_essays, dev_essays, log=log)
+
+
+def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Sequence[Essay], *,
+              log: Log | None) -> tuple[EssayScorer, dict]:
     from .model import encode_essay_windows
 
     out = Path(cfg.out)

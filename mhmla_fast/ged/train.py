@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import CheckpointWriter, atomic_write_text, load_checkpoint
+from ..checkpoint import CheckpointWriter, atomic_write_text, load_checkpoint, run_lock
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import TRAIN_PRECISIONS, check_train_precision, training_autocast
-from ..distributed import check_resume_world, shard, training_device, wrap
+from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
 from .data import Sentence, read_ged
 from .metrics import best_threshold, ged_scores
@@ -236,9 +236,12 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
 
     ``stop_after_steps`` ends the run after that many optimizer steps in this call, right
     after a checkpoint (used to test resume). Checkpoints are written by a background thread
-    (:class:`~mhmla_fast.checkpoint.CheckpointWriter`); every one is complete on return.
+    (:class:`~mhmla_fast.checkpoint.CheckpointWriter`); every one is complete on return. The
+    run holds :func:`~mhmla_fast.checkpoint.run_lock` on ``cfg.out``: a second process on the
+    same folder raises :class:`~mhmla_fast.checkpoint.RunLockedError`.
     """
-    with CheckpointWriter(Path(cfg.out)) as writer:
+    with run_lock(Path(cfg.out), held=rank_from_env() == 0), \
+            CheckpointWriter(Path(cfg.out)) as writer:
         return _train(cfg, stop_after_steps, writer)
 
 
