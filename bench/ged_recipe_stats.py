@@ -264,8 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         labels = [label for label, _ in groups]
         if len(set(labels)) != len(labels):
             raise ValueError(f"labels must differ: {labels}")
-        summary = summarise([(label, load_group(label, paths)) for label, paths in groups],
-                            args.alpha, args.min_seeds)
+        loaded = [(label, load_group(label, paths)) for label, paths in groups]
+        summary = summarise(loaded, args.alpha, args.min_seeds)
     except (OSError, ValueError) as err:
         print(f"ged_recipe_stats: {err}", file=sys.stderr)
         return 2
@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     summary["inputs"] = [{"group": label, "path": gs._shown(r.path), "seed": r.seed,
                           **{k: r.result.get(k) for k in ("commit", "device", "date", "command")}}
-                         for label, paths in groups for r in load_group(label, paths)]
+                         for label, runs in loaded for r in runs]
     summary["provenance"] = provenance()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
