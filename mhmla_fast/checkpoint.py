@@ -28,10 +28,7 @@ from pathlib import Path
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: runs are not locked
-    fcntl = None  # type: ignore[assignment]
+from . import filelock
 
 __all__ = ["atomic_write_text", "save_checkpoint", "load_checkpoint", "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
@@ -50,22 +47,20 @@ def run_lock(out: Path, *, held: bool = True) -> Iterator[None]:
     Raises :class:`RunLockedError` at once, naming the folder and the holder's process id, when
     another process holds it. ``held=False`` takes no lock: the other ranks of a torchrun job
     work in rank 0's folder under rank 0's lock. The lock goes with the process (a killed run
-    leaves nothing held); without ``fcntl`` (Windows) no lock is taken.
+    leaves nothing held); where locks do not exist (Windows) none is taken.
     """
-    if not held or fcntl is None:
+    if not held or not filelock.SUPPORTED:
         yield
         return
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not filelock.try_lock(fd):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise RunLockedError(
                 f"{out}: another process (pid {holder}) is training into this folder; wait "
-                "for it to finish or give this run another output folder") from None
+                "for it to finish or give this run another output folder")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

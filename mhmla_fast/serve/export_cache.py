@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import filelock
 from ..aes.scoring import FORMAT as SCORER_FORMAT
 from .engine import TAGGER_FORMAT
 
@@ -339,24 +340,16 @@ def _write_index(base: Path, quick: str, key: str, content: str, model_dir,
 
 @contextmanager
 def _locked(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created); ``on_wait()`` is called once when
-    another process holds it. Without ``fcntl`` (Windows) nothing is locked: the rename
-    decides."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
+    """Hold an exclusive lock on ``path`` (created); ``on_wait()`` is called once when another
+    process holds it. Without locks (Windows) nothing is locked: the rename decides."""
     with open(path, "a+b") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not filelock.try_lock(f.fileno()):
             on_wait()
-            fcntl.flock(f, fcntl.LOCK_EX)
+            filelock.lock(f.fileno())
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            filelock.unlock(f.fileno())
 
 
 def _default_export(model_dir: Path, out_dir: Path) -> dict:

@@ -115,12 +115,8 @@ from typing import IO, Any, BinaryIO
 
 from tqdm import tqdm
 
+from .. import filelock
 from ..progress import progress_bar
-
-try:
-    import fcntl
-except ImportError:  # not on Windows: no lock there
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "FORMATS",
@@ -771,14 +767,10 @@ class ResumableJsonlWriter:
             raise
 
     def _lock(self) -> None:
-        if fcntl is None:
-            return
-        try:
-            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not filelock.try_lock(self._f.fileno()):
             raise OutputLockedError(
                 f"{self.path} is being written by another process (it holds the lock on it); "
-                "wait for that run to finish, or write to another output") from None
+                "wait for that run to finish, or write to another output")
 
     def _open_for_resume(self) -> None:
         meta = _read_meta(self.path)
