@@ -392,26 +392,10 @@ _ASCII_TOKEN = re.compile(r"""
 """, re.VERBOSE)
 
 
-def _word_tokenize_ascii(text: str) -> list[Token]:
-    """:func:`word_tokenize` of text that ``_ASCII_ONLY`` matches, by ``_ASCII_TOKEN``."""
-    out: list[Token] = []
-    for m in _ASCII_TOKEN.finditer(text):
-        start, end = m.span()
-        if m.group("word") is not None and "'" in m.group("word"):
-            _split_clitics(text, start, end, out)
-        else:
-            out.append(Token(m.group(), start, end))
-    return out
-
-
-def word_tokenize_lists(text: str) -> tuple[list[str], list[tuple[int, int]]]:
-    """:func:`word_tokenize` as two lists, the tokens' texts and their ``(start, end)`` offsets,
-    without a :class:`Token` per token. Printable-ASCII text takes one pass of ``_ASCII_TOKEN``
-    whose matches are read in C; only its words that hold an apostrophe (rule 4c: clitics to
-    split) are then split one by one. Any other text goes through :func:`word_tokenize`."""
-    if not _ASCII_ONLY.match(text):
-        tokens = word_tokenize(text)
-        return [t.text for t in tokens], [(t.start, t.end) for t in tokens]
+def _word_tokenize_ascii(text: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """:func:`word_tokenize_lists` of text that ``_ASCII_ONLY`` matches: one pass of
+    ``_ASCII_TOKEN`` whose matches are read in C; only its words that hold an apostrophe (rule
+    4c: clitics to split) are then split one by one."""
     matches = list(_ASCII_TOKEN.finditer(text))
     words = list(map(re.Match.group, matches))
     spans = list(map(re.Match.span, matches))
@@ -429,6 +413,15 @@ def word_tokenize_lists(text: str) -> tuple[list[str], list[tuple[int, int]]]:
     return words, spans
 
 
+def word_tokenize_lists(text: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """:func:`word_tokenize` as two lists, the tokens' texts and their ``(start, end)`` offsets,
+    without a :class:`Token` per token (the fast form for printable-ASCII text)."""
+    if _ASCII_ONLY.match(text):
+        return _word_tokenize_ascii(text)
+    tokens = _word_tokenize_clusters(text)
+    return [t.text for t in tokens], [(t.start, t.end) for t in tokens]
+
+
 def word_tokenize(text: str) -> list[Token]:
     """Split ``text`` into tokens by the rules in the module docstring; offsets are ``str`` indices.
 
@@ -436,7 +429,8 @@ def word_tokenize(text: str) -> list[Token]:
     ``["I", "do", "n't", "like", "it", "..."]``.
     """
     if _ASCII_ONLY.match(text):
-        return _word_tokenize_ascii(text)
+        words, spans = _word_tokenize_ascii(text)
+        return [Token(w, a, b) for w, (a, b) in zip(words, spans)]
     return _word_tokenize_clusters(text)
 
 
