@@ -90,6 +90,12 @@ PY
       for dt in float16 bfloat16; do
         timeout 60 python bench/layer_attention_probe.py $s $dt 2>&1 | tail -1
       done
-    done | tee "$OUT/probe_16bit_fault.txt" ;;
+    done | tee "$OUT/probe_16bit_fault.txt"
+    # the fault shape with one and two pipeline stages, and 8 warps: software pipelining or not
+    for opt in "--stages 1" "--stages 2" "--warps 8"; do
+      for dt in float16 bfloat16; do
+        timeout 60 python bench/layer_attention_probe.py 13 70 120 72 3 $dt $opt 2>&1 | tail -1
+      done
+    done | tee -a "$OUT/probe_16bit_fault.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -9,7 +9,10 @@ kernel fault leaves the CUDA context unusable), so loop in the shell:
 Issue 10: at L, N, H, K, J = 13, 70, 120, 72, 3 an H100 run faulted in fp16 and gave wrong
 values in bf16 (``mhmla_fast.dispatch.fused_unsupported`` refuses such shapes; this script
 calls the kernels directly, past that guard). ``MHMLA_TRITON_CONFIGS=fixed`` runs the fixed
-configs (no autotuning); without it, the autotuned ones.
+configs (no autotuning); without it, the autotuned ones. ``--stages`` / ``--warps`` replace
+the fixed configs' pipeline stages / warps (with ``MHMLA_TRITON_CONFIGS=fixed``): a fault that
+goes away with one stage points at the compiler's software pipelining, not at the kernels'
+indices (``tests/test_layer_attention_memcheck.py`` checks those in the interpreter).
 """
 
 from __future__ import annotations
@@ -29,8 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--device", default="cuda",
                    help="cuda (default), or cpu under TRITON_INTERPRET=1 (float32 only there)")
+    p.add_argument("--stages", type=int, help="pipeline stages of every fixed config")
+    p.add_argument("--warps", type=int, help="warps of every fixed config")
     args = p.parse_args(argv)
+    import os
+
     import torch
+
+    if args.stages or args.warps:
+        if os.environ.get("MHMLA_TRITON_CONFIGS") != "fixed":
+            p.error("--stages/--warps change the fixed configs: set MHMLA_TRITON_CONFIGS=fixed")
+        from mhmla_fast.kernels import layer_attention as kernels
+
+        for name, (tiles, warps, stages) in list(kernels._FIXED.items()):
+            kernels._FIXED[name] = (tiles, args.warps or warps, args.stages or stages)
 
     from mhmla_fast.kernels.layer_attention import layer_attention_fwd
     from mhmla_fast.reference import layer_attention_reference
@@ -46,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     ts = [t.to(dtype).contiguous() for t in base]
     shape = f"L={L} N={N} H={H} K={K} J={J} {args.dtype}"
+    if args.stages or args.warps:
+        shape += f" stages={args.stages or 'fixed'} warps={args.warps or 'fixed'}"
     with torch.no_grad():
         c64, p64 = layer_attention_reference(*base, J)
         ce, pe = layer_attention_reference(*ts, J)
