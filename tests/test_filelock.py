@@ -63,3 +63,35 @@ def test_errors_other_than_held_are_raised(tmp_path):
     os.close(fd)
     with pytest.raises(OSError):  # a closed descriptor is not "held by another"
         filelock.try_lock(fd)
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "ENOSYS", "EOPNOTSUPP"])
+def test_a_file_system_without_locks_is_used_unlocked_with_a_warning(tmp_path, monkeypatch, code):
+    import errno
+
+    def no_locks(fd, op):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(filelock.fcntl, "flock", no_locks)
+    fd = _open(tmp_path / "x")
+    try:
+        with pytest.warns(filelock.LocksUnavailableWarning, match="no file locks"):
+            assert filelock.try_lock(fd)
+        with pytest.warns(filelock.LocksUnavailableWarning):
+            filelock.lock(fd)
+        filelock.unlock(fd)  # nothing held, nothing to say
+    finally:
+        os.close(fd)
+
+
+def test_a_training_run_on_such_a_file_system_goes_on(tmp_path, monkeypatch):
+    import errno
+
+    from mhmla_fast.checkpoint import run_lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(filelock.fcntl, "flock", no_locks)
+    with pytest.warns(filelock.LocksUnavailableWarning), run_lock(tmp_path / "run"):
+        assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
