@@ -14,7 +14,8 @@ import numpy as np
 
 from .options import BACKENDS, resolve_options
 
-__all__ = ["TorchRunner", "Pending", "submit", "make_runner", "set_torch_threads", "BACKENDS"]
+__all__ = ["TorchRunner", "Pending", "submit", "upload", "download", "make_runner", "set_torch_threads",
+           "BACKENDS"]
 
 
 def set_torch_threads(threads: int | None) -> None:
@@ -67,21 +68,34 @@ class TorchRunner:
         marks their end, so the caller packs the next batch (or merges the last one) while the
         GPU works. Elsewhere the pass runs here and the result is ready."""
         torch = self.torch
-        cuda = self.device.type == "cuda"
         with torch.inference_mode():
-            ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
-            if cuda:
-                ids, mask = ids.pin_memory(), mask.pin_memory()
-            ids = ids.to(self.device, non_blocking=True)
-            mask = mask.to(self.device, non_blocking=True)
-            probs = torch.softmax(self.net(ids, mask).float(), -1)[..., 1]
-            if not cuda:
-                return Pending(probs.numpy())
-            host = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True)
-            host.copy_(probs, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return Pending(host, done)
+            if self.device.type != "cuda":
+                ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
+                return Pending(torch.softmax(self.net(ids, mask).float(), -1)[..., 1].numpy())
+            ids, mask = (upload(a, self.device) for a in (input_ids, attention_mask))
+            return download(torch.softmax(self.net(ids, mask).float(), -1)[..., 1])
+
+
+def upload(array: np.ndarray, device, dtype=None):
+    """``array`` on CUDA ``device`` (as ``dtype``, if given), copied from pinned memory without
+    waiting: the copy is queued on the current stream."""
+    import torch
+
+    pinned = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
+    out = pinned.to(device, non_blocking=True)
+    return out if dtype is None else out.to(dtype)
+
+
+def download(tensor) -> Pending:
+    """A CUDA ``tensor``'s values as float32, copied into a fresh pinned buffer on the current
+    stream; the :class:`Pending` waits for the event recorded after the copy."""
+    import torch
+
+    host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return Pending(host, done)
 
 
 class Pending:

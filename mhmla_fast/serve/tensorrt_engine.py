@@ -70,7 +70,7 @@ import numpy as np
 from ..encoder import max_input_length
 from .onnx_export import INPUT_NAMES, ONNX_FILE, OUTPUT_NAME
 from .options import resolve_options
-from .runners import Pending
+from .runners import Pending, download, upload
 
 __all__ = [
     "ShapeProfile", "plan_profiles", "choose_profile", "plan_calls", "build_engine",
@@ -669,22 +669,13 @@ class TensorRTRunner:
         B, T = ids.shape
         with torch.cuda.device(self.device), torch.inference_mode():
             stream = torch.cuda.current_stream(self.device)
-
-            def up(a: np.ndarray, name: str):
-                pinned = torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
-                return pinned.to(self.device, non_blocking=True).to(self.dtypes[name])
-
-            ids_t, mask_t = up(ids, INPUT_NAMES[0]), up(mask, INPUT_NAMES[1])
+            ids_t = upload(ids, self.device, self.dtypes[INPUT_NAMES[0]])
+            mask_t = upload(mask, self.device, self.dtypes[INPUT_NAMES[1]])
             outs = []
             for start, end, profile in plan_calls(self.profiles, B, T):
                 outs.append(self._run(ids_t[start:end].contiguous(),
                                       mask_t[start:end].contiguous(), profile, stream))
-            out = (outs[0] if len(outs) == 1 else torch.cat(outs, 0)).float()
-            host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-            return Pending(host, done)
+            return download(outs[0] if len(outs) == 1 else torch.cat(outs, 0))
 
     def _run(self, ids, mask, profile: int, stream):
         """One execute_async_v3 on [rows, T] device tensors with the given profile."""
