@@ -259,27 +259,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=0.05)
     p.add_argument("--min-seeds", type=int, default=3, help="fewer paired seeds: no verdict")
     args = p.parse_args(argv)
-    try:
+    loaded: list[tuple[str, list]] = []
+
+    def compute() -> dict:
         groups = [parse_group(args.candidate), *map(parse_group, args.baseline)]
         labels = [label for label, _ in groups]
         if len(set(labels)) != len(labels):
             raise ValueError(f"labels must differ: {labels}")
-        loaded = [(label, load_group(label, paths)) for label, paths in groups]
-        summary = summarise(loaded, args.alpha, args.min_seeds)
-    except (OSError, ValueError) as err:
-        print(f"ged_recipe_stats: {err}", file=sys.stderr)
-        return 2
-    except KeyError as err:
-        print(f"ged_recipe_stats: a field is missing in an input: {err}", file=sys.stderr)
-        return 2
-    from mhmla_fast.provenance import provenance
+        loaded.extend((label, load_group(label, paths)) for label, paths in groups)
+        return summarise(loaded, args.alpha, args.min_seeds)
 
-    summary["inputs"] = [{"group": label, "path": gs._shown(r.path), "seed": r.seed,
-                          **{k: r.result.get(k) for k in ("commit", "device", "date", "command")}}
-                         for label, runs in loaded for r in runs]
-    summary["provenance"] = provenance()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    summary = gs.summary_or_report("ged_recipe_stats", compute)
+    if summary is None:
+        return 2
+    gs.write_summary(summary, args.out,
+                     [gs.input_record(r, group=label) for label, runs in loaded for r in runs])
     print(markdown(summary))
     print(f"\nwrote {args.out}")
     return 0

@@ -54,7 +54,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -588,6 +588,34 @@ def _shown(path: str) -> str:
     return str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else path
 
 
+def summary_or_report(prog: str, compute: Callable[[], dict]) -> dict | None:
+    """``compute()``, or None after printing ``prog: reason`` when an input is missing, unreadable
+    or malformed (OSError, ValueError, a missing field), so that a CLI exits 2 with one line."""
+    try:
+        return compute()
+    except (OSError, ValueError) as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+    except KeyError as err:
+        print(f"{prog}: a field is missing in an input: {err}", file=sys.stderr)
+    return None
+
+
+def write_summary(summary: dict, out: str | Path, inputs: list[dict]) -> None:
+    """Add ``inputs`` (one record per file) and the provenance to ``summary``; write it as JSON."""
+    from mhmla_fast.provenance import provenance
+
+    summary["inputs"] = inputs
+    summary["provenance"] = provenance()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def input_record(r: Run, **fields) -> dict:
+    """One run's entry in ``inputs``: its path, ``fields``, seed and where it was made."""
+    return {"path": _shown(r.path), **fields, "seed": r.seed,
+            **{k: r.result.get(k) for k in ("commit", "device", "date", "command")}}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="GED Table 2 / Table 3 statistics over seeds.")
     p.add_argument("--inputs", nargs="+", default=[DEFAULT_INPUTS],
@@ -602,27 +630,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=0.05)
     p.add_argument("--min-seeds", type=int, default=3, help="fewer paired seeds: no verdict")
     args = p.parse_args(argv)
-    try:
-        paths = expand_inputs(args.inputs)
-        runs = [load_run(x) for x in paths]
-        summary = summarise(runs, mhmla_j=args.mhmla_j, common_seeds=args.common_seeds,
-                            alpha=args.alpha, min_seeds=args.min_seeds)
-    except (OSError, ValueError) as err:
-        print(f"ged_seed_stats: {err}", file=sys.stderr)
-        return 2
-    except KeyError as err:
-        print(f"ged_seed_stats: a field is missing in an input: {err}", file=sys.stderr)
-        return 2
-    from mhmla_fast.provenance import provenance
+    runs: list[Run] = []
 
-    summary["inputs"] = [{"path": _shown(r.path), "system": system_key(r.system), "seed": r.seed,
-                          **{k: r.result.get(k) for k in ("commit", "device", "date", "command")}}
-                         for r in runs]
-    summary["provenance"] = provenance()
+    def compute() -> dict:
+        runs.extend(load_run(x) for x in expand_inputs(args.inputs))
+        return summarise(runs, mhmla_j=args.mhmla_j, common_seeds=args.common_seeds,
+                         alpha=args.alpha, min_seeds=args.min_seeds)
+
+    summary = summary_or_report("ged_seed_stats", compute)
+    if summary is None:
+        return 2
     if summary["j_sweep"] and args.j_sweep_png:
         summary["j_sweep_png"] = str(plot_j_sweep(summary["j_sweep"], args.j_sweep_png))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    write_summary(summary, args.out, [input_record(r, system=system_key(r.system)) for r in runs])
     print(markdown(summary))
     png = summary.get("j_sweep_png")
     print(f"\nwrote {args.out}" + (f" and {png}" if png else ""))
