@@ -292,4 +292,4 @@ def test_aes_precision_flag_needs_finetune(tmp_path, capsys):
     from mhmla_fast.commands.train import main as mhmla_train
 
     assert mhmla_train(["aes", "--precision", "bf16", "--out", str(tmp_path / "x")]) == 2
-    assert "--precision applies to --finetune only" in capsys.readouterr().err
+    assert "--precision: --finetune only" in capsys.readouterr().err

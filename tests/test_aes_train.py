@@ -219,12 +219,13 @@ def test_mean_feature_cache_is_each_layers_token_mean_of_every_window(tiny_encod
         build_feature_cache(tmp_path, ids, texts, pooling="max", **kw)
 
 
-def write_asap(root, n_per_prompt: int = 30):
-    """A tiny ASAP-like TSV (prompts 3 and 4) and one Taghipour & Ng-style fold."""
+def write_asap(root, n_per_prompt: int = 30, folds: int = 1):
+    """A tiny ASAP-like TSV (prompts 3 and 4) and ``folds`` Taghipour & Ng-style folds (fold f
+    shifts the split of essay i by f: another fold's test split overlaps fold 0's train)."""
     rng = random.Random(1)
     d = root / "asap_aes"
     lines = ["essay_id\tessay_set\tessay\trater1_domain1\trater2_domain1\tdomain1_score"]
-    ids = {"train": [], "dev": [], "test": []}
+    ids = [{"train": [], "dev": [], "test": []} for _ in range(folds)]
     k = 0
     for prompt in (3, 4):
         for i in range(n_per_prompt):
@@ -233,14 +234,16 @@ def write_asap(root, n_per_prompt: int = 30):
             r2 = score if i % 3 else max(0, score - 1)
             lines.append(f"{k}\t{prompt}\t\"{essay_text(rng, score, rng.randint(3, 40))}\"\t"
                          f"{score}\t{r2}\t{score}")
-            split = "train" if i % 5 < 3 else ("dev" if i % 5 == 3 else "test")
-            ids[split].append(k)
+            for f in range(folds):
+                j = (i + f) % 5
+                ids[f]["train" if j < 3 else ("dev" if j == 3 else "test")].append(k)
     d.mkdir(parents=True)
     (d / "training_set_rel3.nea_utf8.tsv").write_text("\r\n".join(lines) + "\r\n")
-    fold = d / "nea_folds" / "fold_0"
-    fold.mkdir(parents=True)
-    for split, values in ids.items():
-        (fold / f"{split}_ids.txt").write_text("\n".join(map(str, values)) + "\n")
+    for f in range(folds):
+        fold = d / "nea_folds" / f"fold_{f}"
+        fold.mkdir(parents=True)
+        for split, values in ids[f].items():
+            (fold / f"{split}_ids.txt").write_text("\n".join(map(str, values)) + "\n")
     return root
 
 
@@ -328,7 +331,7 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
     from mhmla_fast.commands.eval import main as mhmla_eval
     from mhmla_fast.commands.train import main as mhmla_train
 
-    data = write_asap(tmp_path / "data")
+    data = write_asap(tmp_path / "data", folds=2)
     common = ["--prompt", "3,4", "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"),
               "--backend", "torch"]
     assert mhmla_train(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
@@ -357,6 +360,19 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
     for p in ("3", "4"):  # the cached features are the frozen scorer's own (up to fp16)
         assert abs(outs[0]["prompts"][p]["qwk"] - cfg["training"]["test_qwk"][p]) < 1e-9
         assert abs(outs[1]["prompts"][p]["qwk"] - outs[0]["prompts"][p]["qwk"]) < 0.1
+        assert outs[0]["prompts"][p]["seen_by_scorer"] == 0  # its own fold's test split
+    # fold 1's test split is made of fold 0's train essays: refused, or scored and counted
+    capsys.readouterr()
+    assert mhmla_eval(["aes", *common, "--model", str(shipped), "--fold", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "fold 1's test split holds essays that the scorer trained or selected on" in err
+    assert "its training fold 0: prompt 3: 6, prompt 4: 6" in err
+    seen = tmp_path / "seen.json"
+    assert mhmla_eval(["aes", *common, "--model", str(shipped), "--fold", "1", "--allow-seen",
+                       "--json", str(seen)]) == 0
+    assert json.loads(seen.read_text())["prompts"]["3"]["seen_by_scorer"] == 6
+    with pytest.raises(SystemExit):  # no fold 7
+        mhmla_eval(["aes", *common, "--model", str(shipped), "--fold", "7"])
 
 
 def test_commands_finetune_protocol(tiny_encoder, tmp_path):
@@ -371,3 +387,70 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path):
     cell = result["models"]["mhmla-cls-finetuned"]
     assert set(cell["qwk"]["0"]) == {"3"} and cell["selected"]["0"]["3"] == {"epoch": 1}
     assert (tmp_path / "ft" / "finetune-fold0-p3" / "best" / "config.json").is_file()
+    assert result["settings"]["epochs"] == 1 and result["settings"]["objective"] == "classification"
+    done = tmp_path / "ft" / "finetune-fold0-p3" / "test.json"
+    assert json.loads(done.read_text())["settings"]["epochs"] == 1
+
+
+def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder, tmp_path,
+                                                                    monkeypatch):
+    """A finished (fold, prompt) cell is reused only when its recorded settings are the run's;
+    other settings go back to finetune (which extends a longer run or refuses a change)."""
+    import mhmla_fast.aes.train as aes_train
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    cell = tmp_path / "ft" / "finetune-fold0-p3"
+    cell.mkdir(parents=True)
+    (cell / "test.json").write_text(json.dumps({"qwk": 0.123, "exact": 0.5, "dev_qwk": 0.1,
+                                                "selected": {"epoch": 10}}))  # no settings
+    calls = []
+    real = aes_train.finetune
+
+    def spy(cfg, *a, **kw):
+        calls.append(cfg)
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(aes_train, "finetune", spy)
+    args = ["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data), "--encoder",
+            tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune", "--backend", "torch",
+            "--quiet", "--objective", "regression"]
+    assert mhmla_train([*args, "--epochs", "1"]) == 0  # the stale cell is not reused
+    assert len(calls) == 1 and calls[0].objective == "regression" and calls[0].epochs == 1
+    result = json.loads((tmp_path / "ft" / "results-finetune.json").read_text())
+    assert result["models"]["mhmla-cls-finetuned"]["qwk"]["0"]["3"] != 0.123
+    assert mhmla_train([*args, "--epochs", "1"]) == 0  # the same settings: reused
+    assert len(calls) == 1
+    assert mhmla_train([*args, "--epochs", "2"]) == 0  # more epochs: finetune extends the run
+    assert len(calls) == 2 and calls[1].epochs == 2
+    assert json.loads((cell / "test.json").read_text())["settings"]["epochs"] == 2
+    assert mhmla_train([*args, "--epochs", "2", "--lr", "3e-5"]) == 2  # refused by finetune
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--finetune", "--patience", "2"], "--patience: not used by --finetune"),
+    (["--finetune", "--cache-only", "--members", "a,b"],
+     "--cache-only, --members: not used by --finetune"),
+    (["--finetune", "--models", "mhmla-cls"], "--models: not used by --finetune"),
+    (["--head-lr", "1e-4"], "--head-lr: --finetune only"),
+    (["--precision", "bf16"], "--precision: --finetune only"),
+    (["--objective", "regression"], "--objective: with --export-shipped or --finetune"),
+    (["--export-shipped", "x", "--models", "mhmla-cls"], "--models: not used by --export-shipped"),
+])
+def test_aes_options_the_chosen_path_does_not_use_are_errors(tmp_path, capsys, extra, message):
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    assert mhmla_train(["aes", "--out", str(tmp_path / "x"), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_ensemble_members_must_be_models_that_run(tmp_path):
+    data = write_asap(tmp_path / "data")
+    kw = dict(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run", folds=[0],
+              prompts=[3], models=["ridge-layers", "tfidf-ridge"], log=None)
+    with pytest.raises(ValueError, match=r"members \['mhmla-cls', 'nope'\] are not among"):
+        run_cpu_protocol(members=["tfidf-ridge", "mhmla-cls", "nope"], **kw)
+    with pytest.raises(ValueError, match="an ensemble needs two at the least"):
+        run_cpu_protocol(members=["tfidf-ridge"], **kw)
+    assert not (tmp_path / "cache").exists()  # refused before any work

@@ -149,6 +149,38 @@ def test_resume_refuses_a_different_run(tmp_path, tiny_encoder):
         train(other)
 
 
+def test_resume_refuses_another_compile_mode(tmp_path, tiny_encoder):
+    """--compile pads batches to fixed shapes, which draws other dropout masks: a resumed run
+    with another mode would match neither uninterrupted run, so it is refused."""
+    train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1), stop_after_steps=2)
+    other = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, compile="default")
+    with pytest.raises(ValueError, match="a checkpoint of a different run exists.*compile"):
+        train(other)
+
+
+@pytest.mark.parametrize("field", ["epochs", "batch_size", "eval_batch_size", "checkpoint_every"])
+def test_counts_below_one_are_refused_up_front(tmp_path, tiny_encoder, field):
+    with pytest.raises(ValueError, match=f"{field}: expected a whole number of at least 1, got 0"):
+        config(tmp_path, tiny_encoder, tmp_path / "run", **{field: 0})
+
+
+def test_lengths_past_the_encoders_positions(tmp_path, tiny_encoder):
+    """The tiny encoder has 64 positions: training past them is refused before any step, and
+    dev evaluation of a sentence longer than 64 pieces cuts it at 64 (it used to ask for 512
+    positions and crash at the end of the epoch)."""
+    with pytest.raises(ValueError, match="max_length: 100 word pieces, but the encoder has 64"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "long", max_length=100))
+    assert not (tmp_path / "long" / "checkpoint.json").exists()
+    dev = tmp_path / "dev-long.tsv"
+    long_sentence = [("went" if i % 2 else "house", "c") for i in range(80)]
+    dev.write_text("\n".join(f"{w}\t{tag}" for w, tag in long_sentence) + "\n\n"
+                   + write_fce(tmp_path / "d.tsv", 8, 1).read_text())
+    best = train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, dev=str(dev),
+                        max_train_sentences=16))
+    log = json.loads((tmp_path / "run" / "log.json").read_text())
+    assert (best / "config.json").is_file() and log[0]["dev"]["f05"] >= 0
+
+
 def test_a_run_folder_in_use_is_refused_untouched(tmp_path, tiny_encoder):
     from mhmla_fast.checkpoint import RunLockedError, run_lock
 

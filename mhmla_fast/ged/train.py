@@ -112,6 +112,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
+        for name in ("epochs", "batch_size", "eval_batch_size", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a whole number of at least 1, got {value!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -188,13 +192,16 @@ def length_bucketed_batches(lengths: Sequence[int], batch_size: int, seed: int,
 
 @torch.no_grad()
 def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence[str]],
-                       *, batch_size: int = 64, max_length: int = 512,
+                       *, batch_size: int = 64, max_length: int | None = None,
                        device: str | torch.device = "cpu") -> list[np.ndarray]:
     """Error probability of every word (at its first piece), batched by length.
 
-    Words cut off past ``max_length`` pieces get probability 0 (predicted correct).
+    Words cut off past ``max_length`` pieces (default: as many as the encoder has positions,
+    at most 512) get probability 0 (predicted correct).
     """
     model.eval()
+    if max_length is None:
+        max_length = min(512, max_input_length(model.encoder.config))
     encoded = encode_sentences(tokenizer, sentences, max_length)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
     out: list[np.ndarray | None] = [None] * len(encoded)
@@ -263,7 +270,11 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     model = GedTagger(tagger_cfg, backend=cfg.backend)  # freezes what encoder_spec.freeze names
     model.to(device)
     tokenizer = load_tokenizer(cfg.encoder_spec)
-    max_length = cfg.encoder_spec.max_length or min(512, max_input_length(model.encoder.config))
+    positions = max_input_length(model.encoder.config)
+    max_length = cfg.encoder_spec.max_length or min(512, positions)
+    if max_length > positions:
+        raise ValueError(f"max_length: {max_length} word pieces, but the encoder has {positions} "
+                         "positions")
     encoded = encode_sentences(tokenizer, [s.tokens for s in train_set], max_length)
     labels = [s.labels for s in train_set]
     lengths = [len(ids) for ids, _ in encoded]
@@ -278,7 +289,8 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             # e's batches depend only on (seed, e), so a shorter run is a prefix of a longer
             # one; a field a checkpoint predates has its default, and a checkpoint in the
             # flat layout of before is read into the groups
-            free = ("progress", "compile") + (("epochs",) if cfg.lr_schedule == "constant" else ())
+            # (not --compile: its padded batches draw other dropout masks from the stream)
+            free = ("progress",) + (("epochs",) if cfg.lr_schedule == "constant" else ())
             diff = config_diff(cfg, meta["config"], free)
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
