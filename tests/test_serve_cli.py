@@ -7,6 +7,7 @@ and ``export`` are wired to the app and the exporters."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import types
@@ -202,6 +203,38 @@ def test_existing_output_is_never_overwritten_without_resume(tmp_path, tiny_tagg
     assert main(["tag", str(tmp_path / "missing.txt"), "--model", str(tiny_tagger_dir)]) == 2
     assert "no such input file" in capsys.readouterr().err
     assert main(["tag", "--batch-size", "0"]) == 2  # argparse
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--threshold", "nan"], "expected a probability from 0 to 1, got nan"),
+    (["--threshold", "1.5"], "expected a probability from 0 to 1, got 1.5"),
+    (["--over-long", "cap"], "--over-long cap goes with --max-chars N"),
+])
+def test_options_out_of_range_or_without_their_partner_exit_2(tmp_path, tiny_tagger_dir, capsys,
+                                                               extra, message):
+    rc, out = tag(tmp_path, tiny_tagger_dir, b"a b c\n", *extra)
+    assert rc == 2 and out == []
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_http_wait_and_timeout_must_be_finite(capsys, value):
+    for option in ("--max-wait-ms", "--request-timeout"):
+        assert main(["http", option, value]) == 2
+        assert f"expected a finite number >= 0, got {value}" in capsys.readouterr().err
+
+
+def test_input_file_name_that_is_not_utf8(tmp_path, tiny_tagger_dir):
+    """A file name with a Latin-1 byte: its error records are written (the name escaped) and
+    the run ends with exit 1 for the malformed line, not a stop that --resume cannot pass."""
+    src = tmp_path / os.fsdecode(b"caf\xe9.txt")
+    src.write_bytes(b"good line\n\nanother\n")
+    out = tmp_path / "out.jsonl"
+    rc = main(["tag", str(src), "--output", str(out), "--model", str(tiny_tagger_dir),
+               "--no-progress", "--threads", "1", "--device", "cpu", "--backend", "torch"])
+    recs = read_jsonl(out)
+    assert rc == 1 and len(recs) == 3
+    assert recs[1]["error"] == f"{src}: line 2: empty line"
 
 
 def test_missing_model_exits_2_with_a_clear_message(tmp_path, capsys, monkeypatch):

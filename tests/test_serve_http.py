@@ -161,7 +161,11 @@ def test_64_concurrent_clients_get_the_offline_results(tiny_engine):
         metrics = httpx.get(url + "/metrics")
         docs = httpx.get(url + "/openapi.json").json()
 
-    n_texts = 0
+    # batches differ from the offline run's (they depend on timing), which moves probabilities
+    # by float rounding; the random tiny tagger puts many near its threshold, so a label is
+    # compared only where its probability is clear of the threshold by more than that
+    threshold, near = float(tiny_engine.threshold), 1e-5
+    n_texts = n_words = n_near = 0
     for (kind, inputs), resp in zip(plans, responses):
         assert resp is not None
         status, body = resp
@@ -170,11 +174,17 @@ def test_64_concurrent_clients_get_the_offline_results(tiny_engine):
         for x, got in zip(inputs, body["results"]):
             want = ref[(kind, x if kind == "texts" else tuple(x))]
             assert got["tokens"] == want["tokens"]
-            assert got["labels"] == want["labels"]
-            assert got["spans"] == want["spans"]
             assert got.get("offsets") == want.get("offsets")
-            assert got["probs"] == pytest.approx(want["probs"], abs=1e-5)
+            assert got["probs"] == pytest.approx(want["probs"], abs=near)
+            clear = [abs(q - threshold) > near for q in want["probs"]]
+            assert [a for a, c in zip(got["labels"], clear) if c] == [
+                b for b, c in zip(want["labels"], clear) if c]
+            if all(clear):
+                assert got["spans"] == want["spans"]
             n_texts += 1
+            n_words += len(clear)
+            n_near += clear.count(False)
+    assert n_near <= n_words // 1000  # the exemption stays rare
     assert health == {"status": "ok", "model": "tiny", "queue_depth": 0}
 
     assert metrics.status_code == 200
@@ -384,6 +394,12 @@ def test_after_shutdown_begins_new_requests_get_503_while_queued_ones_finish():
         assert not app.state.batcher.alive
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("wait", [float("inf"), float("nan"), -1.0])
+def test_the_batch_wait_must_be_finite(wait):
+    with pytest.raises(ValueError, match="max_wait_ms finite and >= 0"):
+        MicroBatcher(StubEngine(), max_wait_ms=wait)
 
 
 def test_a_dead_worker_fails_its_requests_and_reports_unhealthy():

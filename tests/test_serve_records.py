@@ -225,8 +225,63 @@ def test_bad_arguments_raise_before_reading(tmp_path):
         iter_input_records([ok], kind="grade")
 
 
+def test_wide_unicode_nul_and_inner_byte_order_marks(tmp_path):
+    """UTF-16/32 with a byte-order mark is refused as a whole before any record (PowerShell's
+    ``>`` writes UTF-16); a NUL character makes a line an error record (UTF-16 without a mark);
+    a UTF-8 byte-order mark that starts a later line (files joined by cat) is skipped, so a
+    JSON line behind it stays JSON."""
+    for enc, name in (("utf-16", "UTF-16"), ("utf-32", "UTF-32")):
+        wide = write(tmp_path / f"{enc}.txt", "She go .\nok\n".encode(enc))
+        with pytest.raises(ValueError, match=f"starts with a {name} byte-order mark.*iconv -f {enc}"):
+            iter_input_records([wide])
+        with pytest.raises(ValueError, match=f"<stdin>: starts with a {name} byte-order mark"):
+            list(iter_input_records(["-"], stdin=io.BytesIO(Path(wide).read_bytes())))
+    bare = write(tmp_path / "bare.txt", "She go .\nok\n".encode("utf-16-le"))
+    recs = list(iter_input_records([bare]))
+    # "\n" is b"\n\x00" there: a third line of one NUL; every line is an error record
+    assert len(recs) == 3 and all("contains a NUL character" in r.error for r in recs)
+    joined = write(tmp_path / "joined.jsonl", b'plain\n\xef\xbb\xbf{"id": "b", "text": "x y"}\n'
+                                               b"\xef\xbb\xbfword\n")
+    a, b, c = iter_input_records([joined])
+    assert (a.text, b.id, b.text, c.text) == ("plain", "b", "x y", "word")
+
+
+def test_unreadable_input_is_refused_before_reading(tmp_path, monkeypatch):
+    ok = write(tmp_path / "ok.txt", "x\n")
+    locked = write(tmp_path / "locked.txt", "y\n")
+    real_open = open
+
+    def refusing_open(path, *a, **kw):  # root reads a mode-000 file: refuse like a real denial
+        if str(path) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr("builtins.open", refusing_open)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        iter_input_records([ok, locked])
+
+
 # ---------------------------------------------------------------------------------------------------
 # writer
+
+
+def test_writer_refuses_what_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="fifo: not a regular file.*leave out -o"):
+        ResumableJsonlWriter(str(fifo), resume=False)
+
+
+def test_writer_escapes_a_lone_surrogate_of_a_file_name(tmp_path):
+    """An input path that is not UTF-8 decodes to lone surrogates, which reach error messages;
+    the writer escapes them (\\udcXX), so the line stays UTF-8 JSON and the name round-trips."""
+    name = os.fsdecode(b"caf\xe9.txt")
+    with ResumableJsonlWriter(str(tmp_path / "o.jsonl"), resume=False) as w:
+        w.write({"index": 1, "error": f"{name}: line 2: empty line"})
+    raw = (tmp_path / "o.jsonl").read_bytes()
+    raw.decode("utf-8")  # strict
+    assert b"caf\\udce9.txt" in raw
+    assert read_jsonl(tmp_path / "o.jsonl")[0]["error"].startswith(name)
 
 
 def test_writer_refuses_to_overwrite_without_resume(tmp_path):

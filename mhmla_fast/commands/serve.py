@@ -115,6 +115,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _probability(value: str) -> float:
+    x = float(value)
+    if not 0.0 <= x <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a probability from 0 to 1, got {value}")
+    return x
+
+
 def _non_negative_int(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -124,8 +131,8 @@ def _non_negative_int(value: str) -> int:
 
 def _non_negative_float(value: str) -> float:
     x = float(value)
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    if not 0 <= x < float("inf"):  # NaN and infinity fail
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value}")
     return x
 
 
@@ -240,7 +247,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, help="torch: float32/bfloat16/float16 (default "
                    "bfloat16 on cuda, float32 on cpu); onnx: float32 (default) or int8; "
                    "tensorrt: the precision the plan was built with")
-    g.add_argument("--threshold", type=float, default=None,
+    g.add_argument("--threshold", type=_probability, default=None,
                    help="error-probability threshold (default: the model's tuned one)")
     g.add_argument("--no-cache", action="store_true",
                    help="backend auto: neither read nor write the ONNX export cache (run torch); "
@@ -298,7 +305,7 @@ def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> 
     p.add_argument("--max-chars", type=_positive, default=None, metavar="N",
                    help="records longer than N characters are skipped (an error record) or, with "
                    "--over-long cap, cut to their first N characters (default: no limit)")
-    p.add_argument("--over-long", default="skip", choices=("skip", "cap"),
+    p.add_argument("--over-long", default=None, choices=("skip", "cap"),
                    help="with --max-chars: skip over-long records (default) or cap them")
 
 
@@ -321,13 +328,24 @@ def _count_lines(paths: Sequence[str]) -> int | None:
             except ValueError:  # not Parquet after all: the reader reports it
                 return None
             continue
-        with open(p, "rb") as f:
-            last = b""
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                total += chunk.count(b"\n")
-                last = chunk
-            total += bool(last) and not last.endswith(b"\n")
+        try:
+            with open(p, "rb") as f:
+                last = b""
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    total += chunk.count(b"\n")
+                    last = chunk
+        except OSError:  # unreadable: no total; the reader reports it
+            return None
+        total += bool(last) and not last.endswith(b"\n")
     return total
+
+
+def over_long(args: argparse.Namespace) -> str:
+    """``--over-long`` ("skip" when not given); given without ``--max-chars`` it is a UsageError."""
+    if args.over_long is not None and args.max_chars is None:
+        raise UsageError(f"--over-long {args.over_long} goes with --max-chars N (the limit it "
+                         "applies to)")
+    return args.over_long or "skip"
 
 
 def _close_quietly(writer: Any) -> None:
@@ -355,7 +373,7 @@ def read_inputs(args: argparse.Namespace, inputs: Sequence[str], kind: str):
     except (OSError, ValueError) as err:
         raise UsageError(str(err).replace("format: ", "--format: ", 1)
                          .replace("encoding: ", "--encoding: ", 1)) from err
-    return limit_length(records, args.max_chars, args.over_long)
+    return limit_length(records, args.max_chars, over_long(args))
 
 
 def run_tag(args: argparse.Namespace) -> int:
@@ -420,7 +438,7 @@ def made_from(command: str, model: Path, args: argparse.Namespace, **settings: A
     return {"command": command, "model_sha256": directory_fingerprint(model),
             "backend": args.backend, "format": args.format,
             "encoding": check_encoding(args.encoding), "max_chars": args.max_chars,
-            "over_long": args.over_long if args.max_chars else None, **settings}
+            "over_long": over_long(args) if args.max_chars else None, **settings}
 
 
 FIRST_BATCH = 32  # records in the first batch of tag/score; the next ones double
@@ -553,7 +571,7 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
                  kernels=opts.kernels, threads=args.threads, threshold=threshold,
                  cache=False if getattr(args, "no_cache", False) else None,
                  token_budget=args.token_budget, batch_size=batch_size, format=args.format,
-                 encoding=args.encoding, max_chars=args.max_chars, over_long=args.over_long,
+                 encoding=args.encoding, max_chars=args.max_chars, over_long=over_long(args),
                  prompts=prompts)
     made = made_from(kind, path, args, **settings)
     return exit_status(lambda: run_job(job, inputs, args.output, made_from=made,
@@ -783,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-tokens", type=_positive, default=8192,
                    help="estimated word pieces per engine batch (default 8192)")
-    p.add_argument("--max-wait-ms", type=float, default=5.0,
+    p.add_argument("--max-wait-ms", type=_non_negative_float, default=5.0,
                    help="how long a batch waits for more requests (default 5)")
     p.add_argument("--max-queue", type=_positive, default=1024,
                    help="texts waiting at most; beyond it requests get 503 (default 1024)")

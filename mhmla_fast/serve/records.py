@@ -9,7 +9,11 @@ Every line of every input (files in the order given, ``"-"`` = standard input) i
 ``\\n`` only (a ``\\r`` before it is dropped, a missing final newline is fine, U+2028 and friends do
 not split), each line is decoded on its own, strictly, as ``encoding`` (UTF-8 by default; any
 codec in which ``\\n`` is the byte 0x0A and ASCII is ASCII: Latin-1, cp1252, Shift_JIS, GB18030,
-...; UTF-16/32 are refused), and a UTF-8 BOM at the start of an input is skipped.
+...; UTF-16/32 are refused as an encoding, and an input starting with their byte-order mark is
+refused as a whole, ValueError), a UTF-8 BOM at the start of an input is skipped, and so is a
+U+FEFF that starts a line (files joined by ``cat``). A line holding a NUL character is an error
+record (UTF-16 without a byte-order mark, or binary data). An unreadable file is refused when
+:func:`iter_input_records` is called (PermissionError), before any record.
 
 ``format`` says what a line is:
 
@@ -107,6 +111,7 @@ import itertools
 import json
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -266,6 +271,10 @@ def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int,
         bad = raw[err.start : err.end]
         what = "UTF-8" if encoding == "utf-8" else encoding
         return error(f"invalid {what}: byte(s) {bad!r} at byte {err.start + 1} of the line ({err.reason})")
+    if "\x00" in s:
+        return error("contains a NUL character (UTF-16 or binary input? convert text to UTF-8 "
+                     "first, e.g. iconv -f utf-16 -t utf-8)")
+    s = s.removeprefix("\ufeff")  # a byte-order mark inside the input (files joined by cat)
     if not s.strip():
         return error("empty line")
     if fmt == "text" or (fmt == "auto" and not s.lstrip().startswith("{")):
@@ -323,12 +332,27 @@ def _object_record(obj: Mapping[str, Any], kind: str, index: int, source: str, l
         return InputRecord(index, source, line, rec_id, error=f"{where}: {err.args[0]}")
 
 
-def _raw_lines(stream: IO[bytes]) -> Iterator[bytes]:
-    """Lines of a binary stream without ``\\n`` / ``\\r\\n``; a leading BOM is dropped."""
+_WIDE_BOMS = {b"\xff\xfe\x00\x00": "utf-32", b"\x00\x00\xfe\xff": "utf-32",
+              b"\xff\xfe": "utf-16", b"\xfe\xff": "utf-16"}
+
+
+def check_not_wide(start: bytes, source: str) -> None:
+    """ValueError when ``start`` (an input's first bytes) is a UTF-16/32 byte-order mark: such
+    text cannot be split into lines on the byte \\n (Windows PowerShell's ``>`` writes it)."""
+    for bom, name in _WIDE_BOMS.items():
+        if start.startswith(bom):
+            raise ValueError(f"{source}: starts with a {name.upper()} byte-order mark; convert it "
+                             f"to UTF-8 first (iconv -f {name} -t utf-8)")
+
+
+def _raw_lines(stream: IO[bytes], source: str = STDIN_SOURCE) -> Iterator[bytes]:
+    """Lines of a binary stream without ``\\n`` / ``\\r\\n``; a leading BOM is dropped (a
+    UTF-16/32 one raises ValueError: :func:`check_not_wide`)."""
     first = True
     for raw in stream:
         if first:
             first = False
+            check_not_wide(raw, source)
             if raw.startswith(_BOM):
                 raw = raw[len(_BOM) :]
         if raw.endswith(b"\n"):
@@ -479,6 +503,9 @@ def iter_input_records(
             raise IsADirectoryError(f"{path}: is a directory, not an input file")
         if is_parquet(path):
             check_parquet(path, format)
+            continue
+        with open(path, "rb") as f:  # unreadable: PermissionError now, not part-way through
+            check_not_wide(f.read(4), path)
     return _iter_records(paths, kind, stdin, format, encoding)
 
 
@@ -508,7 +535,7 @@ def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
                 yield rec
             continue
         with open(path, "rb") as f:
-            for line, raw in enumerate(_raw_lines(f), 1):
+            for line, raw in enumerate(_raw_lines(f, path), 1):
                 index += 1
                 yield _parse_line(raw, kind, index, path, line, fmt, encoding)
 
@@ -750,6 +777,10 @@ class ResumableJsonlWriter:
             raise IsADirectoryError(f"{path}: is a directory, not an output file")
         created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # never truncates here
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device: no seek, no fsync
+            os.close(fd)
+            raise ValueError(f"{path}: not a regular file, so it cannot be written resumably; "
+                             "for standard output leave out -o (or give -o -)")
         self._f = os.fdopen(fd, "r+b")
         try:
             self._lock()
@@ -827,7 +858,9 @@ class ResumableJsonlWriter:
         if not _is_int(index) or index != self.next_index:
             raise ValueError(f'{self.path}: expected a record with "index": {self.next_index}, got {index!r}')
         line = json.dumps(record, ensure_ascii=False, allow_nan=False)
-        self._f.write(line.encode("utf-8") + b"\n")
+        # a lone surrogate (an input file name that is not UTF-8, in an error message) is
+        # written as its JSON escape \udcXX: the line stays UTF-8 and JSON
+        self._f.write(line.encode("utf-8", "backslashreplace") + b"\n")
         self.written += 1
         self._unsynced += 1
         if self._unsynced >= self.sync_every:

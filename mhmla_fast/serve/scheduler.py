@@ -191,9 +191,9 @@ class MicroBatcher:
                  on_failure: Callable[[], None] | None = None) -> None:
         split_pieces = max(1, max_batch_tokens // 4) if split_pieces is None else split_pieces
         if min(max_batch_tokens, max_queue, score_token_budget, max_queue_pieces,
-               split_pieces) < 1 or max_wait_ms < 0:
+               split_pieces) < 1 or not 0 <= max_wait_ms < float("inf"):
             raise ValueError("max_batch_tokens, max_queue, max_queue_pieces, split_pieces and "
-                             "score_token_budget must be >= 1 and max_wait_ms >= 0")
+                             "score_token_budget must be >= 1 and max_wait_ms finite and >= 0")
         self.engine = engine
         self.scorer = scorer
         self.score_token_budget = int(score_token_budget)
