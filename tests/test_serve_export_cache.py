@@ -226,6 +226,52 @@ def test_a_failure_to_write_is_not_remembered(tiny_tagger_dir, cache):
     assert len(calls) == 2  # tried again, and made
 
 
+@pytest.mark.parametrize("error", [ImportError("no module named onnxruntime.quantization"),
+                                   MemoryError()])
+def test_an_environment_failure_is_not_remembered(tiny_tagger_dir, cache, error):
+    calls: list = []
+    with pytest.raises(ExportUnavailable, match="could not be made here"):
+        ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls, fail=error))
+    assert list((cache / "onnx").glob("*.failed.json")) == []
+
+
+@pytest.mark.parametrize("damage", ["cut short", "model.onnx missing", "export.json missing"])
+def test_an_incomplete_entry_is_made_again(tiny_tagger_dir, cache, damage):
+    """cache.json lists every file's size: an entry with a file cut short or missing is not
+    used; the next export replaces it (it used to be re-exported and then ignored forever)."""
+    calls: list = []
+    entry = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert json.loads((entry.path / "cache.json").read_text())["files"] == {
+        "export.json": 2, "model.onnx": len(b"not really ONNX")}
+    if damage == "cut short":
+        (entry.path / "model.onnx").write_bytes(b"not")
+    else:
+        (entry.path / damage.split()[0]).unlink()
+    assert lookup(tiny_tagger_dir, cache).entry is None
+    again = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 2 and again.path == entry.path
+    assert (again.path / "model.onnx").read_bytes() == b"not really ONNX"
+    assert lookup(tiny_tagger_dir, cache).entry is not None
+    ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 2  # whole again: reused
+    assert [p.name for p in (cache / "onnx").iterdir() if p.name.startswith(".bad-")] == []
+
+
+def test_an_entry_that_will_not_load_is_set_aside_and_torch_runs(tiny_tagger_dir, cache,
+                                                                 capsys):
+    """A damaged export of the right size (or one from before sizes were listed) fails in ONNX
+    Runtime: auto runs torch with one line, and the entry is removed so the next run makes a
+    new one."""
+    calls: list = []
+    entry = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    runner = auto_runner(tiny_tagger_dir, threads=1)  # "not really ONNX" will not parse
+    assert runner.backend == "torch"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "runs torch" in line and "would not load" in line and "made again" in line
+    assert not entry.path.exists()
+    assert not [p for p in (cache / "onnx").iterdir() if p.name.startswith(".bad-")]
+
+
 def test_an_unwritable_cache_falls_back_to_torch_with_one_line(tiny_tagger_dir, tmp_path,
                                                                monkeypatch, capsys):
     blocker = tmp_path / "file"

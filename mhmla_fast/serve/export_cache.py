@@ -270,12 +270,52 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _complete(entry: Path) -> bool:
+    """``entry`` has its ``cache.json`` and ``model.onnx``, and every file ``cache.json`` lists
+    (``"files"``: name -> size in bytes; entries from before it list none) at its size."""
+    meta = _read_json(entry / CACHE_META)
+    if meta is None or not (entry / "model.onnx").is_file():
+        return False
+    try:
+        return all((entry / name).stat().st_size == size
+                   for name, size in (meta.get("files") or {}).items())
+    except OSError:
+        return False
+
+
 def _state(base: Path, key: str) -> tuple[CacheEntry | None, dict | None]:
     entry = base / key
-    if (entry / CACHE_META).is_file() and (entry / "model.onnx").is_file():
+    if _complete(entry):
         return CacheEntry(entry, key), None
     failed = _read_json(base / f"{key}.failed.json")
     return None, failed
+
+
+def _set_aside(entry: Path) -> None:
+    """Move a damaged or incomplete entry out of the way (renamed, then removed)."""
+    if not entry.exists():
+        return
+    aside = entry.with_name(f".bad-{entry.name}-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(entry, aside)
+    except OSError:
+        aside = entry
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(stage: Path) -> None:
+    """Every file of ``stage`` and ``stage`` itself on disk, before it is renamed into place
+    (a crash then leaves either no entry or a whole one)."""
+    for path in [*stage.iterdir(), stage]:
+        _fsync(path)
 
 
 def lookup(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
@@ -417,6 +457,7 @@ def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None =
         if entry is None:
             for old in base.glob(f".tmp-{key}-*"):  # dead: their exporter held this lock
                 shutil.rmtree(old, ignore_errors=True)
+            _set_aside(base / key)  # incomplete (a file missing or cut short): made again
             entry = _export_entry(Path(model_dir), base, key, content, found.versions,
                                   kind, exporter or kind.export, log)
     _write_index(base, found.quick, key, content, model_dir, kind)
@@ -440,6 +481,10 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
             log(f" failed after {time.perf_counter() - t0:.1f} s")
             raise ExportUnavailable(f"its ONNX export could not be written to {base} "
                                     f"({type(err).__name__}: {err})") from err
+        except (ImportError, MemoryError) as err:  # the environment, not the model: not recorded
+            log(f" failed after {time.perf_counter() - t0:.1f} s")
+            raise ExportUnavailable(f"its ONNX export could not be made here "
+                                    f"({type(err).__name__}: {err})") from err
         except Exception as err:  # noqa: BLE001 - any other failure is recorded and reported
             seconds = time.perf_counter() - t0
             reason = f"{type(err).__name__}: {err}"
@@ -460,12 +505,16 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
             "model_dir": str(model_dir.resolve()), "versions": versions,
             "options": kind.options, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": round(seconds, 2),
-            "validation": (meta or {}).get("validation")})
+            "validation": (meta or {}).get("validation"),
+            "files": {f.name: f.stat().st_size for f in sorted(stage.iterdir())
+                      if f.is_file() and f.name != CACHE_META}})
+        _fsync_tree(stage)
         try:
             os.rename(stage, final)
         except OSError:
-            if not (final / CACHE_META).is_file():  # not a lost race: a real failure
+            if not _complete(final):  # neither a lost race nor a whole entry: a real failure
                 raise
+        _fsync(base)
         log(f" done in {seconds:.1f} s")
         return CacheEntry(final, key)
     finally:
@@ -495,7 +544,6 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
         return torch()
     try:
         entry = ensure_export(model_dir, root, log=log, kind=kind)
-        return onnx(entry.path)
     except ExportUnavailable as err:
         log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: {err}")
     except OSError as err:  # the cache's disk (staging, index): not recorded
@@ -503,6 +551,16 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
             f"failed ({type(err).__name__}: {err})")
     except ImportError as err:  # onnxruntime found but not importable
         log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
+    else:
+        try:
+            return onnx(entry.path)
+        except ImportError as err:
+            log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
+        except Exception as err:  # noqa: BLE001 - a damaged entry: set aside, made again next run
+            _set_aside(entry.path)
+            log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: its cached ONNX "
+                f"export would not load ({type(err).__name__}: {err}); it was removed and is "
+                "made again on the next run")
     return torch()
 
 

@@ -298,7 +298,8 @@ def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
     """
     if min_agreement is not None and threshold is None:
         raise ValueError("validate_onnx: min_agreement needs the threshold")
-    runner = OnnxRunner(onnx_path, threads=threads)
+    # on the CPU, where exports run (onnxruntime-gpu's CUDA provider would check other maths)
+    runner = OnnxRunner(onnx_path, device="cpu", threads=threads)
     exact = sorted({float(t) for t in exact_labels})
     differing = [0] * len(exact)
     per_batch, total, count, agree = [], 0.0, 0, 0
