@@ -104,13 +104,19 @@ def test_training_learns_and_resume_equals_uninterrupted(tmp_path, tiny_encoder)
     cfg = config(tmp_path, tiny_encoder, tmp_path / "resumed")
     train(cfg, stop_after_steps=7)  # stops mid-epoch 1, right after a checkpoint
     assert not (tmp_path / "resumed" / "log.json").exists()
-    train(cfg, stop_after_steps=25)  # stops in epoch 3 (16 steps per epoch)
+    train(cfg, stop_after_steps=25)  # stops after epoch 2's last step (16 per epoch), before dev
     resumed = train(cfg)
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
-    assert json.loads((tmp_path / "resumed" / "log.json").read_text())[-1]["dev"] == log[-1]["dev"]
+    rlog = json.loads((tmp_path / "resumed" / "log.json").read_text())
+    assert rlog[-1]["dev"] == log[-1]["dev"]
+    # speed covers a process's own steps: a resumed epoch says where it resumed, and one
+    # resumed after its last step has no speed (it used to log 0 sentences/s)
+    assert all("resumed_at_step" not in r and r["sentences_per_s"] > 0 for r in log)
+    assert [r.get("resumed_at_step") for r in rlog] == [7, 16, None]
+    assert rlog[1]["sentences_per_s"] is None and rlog[0]["sentences_per_s"] > 0
     ca = json.loads((full / "config.json").read_text())
     cb = json.loads((resumed / "config.json").read_text())
     assert ca["threshold"] == cb["threshold"] and 0 < ca["threshold"] < 1

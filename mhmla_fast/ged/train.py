@@ -335,7 +335,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     while epoch < cfg.epochs:
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, epoch)
         model.train()
-        t0, n_sent = time.perf_counter(), 0
+        t0, n_sent, first_step = time.perf_counter(), 0, step_in_epoch
         loss_sum = log[-1]["_loss_sum"] if log and log[-1].get("_open") else 0.0
         if not (log and log[-1].get("_open")):
             log.append({"epoch": epoch + 1, "_open": True, "_loss_sum": 0.0})
@@ -405,8 +405,11 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         record.update({
             "train_loss": loss_sum / max(1, len(batches)), "dev": dev_scores,
             "seconds": time.perf_counter() - t0,
-            "sentences_per_s": n_sent / max(1e-9, time.perf_counter() - t0),
+            # of this process's steps (None when it resumed the epoch after its last step)
+            "sentences_per_s": n_sent / max(1e-9, time.perf_counter() - t0) if n_sent else None,
         })
+        if first_step:
+            record["resumed_at_step"] = first_step  # seconds and speed cover the rest only
         record.pop("_open")
         record.pop("_loss_sum")
         if dev_scores["f05"] > best["f05"]:
