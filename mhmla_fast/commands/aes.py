@@ -172,20 +172,20 @@ def _models(args) -> list[str]:
 
 def _check_mode_options(args) -> None:
     """Raise ValueError for an option the chosen path of ``mhmla-train aes`` does not use."""
-    given = lambda *names: [f"--{n.replace('_', '-')}" for n in names  # noqa: E731
-                            if getattr(args, n) not in (None, False)]
+    def refuse(names: tuple[str, ...], why: str) -> None:
+        given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: {why}")
+
     if args.finetune:
-        ignored = given("patience", "cache_only", "models", "members", "export_shipped")
-        if ignored:
-            raise ValueError(f"{', '.join(ignored)}: not used by --finetune")
+        refuse(("patience", "cache_only", "models", "members", "export_shipped"),
+               "not used by --finetune")
         return
-    if args.export_shipped and given("models", "members", "cache_only"):
-        raise ValueError(f"{', '.join(given('models', 'members', 'cache_only'))}: not used by "
-                         "--export-shipped (one MHMLA [CLS] head for all prompts)")
-    ignored = given("precision", "head_lr")
-    if ignored:
-        raise ValueError(f"{', '.join(ignored)}: --finetune only (the other paths train heads "
-                         "on cached float32 features with one lr)")
+    if args.export_shipped:
+        refuse(("models", "members", "cache_only"),
+               "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
+    refuse(("precision", "head_lr"), "--finetune only (the other paths train heads on cached "
+           "float32 features with one lr)")
     if args.objective is not None and not args.export_shipped:
         raise ValueError("--objective: with --export-shipped or --finetune (the CPU protocol "
                          "runs both objectives as separate models, e.g. mhmla-cls, mhmla-reg)")

@@ -345,14 +345,16 @@ def check_not_wide(start: bytes, source: str) -> None:
                              f"to UTF-8 first (iconv -f {name} -t utf-8)")
 
 
-def _raw_lines(stream: IO[bytes], source: str = STDIN_SOURCE) -> Iterator[bytes]:
-    """Lines of a binary stream without ``\\n`` / ``\\r\\n``; a leading BOM is dropped (a
-    UTF-16/32 one raises ValueError: :func:`check_not_wide`)."""
+def _raw_lines(stream: IO[bytes], source: str | None = None) -> Iterator[bytes]:
+    """Lines of a binary stream without ``\\n`` / ``\\r\\n``; a leading BOM is dropped. With
+    ``source`` (standard input, which cannot be checked before it is read) a UTF-16/32 one
+    raises ValueError (:func:`check_not_wide`); files are checked when opened."""
     first = True
     for raw in stream:
         if first:
             first = False
-            check_not_wide(raw, source)
+            if source is not None:
+                check_not_wide(raw, source)
             if raw.startswith(_BOM):
                 raw = raw[len(_BOM) :]
         if raw.endswith(b"\n"):
@@ -525,7 +527,7 @@ def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
     for path in paths:
         if path == "-":
             stream = stdin if stdin is not None else sys.stdin.buffer
-            for line, raw in enumerate(_raw_lines(stream), 1):
+            for line, raw in enumerate(_raw_lines(stream, STDIN_SOURCE), 1):
                 index += 1
                 yield _parse_line(raw, kind, index, STDIN_SOURCE, line, fmt, encoding)
             continue
@@ -535,7 +537,7 @@ def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
                 yield rec
             continue
         with open(path, "rb") as f:
-            for line, raw in enumerate(_raw_lines(f, path), 1):
+            for line, raw in enumerate(_raw_lines(f), 1):
                 index += 1
                 yield _parse_line(raw, kind, index, path, line, fmt, encoding)
 
