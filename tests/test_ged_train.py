@@ -355,3 +355,28 @@ def test_bf16_training_on_the_cpu_learns_and_resumes_exactly(tmp_path, tiny_enco
     cfg.precision = "fp32"
     with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
         train(cfg)
+
+
+def test_a_crash_in_dev_evaluation_loses_no_training(tmp_path, tiny_encoder, monkeypatch):
+    """The epoch's last steps are checkpointed before dev evaluation: a run that dies there
+    resumes straight at the evaluation and ends where an uninterrupted run does."""
+    import mhmla_fast.ged.train as ged_train
+
+    full = train(config(tmp_path, tiny_encoder, tmp_path / "full", epochs=2))
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "crashed", epochs=2)
+
+    def crash(*args, **kw):
+        raise RuntimeError("dev evaluation failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(ged_train, "evaluate", crash)
+        with pytest.raises(RuntimeError, match="dev evaluation failed"):
+            train(cfg)
+    meta = json.loads((tmp_path / "crashed" / "checkpoint.json").read_text())
+    # checkpoint_every is 1000: only the new end-of-steps checkpoint can hold step 16
+    assert (meta["global_step"], meta["step_in_epoch"], meta["epoch"]) == (16, 16, 0)
+    resumed = train(cfg)
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    log = json.loads((tmp_path / "crashed" / "log.json").read_text())
+    assert log[0]["resumed_at_step"] == 16 and log[0]["sentences_per_s"] is None

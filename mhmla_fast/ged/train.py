@@ -8,7 +8,8 @@ steps' precision (bf16 autocast on CUDA by default, opt-in on the CPU). Batches 
 length-bucketed (sentences of similar length together, batch order shuffled). The run writes into ``out``:
 
 * ``checkpoint.json`` + ``checkpoint-<step>.safetensors``: model, optimizer and RNG
-  state every ``checkpoint_every`` steps and at each epoch end. The JSON is replaced
+  state every ``checkpoint_every`` steps, after each epoch's last step (before dev
+  evaluation, so a crash there loses no training) and at each epoch end. The JSON is replaced
   atomically after the tensors are on disk, so a run killed at any moment (kill -9)
   resumes from the last checkpoint and ends with the same weights as an uninterrupted one.
   A resumed run may ask for fewer or more epochs: the batches of epoch e depend only on
@@ -394,6 +395,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 bar.close()
                 return out / "best"
         bar.close()
+        if step_in_epoch > first_step and global_step % cfg.checkpoint_every:
+            # the epoch's last steps are kept before dev evaluation: a crash there (or a kill)
+            # loses no training (a resumed run goes straight to the evaluation)
+            checkpoint()
         if not main_rank:  # rank 0 evaluates, logs and saves; the others wait for it
             torch.distributed.barrier()
             epoch += 1
