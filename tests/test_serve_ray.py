@@ -242,6 +242,22 @@ def test_shards_read_back_the_records_of_the_cli_parser_also_from_a_uri(tmp_path
         serve_ray.plan_shards(job, [(tmp_path / "missing.txt").as_uri()], 64)
 
 
+def test_a_utf16_input_is_refused_up_front_also_from_a_uri(tmp_path, tiny_tagger_dir, capsys):
+    """No Ray: UTF-16 text (PowerShell's ``>``) is refused before any output, for a local
+    path (checked when opened) and a ``file://`` URI alike; it used to give an error record
+    per line on Ray when read from a URI."""
+    src = tmp_path / "in.txt"
+    src.write_bytes("a b\nc d\n".encode("utf-16"))
+    job = serve_ray.RayJob("tag", "unused")
+    for path in (str(src), src.as_uri()):
+        with pytest.raises(ValueError, match="UTF-16 byte-order mark"):
+            serve_ray.plan_shards(job, [path], 64)
+        assert main(["tag", path, "--model", str(tiny_tagger_dir), "--output",
+                     str(tmp_path / "o.jsonl"), "--ray"]) == 2
+        assert "UTF-16 byte-order mark" in capsys.readouterr().err
+        assert not (tmp_path / "o.jsonl").exists()
+
+
 # ------------------------------------------------------------------------------- refusals
 
 

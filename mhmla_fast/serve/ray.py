@@ -65,6 +65,7 @@ from .records import (
     _check_made_from,
     _fsync_dir,
     _parse_line,
+    check_not_wide,
     check_parquet,
     is_parquet,
     iter_input_records,
@@ -149,7 +150,9 @@ def is_uri(path: str) -> bool:
 
 
 def check_uri(path: str) -> None:
-    """FileNotFoundError / IsADirectoryError unless the URI ``path`` names a file."""
+    """FileNotFoundError / IsADirectoryError unless the URI ``path`` names a file; for a
+    line-based one, ValueError when it starts with a UTF-16/32 byte-order mark (the check a
+    local file gets when opened: :func:`~.records.check_not_wide`)."""
     import pyarrow.fs
 
     fs, inner = pyarrow.fs.FileSystem.from_uri(path)
@@ -158,6 +161,9 @@ def check_uri(path: str) -> None:
         raise FileNotFoundError(f"{path}: no such input file")
     if kind != pyarrow.fs.FileType.File:
         raise IsADirectoryError(f"{path}: not an input file")
+    if not is_parquet(path):
+        with fs.open_input_stream(inner) as f:
+            check_not_wide(f.read(4), path)
 
 
 def _uri_lines(path: str, chunk: int = 1 << 20) -> Iterator[bytes]:
