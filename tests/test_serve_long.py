@@ -172,3 +172,68 @@ def test_max_chars_skips_or_caps_over_long_records(tmp_path, tiny_tagger_dir, ti
     assert {k: v for k, v in recs[1].items() if k not in ("index", "id")} == {
         **want, "capped_from": 503}
     assert recs[2]["tokens"] == ["a"] * 25 and recs[2]["capped_from"] == 79
+
+
+def test_max_chars_bounds_the_reading_of_a_line(tmp_path, monkeypatch):
+    """With --max-chars N a line of more than 16 N bytes + 64 MiB (here, the slack shrunk to
+    1 KiB) is read in pieces and becomes an error record, whatever --over-long says; the lines
+    around it, line numbers, CRLF and a first-line BOM are read as before."""
+    import tracemalloc
+
+    from mhmla_fast.serve import records
+
+    monkeypatch.setattr(records, "READ_BOUND_SLACK", 1024)
+    assert records.read_bound(10) == 1184 and records.read_bound(None) is None
+    src = tmp_path / "in.txt"
+    huge = 8 << 20  # 8 MiB without a line break, then a short line, then 8 MiB more
+    with open(src, "wb") as f:
+        f.write(b"\xef\xbb\xbfa b\r\n" + b"x" * 1184 + b"\n" + b"y" * huge + b"\nc d\n")
+        f.write(b"z" * huge)
+    tracemalloc.start()
+    got = list(records.iter_input_records([str(src)], "tag", max_chars=10))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 << 20, peak  # a line read whole would hold 8 MiB at least
+    assert [(r.index, r.line, r.text) for r in got] == [
+        (1, 1, "a b"), (2, 2, "x" * 1184), (3, 3, None), (4, 4, "c d"), (5, 5, None)]
+    assert got[2].id == 3 and got[2].error == (
+        f"{src}: line 3: {huge} bytes, over the 1184 read for --max-chars 10; skipped")
+    assert got[4].error.startswith(f"{src}: line 5: {huge} bytes, over the 1184")
+    # without --max-chars every line is read whole, as before
+    assert [r.text for r in records.iter_input_records([str(src)], "tag")][2] == "y" * huge
+    # standard input reads the same way
+    with open(src, "rb") as stdin:
+        piped = list(records.iter_input_records(["-"], "tag", stdin=stdin, max_chars=10))
+    assert [(r.text, r.error and r.error.replace("<stdin>", str(src))) for r in piped] == [
+        (r.text, r.error) for r in got]
+    with pytest.raises(ValueError, match="max_chars: expected a positive integer"):
+        records.iter_input_records([str(src)], "tag", max_chars=0)
+
+
+def test_an_unbounded_line_on_the_cli_and_on_ray_shards(tmp_path, monkeypatch, tiny_tagger_dir):
+    """The CLI writes the over-long line's error record (exit 1: a record failed) and tags the
+    rest; Ray's shards, read back by byte range from a path or a URI, are the CLI's records."""
+    from mhmla_fast.serve import ray as serve_ray
+    from mhmla_fast.serve import records
+
+    monkeypatch.setattr(records, "READ_BOUND_SLACK", 1024)
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_bytes(b"a b\n" + b"w " * 4096 + b"\nc d\n" + b'{"id": "j", "text": "e f"}\n')
+    assert main(["tag", str(src), "--model", str(tiny_tagger_dir), "--no-progress",
+                 "--threads", "1", "--max-chars", "10", "--over-long", "cap", "--backend",
+                 "torch", "--output", str(out)]) == 1
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r.get("error") for r in recs] == [
+        None, f"{src}: line 2: 8192 bytes, over the 1184 read for --max-chars 10; skipped",
+        None, None]
+    assert recs[3]["id"] == "j" and recs[0]["tokens"] == ["a", "b"]
+    want = list(records.limit_length(records.iter_input_records(
+        [str(src)], "tag", max_chars=10), 10, "cap"))
+    job = serve_ray.RayJob("tag", "unused", max_chars=10, over_long="cap")
+    for path in (str(src), src.as_uri()):
+        plan = serve_ray.plan_shards(job, [path], 3)
+        got = [r for s in plan.shards for r in serve_ray.read_shard(job, s)]
+        assert [(r.index, r.line, r.id, r.text, r.error and r.error.replace(path, "SRC"))
+                for r in got] == [
+            (r.index, r.line, r.id, r.text, r.error and r.error.replace(str(src), "SRC"))
+            for r in want]

@@ -228,7 +228,12 @@ def test_shards_read_back_the_records_of_the_cli_parser_also_from_a_uri(tmp_path
     src.write_bytes(b"\xef\xbb\xbf" + sentences(300).replace(b"\n", b"\r\n", 7) + b"last\r")
     job = serve_ray.RayJob("tag", "unused")
     want = list(iter_input_records([str(src)], "tag"))
-    assert list(serve_ray._uri_lines(src.as_uri(), chunk=7)) == list(open(src, "rb"))
+    lines = list(open(src, "rb"))
+    for path in (str(src), src.as_uri()):
+        assert [raw for _, _, raw in serve_ray._range_lines(job, path)] == lines
+        assert [raw for _, _, raw in serve_ray._range_lines(job, path, len(lines[0]),
+                                                             len(lines[0]) + len(lines[1]))
+                ] == lines[1:2]
     for path in (str(src), src.as_uri()):
         plan = serve_ray.plan_shards(job, [path], 64)
         assert plan.records == 301 and [s.count for s in plan.shards] == [64] * 4 + [45]

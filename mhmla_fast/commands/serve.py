@@ -369,7 +369,8 @@ def read_inputs(args: argparse.Namespace, inputs: Sequence[str], kind: str):
     from ..serve.records import iter_input_records, limit_length
 
     try:
-        records = iter_input_records(inputs, kind, format=args.format, encoding=args.encoding)
+        records = iter_input_records(inputs, kind, format=args.format, encoding=args.encoding,
+                                     max_chars=args.max_chars)
     except (OSError, ValueError) as err:
         raise UsageError(str(err).replace("format: ", "--format: ", 1)
                          .replace("encoding: ", "--encoding: ", 1)) from err

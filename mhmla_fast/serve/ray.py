@@ -44,7 +44,6 @@ Ray Data's fault tolerance covers the actors; a dead driver is covered by ``resu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -53,25 +52,29 @@ import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .records import (
     InputFingerprint,
     InputRecord,
     OutputExistsError,
     ResumableJsonlWriter,
+    OverLong,
     ResumeMismatchError,
     RunSummary,
     _check_made_from,
     _fsync_dir,
-    _parse_line,
+    bounded_lines,
     check_not_wide,
     check_parquet,
     is_parquet,
     iter_input_records,
     limit_length,
+    parse_line,
     parquet_records,
+    read_bound,
     run_records,
+    strip_line,
 )
 
 __all__ = ["RayJob", "ShardWorker", "check_uri", "is_uri", "plan_shards", "read_shard", "run_job",
@@ -79,7 +82,6 @@ __all__ = ["RayJob", "ShardWorker", "check_uri", "is_uri", "plan_shards", "read_
 
 JOB_FORMAT = "mhmla-serve-ray-job/1"
 SHARDS_SUFFIX = ".shards"
-_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -129,20 +131,6 @@ class RayJob:
 # ---------------------------------------------------------------------------------------- input
 
 
-def _clean(raw: bytes, first: bool) -> bytes:
-    """A line of a binary file as ``records._raw_lines`` gives it: without ``\\n``/``\\r\\n``
-    (or a last ``\\r``), without the BOM of a file's first line."""
-    if first and raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
-    if raw.endswith(b"\n"):
-        raw = raw[:-1]
-        if raw.endswith(b"\r"):
-            raw = raw[:-1]
-    elif raw.endswith(b"\r"):
-        raw = raw[:-1]
-    return raw
-
-
 def is_uri(path: str) -> bool:
     """Whether ``path`` is a URI for pyarrow's filesystems (``s3://``, ``gs://``, ``hdfs://``,
     ``file://``...) rather than a local path."""
@@ -166,42 +154,40 @@ def check_uri(path: str) -> None:
             check_not_wide(f.read(4), path)
 
 
-def _uri_lines(path: str, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """The lines of a pyarrow-filesystem file with their ``\n``, as iterating a local binary
-    file gives them."""
-    import pyarrow.fs
-
-    fs, inner = pyarrow.fs.FileSystem.from_uri(path)
-    with fs.open_input_stream(inner) as f:
-        rest: list[bytes] = []
-        for data in iter(lambda: f.read(chunk), b""):
-            parts = data.split(b"\n")
-            for part in parts[:-1]:
-                rest.append(part)
-                yield b"".join(rest) + b"\n"
-                rest = []
-            if parts[-1]:
-                rest.append(parts[-1])
-        if rest:
-            yield b"".join(rest)
-
-
-def _read_range(path: str, start: int, end: int) -> bytes:
+def _open_binary(path: str) -> IO[bytes]:
+    """A seekable buffered binary file on a local path or a URI of pyarrow's filesystems."""
     if not is_uri(path):
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
+        return open(path, "rb")
     import pyarrow.fs
 
     fs, inner = pyarrow.fs.FileSystem.from_uri(path)
-    with fs.open_input_file(inner) as f:
-        return f.read_at(end - start, start)
+    return io.BufferedReader(fs.open_input_file(inner))
 
 
-def _record(job: RayJob, raw: bytes, index: int, source: str, line: int) -> InputRecord:
-    """One raw line -> the record the CLI makes of it (parse, ``--max-chars``, prompts)."""
-    return _finish(job, _parse_line(_clean(raw, line == 1), job.kind, index, source, line,
-                                    job.format, job.encoding))
+def _range_lines(job: RayJob, path: str, start: int = 0,
+                 end: int | None = None) -> Iterator[tuple[int, int, bytes | OverLong]]:
+    """``(start byte, end byte, line)`` of the lines of ``path`` from byte ``start`` up to
+    byte ``end`` (None: the end of the file), read by the CLI's bounded reader
+    (:func:`~.records.bounded_lines` with ``--max-chars``' bound)."""
+    with _open_binary(path) as f:
+        f.seek(start)
+        lines = bounded_lines(f, read_bound(job.max_chars))
+        while end is None or start < end:
+            raw = next(lines, None)
+            if raw is None:
+                return
+            offset = start + (raw.read if isinstance(raw, OverLong) else len(raw))
+            yield start, offset, raw
+            start = offset
+
+
+def _record(job: RayJob, raw: bytes | OverLong, index: int, source: str, line: int) -> InputRecord:
+    """One line with its line break -> the record the CLI makes of it (parse, ``--max-chars``,
+    prompts)."""
+    if not isinstance(raw, OverLong):
+        raw = strip_line(raw, line == 1)
+    return _finish(job, parse_line(raw, job.kind, index, source, line, job.format,
+                                   job.encoding, job.max_chars))
 
 
 def _finish(job: RayJob, rec: InputRecord) -> InputRecord:
@@ -227,12 +213,8 @@ def _parquet_rows(job: RayJob, open_path: str, source: str, first_index: int, st
 
 def _line_rows(job: RayJob, path: str, first_index: int) -> Iterator[tuple[int, int, InputRecord]]:
     """``(start byte, end byte, record)`` of every line of a line-based input."""
-    with contextlib.ExitStack() as stack:
-        lines = _uri_lines(path) if is_uri(path) else stack.enter_context(open(path, "rb"))
-        offset = 0
-        for line, raw in enumerate(lines, 1):
-            start, offset = offset, offset + len(raw)
-            yield start, offset, _record(job, raw, first_index + line - 1, path, line)
+    for line, (start, offset, raw) in enumerate(_range_lines(job, path), 1):
+        yield start, offset, _record(job, raw, first_index + line - 1, path, line)
 
 
 @dataclass
@@ -324,7 +306,7 @@ def read_shard(job: RayJob, shard: Shard) -> list[InputRecord]:
                 records.append(rec)
                 index += 1
             continue
-        for k, raw in enumerate(io.BytesIO(_read_range(open_path, start, end))):
+        for k, (_, _, raw) in enumerate(_range_lines(job, open_path, start, end)):
             rec = _record(job, raw, index, source, first_line + k)
             fp.update(rec)
             records.append(rec)

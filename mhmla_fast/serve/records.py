@@ -40,6 +40,15 @@ reads the line as plain text), a JSON value that is not an object (``"jsonl"``),
 outside 1..8, a string with a lone surrogate (from a ``\\udXXX`` JSON escape), and for ``score`` a
 plain-text line. A missing input file raises before anything is read.
 
+With ``max_chars`` (``--max-chars N``) a line is read whole only up to :func:`read_bound` bytes
+(16 per allowed character, plus 64 MiB): a longer one is read in pieces, never held, and becomes
+the error record ``"<source>: line <n>: <size> bytes, over the <bound> read for --max-chars N;
+skipped"`` (:func:`over_long_line`), whatever ``--over-long`` says. Such a line holds more than N
+characters as plain text (no encoding takes more than 4 bytes a character), and as a JSON object
+more than 64 MiB besides even a fully escaped text of N characters (12 bytes a character). A
+file without line breaks therefore cannot exhaust memory; without ``max_chars`` a line of any
+size is read.
+
 An input whose name ends with ``.parquet`` (:func:`is_parquet`) is a Parquet file
 (:func:`parquet_records`, needs pyarrow): each row, in file order, is one record, read exactly
 as the JSON object line of its fields would be (``text``/``tokens``/``id`` for ``tag``,
@@ -105,6 +114,7 @@ counts as an error when its output line has an ``"error"`` key.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -140,6 +150,8 @@ __all__ = [
     "limit_length",
     "location",
     "meta_path",
+    "over_long_line",
+    "read_bound",
     "parquet_records",
     "run_records",
 ]
@@ -345,18 +357,90 @@ def check_not_wide(start: bytes, source: str) -> None:
                              f"to UTF-8 first (iconv -f {name} -t utf-8)")
 
 
-def _raw_lines(stream: IO[bytes], source: str | None = None) -> Iterator[bytes]:
-    """Lines of a binary stream without ``\\n`` / ``\\r\\n``; a leading BOM is dropped. With
-    ``source`` (standard input, which cannot be checked before it is read) a UTF-16/32 one
-    raises ValueError (:func:`check_not_wide`); files are checked when opened."""
+READ_BOUND_PER_CHAR = 16  # bytes read per allowed character: 4 (any codec) x 3 (JSON escapes)
+READ_BOUND_SLACK = 64 << 20  # and 64 MiB for a JSON line's other fields and whitespace
+
+
+def read_bound(max_chars: int | None) -> int | None:
+    """The most bytes of one line read whole for ``--max-chars max_chars`` (module docstring);
+    None (no bound) without it."""
+    return None if max_chars is None else READ_BOUND_PER_CHAR * max_chars + READ_BOUND_SLACK
+
+
+@dataclasses.dataclass(frozen=True)
+class OverLong:
+    """A line longer than the reading bound, read in pieces and dropped: ``size`` its bytes
+    without the line break, ``read`` with it."""
+
+    size: int
+    read: int
+
+
+def _break_length(raw: bytes) -> int:
+    """Bytes of the line break ending ``raw``: 2 for ``\r\n``, 1 for ``\n``, else 0."""
+    return 0 if not raw.endswith(b"\n") else 2 if raw.endswith(b"\r\n") else 1
+
+
+def bounded_lines(stream: IO[bytes], bound: int | None = None,
+                  piece: int = 1 << 20) -> Iterator[bytes | OverLong]:
+    """The lines of a binary stream with their ``\n`` (as iterating it gives them); with
+    ``bound``, a line of more than ``bound`` bytes (its line break not counted) is read
+    ``piece`` bytes at a time and given as :class:`OverLong`, so no more than about ``bound``
+    bytes are held at once."""
+    if bound is None:
+        yield from stream
+        return
+    readline, limit = stream.readline, bound + 2
+    while raw := readline(limit):
+        if len(raw) <= bound or len(raw) - _break_length(raw) <= bound:
+            yield raw
+            continue
+        read, rest = len(raw), raw
+        del raw
+        while not rest.endswith(b"\n") and (rest := stream.readline(piece)):
+            read += len(rest)
+        yield OverLong(read - _break_length(rest), read)
+
+
+def strip_line(raw: bytes, first: bool) -> bytes:
+    """A line without ``\n`` / ``\r\n`` (or a last ``\r``), and without the UTF-8 BOM when
+    it is an input's ``first`` line."""
+    if first and raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
+    if raw.endswith(b"\n"):
+        raw = raw[:-1]
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+    elif raw.endswith(b"\r"):  # last line without "\n"
+        raw = raw[:-1]
+    return raw
+
+
+def over_long_line(index: int, source: str, line: int, size: int, max_chars: int) -> InputRecord:
+    """The error record of a line of ``size`` bytes, over :func:`read_bound` of ``max_chars``."""
+    return InputRecord(index, source, line, index, error=(
+        f"{location(source, line)}: {size} bytes, over the {read_bound(max_chars)} read for "
+        f"--max-chars {max_chars}; skipped"))
+
+
+def _raw_lines(stream: IO[bytes], source: str | None = None,
+               bound: int | None = None) -> Iterator[bytes | OverLong]:
+    """Lines of a binary stream by :func:`bounded_lines`, as :func:`strip_line` makes them
+    (inlined: this loop runs once per input line). With ``source`` (standard input, which
+    cannot be checked before it is read) a UTF-16/32 BOM raises ValueError
+    (:func:`check_not_wide`); files are checked when opened."""
     first = True
-    for raw in stream:
+    for raw in stream if bound is None else bounded_lines(stream, bound):
+        if type(raw) is OverLong:
+            first = False
+            yield raw
+            continue
         if first:
             first = False
             if source is not None:
                 check_not_wide(raw, source)
             if raw.startswith(_BOM):
-                raw = raw[len(_BOM) :]
+                raw = raw[len(_BOM):]
         if raw.endswith(b"\n"):
             raw = raw[:-1]
             if raw.endswith(b"\r"):
@@ -477,12 +561,15 @@ def iter_input_records(
     stdin: BinaryIO | None = None,
     format: str = "auto",
     encoding: str = "utf-8",
+    max_chars: int | None = None,
 ) -> Iterator[InputRecord]:
     """Records of ``paths`` in order, by the input rules of the module docstring.
 
     ``"-"`` (at most once) is standard input, read from ``stdin`` or ``sys.stdin.buffer``; an empty
     ``paths`` means ``["-"]``. ``format`` is "auto", "text" (``kind="tag"`` only) or "jsonl";
-    ``encoding`` a codec (:func:`check_encoding`). The arguments and paths are checked when this is
+    ``encoding`` a codec (:func:`check_encoding`). ``max_chars`` bounds the bytes of a line read
+    whole (:func:`read_bound`; the characters are :func:`limit_length`'s to check). The arguments
+    and paths are checked when this is
     called (ValueError; a missing file or a directory raises ``FileNotFoundError`` /
     ``IsADirectoryError`` at once); the lines are read lazily, one at a time.
     """
@@ -508,7 +595,9 @@ def iter_input_records(
             continue
         with open(path, "rb") as f:  # unreadable: PermissionError now, not part-way through
             check_not_wide(f.read(4), path)
-    return _iter_records(paths, kind, stdin, format, encoding)
+    if max_chars is not None and max_chars < 1:
+        raise ValueError(f"max_chars: expected a positive integer or None, got {max_chars}")
+    return _iter_records(paths, kind, stdin, format, encoding, max_chars)
 
 
 def check_parquet(path: str, format: str = "auto") -> None:
@@ -522,24 +611,35 @@ def check_parquet(path: str, format: str = "auto") -> None:
 
 
 def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
-                  encoding: str) -> Iterator[InputRecord]:
+                  encoding: str, max_chars: int | None) -> Iterator[InputRecord]:
     index = 0
     for path in paths:
-        if path == "-":
-            stream = stdin if stdin is not None else sys.stdin.buffer
-            for line, raw in enumerate(_raw_lines(stream, STDIN_SOURCE), 1):
-                index += 1
-                yield _parse_line(raw, kind, index, STDIN_SOURCE, line, fmt, encoding)
-            continue
         if is_parquet(path):
             for rec in parquet_records(path, kind, first_index=index + 1, encoding=encoding):
                 index += 1
                 yield rec
             continue
-        with open(path, "rb") as f:
-            for line, raw in enumerate(_raw_lines(f), 1):
+        with contextlib.ExitStack() as stack:
+            if path == "-":
+                source = STDIN_SOURCE
+                lines = _raw_lines(stdin if stdin is not None else sys.stdin.buffer, source,
+                                   read_bound(max_chars))
+            else:
+                source = path
+                lines = _raw_lines(stack.enter_context(open(path, "rb")), None,
+                                   read_bound(max_chars))
+            for line, raw in enumerate(lines, 1):
                 index += 1
-                yield _parse_line(raw, kind, index, path, line, fmt, encoding)
+                yield parse_line(raw, kind, index, source, line, fmt, encoding, max_chars)
+
+
+def parse_line(raw: bytes | OverLong, kind: str, index: int, source: str, line: int,
+               fmt: str, encoding: str, max_chars: int | None) -> InputRecord:
+    """A line from :func:`_raw_lines` (stripped, or :class:`OverLong`) -> its record."""
+    if isinstance(raw, OverLong):
+        assert max_chars is not None  # only a bounded read gives one
+        return over_long_line(index, source, line, raw.size, max_chars)
+    return _parse_line(raw, kind, index, source, line, fmt, encoding)
 
 
 def _length(rec: InputRecord) -> int:
