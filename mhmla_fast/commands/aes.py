@@ -206,7 +206,7 @@ def _overrides(args) -> dict:
 
 def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     """Full fine-tuning, one scorer per (fold, prompt), scored on the test split (GPU)."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     import numpy as np
 
@@ -220,19 +220,21 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     essays = read_asap(tsv)
     fold_ids = read_folds(folds_dir)
     cells: dict[int, dict[int, dict]] = {}
-    settings = None
+    # the settings every cell shares; each cell's config differs in out, prompts and fold only
+    base = FinetuneConfig(out=str(Path(args.out)), prompts=(prompts[0],), fold=folds[0],
+                          encoder=args.encoder, objective=args.objective or "classification",
+                          epochs=args.epochs or 10, batch_size=args.batch_size or 8,
+                          lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
+                          precision=args.precision or "auto", backend=args.backend)
+    settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
+                if key not in ("out", "prompts", "fold")}
     for k in folds:
         cells[k] = {}
         for p in prompts:
             sp = split_essays(essays, fold_ids, k, prompt=p)
             out = Path(args.out) / f"finetune-fold{k}-p{p}"
-            cfg = FinetuneConfig(out=str(out), prompts=(p,), fold=k, encoder=args.encoder,
-                                 objective=args.objective or "classification",
-                                 epochs=args.epochs or 10, batch_size=args.batch_size or 8,
-                                 lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
-                                 precision=args.precision or "auto", backend=args.backend)
+            cfg = replace(base, out=str(out), prompts=(p,), fold=k)
             cell_settings = json.loads(json.dumps(asdict(cfg)))
-            settings = {key: v for key, v in cell_settings.items() if key not in ("out", "prompts", "fold")}
             done = out / "test.json"
             if done.is_file():  # a finished cell of these settings; other settings train on
                 # (finetune resumes a longer run and refuses any other change of its config)
@@ -255,7 +257,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
                                  else Path(args.out) / "results-finetune.json"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    atomic_write_text(path, json.dumps(result, indent=1))
     print(f"wrote {path}")
     return 0
 
