@@ -17,10 +17,11 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from .durable import fsync_dir, fsync_file
 from .encoder import EMBEDDED_ENCODER, resolve_encoder
 
 __all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
-           "require_model_dir", "write_model_dir", "read_model_state", "load_checked_state",
+           "require_model_dir", "check_save_target", "write_model_dir", "read_model_state", "load_checked_state",
            "ModelDirMixin"]
 
 def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
@@ -45,13 +46,43 @@ def require_model_dir(path: str | os.PathLike, what: str) -> Path:
     return path
 
 
+def check_save_target(path: Path) -> None:
+    """FileExistsError unless ``path`` is absent, an empty directory or a model directory (it
+    holds config.json and model.safetensors, and no folder): replacing anything else would
+    delete a user's files."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir() or path.is_symlink():
+        raise FileExistsError(f"{path}: exists and is not a directory; give a new folder for "
+                              "the model")
+    entries = list(path.iterdir())
+    if not entries:
+        return
+    is_model = (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    folders = [e.name for e in entries if e.is_dir()]
+    if not is_model or folders:
+        what = (f"holds folders ({', '.join(sorted(folders)[:3])})" if is_model
+                else "is not a model directory (no config.json and model.safetensors)")
+        raise FileExistsError(f"{path}: exists and {what}; a model is saved into a new or empty "
+                              "folder or over a model directory, which it replaces whole. "
+                              "Give another folder")
+
+
 def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], config_json: str,
                     tokenizer=None) -> Path:
-    """Write a model directory atomically: a complete sibling is swapped in at the end."""
+    """Write a model directory: complete and fsynced in a sibling ``<name>.tmp`` first, then
+    swapped in by two renames (the old one to ``<name>.old``, removed last). A crash leaves
+    the old directory, the new one, or (between the renames) the old one as ``<name>.old``.
+
+    ``path`` must be absent, empty, or a model directory (FileExistsError otherwise, before
+    anything is written): a directory is replaced whole, so a folder of other files is never
+    taken for one."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    check_save_target(path)
+    full = path.absolute()
+    tmp = full.with_name(full.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -59,15 +90,20 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
     (tmp / "config.json").write_text(config_json)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    if path.exists():
-        old = path.with_name(path.name + ".old")
+    for f in tmp.iterdir():
+        fsync_file(f)
+    fsync_dir(tmp)
+    if full.exists():
+        old = full.with_name(full.name + ".old")
         if old.exists():
             shutil.rmtree(old)
-        os.replace(path, old)
-        os.replace(tmp, path)
+        os.replace(full, old)
+        os.replace(tmp, full)
+        fsync_dir(full.parent)
         shutil.rmtree(old)
     else:
-        os.replace(tmp, path)
+        os.replace(tmp, full)
+    fsync_dir(full.parent)
     return path
 
 

@@ -158,7 +158,7 @@ def run_train(args) -> int:
                          members=members, encoder=args.encoder, overrides=_overrides(args),
                          backend=args.backend, log=_log(args))
         print(f"wrote {results}")
-    except (FileNotFoundError, ValueError, KeyError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
     return 0
@@ -275,10 +275,10 @@ def export_shipped_scorer(out_dir: str | Path, *, data_dir: str | Path | None = 
     import torch
 
     from ..aes.model import load_tokenizer
-    from ..aes.train import train_joint_scorer
+    from ..aes.train import PROMPTS, train_joint_scorer
+    from ..model_dir import check_save_target
 
-    from ..aes.train import PROMPTS
-
+    check_save_target(Path(out_dir))  # before hours of training, not after
     scorer = train_joint_scorer(data_dir=data_dir, cache_dir=cache_dir, fold=fold,
                                 prompts=prompts or PROMPTS, encoder=encoder,
                                 overrides=overrides, backend=backend, log=log)

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ..durable import fsync_parent
 from .records import (
     InputFingerprint,
     InputRecord,
@@ -63,7 +64,6 @@ from .records import (
     ResumeMismatchError,
     RunSummary,
     _check_made_from,
-    _fsync_dir,
     bounded_lines,
     check_not_wide,
     check_parquet,
@@ -404,7 +404,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(str(path))
+    fsync_parent(path)
 
 
 def _new_job_dir(folder: Path, made_from: dict, size: int, plan: Plan) -> None:

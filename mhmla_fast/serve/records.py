@@ -131,6 +131,7 @@ from typing import IO, Any, BinaryIO
 from tqdm import tqdm
 
 from .. import filelock
+from ..durable import fsync_parent
 from ..progress import progress_bar
 
 __all__ = [
@@ -745,20 +746,6 @@ def directory_fingerprint(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: str) -> None:
-    """Make a new file's directory entry durable (best effort; not possible on every platform)."""
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _json_roundtrip(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
@@ -893,7 +880,7 @@ class ResumableJsonlWriter:
             else:
                 self._write_meta(0, self.vouched_sha256)
             if created:
-                _fsync_dir(path)
+                fsync_parent(path)
             self._f.seek(0, os.SEEK_END)
         except BaseException:
             self._f.close()
@@ -932,7 +919,7 @@ class ResumableJsonlWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, meta)
-        _fsync_dir(meta)
+        fsync_parent(meta)
 
     def vouch(self, records: int, sha256: str) -> None:
         """Record in the sidecar (atomically, durably) that the output is made from ``records``
