@@ -23,6 +23,7 @@ import pytest
 
 from mhmla_fast.aes.data import SCORE_RANGES
 from mhmla_fast.commands.serve import main
+from mhmla_fast.serve.records import has_visible_character
 
 from kill9 import kill_after_lines
 
@@ -111,6 +112,7 @@ def test_scores_in_input_order_with_every_malformed_kind(tmp_path, tiny_scorer_d
         (b'{"text": "", "prompt": 2}', 'field "text" is empty'),
         (b'{"text": " \\n\\t ", "prompt": 2}', 'field "text" is empty'),
         (b'{"text": 42, "prompt": 2}', 'field "text" must be a string'),
+        (b'{"text": "\\u200b\\u00ad \\u0001", "prompt": 2}', "only invisible characters"),
         (b'{"text": "x", "prompt": 9}', "must be an integer from 1 to 8, got 9"),
         (b'{"text": "x", "prompt": "3"}', "must be an integer from 1 to 8, got string"),
         (b'{"text": "x", "prompt": 3.0}', "must be an integer from 1 to 8, got number"),
@@ -135,8 +137,9 @@ def test_scores_in_input_order_with_every_malformed_kind(tmp_path, tiny_scorer_d
             continue
         assert set(rec) == {"index", "id", "error"}, rec
         assert rec["error"].startswith(f"{src}: line {n}: ") and reason in rec["error"], rec
-    assert out[15]["id"] == "p8" and "(it scores prompts 1, 2, 3, 4, 5, 6, 7)" in out[15]["error"]
+    assert out[16]["id"] == "p8" and "(it scores prompts 1, 2, 3, 4, 5, 6, 7)" in out[16]["error"]
     assert [r["id"] for _, r in good[:3]] == ["a1", 2, 0]
+    assert has_visible_character("\u200bx") and not has_visible_character("\u200b \u0301\ufeff")
     assert [r["prompt"] for _, r in good] == [x["prompt"] for x, _ in good]
     assert all(in_range(r["prompt"], r["score"]) for _, r in good)
 
@@ -386,6 +389,10 @@ def test_validation_and_size_limits_of_v1_score(tiny_scorer):
         bad_bodies = [
             {}, {"essays": "x"}, {"essays": [{"prompt": 1}]}, {"essays": [{"text": "a"}]},
             {"essays": [{"text": "", "prompt": 1}]}, {"essays": [{"text": " \n ", "prompt": 1}]},
+            # no character the tokenizer keeps: it used to get a plausible score (of "")
+            {"essays": [{"text": "\u00ad\u200b\ufeff", "prompt": 1}]},
+            {"essays": [{"text": "\u0001", "prompt": 1}]},
+            {"essays": [{"text": " \u0301 ", "prompt": 1}]},
             {"essays": [{"text": 5, "prompt": 1}]}, {"essays": [{"text": "a", "prompt": "1"}]},
             {"essays": [{"text": "a", "prompt": 1.0}]}, {"essays": [{"text": "a", "prompt": True}]},
             {"essays": [{"text": "a", "prompt": 0}]}, {"essays": [{"text": "a", "prompt": 9}]},
@@ -415,7 +422,7 @@ def test_validation_and_size_limits_of_v1_score(tiny_scorer):
         r = await http.post("/v1/score", json={"essays": [{"text": "word " * 5_000, "prompt": 1}]})
         assert r.status_code == 413, r.text
         m = metric_samples((await http.get("/metrics")).text)
-        assert m[("mhmla_http_requests_total", (("path", "/v1/score"), ("status", "422")))] == 19
+        assert m[("mhmla_http_requests_total", (("path", "/v1/score"), ("status", "422")))] == 22
         assert m[("mhmla_http_requests_total", (("path", "/v1/score"), ("status", "413")))] == 2
 
     run_app(app, body)
@@ -531,3 +538,16 @@ def test_http_command_loads_the_scorer(tiny_tagger_dir, tiny_scorer_dir, tmp_pat
     assert main([*base, "--scorer", str(tiny_scorer_dir), "--no-scorer"]) == 2  # argparse
     assert main([*base, "--scorer", str(tiny_scorer_dir), "--max-queue", "300",
                  "--max-texts-per-request", "3", "--max-essays-per-request", "400"]) == 2
+
+
+def test_a_capped_essay_says_so(tmp_path, tiny_scorer_dir, tiny_scorer):
+    """--max-chars N --over-long cap scores the first N characters and marks the record with
+    "capped_from", as tag does (it used to give the cut essay's score with no mark)."""
+    text = "the cat sat on the mat because it was warm ."
+    data = (json.dumps({"text": text, "prompt": 1, "id": "c"}) + "\n"
+            + json.dumps({"text": "short", "prompt": 1}) + "\n").encode()
+    rc, out = score_cli(tmp_path, tiny_scorer_dir, data, "--max-chars", "20", "--over-long", "cap")
+    assert rc == 0
+    want = tiny_scorer.predict_scores([text[:20], "short"], 1).tolist()
+    assert out == [{"index": 1, "id": "c", "prompt": 1, "score": want[0], "capped_from": len(text)},
+                   {"index": 2, "id": 2, "prompt": 1, "score": want[1]}]

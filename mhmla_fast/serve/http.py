@@ -104,6 +104,7 @@ from pydantic import (
 from .scheduler import (
     EngineFailure, MicroBatcher, QueueFull, TooCostly, Unavailable, estimate_pieces,
 )
+from .records import has_visible_character
 from .score import unsupported_prompt
 
 __all__ = ["create_app", "MicroBatcher", "QueueFull", "TooCostly", "Unavailable",
@@ -216,6 +217,9 @@ class EssayIn(BaseModel):
     def _is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
             _no_surrogates(value, info.field_name)
+        if info.field_name == "text" and not has_visible_character(value):
+            raise ValueError("only invisible characters (control, format or combining ones); "
+                             "it would be scored as an empty essay")
         return value
 
 

@@ -134,6 +134,12 @@ def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
 
 def score_records(scorer: Any, records: Sequence[Any], token_budget: int = 8192
                   ) -> list[dict[str, int]]:
-    """:func:`score_essays` over valid ``"score"`` input records (``.text``, ``.prompt``)."""
-    return score_essays(scorer, [r.text for r in records], [r.prompt for r in records],
-                        token_budget)
+    """:func:`score_essays` over valid ``"score"`` input records (``.text``, ``.prompt``); a
+    record cut by ``--max-chars N --over-long cap`` gets ``"capped_from"`` (its original
+    length in characters), as ``tag`` records do."""
+    out = score_essays(scorer, [r.text for r in records], [r.prompt for r in records],
+                       token_budget)
+    for rec, res in zip(records, out):
+        if rec.capped_from is not None:
+            res["capped_from"] = rec.capped_from
+    return out
