@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -111,8 +111,8 @@ def _write(out: Path, tensors: dict, groups: list, state_json: str, step: int) -
     os.replace(tmp, out / name)
     meta = {**json.loads(state_json), "tensors": name, "param_groups": groups}
     atomic_write_text(out / "checkpoint.json", json.dumps(meta, indent=1))
-    for old in out.glob("checkpoint-*.safetensors"):
-        if old.name != name:
+    for old in [*out.glob("checkpoint-*.safetensors"), *out.glob("checkpoint-*.safetensors.tmp")]:
+        if old.name != name:  # older checkpoints, and files of writes a kill cut short
             old.unlink(missing_ok=True)
 
 
@@ -174,17 +174,33 @@ class CheckpointWriter:
             self._thread = None
 
 
-def load_checkpoint(out: Path, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict | None:
+def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    check: Callable[[dict], None] | None = None) -> dict | None:
     """Restore ``model``, ``optimizer`` and the RNGs from ``out``'s checkpoint; returns its
-    JSON (the saved ``state`` plus "tensors" and "param_groups"), or None when there is none."""
+    JSON (the saved ``state`` plus "tensors" and "param_groups"), or None when there is none.
+
+    ``check(meta)`` runs on the JSON before any tensor is loaded (a caller refuses a checkpoint
+    of another run there, with its own message rather than a tensor size mismatch). A
+    checkpoint that cannot be read raises ValueError naming the folder."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     meta_path = out / "checkpoint.json"
     if not meta_path.is_file():
         return None
-    meta = json.loads(meta_path.read_text())
-    tensors = load_file(out / meta["tensors"])
+    unreadable = (f"{out}: the checkpoint cannot be read (%s); remove checkpoint.json and "
+                  "checkpoint-*.safetensors there to start the run over, or use another --out")
+    try:
+        meta = json.loads(meta_path.read_text())
+        tensors_path = out / meta["tensors"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(unreadable % f"checkpoint.json: {err}") from err
+    if check is not None:
+        check(meta)
+    try:
+        tensors = load_file(tensors_path)
+    except (OSError, SafetensorError) as err:
+        raise ValueError(unreadable % f"{meta['tensors']}: {err}") from err
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     state: dict[int, dict] = {}
     for key, value in tensors.items():
@@ -196,7 +212,10 @@ def load_checkpoint(out: Path, model: torch.nn.Module,
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     torch.set_rng_state(tensors["rng.cpu"])
     if torch.cuda.is_available():
-        cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
+        # device i's state is rng.cuda.<i> (in device order, not name order: 10 after 9); a
+        # run resumed with fewer devices visible restores theirs only
+        saved = sorted((int(k.rsplit(".", 1)[1]), v) for k, v in tensors.items()
+                       if k.startswith("rng.cuda."))
+        for i, value in saved[:torch.cuda.device_count()]:
+            torch.cuda.set_rng_state(value, i)
     return meta

@@ -75,3 +75,58 @@ def test_run_lock_refuses_a_second_holder_until_released(tmp_path):
             pass
     with run_lock(out):  # released on leaving, although the file stays
         pass
+
+
+def test_an_unreadable_checkpoint_is_a_clear_error_and_check_runs_before_tensors(tmp_path):
+    model, opt = model_and_optimizer(0)
+    save_checkpoint(tmp_path, model, opt, {"config": {"heads": 4}}, step=3)
+    seen = []
+
+    def refuse(meta):
+        seen.append(meta["config"])
+        raise ValueError("a checkpoint of a different run exists")
+
+    (tmp_path / "checkpoint-3.safetensors").write_bytes(b"torn")  # check() sees no tensors
+    with pytest.raises(ValueError, match="a checkpoint of a different run"):
+        load_checkpoint(tmp_path, model, opt, check=refuse)
+    assert seen == [{"heads": 4}]
+    with pytest.raises(ValueError, match=r"cannot be read \(checkpoint-3.safetensors: .*remove "
+                                         r"checkpoint.json"):
+        load_checkpoint(tmp_path, model, opt)
+    (tmp_path / "checkpoint-3.safetensors").unlink()
+    with pytest.raises(ValueError, match="cannot be read .*checkpoint-3.safetensors"):
+        load_checkpoint(tmp_path, model, opt)
+    (tmp_path / "checkpoint.json").write_text('{"tensors": "checkpoint-3.saf')  # torn JSON
+    with pytest.raises(ValueError, match=rf"{tmp_path}: the checkpoint cannot be read "
+                                         r"\(checkpoint.json: Unterminated string"):
+        load_checkpoint(tmp_path, model, opt)
+
+
+def test_a_write_cut_short_leaves_no_file_behind_the_next_save(tmp_path):
+    model, opt = model_and_optimizer(0)
+    save_checkpoint(tmp_path, model, opt, {}, step=2)
+    (tmp_path / "checkpoint-4.safetensors.tmp").write_bytes(b"x" * 100)  # killed mid-write
+    save_checkpoint(tmp_path, model, opt, {}, step=6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-6.safetensors",
+                                                          "checkpoint.json"]
+
+
+def test_cuda_random_states_are_restored_in_device_order(tmp_path, monkeypatch):
+    """rng.cuda.<i> goes back to device i (10 after 9, not after 1); with fewer devices
+    visible than saved, theirs only. No GPU needed: torch.cuda is stubbed."""
+    model, opt = model_and_optimizer(0)
+    save_checkpoint(tmp_path, model, opt, {}, step=1)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "checkpoint-1.safetensors")
+    for i in range(12):
+        tensors[f"rng.cuda.{i}"] = torch.full((4,), i, dtype=torch.uint8)
+    save_file(tensors, tmp_path / "checkpoint-1.safetensors")
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append((i, int(s[0]))))
+    for visible, want in ((12, list(range(12))), (2, [0, 1])):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        restored.clear()
+        load_checkpoint(tmp_path, model, opt)
+        assert restored == [(i, i) for i in want]

@@ -153,6 +153,10 @@ def test_resume_refuses_a_different_run(tmp_path, tiny_encoder):
     other = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, lr=1e-4)
     with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
         train(other)
+    # other shapes too: the config is compared before the tensors load (no size mismatch)
+    other = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, num_heads=2)
+    with pytest.raises(ValueError, match="a checkpoint of a different run exists.*num_heads"):
+        train(other)
 
 
 def test_resume_refuses_another_compile_mode(tmp_path, tiny_encoder):

@@ -104,8 +104,8 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     ])
     config = json.loads(json.dumps(asdict(cfg)))
     state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config}
-    saved = load_checkpoint(out, model, opt)
-    if saved is not None:
+
+    def same_run(saved: dict) -> None:  # before the checkpoint's tensors are loaded
         stored = dict(saved["config"])
         if "bf16" in stored:  # a checkpoint from before `precision`: bf16 applied on CUDA only
             stored["precision"] = "auto" if stored.pop("bf16") else "fp32"
@@ -114,6 +114,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
         check_resume_world(saved, dist_ctx, out)
+
+    saved = load_checkpoint(out, model, opt, check=same_run)
+    if saved is not None:
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
         state["config"] = config
     state["world_size"] = dist_ctx.world_size if dist_ctx else 1

@@ -283,8 +283,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     # layers left out of the selection get no gradient
     net = wrap(model, device, dist_ctx, find_unused=cfg.layer_attention.layers is not None)
 
-    meta = load_checkpoint(out, model, optimizer)
-    if meta is not None:
+    def same_run(meta: dict) -> None:  # before the checkpoint's tensors are loaded
         if meta["config"] != json.loads(json.dumps(asdict(cfg))):
             # the number of epochs may change on resume (with the constant schedule): epoch
             # e's batches depend only on (seed, e), so a shorter run is a prefix of a longer
@@ -297,6 +296,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
         check_resume_world(meta, dist_ctx, out)
+
+    meta = load_checkpoint(out, model, optimizer, check=same_run)
+    if meta is not None:
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
         log, best = meta["log"], meta["best"]
     else:
