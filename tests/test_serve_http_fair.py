@@ -257,6 +257,25 @@ def test_a_disconnected_clients_request_never_runs_and_is_not_counted():
     assert m[("mhmla_http_requests_total", (("path", "/v1/tag"), ("status", "499")))] == 1
 
 
+def test_a_client_that_leaves_mid_upload_counts_as_499_not_500():
+    """The body never arrives in full: no response is sent, and the request counts as 499
+    (client closed), not as a server error (it used to inflate the 5xx count)."""
+    engine = StubEngine()
+    app = create_app(engine, max_wait_ms=0)
+    with serving(app) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/tag HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"texts": ["cut')
+        time.sleep(0.2)
+        sock.close()
+        key = ("mhmla_http_requests_total", (("path", "/v1/tag"), ("status", "499")))
+        wait_for(lambda: metric_samples(httpx.get(url + "/metrics").text).get(key) == 1)
+        m = metric_samples(httpx.get(url + "/metrics").text)
+    assert not any(k[0] == "mhmla_http_requests_total" and ("status", "500") in k[1] for k in m)
+    assert engine.calls == []
+
+
 def test_windows_of_a_dropped_long_text_stop_running(tiny_engine):
     """A long text whose client leaves: its remaining windows are dropped, and it is never
     counted as tagged."""

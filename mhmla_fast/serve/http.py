@@ -373,7 +373,9 @@ class BodyLimit:
 
 class Instrument:
     """ASGI middleware: count HTTP requests by path and status (paths outside ``paths`` count
-    as "other"), and time the requests of each path in ``latency`` (path -> histogram)."""
+    as "other"), and time the requests of each path in ``latency`` (path -> histogram). A
+    request that ends with no response and no error (the client went away before its body
+    was read) counts as status 499, nginx's "client closed request", not as a server error."""
 
     def __init__(self, app: ASGIApp, requests: Counter, latency: dict[str, Histogram],
                  paths: Sequence[str]) -> None:
@@ -385,7 +387,7 @@ class Instrument:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        status = 500
+        status = CLIENT_CLOSED  # no response: the client closed the request
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -395,6 +397,10 @@ class Instrument:
 
         try:
             await self.app(scope, receive, send_status)
+        except BaseException:
+            if status == CLIENT_CLOSED:
+                status = 500  # an error before any response
+            raise
         finally:
             path = scope["path"] if scope["path"] in self.paths else "other"
             self.requests.labels(path=path, status=str(status)).inc()
