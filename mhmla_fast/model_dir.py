@@ -68,6 +68,13 @@ def check_save_target(path: Path) -> None:
                               "Give another folder")
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, then putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], config_json: str,
                     tokenizer=None) -> Path:
     """Write a model directory: complete and fsynced in a sibling ``<name>.tmp`` first, then
@@ -87,6 +94,9 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    # safetensors creates its file private (0600) whatever the umask; a model folder is read
+    # by whoever serves it, so its weights get the mode of any other new file
+    os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())
     (tmp / "config.json").write_text(config_json)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

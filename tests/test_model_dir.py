@@ -4,6 +4,7 @@ model directory (which is replaced whole), is written; the swap leaves no siblin
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -25,6 +26,10 @@ def test_a_model_directory_is_replaced_whole_and_nothing_is_left_beside_it(tmp_p
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
     assert torch.equal(load_file(model / "model.safetensors")["w"], torch.full((2,), 2.0))
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["model"]
+    # readable as any new file is (safetensors alone makes its file 0600)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert {(p.stat().st_mode & 0o777) for p in model.iterdir()} == {0o666 & ~mask}
     (tmp_path / "empty").mkdir()
     _write(tmp_path / "empty", 3.0)
     assert json.loads((tmp_path / "empty/config.json").read_text()) == {"v": 3.0}
