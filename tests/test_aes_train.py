@@ -285,6 +285,27 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     kw["overrides"] = {**kw["overrides"], "lr": 1e-2}  # other settings never reuse a unit
     with pytest.raises(ValueError, match="other settings"):
         run_cpu_protocol(results=None, **kw)
+    kw["overrides"] = {**kw["overrides"], "lr": 3e-3}
+
+    # nor do other essays: a unit records a digest of its splits (it used to report test QWK
+    # on essays no longer in the test split when the folds changed)
+    fold = data / "asap_aes" / "nea_folds" / "fold_0"
+    dev, test = (fold / "dev_ids.txt").read_text(), (fold / "test_ids.txt").read_text()
+    (fold / "dev_ids.txt").write_text(test)
+    (fold / "test_ids.txt").write_text(dev)
+    with pytest.raises(ValueError, match="other essays or folds"):
+        run_cpu_protocol(results=None, **kw)
+    for path in (tmp_path / "run" / "units").glob("*.json"):  # units from before the digest
+        unit = json.loads(path.read_text())
+        for u in unit.values() if "settings" not in unit else [unit]:
+            u.pop("data")
+        path.write_text(json.dumps(unit))
+    with pytest.raises(ValueError, match="other essays or folds"):  # checked by test essays
+        run_cpu_protocol(results=None, **kw)
+    (fold / "dev_ids.txt").write_text(dev)
+    (fold / "test_ids.txt").write_text(test)
+    again = run_cpu_protocol(results=None, **kw)
+    assert again["models"] == result["models"]
 
 
 def test_joined_features_concatenate_poolings_of_the_same_windows():

@@ -45,6 +45,7 @@ been run on ASAP here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -144,15 +145,40 @@ def _nested_settings(settings: dict | None) -> dict | None:
     return {**rest, "layer_attention": json.loads(json.dumps(asdict(group)))}
 
 
-def _reuse(path: Path, settings: dict) -> dict | None:
-    """A finished unit of the same settings, or None; another settings' unit raises."""
+def _data_digest(splits: dict, prompts: Sequence[int]) -> str:
+    """A fingerprint of the essays a unit learns from, is selected on and is scored on: each
+    prompt's train, dev and test essays in order (id, score and text)."""
+    h = hashlib.sha256()
+    for p in prompts:
+        for name in ("train", "dev", "test"):
+            h.update(f"\0{p}/{name}".encode())
+            for e in splits[p][name]:
+                h.update(f"\0{e.essay_id}\0{e.score}\0".encode())
+                h.update(hashlib.sha256(e.text.encode("utf-8", "surrogatepass")).digest())
+    return h.hexdigest()
+
+
+def _reuse(path: Path, settings: dict, data: str, test: dict[int, list[Essay]]) -> dict | None:
+    """A finished unit of the same settings and data, or None; another settings' or another
+    data's unit raises. ``data``: :func:`_data_digest` of the unit's splits; a unit from before
+    the digest was stored is checked by its test essays and gold scores (``test``: prompt ->
+    test essays)."""
     if not path.is_file():
         return None
     unit = json.loads(path.read_text())
-    old = unit.get("settings") if "settings" in unit else next(iter(unit.values())).get("settings")
+    joint = "settings" not in unit
+    old = next(iter(unit.values())).get("settings") if joint else unit.get("settings")
     if _nested_settings(old) != json.loads(json.dumps(settings)):
         raise ValueError(f"{path} was made with other settings ({old} vs {settings}); "
                          "use another run folder or remove it")
+    per_prompt = {int(p): u for p, u in unit.items()} if joint else {next(iter(test)): unit}
+    stored = {u.get("data") for u in per_prompt.values()}
+    same = (stored == {data} if stored != {None} else all(
+        sorted(zip(u["ids"], u["gold"])) == sorted((e.essay_id, e.score) for e in test[p])
+        for p, u in per_prompt.items()))
+    if not same:
+        raise ValueError(f"{path} was made from other essays or folds than this run's (the data "
+                         "file or the fold ids changed); use another run folder or remove it")
     return unit
 
 
@@ -193,25 +219,30 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
     settings = _settings(spec, encoder, overrides)
     if spec.kind == "joint":
         path = run / "units" / f"{name}-fold{k}-p{'_'.join(map(str, prompts))}.json"
-        done = _reuse(path, settings)
+        data = _data_digest(splits, prompts)
+        done = _reuse(path, settings, data, {p: splits[p]["test"] for p in prompts})
         if done is None:
             if log:
                 log(f"{name} fold {k}: training on prompts {prompts}")
             done = _joint_unit(by_pooling["cls"], prompts, _head_config(spec, overrides),
                                encoder, backend, settings)
+            for u in done.values():
+                u["data"] = data
             _atomic_json(path, done)
         return {int(p): u for p, u in done.items()}
     out = {}
     for p in prompts:
         path = run / "units" / f"{name}-fold{k}-p{p}.json"
-        u = _reuse(path, settings)
+        data = _data_digest(splits, [p])
+        u = _reuse(path, settings, data, {p: splits[p]["test"]})
         if u is None:
             t0 = time.perf_counter()
             r = _run_prompt_unit(spec, p, splits, by_pooling, overrides, encoder, backend)
             te = by_pooling["cls"][p]["test"]
             u = _unit(te.ids, te.scores, r["test_pred"], p,
                       dev_pred=np.asarray(r["dev_pred"]).tolist(), dev_qwk=r["dev_qwk"],
-                      selected=r["selected"], seconds=time.perf_counter() - t0, settings=settings)
+                      selected=r["selected"], seconds=time.perf_counter() - t0, settings=settings,
+                      data=data)
             _atomic_json(path, u)
             if log:
                 log(f"{name} fold {k} prompt {p}: test QWK {u['qwk']:.4f} (dev "
