@@ -184,6 +184,48 @@ def test_feature_cache_resumes_and_equals_the_frozen_scorer(tiny_encoder, tmp_pa
     assert list(again.essay_ids) == list(reversed(ids))  # a different order is a new cache
 
 
+def test_a_second_builder_of_a_feature_cache_waits_then_reads_it(tiny_encoder, tmp_path,
+                                                                   monkeypatch):
+    """One process builds a cache (a flock on <cache>.lock); another waits for it (two at once
+    used to take each other's files and fail). Shards lost before the merge are an error, not
+    a short cache."""
+    import os
+    import threading
+    import time
+
+    from mhmla_fast import filelock
+    from mhmla_fast.aes import features
+    from mhmla_fast.aes.features import build_feature_cache, cache_path
+
+    if not filelock.SUPPORTED:
+        pytest.skip("no flock on this platform")
+    rng = random.Random(0)
+    texts = [essay_text(rng, i % 4, n) for i, n in enumerate([5, 70, 12, 40, 3])]
+    ids = [11, 12, 13, 14, 15]
+    path = cache_path(tmp_path, tiny_encoder, ids, texts, 32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    assert filelock.try_lock(fd)  # as another process building it holds it
+    said, got = [], []
+    kw = dict(encoder=tiny_encoder, window=32, shard_size=2)
+    t = threading.Thread(target=lambda: got.append(build_feature_cache(
+        tmp_path, ids, texts, progress=said.append, **kw)))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and said == [f"feature cache {path.name}: another process is building "
+                                     "it; waiting"]
+    assert not list(tmp_path.glob("*.shards*"))  # nothing encoded while it waits
+    os.close(fd)
+    t.join(60)
+    assert list(got[0].essay_ids) == ids and path.is_file()
+
+    real_save = features._save
+    monkeypatch.setattr(features, "_save", lambda p, *a: None if p.name == "shard-00001.safetensors"
+                        else real_save(p, *a))
+    with pytest.raises(ValueError, match="shards are missing"):
+        build_feature_cache(tmp_path / "other", ids, texts, progress=None, **kw)
+
+
 def test_mean_feature_cache_is_each_layers_token_mean_of_every_window(tiny_encoder, tmp_path):
     """pooling="mean": per window and layer, the float64 mean of the hidden states of the
     window encoded alone (no padding), [CLS] and [SEP] included; a cache of its own."""

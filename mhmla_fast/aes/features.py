@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import filelock
 from .model import collate_windows, encode_essay_windows, token_budget_batches
 
 __all__ = ["CachedFeatures", "POOLINGS", "cache_path", "encode_window_features",
@@ -204,10 +205,10 @@ def build_feature_cache(
     ``window`` defaults to :func:`encoder_window`. Returns the merged cache (features in
     ``essay_ids`` order). ``stop_after_shards``
     ends the call after writing that many new shards (to test resuming) and returns the
-    essays done so far.
+    essays done so far (any other call that finds shards missing raises ValueError). One process
+    builds a cache at a time (a ``flock`` on ``<cache>.lock``): a second one waits, then reads
+    the finished file.
     """
-    from ..encoder import load_encoder, load_tokenizer
-
     if len(essay_ids) != len(texts):
         raise ValueError(f"{len(essay_ids)} essay ids but {len(texts)} texts")
     if len(set(int(e) for e in essay_ids)) != len(essay_ids):
@@ -218,6 +219,30 @@ def build_feature_cache(
     if path.is_file():
         return _reorder(_read(path), essay_ids)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # one process builds a cache; another asking for it waits, then reads the finished file
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not filelock.try_lock(fd):
+            if progress:
+                progress(f"feature cache {path.name}: another process is building it; waiting")
+            filelock.lock(fd)
+        if path.is_file():
+            return _reorder(_read(path), essay_ids)
+        return _build_locked(path, essay_ids, texts, encoder=encoder, window=window,
+                             token_budget=token_budget, shard_size=shard_size, device=device,
+                             pooling=pooling, progress=progress,
+                             stop_after_shards=stop_after_shards)
+    finally:
+        os.close(fd)  # lets go of the lock
+
+
+def _build_locked(path: Path, essay_ids: Sequence[int], texts: Sequence[str], *, encoder: str,
+                  window: int, token_budget: int, shard_size: int, device: str | torch.device,
+                  pooling: str, progress: Callable[[str], None] | None,
+                  stop_after_shards: int | None) -> CachedFeatures:
+    """:func:`build_feature_cache`'s encoding and merge, under the cache's lock."""
+    from ..encoder import load_encoder, load_tokenizer
+
     shard_dir = path.with_name(path.name[: -len(".safetensors")] + f".shards{shard_size}")
     shard_dir.mkdir(exist_ok=True)
 
@@ -254,6 +279,9 @@ def build_feature_cache(
     shards = [_read(p) for p in sorted(shard_dir.glob("shard-*.safetensors"))]
     merged = _merge(shards, meta)
     if len(merged.essay_ids) < len(essay_ids):
+        if stop_after_shards is None:
+            raise ValueError(f"{shard_dir}: shards are missing ({len(merged.essay_ids)} of "
+                             f"{len(essay_ids)} essays); remove the folder to encode them again")
         return merged  # incomplete (stopped early): not merged on disk
     if sorted(int(e) for e in merged.essay_ids) != sorted(int(e) for e in essay_ids):
         raise ValueError(f"{shard_dir}: the shards do not hold exactly the requested essays")
