@@ -517,3 +517,19 @@ def test_ensemble_members_must_be_models_that_run(tmp_path):
     with pytest.raises(ValueError, match="an ensemble needs two at the least"):
         run_cpu_protocol(members=["tfidf-ridge"], **kw)
     assert not (tmp_path / "cache").exists()  # refused before any work
+
+
+def test_head_options_without_a_head_model_and_unknown_ones_are_errors(tmp_path):
+    """Head options (and the head's backend) used to be recorded in the results as if applied
+    when only ridge, TF-IDF or surface models ran; a misspelt one, too."""
+    data = write_asap(tmp_path / "data")
+    kw = dict(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run", folds=[0],
+              prompts=[3], log=None)
+    with pytest.raises(ValueError, match=r"epochs, backend: options of the head models, but none"):
+        run_cpu_protocol(models=["ridge-layers", "tfidf-ridge"], overrides={"epochs": 3},
+                         backend="torch", **kw)
+    with pytest.raises(ValueError, match=r"overrides: .*unexpected settings \['epoch'\]"):
+        run_cpu_protocol(models=["mhmla-cls"], overrides={"epoch": 3}, **kw)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        run_cpu_protocol(models=["mhmla-cls"], backend="no-such-backend", **kw)
+    assert not (tmp_path / "cache").exists()  # refused before any work

@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from ..configs import nest_flat
+from ..dispatch import BACKENDS
 from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
                         surface_ridge, tfidf_select)
 from .data import Essay, read_asap, read_folds, split_essays
@@ -315,6 +316,20 @@ def run_cpu_protocol(
             raise ValueError(f"members {not_run} are not among the models run ({list(models)})")
         if len(members) < 2:
             raise ValueError(f"members: an ensemble needs two at the least, got {list(members)}")
+    # options only head models use: refused when none runs, checked once when one does (they
+    # used to be recorded in the results as if applied)
+    heads = [m for m in models if MODELS[m].head is not None]
+    if not heads and (overrides or backend != "auto"):
+        given = [*(overrides or {}), *(["backend"] if backend != "auto" else [])]
+        raise ValueError(f"{', '.join(given)}: options of the head models, but none of "
+                         f"{list(models)} trains a head")
+    if overrides:
+        try:
+            HeadTrainConfig(**{**asdict(MODELS[heads[0]].head), **overrides})
+        except TypeError as err:  # unknown keys
+            raise ValueError(f"overrides: {err}") from None
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     prompts = [int(p) for p in prompts]
     folds = [int(k) for k in folds]
     models = list(models)
