@@ -533,3 +533,38 @@ def test_head_options_without_a_head_model_and_unknown_ones_are_errors(tmp_path)
     with pytest.raises(ValueError, match="backend: expected one of"):
         run_cpu_protocol(models=["mhmla-cls"], backend="no-such-backend", **kw)
     assert not (tmp_path / "cache").exists()  # refused before any work
+
+
+def test_a_feature_cache_of_other_encoder_weights_under_the_same_name_is_refused(tiny_encoder,
+                                                                               tmp_path):
+    """The cache records a fingerprint of the encoder's files: weights saved over the same
+    folder no longer match (the cache used to be reused, keyed by the name alone); a cache
+    from before the fingerprint is read as it is."""
+    import shutil
+
+    from transformers import BertModel
+
+    from mhmla_fast.aes import features
+    from mhmla_fast.aes.features import build_feature_cache, cache_path
+
+    enc = tmp_path / "encoder"
+    shutil.copytree(tiny_encoder, enc)
+    rng = random.Random(0)
+    texts = [essay_text(rng, i % 4, n) for i, n in enumerate([5, 12, 3])]
+    ids = [1, 2, 3]
+    kw = dict(encoder=str(enc), window=32, progress=None)
+    first = build_feature_cache(tmp_path / "cache", ids, texts, **kw)
+    assert first.meta["encoder_sha256"] == features.encoder_fingerprint(str(enc))
+    torch.manual_seed(7)
+    model = BertModel.from_pretrained(enc)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    model.save_pretrained(enc)  # other weights, same name
+    features.encoder_fingerprint.cache_clear()  # a new process
+    with pytest.raises(ValueError, match="encoded with other files under the encoder name"):
+        build_feature_cache(tmp_path / "cache", ids, texts, **kw)
+    path = cache_path(tmp_path / "cache", str(enc), ids, texts, 32)
+    legacy = {k: v for k, v in first.meta.items() if k != "encoder_sha256"}
+    features._save(path, first.features, first.essay_ids, first.n_windows, legacy)
+    assert "encoder_sha256" not in build_feature_cache(tmp_path / "cache", ids, texts, **kw).meta

@@ -29,6 +29,7 @@ and ``n_windows`` [E] int64 (windows of essay e are a contiguous run, essays in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -111,6 +112,36 @@ def _slug(name: str) -> str:
 def _check_pooling(pooling: str) -> None:
     if pooling not in POOLINGS:
         raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def encoder_fingerprint(encoder: str) -> str:
+    """sha256 of the encoder's files as loaded (its folder's config, tokenizer and weight files:
+    names, sizes and contents), so that a cache made with other weights under the same name is
+    never taken for this encoder's. Once per process and encoder."""
+    from ..encoder import resolve_encoder
+
+    root = Path(resolve_encoder(encoder))
+    h = hashlib.sha256()
+    files = sorted(p for p in root.iterdir() if p.is_file() and (
+        p.suffix in (".json", ".safetensors", ".bin", ".txt", ".model")))
+    for f in files:
+        h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as src:
+            for chunk in iter(lambda: src.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_encoder(path: Path, cached: CachedFeatures, encoder: str) -> CachedFeatures:
+    """``cached`` (read from ``path``) unless it records other encoder files than ``encoder``'s
+    (ValueError); a cache from before the fingerprint was recorded is taken as it is."""
+    made = cached.meta.get("encoder_sha256")
+    if made is not None and made != encoder_fingerprint(encoder):
+        raise ValueError(f"{path} was encoded with other files under the encoder name {encoder!r} "
+                         "(its weights, config or tokenizer changed since); remove it to encode "
+                         "the essays again")
+    return cached
 
 
 def cache_path(cache_dir: str | os.PathLike, encoder: str, essay_ids: Sequence[int],
@@ -217,7 +248,7 @@ def build_feature_cache(
         window = encoder_window(encoder)
     path = cache_path(cache_dir, encoder, essay_ids, texts, window, pooling)
     if path.is_file():
-        return _reorder(_read(path), essay_ids)
+        return _reorder(_check_encoder(path, _read(path), encoder), essay_ids)
     path.parent.mkdir(parents=True, exist_ok=True)
     # one process builds a cache; another asking for it waits, then reads the finished file
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -227,7 +258,7 @@ def build_feature_cache(
                 progress(f"feature cache {path.name}: another process is building it; waiting")
             filelock.lock(fd)
         if path.is_file():
-            return _reorder(_read(path), essay_ids)
+            return _reorder(_check_encoder(path, _read(path), encoder), essay_ids)
         return _build_locked(path, essay_ids, texts, encoder=encoder, window=window,
                              token_budget=token_budget, shard_size=shard_size, device=device,
                              pooling=pooling, progress=progress,
@@ -251,7 +282,8 @@ def _build_locked(path: Path, essay_ids: Sequence[int], texts: Sequence[str], *,
                                         truncation=False, verbose=False)["input_ids"]]
     order = sorted(range(len(texts)), key=lambda i: (lengths[i], int(essay_ids[i])))
     chunks = [order[k:k + shard_size] for k in range(0, len(order), shard_size)]
-    meta = {"encoder": encoder, "window": window, "n_essays": len(texts)}
+    meta = {"encoder": encoder, "encoder_sha256": encoder_fingerprint(encoder), "window": window,
+            "n_essays": len(texts)}
     if pooling != "cls":
         meta["pooling"] = pooling
     model = None
@@ -276,7 +308,8 @@ def _build_locked(path: Path, essay_ids: Sequence[int], texts: Sequence[str], *,
             done = sum(1 for j in range(len(chunks)) if (shard_dir / f"shard-{j:05d}.safetensors").is_file())
             progress(f"feature cache {path.name}: shard {done}/{len(chunks)} "
                      f"({feats.shape[0]} windows, {time.perf_counter() - t0:.0f} s this run)")
-    shards = [_read(p) for p in sorted(shard_dir.glob("shard-*.safetensors"))]
+    shards = [_check_encoder(p, _read(p), encoder)  # a resumed shard of other weights: refused
+              for p in sorted(shard_dir.glob("shard-*.safetensors"))]
     merged = _merge(shards, meta)
     if len(merged.essay_ids) < len(essay_ids):
         if stop_after_shards is None:
