@@ -45,8 +45,6 @@ been run on ASAP here.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -55,7 +53,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..configs import nest_flat
 from ..dispatch import BACKENDS
 from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
                         surface_ridge, tfidf_select)
@@ -67,14 +64,9 @@ from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolin
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split,
                      joined_features, load_prompt_caches, qwk)
 from .surface import SURFACE_FEATURES, surface_features
+from .units import atomic_json, data_digest, reuse_unit
 
 __all__ = ["run_cpu_protocol", "summary_table"]
-
-
-def _atomic_json(path: Path, data: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def _unit(ids: np.ndarray, gold: np.ndarray, pred: np.ndarray, prompt: int, **extra) -> dict:
@@ -135,54 +127,6 @@ def _settings(spec: ModelSpec, encoder: str, overrides: dict) -> dict:
             **surface, **features}
 
 
-def _nested_settings(settings: dict | None) -> dict | None:
-    """Settings of a unit written before issue 15 (the head's fields flat: ``head``,
-    ``num_heads``, ``key_size``, ``dropout``) in today's layout (``layer_attention``)."""
-    if not settings or "head" not in settings:
-        return settings
-    flat = {k: settings[k] for k in ("head", "num_heads", "key_size", "dropout") if k in settings}
-    rest = {k: v for k, v in settings.items() if k not in flat}
-    group = nest_flat(HeadTrainConfig, flat)["layer_attention"]
-    return {**rest, "layer_attention": json.loads(json.dumps(asdict(group)))}
-
-
-def _data_digest(splits: dict, prompts: Sequence[int]) -> str:
-    """A fingerprint of the essays a unit learns from, is selected on and is scored on: each
-    prompt's train, dev and test essays in order (id, score and text)."""
-    h = hashlib.sha256()
-    for p in prompts:
-        for name in ("train", "dev", "test"):
-            h.update(f"\0{p}/{name}".encode())
-            for e in splits[p][name]:
-                h.update(f"\0{e.essay_id}\0{e.score}\0".encode())
-                h.update(hashlib.sha256(e.text.encode("utf-8", "surrogatepass")).digest())
-    return h.hexdigest()
-
-
-def _reuse(path: Path, settings: dict, data: str, test: dict[int, list[Essay]]) -> dict | None:
-    """A finished unit of the same settings and data, or None; another settings' or another
-    data's unit raises. ``data``: :func:`_data_digest` of the unit's splits; a unit from before
-    the digest was stored is checked by its test essays and gold scores (``test``: prompt ->
-    test essays)."""
-    if not path.is_file():
-        return None
-    unit = json.loads(path.read_text())
-    joint = "settings" not in unit
-    old = next(iter(unit.values())).get("settings") if joint else unit.get("settings")
-    if _nested_settings(old) != json.loads(json.dumps(settings)):
-        raise ValueError(f"{path} was made with other settings ({old} vs {settings}); "
-                         "use another run folder or remove it")
-    per_prompt = {int(p): u for p, u in unit.items()} if joint else {next(iter(test)): unit}
-    stored = {u.get("data") for u in per_prompt.values()}
-    same = (stored == {data} if stored != {None} else all(
-        sorted(zip(u["ids"], u["gold"])) == sorted((e.essay_id, e.score) for e in test[p])
-        for p, u in per_prompt.items()))
-    if not same:
-        raise ValueError(f"{path} was made from other essays or folds than this run's (the data "
-                         "file or the fold ids changed); use another run folder or remove it")
-    return unit
-
-
 def _surface_of(chosen: Sequence[Essay]) -> np.ndarray:
     return surface_features([e.text for e in chosen])
 
@@ -220,8 +164,8 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
     settings = _settings(spec, encoder, overrides)
     if spec.kind == "joint":
         path = run / "units" / f"{name}-fold{k}-p{'_'.join(map(str, prompts))}.json"
-        data = _data_digest(splits, prompts)
-        done = _reuse(path, settings, data, {p: splits[p]["test"] for p in prompts})
+        data = data_digest(splits, prompts)
+        done = reuse_unit(path, settings, data, {p: splits[p]["test"] for p in prompts})
         if done is None:
             if log:
                 log(f"{name} fold {k}: training on prompts {prompts}")
@@ -229,13 +173,13 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
                                encoder, backend, settings)
             for u in done.values():
                 u["data"] = data
-            _atomic_json(path, done)
+            atomic_json(path, done)
         return {int(p): u for p, u in done.items()}
     out = {}
     for p in prompts:
         path = run / "units" / f"{name}-fold{k}-p{p}.json"
-        data = _data_digest(splits, [p])
-        u = _reuse(path, settings, data, {p: splits[p]["test"]})
+        data = data_digest(splits, [p])
+        u = reuse_unit(path, settings, data, {p: splits[p]["test"]})
         if u is None:
             t0 = time.perf_counter()
             r = _run_prompt_unit(spec, p, splits, by_pooling, overrides, encoder, backend)
@@ -244,7 +188,7 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
                       dev_pred=np.asarray(r["dev_pred"]).tolist(), dev_qwk=r["dev_qwk"],
                       selected=r["selected"], seconds=time.perf_counter() - t0, settings=settings,
                       data=data)
-            _atomic_json(path, u)
+            atomic_json(path, u)
             if log:
                 log(f"{name} fold {k} prompt {p}: test QWK {u['qwk']:.4f} (dev "
                     f"{u['dev_qwk']:.4f}, {r['selected']}, {u['seconds']:.1f} s)")
@@ -388,7 +332,7 @@ def run_cpu_protocol(
         "BERT": 74.75, "BERT+XLNet ensemble": 75.76, "EASE (BOW)": 69.90, "H1-H2": 75.29}
     if results is not None:
         Path(results).parent.mkdir(parents=True, exist_ok=True)
-        _atomic_json(Path(results), result)
+        atomic_json(Path(results), result)
     if log:
         log(summary_table(result))
     return result
