@@ -424,13 +424,7 @@ def strip_line(raw: bytes, first: bool) -> bytes:
     it is an input's ``first`` line."""
     if first and raw.startswith(_BOM):
         raw = raw[len(_BOM):]
-    if raw.endswith(b"\n"):
-        raw = raw[:-1]
-        if raw.endswith(b"\r"):
-            raw = raw[:-1]
-    elif raw.endswith(b"\r"):  # last line without "\n"
-        raw = raw[:-1]
-    return raw
+    return raw.removesuffix(b"\n").removesuffix(b"\r")  # "\r" alone: a last line's
 
 
 def over_long_line(index: int, source: str, line: int, size: int, max_chars: int) -> InputRecord:
@@ -443,28 +437,21 @@ def over_long_line(index: int, source: str, line: int, size: int, max_chars: int
 def _raw_lines(stream: IO[bytes], source: str | None = None,
                bound: int | None = None) -> Iterator[bytes | OverLong]:
     """Lines of a binary stream by :func:`bounded_lines`, as :func:`strip_line` makes them
-    (inlined: this loop runs once per input line). With ``source`` (standard input, which
-    cannot be checked before it is read) a UTF-16/32 BOM raises ValueError
-    (:func:`check_not_wide`); files are checked when opened."""
+    (after the first line inlined: this loop runs once per input line). With ``source``
+    (standard input, which cannot be checked before it is read) a UTF-16/32 BOM raises
+    ValueError (:func:`check_not_wide`); files are checked when opened."""
     first = True
     for raw in stream if bound is None else bounded_lines(stream, bound):
         if type(raw) is OverLong:
             first = False
             yield raw
-            continue
-        if first:
+        elif first:
             first = False
             if source is not None:
                 check_not_wide(raw, source)
-            if raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
-        if raw.endswith(b"\n"):
-            raw = raw[:-1]
-            if raw.endswith(b"\r"):
-                raw = raw[:-1]
-        elif raw.endswith(b"\r"):  # last line without "\n"
-            raw = raw[:-1]
-        yield raw
+            yield strip_line(raw, True)
+        else:
+            yield raw.removesuffix(b"\n").removesuffix(b"\r")
 
 
 # Parquet input: rows are records, as JSON object lines
