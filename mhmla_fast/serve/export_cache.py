@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import filelock
+from ..durable import fsync_dir, fsync_file
 from ..aes.scoring import FORMAT as SCORER_FORMAT
 from .engine import TAGGER_FORMAT
 
@@ -303,19 +304,12 @@ def _set_aside(entry: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(stage: Path) -> None:
     """Every file of ``stage`` and ``stage`` itself on disk, before it is renamed into place
     (a crash then leaves either no entry or a whole one)."""
-    for path in [*stage.iterdir(), stage]:
-        _fsync(path)
+    for path in stage.iterdir():
+        fsync_file(path)
+    fsync_dir(stage)
 
 
 def lookup(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
@@ -514,7 +508,7 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
         except OSError:
             if not _complete(final):  # neither a lost race nor a whole entry: a real failure
                 raise
-        _fsync(base)
+        fsync_dir(base)
         log(f" done in {seconds:.1f} s")
         return CacheEntry(final, key)
     finally:
