@@ -3,8 +3,12 @@
 A model directory holds ``config.json``, ``model.safetensors`` and the tokenizer files.
 Tensors that training left frozen and that the base encoder package ships are not stored:
 ``config.base_tensors`` maps their keys to the base encoder's keys, and they are read from
-the encoder's own ``model.safetensors`` at load time. :class:`ModelDirMixin` gives a model
-class its ``save`` and ``load`` in this format.
+the encoder's own ``model.safetensors`` at load time. A trained tensor of which training
+changed a few rows only (the word-piece embeddings: Adam leaves the rows of pieces never seen
+untouched) can be stored as a row delta against the base tensor instead (:func:`row_delta`:
+the changed rows' indices and their differences in int8 with a scale per row); it is listed
+in ``base_tensors`` too, and its delta is applied at load time. :class:`ModelDirMixin` gives a
+model class its ``save`` and ``load`` in this format.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -21,7 +26,7 @@ from .durable import fsync_dir, fsync_file
 from .encoder import EMBEDDED_ENCODER, resolve_encoder
 
 __all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
-           "require_model_dir", "check_save_target", "write_model_dir", "read_model_state", "load_checked_state",
+           "row_delta", "apply_row_delta", "DELTA_PARTS", "require_model_dir", "check_save_target", "write_model_dir", "read_model_state", "load_checked_state",
            "ModelDirMixin"]
 
 def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
@@ -35,6 +40,45 @@ def state_to_save(model: nn.Module, base_tensors: dict[str, str], dtype: torch.d
     """``model``'s state on the CPU, floating tensors in ``dtype``, without ``base_tensors``."""
     return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
             for k, v in model.state_dict().items() if k not in base_tensors}
+
+
+# the stored parts of a row delta of tensor KEY: "KEY:delta_rows" etc.
+DELTA_PARTS = ("delta_rows", "delta_q", "delta_scale")
+
+
+def row_delta(trained: torch.Tensor, base: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``trained`` [V, C] as a row delta against ``base`` [V, C]:
+
+        rows  = {i : trained[i] != base[i]}                              [R] int64
+        d     = trained[rows] - base[rows]                              [R, C] (fp32)
+        scale = max_c |d| / 127                                         [R] fp32
+        q     = round(d / scale)                                        [R, C] int8
+
+    so that ``apply_row_delta`` gives ``trained`` exactly on the unchanged rows and within
+    ``scale / 2`` (plus fp32 rounding) elementwise on the changed ones. Keys: DELTA_PARTS."""
+    if trained.shape != base.shape or trained.dim() != 2:
+        raise ValueError(f"row delta: expected two [V, C] tensors of one shape, got "
+                         f"{tuple(trained.shape)} and {tuple(base.shape)}")
+    trained, base = trained.detach().float().cpu(), base.detach().float().cpu()
+    rows = (trained != base).any(dim=1).nonzero().flatten()
+    d = trained[rows] - base[rows]
+    scale = d.abs().amax(dim=1) / 127
+    q = torch.round(d / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return dict(zip(DELTA_PARTS, (rows, q, scale)))
+
+
+def apply_row_delta(base: torch.Tensor, rows: torch.Tensor, q: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+    """``base`` [V, C] with ``q * scale`` [R, C] added at ``rows`` [R] (see :func:`row_delta`),
+    in fp32. ValueError when the parts do not fit ``base`` or each other."""
+    V, C = base.shape
+    if (rows.dim() != 1 or q.shape != (rows.numel(), C) or scale.shape != (rows.numel(),)
+            or q.dtype != torch.int8 or (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < V)):
+        raise ValueError(f"row delta: parts {tuple(rows.shape)}, {tuple(q.shape)} {q.dtype}, "
+                         f"{tuple(scale.shape)} do not fit a base tensor of {V} x {C}")
+    out = base.float().clone()
+    out[rows.long()] += q.float() * scale.float()[:, None]
+    return out
 
 
 def require_model_dir(path: str | os.PathLike, what: str) -> Path:
@@ -119,8 +163,9 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
 
 def read_model_state(path: str | os.PathLike, base_tensors: dict[str, str],
                      encoder_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """``model.safetensors`` of ``path`` completed with the frozen tensors of the base
-    encoder in ``encoder_dir``."""
+    """``model.safetensors`` of ``path`` completed with the tensors of the base encoder in
+    ``encoder_dir`` named by ``base_tensors``, each plus its row delta where the file has
+    one (:func:`row_delta`)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -131,7 +176,17 @@ def read_model_state(path: str | os.PathLike, base_tensors: dict[str, str],
         for key, base_key in base_tensors.items():
             if base_key not in base:
                 raise ValueError(f"{base_file}: lacks {base_key!r} needed by {path}")
-            state[key] = base[base_key]
+            parts = [state.pop(f"{key}:{part}", None) for part in DELTA_PARTS]
+            if all(p is None for p in parts):
+                state[key] = base[base_key]
+            elif any(p is None for p in parts):
+                raise ValueError(f"{path / 'model.safetensors'}: the row delta of {key!r} is "
+                                 f"incomplete (needs {', '.join(DELTA_PARTS)})")
+            else:
+                try:
+                    state[key] = apply_row_delta(base[base_key], *parts)
+                except ValueError as e:
+                    raise ValueError(f"{path / 'model.safetensors'}: {key!r}: {e}") from None
     return state
 
 
@@ -164,13 +219,33 @@ class ModelDirMixin:
     tokenizer: Any = None  # saved with the model when ``save`` is given none
 
     def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-             tokenizer=None) -> Path:
+             tokenizer=None, row_deltas: Sequence[str] = ()) -> Path:
         """Write ``config.json``, ``model.safetensors`` (in ``dtype``) and the tokenizer
-        (``tokenizer``, else ``self.tokenizer``, if any) atomically."""
+        (``tokenizer``, else ``self.tokenizer``, if any) atomically.
+
+        row_deltas: trained ``encoder.*`` tensors to store as a row delta against the embedded
+        encoder's own (:func:`row_delta`; e.g. ``encoder.embeddings.word_embeddings.weight``
+        trained with ``--freeze none``), ValueError with any other encoder."""
         embedded = self.config.encoder_spec.name_or_path == EMBEDDED_ENCODER
+        if row_deltas and not embedded:
+            raise ValueError(f"row_deltas: only against the embedded encoder "
+                             f"({EMBEDDED_ENCODER}), not {self.config.encoder_spec.name_or_path!r}")
         base = frozen_encoder_keys(self) if embedded else {}
-        self.config.base_tensors = base
-        state = state_to_save(self, base, dtype)
+        params = dict(self.named_parameters())
+        bad = [k for k in row_deltas if k not in params or not k.startswith("encoder.") or k in base]
+        if bad:
+            raise ValueError(f"row_deltas: {bad} are not trained encoder parameters")
+        deltas = {k: k[len("encoder."):] for k in row_deltas}
+        self.config.base_tensors = {**base, **deltas}
+        state = state_to_save(self, self.config.base_tensors, dtype)
+        if deltas:
+            from safetensors import safe_open
+
+            base_file = Path(resolve_encoder(EMBEDDED_ENCODER)) / "model.safetensors"
+            with safe_open(base_file, "pt") as f:
+                for key, base_key in deltas.items():
+                    parts = row_delta(params[key], f.get_tensor(base_key))
+                    state.update({f"{key}:{n}": t for n, t in parts.items()})
         return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer)
 
     @classmethod

@@ -58,3 +58,33 @@ def test_shipped_model_correct_sentence_is_mostly_clean():
         p = model(batch["input_ids"], batch["attention_mask"]).softmax(-1)[0, :, 1]
     probs = p[batch["word_index"][0] >= 0]
     assert (probs < model.config.threshold).sum() >= len(words) - 1, probs.tolist()
+
+
+def test_a_run_with_trained_word_embeddings_ships_under_the_budget(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from mhmla_fast.ged.model import TaggerConfig
+
+    script = Path(__file__).resolve().parents[1] / "training" / "ship_ged_model.py"
+    spec = importlib.util.spec_from_file_location("ship_ged_model", script)
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    run = GedTagger(TaggerConfig(freeze="none"), backend="torch").eval()
+    emb = run.encoder.get_input_embeddings().weight
+    changed = torch.arange(1000, 10000)  # about as many rows as an FCE run changes
+    with torch.no_grad():
+        emb[changed] += 0.01 * torch.randn(len(changed), emb.shape[1])
+    run.save(tmp_path / "best", tokenizer=load_tokenizer(default_model_path()))
+    assert ship.main([str(tmp_path / "best"), "--out", str(tmp_path / "shipped")]) == 0
+    files = sum(p.stat().st_size for p in (tmp_path / "shipped").iterdir())
+    assert files < 30 * 2**20
+    shipped = GedTagger.load(tmp_path / "shipped", backend="torch")
+    assert shipped.config.encoder_spec.freeze == "none"
+    back = shipped.encoder.get_input_embeddings().weight
+    assert (back - emb).abs().max() < 2e-4
+    ids = torch.tensor([[101, 1045, 2175, 2000, 2082, 102]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(shipped(ids, mask).softmax(-1), run(ids, mask).softmax(-1),
+                                   atol=5e-3, rtol=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mhmla_fast.model_dir import check_save_target, write_model_dir
+from mhmla_fast.model_dir import DELTA_PARTS, apply_row_delta, check_save_target, row_delta, write_model_dir
 
 
 def _write(path, value: float):
@@ -69,3 +69,81 @@ def test_export_shipped_refuses_a_folder_of_other_files_before_training(tmp_path
                  "--data-dir", str(tmp_path / "no-data")]) == 2
     assert "is not a model directory" in capsys.readouterr().err
     assert (tmp_path / "work" / "notes.txt").read_text() == "precious"
+
+
+def test_row_delta_is_exact_on_unchanged_rows_and_within_half_a_step_on_changed_ones():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(50, 16, generator=g)
+    trained = base.clone()
+    changed = [3, 7, 8, 40, 49]
+    trained[changed] += 1e-2 * torch.randn(len(changed), 16, generator=g)
+    trained[20, 5] += 1e-3  # one element of one row
+    parts = row_delta(trained, base)
+    assert parts["delta_rows"].tolist() == sorted(changed + [20])
+    assert parts["delta_q"].dtype == torch.int8
+    out = apply_row_delta(base, *(parts[k] for k in DELTA_PARTS))
+    unchanged = [i for i in range(50) if i not in changed + [20]]
+    assert torch.equal(out[unchanged], base[unchanged])
+    # against float64: within half a quantisation step of the row's own scale
+    err = (out.double() - trained.double()).abs()
+    step = torch.zeros(50, dtype=torch.float64)
+    step[parts["delta_rows"]] = parts["delta_scale"].double()
+    assert (err <= step[:, None] / 2 + 1e-6).all()
+    assert err[20].max() < 1e-6  # the single changed element is the row's scale: exact
+
+
+def test_row_delta_parts_that_do_not_fit_are_refused():
+    base = torch.zeros(4, 3)
+    rows, q, scale = torch.tensor([1, 4]), torch.zeros(2, 3, dtype=torch.int8), torch.ones(2)
+    with pytest.raises(ValueError, match="do not fit"):
+        apply_row_delta(base, rows, q, scale)  # row 4 of 4
+    with pytest.raises(ValueError, match="do not fit"):
+        apply_row_delta(base, torch.tensor([0, 1]), q.float(), scale)
+    with pytest.raises(ValueError, match="one shape"):
+        row_delta(torch.zeros(4, 3), torch.zeros(5, 3))
+
+
+def test_trained_word_embeddings_are_stored_as_a_row_delta_and_load_back(tmp_path):
+    from mhmla_fast.ged.model import GedTagger, TaggerConfig
+
+    model = GedTagger(TaggerConfig(freeze="none", num_heads=2), backend="torch").eval()
+    emb = model.encoder.get_input_embeddings().weight
+    changed = torch.tensor([101, 1996, 2003, 30521])
+    with torch.no_grad():
+        emb[changed] += 0.01 * torch.randn(len(changed), emb.shape[1])
+    ids = torch.tensor([[101, 1996, 4937, 2003, 2204, 102]])
+    mask = torch.ones_like(ids)
+    before = model(ids, mask)
+    key = "encoder.embeddings.word_embeddings.weight"
+    path = model.save(tmp_path / "tagger", row_deltas=[key])
+    state = load_file(path / "model.safetensors")
+    assert key not in state and state[f"{key}:delta_rows"].tolist() == changed.tolist()
+    config = json.loads((path / "config.json").read_text())
+    assert config["base_tensors"][key] == "embeddings.word_embeddings.weight"
+    loaded = GedTagger.load(path, backend="torch")
+    back = loaded.encoder.get_input_embeddings().weight
+    err = (back - emb).detach().abs()
+    assert err.max() <= state[f"{key}:delta_scale"].max() / 2 + 1e-6  # half an int8 step
+    assert err.amax(dim=1).nonzero().flatten().tolist() == changed.tolist()  # the rest exact
+    torch.testing.assert_close(loaded(ids, mask), before, atol=1e-3, rtol=1e-3)
+
+    # a torn delta names itself instead of loading base embeddings silently
+    from safetensors.torch import save_file
+    del state[f"{key}:delta_scale"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match="row delta of .* is incomplete"):
+        GedTagger.load(path, backend="torch")
+
+
+def test_row_deltas_are_refused_where_they_cannot_be_honoured(tmp_path):
+    from mhmla_fast.ged.model import GedTagger, TaggerConfig
+
+    model = GedTagger(TaggerConfig(num_heads=2), backend="torch")
+    model.config.encoder_spec.name_or_path = str(tmp_path / "another-encoder")
+    key = "encoder.embeddings.word_embeddings.weight"
+    with pytest.raises(ValueError, match="only against the embedded encoder"):
+        model.save(tmp_path / "a", row_deltas=[key])
+    frozen = GedTagger(TaggerConfig(freeze="word_embeddings", num_heads=2), backend="torch")
+    with pytest.raises(ValueError, match="not trained encoder parameters"):
+        frozen.save(tmp_path / "b", row_deltas=[key])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

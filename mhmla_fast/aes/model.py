@@ -81,7 +81,8 @@ class ScorerConfig:
     objective: "classification" | "regression"; prompts: the prompts with an output layer;
     decision: how classification turns the averaged window probabilities into a score
     ("argmax" | "expected"); base_tensors: state-dict keys read from the base encoder
-    package instead of ``model.safetensors``; training: what and how it was trained (incl.
+    package instead of ``model.safetensors`` (plus a row delta the file stores, if any:
+    :func:`~mhmla_fast.model_dir.row_delta`); training: what and how it was trained (incl.
     test QWK).
 
     Files and keyword arguments in the flat layout of before (``encoder``, ``head``,

@@ -58,8 +58,9 @@ class TaggerConfig:
     (:class:`~mhmla_fast.configs.LayerAttentionConfig`); threshold: error-probability decision
     threshold chosen on dev (None = argmax); encoder_config: the encoder's Hugging Face
     config; base_tensors: state-dict keys not stored in ``model.safetensors`` but read from
-    the base encoder's weights (key in the tagger -> key in the base file); training: how it
-    was trained.
+    the base encoder's weights (key in the tagger -> key in the base file), plus the row delta
+    the file stores for a key, if any (:func:`~mhmla_fast.model_dir.row_delta`); training: how
+    it was trained.
 
     Files and keyword arguments in the flat layout of before (``encoder``, ``head``,
     ``num_heads``, ``key_size``, ``dropout``, ``max_length``) are read into the groups
