@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from . import filelock
+from .durable import atomic_write_text, fsync_file
 
-__all__ = ["atomic_write_text", "save_checkpoint", "load_checkpoint", "CheckpointWriter",
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".lock"
@@ -68,16 +69,6 @@ def run_lock(out: Path, *, held: bool = True) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a fsynced temporary file and a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
     """Copies on the CPU of the model's and optimizer's tensors and the RNG states (safe to
     write while training goes on), and the optimizer's param groups as JSON-able lists."""
@@ -106,8 +97,7 @@ def _write(out: Path, tensors: dict, groups: list, state_json: str, step: int) -
     name = f"checkpoint-{step}.safetensors"
     tmp = out / (name + ".tmp")
     save_file(tensors, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    fsync_file(tmp)
     os.replace(tmp, out / name)
     meta = {**json.loads(state_json), "tensors": name, "param_groups": groups}
     atomic_write_text(out / "checkpoint.json", json.dumps(meta, indent=1))

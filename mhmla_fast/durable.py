@@ -1,11 +1,44 @@
 """Durable writes: ``os.fsync`` of a written file and of the directory entry naming it, so that
-a rename that publishes a file survives a power loss along with the file's bytes."""
+a rename that publishes a file survives a power loss along with the file's bytes;
+:func:`atomic_write_text` puts the two together for a small text file."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
-__all__ = ["fsync_dir", "fsync_file", "fsync_parent"]
+__all__ = ["atomic_write_text", "current_umask", "fsync_dir", "fsync_file", "fsync_parent"]
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) all at once: written to a temporary file of its
+    own beside it (so concurrent writers never share one), fsynced, renamed over ``path``, and
+    the rename made durable. Readers see the old file or the new one, never a part; a failure
+    leaves no temporary file behind."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; a results file is shared
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_parent(path)
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it, then putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
-from .durable import fsync_dir, fsync_file
+from .durable import current_umask, fsync_dir, fsync_file
 from .encoder import EMBEDDED_ENCODER, resolve_encoder
 
 __all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
@@ -112,13 +112,6 @@ def check_save_target(path: Path) -> None:
                               "Give another folder")
 
 
-def _umask() -> int:
-    """The process's umask (read by setting it, then putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], config_json: str,
                     tokenizer=None) -> Path:
     """Write a model directory: complete and fsynced in a sibling ``<name>.tmp`` first, then
@@ -140,7 +133,7 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     # safetensors creates its file private (0600) whatever the umask; a model folder is read
     # by whoever serves it, so its weights get the mode of any other new file
-    os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())
+    os.chmod(tmp / "model.safetensors", 0o666 & ~current_umask())
     (tmp / "config.json").write_text(config_json)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -147,3 +147,23 @@ def test_row_deltas_are_refused_where_they_cannot_be_honoured(tmp_path):
     with pytest.raises(ValueError, match="not trained encoder parameters"):
         frozen.save(tmp_path / "b", row_deltas=[key])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_atomic_write_text_replaces_whole_and_leaves_nothing_beside(tmp_path, monkeypatch):
+    from mhmla_fast import durable
+
+    path = tmp_path / "results.json"
+    durable.atomic_write_text(path, '{"a": 1}')
+    durable.atomic_write_text(path, '{"a": 2}')
+    assert path.read_text() == '{"a": 2}'
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert path.stat().st_mode & 0o777 == 0o666 & ~durable.current_umask()
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(durable.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        durable.atomic_write_text(path, '{"a": 3}')
+    assert path.read_text() == '{"a": 2}'  # the old file whole, and no temporary file left
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]

@@ -45,6 +45,7 @@ been run on ASAP here.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -64,7 +65,8 @@ from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolin
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split,
                      joined_features, load_prompt_caches, qwk)
 from .surface import SURFACE_FEATURES, surface_features
-from .units import atomic_json, data_digest, reuse_unit
+from ..durable import atomic_write_text
+from .units import data_digest, reuse_unit
 
 __all__ = ["run_cpu_protocol", "summary_table"]
 
@@ -173,7 +175,7 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
                                encoder, backend, settings)
             for u in done.values():
                 u["data"] = data
-            atomic_json(path, done)
+            atomic_write_text(path, json.dumps(done, indent=1))
         return {int(p): u for p, u in done.items()}
     out = {}
     for p in prompts:
@@ -188,7 +190,7 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
                       dev_pred=np.asarray(r["dev_pred"]).tolist(), dev_qwk=r["dev_qwk"],
                       selected=r["selected"], seconds=time.perf_counter() - t0, settings=settings,
                       data=data)
-            atomic_json(path, u)
+            atomic_write_text(path, json.dumps(u, indent=1))
             if log:
                 log(f"{name} fold {k} prompt {p}: test QWK {u['qwk']:.4f} (dev "
                     f"{u['dev_qwk']:.4f}, {r['selected']}, {u['seconds']:.1f} s)")
@@ -332,7 +334,7 @@ def run_cpu_protocol(
         "BERT": 74.75, "BERT+XLNet ensemble": 75.76, "EASE (BOW)": 69.90, "H1-H2": 75.29}
     if results is not None:
         Path(results).parent.mkdir(parents=True, exist_ok=True)
-        atomic_json(Path(results), result)
+        atomic_write_text(Path(results), json.dumps(result, indent=1))
     if log:
         log(summary_table(result))
     return result

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -19,14 +18,7 @@ from ..configs import nest_flat
 from .data import Essay
 from .heads import HeadTrainConfig
 
-__all__ = ["atomic_json", "data_digest", "nested_settings", "reuse_unit"]
-
-
-def atomic_json(path: Path, data: object) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+__all__ = ["data_digest", "nested_settings", "reuse_unit"]
 
 
 def nested_settings(settings: dict | None) -> dict | None:

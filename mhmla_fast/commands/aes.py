@@ -213,7 +213,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     from ..aes.data import read_asap, read_folds, split_essays
     from ..aes.metrics import exact_agreement
     from ..aes.train import FinetuneConfig, _aggregate, asap_files, finetune, qwk
-    from ..checkpoint import atomic_write_text
+    from ..durable import atomic_write_text
     from ..provenance import provenance
 
     tsv, folds_dir = asap_files(args.data_dir)

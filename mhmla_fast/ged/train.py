@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import CheckpointWriter, atomic_write_text, load_checkpoint, run_lock
+from ..checkpoint import CheckpointWriter, load_checkpoint, run_lock
+from ..durable import atomic_write_text
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import TRAIN_PRECISIONS, check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap

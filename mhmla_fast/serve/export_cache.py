@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import filelock
-from ..durable import fsync_dir, fsync_file
+from ..durable import atomic_write_text, fsync_dir, fsync_file
 from ..aes.scoring import FORMAT as SCORER_FORMAT
 from .engine import TAGGER_FORMAT
 
@@ -345,17 +345,7 @@ def lookup(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def _write_index(base: Path, quick: str, key: str, content: str, model_dir,
