@@ -5,6 +5,7 @@ bounded memory peak, progress in word pieces, no false "indexing errors" warning
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
@@ -237,3 +238,23 @@ def test_an_unbounded_line_on_the_cli_and_on_ray_shards(tmp_path, monkeypatch, t
                 for r in got] == [
             (r.index, r.line, r.id, r.text, r.error and r.error.replace(str(src), "SRC"))
             for r in want]
+
+
+def test_the_read_bound_leaves_out_a_last_lines_lone_carriage_return(tmp_path, monkeypatch):
+    """A line's break is not counted against the bound, by the rule that strips it: ``\\n``,
+    ``\\r\\n``, or the ``\\r`` ending a last line."""
+    from mhmla_fast.serve import records
+
+    monkeypatch.setattr(records, "READ_BOUND_SLACK", 1024)  # read_bound(10) == 1184
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"v" * 1184 + b"\r\n" + b"w" * 1184 + b"\r")
+    got = list(records.iter_input_records([str(src)], "tag", max_chars=10))
+    assert [(r.text, r.error) for r in got] == [("v" * 1184, None), ("w" * 1184, None)]
+    src.write_bytes(b"w" * 1185 + b"\r")
+    (over,) = records.iter_input_records([str(src)], "tag", max_chars=10)
+    assert over.text is None and "1185 bytes, over the 1184" in over.error
+    # a "\r\n" split between two pieces of an over-long line is still a two-byte break
+    monkeypatch.setattr(records, "bounded_lines", functools.partial(records.bounded_lines, piece=1))
+    src.write_bytes(b"u" * 2000 + b"\r\n" + b"ok\n")
+    over, ok = records.iter_input_records([str(src)], "tag", max_chars=10)
+    assert "line 1: 2000 bytes, over the 1184" in over.error and ok.text == "ok"

@@ -394,8 +394,9 @@ class OverLong:
 
 
 def _break_length(raw: bytes) -> int:
-    """Bytes of the line break ending ``raw``: 2 for ``\r\n``, 1 for ``\n``, else 0."""
-    return 0 if not raw.endswith(b"\n") else 2 if raw.endswith(b"\r\n") else 1
+    """Bytes of the line break ending ``raw``, by :func:`strip_line`'s rule: ``\r\n``, ``\n``
+    or (a last line's) ``\r``."""
+    return len(raw) - len(raw.removesuffix(b"\n").removesuffix(b"\r"))
 
 
 def bounded_lines(stream: IO[bytes], bound: int | None = None,
@@ -412,11 +413,12 @@ def bounded_lines(stream: IO[bytes], bound: int | None = None,
         if len(raw) <= bound or len(raw) - _break_length(raw) <= bound:
             yield raw
             continue
-        read, rest = len(raw), raw
+        read, tail = len(raw), raw[-2:]  # the last two bytes hold any line break
         del raw
-        while not rest.endswith(b"\n") and (rest := stream.readline(piece)):
-            read += len(rest)
-        yield OverLong(read - _break_length(rest), read)
+        while not tail.endswith(b"\n") and (more := readline(piece)):
+            read += len(more)
+            tail = (tail + more)[-2:]
+        yield OverLong(read - _break_length(tail), read)
 
 
 def strip_line(raw: bytes, first: bool) -> bytes:
