@@ -67,15 +67,21 @@ def load_encoder(spec: EncoderSpec | str, encoder_config: dict[str, Any] | None 
     rebuilt from that dict (the weights are loaded afterwards, from a model directory). The
     parts ``spec.freeze`` names are not frozen here: the model does that
     (:func:`freeze_encoder_parts`). Returns ``(encoder, encoder_config)``.
+
+    The parameters are fp32 whatever the checkpoint stores: transformers 5 would otherwise
+    keep an fp16 checkpoint (such as a stand-in made to travel light) in fp16, and training
+    would then update fp16 weights, losing every step smaller than their rounding. Callers
+    that serve in 16 bits convert afterwards.
     """
+    import torch
     from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
 
     def no_pooler(make, source):
         try:
-            return make(source, add_pooling_layer=False)
+            return make(source, add_pooling_layer=False, dtype=torch.float32)
         except TypeError:  # encoders without a pooler option (e.g. XLNet, DeBERTa)
-            return make(source)
+            return make(source, dtype=torch.float32)
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the unused pooler weights are not worth a report

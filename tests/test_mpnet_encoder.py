@@ -116,3 +116,23 @@ def test_offset_position_types_are_hugging_face_model_types():
     from mhmla_fast.encoder import OFFSET_POSITION_TYPES
 
     assert all(t in CONFIG_MAPPING for t in OFFSET_POSITION_TYPES)
+
+
+def test_an_fp16_checkpoint_loads_as_fp32_parameters(tmp_path):
+    """Training updates fp32 weights even when the encoder travelled as fp16 (transformers 5
+    keeps a checkpoint's dtype unless told otherwise); the values are the file's exactly."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from mhmla_fast.encoder import load_encoder
+
+    torch.manual_seed(0)
+    small = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=32)).half()
+    small.save_pretrained(tmp_path / "fp16")
+    encoder, config = load_encoder(str(tmp_path / "fp16"))
+    assert {p.dtype for p in encoder.parameters()} == {torch.float32}
+    stored = dict(small.named_parameters())
+    assert all(torch.equal(p, stored[n].float()) for n, p in encoder.named_parameters())
+    rebuilt, _ = load_encoder(str(tmp_path / "fp16"), {**config, "dtype": "float16"})
+    assert {p.dtype for p in rebuilt.parameters()} == {torch.float32}
