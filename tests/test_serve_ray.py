@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 from mhmla_fast.commands.serve import main  # noqa: E402
 from mhmla_fast.serve import ray as serve_ray  # noqa: E402
 from mhmla_fast.serve.records import meta_path  # noqa: E402
+from essay_pieces import NO_PIECES_TEXTS, UNK_TEXTS  # noqa: E402
 
 BASE = ["--no-progress", "--threads", "1", "--device", "cpu", "--dtype", "float32"]
 MALFORMED = [b'{"text": oops}', b"", b"caf\xe9 latin-1", b'{"tokens": []}', b'{"text": 42}']
@@ -97,6 +98,10 @@ def test_score_on_ray_equals_the_single_process_cli(tmp_path, tiny_scorer_dir, l
         if i % 37 == 0:
             lines.append(["plain text is not an essay record", '{"text": "x", "prompt": 9}',
                           '{"text": "no head for it", "prompt": 8}', '{"prompt": 1}'][i // 37 % 4])
+        elif i % 41 == 0:  # no word pieces: an error record made on the worker, as the CLI's
+            lines.append(json.dumps({"text": NO_PIECES_TEXTS[i // 41 % 2], "prompt": 2}))
+        elif i % 43 == 0:  # only [UNK] pieces: scored
+            lines.append(json.dumps({"text": UNK_TEXTS[i // 43 % 2], "prompt": 3}))
         else:
             text = f"Essay {i} . " + "I think that computers is good for peoples . " * (i % 9 + 1)
             lines.append(json.dumps({"text": text, "prompt": i % 7 + 1, "id": f"e{i}"}))
@@ -107,7 +112,8 @@ def test_score_on_ray_equals_the_single_process_cli(tmp_path, tiny_scorer_dir, l
     assert main([*args, "--output", str(want)]) == 1
     assert main([*args, "--output", str(got), "--ray", "--shard-size", "64"]) == 1
     expected = read_jsonl(want)
-    assert sum("error" in r for r in expected) == 8
+    assert sum("error" in r for r in expected) == 8 + 7
+    assert sum("gives no word pieces" in r.get("error", "") for r in expected) == 7
     assert read_jsonl(got) == expected
     assert json.loads(Path(meta_path(str(got))).read_text())["input"] == json.loads(
         Path(meta_path(str(want))).read_text())["input"]

@@ -23,8 +23,9 @@ import pytest
 
 from mhmla_fast.aes.data import SCORE_RANGES
 from mhmla_fast.commands.serve import main
-from mhmla_fast.serve.records import has_visible_character
+from mhmla_fast.serve.score import NO_PIECES
 
+from essay_pieces import NO_PIECES_TEXTS, UNK_TEXTS
 from kill9 import kill_after_lines
 
 WORDS = ("the a cat dog house school every day he she they we go goes went see sees because "
@@ -112,7 +113,7 @@ def test_scores_in_input_order_with_every_malformed_kind(tmp_path, tiny_scorer_d
         (b'{"text": "", "prompt": 2}', 'field "text" is empty'),
         (b'{"text": " \\n\\t ", "prompt": 2}', 'field "text" is empty'),
         (b'{"text": 42, "prompt": 2}', 'field "text" must be a string'),
-        (b'{"text": "\\u200b\\u00ad \\u0001", "prompt": 2}', "only invisible characters"),
+        (b'{"text": "\\u200b\\u00ad \\u0001", "prompt": 2}', "gives no word pieces"),
         (b'{"text": "x", "prompt": 9}', "must be an integer from 1 to 8, got 9"),
         (b'{"text": "x", "prompt": "3"}', "must be an integer from 1 to 8, got string"),
         (b'{"text": "x", "prompt": 3.0}', "must be an integer from 1 to 8, got number"),
@@ -121,6 +122,12 @@ def test_scores_in_input_order_with_every_malformed_kind(tmp_path, tiny_scorer_d
         (b'{"text": "x", "prompt": 2, "id": [1]}', 'field "id" must be a string or an integer'),
         (b'{"text": "lone \\ud83d half", "prompt": 2}', "lone surrogate"),
         ('{"text": "caf\xe9", "prompt": 2}'.encode("latin-1"), "invalid UTF-8"),
+        # the scorer's tokenizer decides: no pieces (U+FFFD, combining, zero-width, private-use
+        # characters: refused) or some (unassigned code points give [UNK]: scored)
+        (json.dumps({"text": NO_PIECES_TEXTS[0], "prompt": 2}).encode(), "gives no word pieces"),
+        (json.dumps({"text": NO_PIECES_TEXTS[1], "prompt": 3}).encode(), "gives no word pieces"),
+        (json.dumps({"text": UNK_TEXTS[0], "prompt": 4}).encode(), None),
+        (json.dumps({"text": UNK_TEXTS[1], "prompt": 5}).encode(), None),
         *[(json.dumps({"text": essay(rng, long=k % 4 == 0), "prompt": 1 + k % 7}).encode(), None)
           for k in range(13)],
     ]
@@ -139,7 +146,6 @@ def test_scores_in_input_order_with_every_malformed_kind(tmp_path, tiny_scorer_d
         assert rec["error"].startswith(f"{src}: line {n}: ") and reason in rec["error"], rec
     assert out[16]["id"] == "p8" and "(it scores prompts 1, 2, 3, 4, 5, 6, 7)" in out[16]["error"]
     assert [r["id"] for _, r in good[:3]] == ["a1", 2, 0]
-    assert has_visible_character("\u200bx") and not has_visible_character("\u200b \u0301\ufeff")
     assert [r["prompt"] for _, r in good] == [x["prompt"] for x, _ in good]
     assert all(in_range(r["prompt"], r["score"]) for _, r in good)
 
@@ -147,6 +153,53 @@ def test_scores_in_input_order_with_every_malformed_kind(tmp_path, tiny_scorer_d
     want = tiny_scorer.predict_scores([x["text"] for x, _ in good], [x["prompt"] for x, _ in good])
     assert [r["score"] for _, r in good] == want.tolist()
     assert len({r["score"] for _, r in good}) > 2, "the tiny scorer gives different scores"
+
+
+def test_the_empty_essay_rule_is_the_scorers_own_tokenizer(tiny_scorer):
+    """An essay is refused exactly when the scorer's tokenizer gives it no word pieces; texts
+    with an ASCII letter or digit are never tokenized for it (each one alone gives a piece,
+    also beside characters that give none, with the tiny and the shipped scorer's tokenizer)."""
+    import string
+
+    from mhmla_fast.aes.model import load_tokenizer
+    from mhmla_fast.serve.score import default_scorer_path, essay_pieces_check, piece_encoder
+
+    tokenizers = [tiny_scorer.tokenizer]
+    if (default_scorer_path() / "tokenizer.json").is_file():
+        tokenizers.append(load_tokenizer(str(default_scorer_path())))
+    alnum = list(string.ascii_letters + string.digits)
+    for tok in tokenizers:
+        pieces = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+        assert all(pieces(alnum)) and all(pieces([NO_PIECES_TEXTS[1] + c for c in alnum]))
+        assert [bool(ids) for ids in pieces(NO_PIECES_TEXTS + UNK_TEXTS)] == [0, 0, 1, 1]
+    assert [len(x) for x in piece_encoder(tiny_scorer)(["Dear , \u200b", "\u200b"])] == [2, 0]
+
+    check = essay_pieces_check(tiny_scorer)
+    assert check([*NO_PIECES_TEXTS, *UNK_TEXTS, "a\u200b", "\u200b7", "\ufffd\u65e5"]) == [
+        NO_PIECES, NO_PIECES, None, None, None, None, None]
+    chars = [chr(c) for c in range(0x3000)]  # single characters: the rule is the tokenizer's
+    want = [None if ids else NO_PIECES for ids in tiny_scorer.tokenizer(
+        chars, add_special_tokens=False)["input_ids"]]
+    assert check(chars) == want and 0 < want.count(NO_PIECES) < 2000
+
+    class Spy:  # an ONNX scorer's encode; looked up once, asked only about non-ASCII texts
+        lookups, calls = 0, []
+
+        def __getattribute__(self, name):
+            if name == "encode":
+                Spy.lookups += 1
+            return object.__getattribute__(self, name)
+
+        def encode(self, texts):
+            Spy.calls.append(list(texts))
+            return [[] if t == "\u200b" else [7] for t in texts]
+
+    check = essay_pieces_check(Spy())
+    assert check(["x", "Essay 1 \u200b"]) == [None, None] and Spy.lookups == 0
+    assert check(["ok", "\u200b", "\u65e5"]) == [None, NO_PIECES, None]
+    assert check(["\u200b"]) == [NO_PIECES]
+    assert Spy.calls == [["\u200b", "\u65e5"], ["\u200b"]] and Spy.lookups == 1
+    assert essay_pieces_check(StubScorer())(["\u200b"]) == [None]  # no tokenizer: no rule
 
 
 def patch_predict_scores(monkeypatch, wrap) -> None:
@@ -389,10 +442,11 @@ def test_validation_and_size_limits_of_v1_score(tiny_scorer):
         bad_bodies = [
             {}, {"essays": "x"}, {"essays": [{"prompt": 1}]}, {"essays": [{"text": "a"}]},
             {"essays": [{"text": "", "prompt": 1}]}, {"essays": [{"text": " \n ", "prompt": 1}]},
-            # no character the tokenizer keeps: it used to get a plausible score (of "")
+            # no word pieces with the scorer's tokenizer: it used to get a plausible score
             {"essays": [{"text": "\u00ad\u200b\ufeff", "prompt": 1}]},
             {"essays": [{"text": "\u0001", "prompt": 1}]},
             {"essays": [{"text": " \u0301 ", "prompt": 1}]},
+            *({"essays": [{"text": t, "prompt": 1}]} for t in NO_PIECES_TEXTS),
             {"essays": [{"text": 5, "prompt": 1}]}, {"essays": [{"text": "a", "prompt": "1"}]},
             {"essays": [{"text": "a", "prompt": 1.0}]}, {"essays": [{"text": "a", "prompt": True}]},
             {"essays": [{"text": "a", "prompt": 0}]}, {"essays": [{"text": "a", "prompt": 9}]},
@@ -411,6 +465,20 @@ def test_validation_and_size_limits_of_v1_score(tiny_scorer):
         (detail,) = r.json()["detail"]
         assert detail["loc"] == ["body", "essays", 1, "prompt"]
         assert "no output layer for prompt 8" in detail["msg"]
+        r = await http.post("/v1/score", json={"essays": [
+            {"text": "a", "prompt": 1}, {"text": NO_PIECES_TEXTS[0], "prompt": 8},
+            {"text": NO_PIECES_TEXTS[1], "prompt": 2}]})
+        assert r.status_code == 422, r.text
+        assert [(d["loc"], d["msg"][:40]) for d in r.json()["detail"]] == [
+            (["body", "essays", 1, "text"], 'field "text" gives no word pieces: the s'),
+            (["body", "essays", 1, "prompt"], 'field "prompt": this scorer has no outpu'),
+            (["body", "essays", 2, "text"], 'field "text" gives no word pieces: the s')]
+        assert r.json()["detail"][0]["msg"] == NO_PIECES
+        # characters the old rule refused that the tokenizer keeps (as [UNK]) are scored
+        r = await http.post("/v1/score", json={"essays": [{"text": t, "prompt": 2}
+                                                          for t in UNK_TEXTS]})
+        assert r.status_code == 200, r.text
+        assert all(in_range(2, x["score"]) for x in r.json()["results"])
         for raw in (b'{"essays": [{"text": "\\ud800 lone", "prompt": 1}]}', b'{"essays": ['):
             r = await http.post("/v1/score", content=raw,
                                 headers={"content-type": "application/json"})
@@ -422,7 +490,7 @@ def test_validation_and_size_limits_of_v1_score(tiny_scorer):
         r = await http.post("/v1/score", json={"essays": [{"text": "word " * 5_000, "prompt": 1}]})
         assert r.status_code == 413, r.text
         m = metric_samples((await http.get("/metrics")).text)
-        assert m[("mhmla_http_requests_total", (("path", "/v1/score"), ("status", "422")))] == 22
+        assert m[("mhmla_http_requests_total", (("path", "/v1/score"), ("status", "422")))] == 25
         assert m[("mhmla_http_requests_total", (("path", "/v1/score"), ("status", "413")))] == 2
 
     run_app(app, body)

@@ -30,6 +30,8 @@ from mhmla_fast.serve.export_cache import (  # noqa: E402
 from mhmla_fast.serve.onnx_export import ExportValidationError  # noqa: E402
 from mhmla_fast.serve.score import load_scorer  # noqa: E402
 from mhmla_fast.serve.score_onnx import VALIDATION_ESSAYS, OnnxScorer, export_scorer  # noqa: E402
+from mhmla_fast.serve.score import NO_PIECES  # noqa: E402
+from essay_pieces import NO_PIECES_TEXTS, UNK_TEXTS  # noqa: E402
 from export_cache_fixtures import Lines, cache  # noqa: E402, F401 - the fixture
 
 WORDS = ("the a cat dog house school every day he she they we go goes went see sees because "
@@ -113,6 +115,14 @@ def test_auto_scores_with_the_cached_export_like_torch(warm, tiny_scorer_dir, ti
     finished = [scorer.finish_essay(p, [outs[id(p), w] for w in range(len(p.windows))])
                 for p in plans]
     assert finished == want.tolist() and max(len(p.windows) for p in plans) > 3
+    # the empty-essay rule asks the export's own tokenizer (no transformers), as torch's does
+    from mhmla_fast.serve.score import essay_pieces_check, piece_encoder
+
+    assert piece_encoder(scorer) == scorer.encode
+    tricky = [*NO_PIECES_TEXTS, *UNK_TEXTS, "\u200b", "\u0301", "\ue000", "\u65e5", "x\u200b"]
+    got = essay_pieces_check(scorer)(tricky)
+    assert got == essay_pieces_check(tiny_scorer)(tricky)
+    assert [g is None for g in got] == [False, False, True, True, False, False, False, True, True]
 
 
 def test_a_cls_regression_scorer_like_the_shipped_one(cls_regression_scorer_dir, cache):
@@ -312,8 +322,8 @@ def test_the_tagger_and_the_scorer_share_one_cache_under_their_own_keys(tiny_tag
 
 def test_a_warm_start_imports_no_torch(warm, tiny_scorer_dir, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text(json.dumps({"text": "Dear editor , computers help people .", "prompt": 1})
-                   + "\n")
+    src.write_text("".join(json.dumps({"text": t, "prompt": 1}) + "\n" for t in [
+        "Dear editor , computers help people .", NO_PIECES_TEXTS[0], UNK_TEXTS[0]]))
     code = ("import sys; from mhmla_fast.commands.serve import main; "
             f"rc = main(['score', {str(src)!r}, '-o', {str(out)!r}, '--model', "
             f"{str(tiny_scorer_dir)!r}, '--no-progress', '--threads', '1']); "
@@ -321,9 +331,11 @@ def test_a_warm_start_imports_no_torch(warm, tiny_scorer_dir, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "MHMLA_CACHE_DIR": str(warm)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0", "[]"], done.stdout + done.stderr
+    assert done.stdout.split() == ["1", "[]"], done.stdout + done.stderr  # 1: an error record
     assert "mhmla-fast" not in done.stderr  # nothing to say on a warm start
-    assert json.loads(out.read_text())["prompt"] == 1
+    first, empty, unk = map(json.loads, out.read_text().splitlines())
+    assert first["prompt"] == 1 and unk["prompt"] == 1 and "score" in unk
+    assert empty == {"index": 2, "id": 2, "error": f"{src}: line 2: {NO_PIECES}"}
 
 
 @pytest.mark.skipif(not (default_model_path() / "config.json").is_file(),

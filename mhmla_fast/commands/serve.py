@@ -36,12 +36,14 @@
     ``{"index", "id", "prompt", "score"}`` with the integer score on that prompt's scale
     (``mhmla_fast.aes.data.SCORE_RANGES``), or ``{"index", "id", "error"}`` for a malformed line:
     not JSON, plain text, a missing/empty/blank ``"text"``, a ``"prompt"`` that is not an integer
-    1..8 or has no output layer in the scorer, a bad ``"id"`` (scoring goes on). Essays are
-    scored in chunks of ``--batch-essays`` (64) valid records, each chunk ONE ``predict_scores``
-    call, so all windows of all its essays go through the encoder together (``--token-budget``
-    padded word pieces per forward pass). ``--output``, ``--resume``, the progress bar (essays/s)
-    and the exit statuses are those of ``tag``. ``--backend`` auto (default) runs the scorer's
-    cached ONNX export on the CPU (:mod:`mhmla_fast.serve.score_onnx`), torch elsewhere.
+    1..8 or has no output layer in the scorer, a bad ``"id"``, a ``"text"`` that gives no word
+    pieces with the scorer's tokenizer (it would be scored as an empty essay); scoring goes on.
+    Essays are scored in chunks of ``--batch-essays`` (64) valid records, each chunk ONE
+    ``predict_scores`` call, so all windows of all its essays go through the encoder together
+    (``--token-budget`` padded word pieces per forward pass). ``--output``, ``--resume``, the
+    progress bar (essays/s) and the exit statuses are those of ``tag``. ``--backend`` auto
+    (default) runs the scorer's cached ONNX export on the CPU
+    (:mod:`mhmla_fast.serve.score_onnx`), torch elsewhere.
 
 ``tag --ray`` / ``score --ray``
     The same records, sidecar and exit statuses, computed on Ray Data
@@ -613,7 +615,7 @@ def _check_ray_options(args: argparse.Namespace) -> None:
 def run_score(args: argparse.Namespace) -> int:
     """``mhmla-serve score``: essays (JSONL) -> ``{"index", "id", "prompt", "score"}`` records
     (or error records) in input order; returns the exit status (see :func:`drive_records`)."""
-    from ..serve.score import check_prompts, score_records
+    from ..serve.score import check_prompts, essay_pieces_check, score_records
 
     if args.resume and not args.output:
         raise UsageError("--resume needs --output FILE")
@@ -632,8 +634,10 @@ def run_score(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     total = _count_lines(inputs) if progress else None
 
+    check = essay_pieces_check(scorer)  # essays with no word pieces: error records
+
     def process(batch):
-        return score_records(scorer, batch, args.token_budget)
+        return score_records(scorer, batch, args.token_budget, check=check)
 
     return drive_records(check_prompts(records, scorer.config.prompts), process, writer,
                          args.batch_essays, output=args.output, progress=progress, total=total,

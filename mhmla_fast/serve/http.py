@@ -35,12 +35,15 @@ Endpoints (:func:`create_app`)
     Statuses: 200; 415 and 422 for the body as for ``/v1/tag``; 422 a body that breaks the
     schema (``"text"`` missing, not a string or blank;
     ``"prompt"`` not an integer 1..8 (no strings, floats or booleans); ``"id"`` not a string or
-    integer; unknown fields), or a prompt the scorer has no output layer for (``loc`` points at
-    the essay's ``prompt``); 413 a body over ``max_request_bytes``, more than
-    ``max_essays_per_request`` essays or an essay over ``max_text_chars``; 504 and dropping as
-    for ``/v1/tag``; 503 with ``Retry-After`` when the queue is full or the
-    server is shutting down; 500 when the scorer failed on this request's essays; 404 when the
-    app has no scorer (``{"detail": "essay scoring is not enabled ..."}``).
+    integer; unknown fields), a text that gives no word pieces with the scorer's tokenizer (it
+    would be scored as an empty essay; ``loc`` points at the essay's ``text``,
+    :func:`~mhmla_fast.serve.score.essay_pieces_check`) or a prompt the scorer has no output
+    layer for (``loc`` points at the essay's ``prompt``); 413 a body over
+    ``max_request_bytes``, more than ``max_essays_per_request`` essays or an essay over
+    ``max_text_chars``; 504 and dropping as for ``/v1/tag``; 503 with ``Retry-After`` when the
+    queue is full or the server is shutting down; 500 when the scorer failed on this request's
+    essays; 404 when the app has no scorer (``{"detail": "essay scoring is not enabled
+    ..."}``).
 
 ``GET /healthz``
     200 ``{"status": "ok", "model", "queue_depth"}`` (plus ``"scorer"``, its name, when the app
@@ -104,8 +107,7 @@ from pydantic import (
 from .scheduler import (
     EngineFailure, MicroBatcher, QueueFull, TooCostly, Unavailable, estimate_pieces,
 )
-from .records import has_visible_character
-from .score import unsupported_prompt
+from .score import essay_pieces_check, unsupported_prompt
 
 __all__ = ["create_app", "MicroBatcher", "QueueFull", "TooCostly", "Unavailable",
            "EngineFailure", "estimate_pieces", "BodyLimit", "TagRequest", "TagResponse",
@@ -217,9 +219,6 @@ class EssayIn(BaseModel):
     def _is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
             _no_surrogates(value, info.field_name)
-        if info.field_name == "text" and not has_visible_character(value):
-            raise ValueError("only invisible characters (control, format or combining ones); "
-                             "it would be scored as an empty essay")
         return value
 
 
@@ -484,11 +483,16 @@ def _unavailable(detail: str) -> JSONResponse:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _unsupported_prompts(essays: Sequence[EssayIn], prompts: Sequence[int]) -> list[dict]:
-    """422 error entries (``loc``, ``msg``, ``type``) for the essays whose prompt the scorer has
-    no output layer for; empty when all can be scored."""
+def _unscorable(essays: Sequence[EssayIn], prompts: Sequence[int],
+                check: Callable[[Sequence[str]], list[str | None]]) -> list[dict]:
+    """422 error entries (``loc``, ``msg``, ``type``) for the essays whose text gives no word
+    pieces with the scorer's tokenizer (``check``, :func:`~.score.essay_pieces_check`) and
+    those whose prompt the scorer has no output layer for; empty when all can be scored."""
     errors = []
-    for k, essay in enumerate(essays):
+    for k, (essay, no_pieces) in enumerate(zip(essays, check([e.text for e in essays]))):
+        if no_pieces is not None:
+            errors.append({"loc": ["body", "essays", k, "text"], "msg": no_pieces,
+                           "type": "value_error"})
         reason = unsupported_prompt(essay.prompt, prompts)
         if reason is not None:
             errors.append({"loc": ["body", "essays", k, "prompt"], "msg": reason,
@@ -592,6 +596,11 @@ def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
         return
 
     prompts = tuple(int(p) for p in scorer.config.prompts)
+    check = essay_pieces_check(scorer)
+    # Look the tokenizer up now, before the batching worker runs: a transformers tokenizer
+    # sets its padding and truncation on its first call and never again, so afterwards the
+    # route (on the event loop) and the worker (scoring) may encode at the same time.
+    check([""])
 
     @app.post(SCORE_PATH, response_model=ScoreResponse, responses={
         413: {"model": ErrorResponse, "description": "body or essay count over the limit"},
@@ -606,7 +615,7 @@ def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
         too_long = _over_long("essays", [e.text for e in essays], max_text_chars)
         if too_long:
             raise HTTPException(413, too_long)
-        errors = _unsupported_prompts(essays, prompts)
+        errors = _unscorable(essays, prompts, check)
         if errors:
             return JSONResponse({"detail": errors}, status_code=422)
         results = await wait("essays", [(e.text, e.prompt) for e in essays], request)

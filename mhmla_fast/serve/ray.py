@@ -348,11 +348,12 @@ def load_processor(job: RayJob) -> Callable[[list[InputRecord]], list[dict]]:
                              kernels=job.kernels, threads=job.num_cpus, threshold=job.threshold,
                              token_budget=job.token_budget, cache=job.cache)
         return lambda batch: tag_records(engine, batch)
-    from .score import load_scorer, score_records
+    from .score import essay_pieces_check, load_scorer, score_records
 
     scorer = load_scorer(job.model, backend=job.backend, device=job.device, dtype=job.dtype,
                          kernels=job.kernels, threads=job.num_cpus, cache=job.cache)
-    return lambda batch: score_records(scorer, batch, job.token_budget)
+    check = essay_pieces_check(scorer)  # essays with no word pieces: the CLI's error records
+    return lambda batch: score_records(scorer, batch, job.token_budget, check=check)
 
 
 class ShardWorker:

@@ -38,7 +38,9 @@ JSON ``"id"`` when that one is valid, else the index). Reasons: invalid UTF-8 (o
 reads the line as plain text), a JSON value that is not an object (``"jsonl"``), a missing field, a field of the wrong type, an empty/blank ``"text"``, ``"text"`` and
 ``"tokens"`` both given, ``"tokens"`` empty or holding a non-string or blank string, ``"prompt"``
 outside 1..8, a string with a lone surrogate (from a ``\\udXXX`` JSON escape), and for ``score`` a
-plain-text line or a ``"text"`` of only invisible characters (:func:`has_visible_character`). A missing input file raises before anything is read.
+plain-text line. (A ``"text"`` that gives no word pieces is refused later, with the scorer's own
+tokenizer: :func:`mhmla_fast.serve.score.essay_pieces_check`.) A missing input file raises
+before anything is read.
 
 With ``max_chars`` (``--max-chars N``) a line is read whole only up to :func:`read_bound` bytes
 (16 per allowed character, plus 64 MiB): a longer one is read in pieces, never held, and becomes
@@ -124,7 +126,6 @@ import re
 import stat
 import sys
 import time
-import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
@@ -147,7 +148,6 @@ __all__ = [
     "RunSummary",
     "check_encoding",
     "directory_fingerprint",
-    "has_visible_character",
     "is_parquet",
     "iter_input_records",
     "limit_length",
@@ -237,17 +237,6 @@ def _check_text(value: Any) -> str:
     if not text.strip():
         raise _Invalid('field "text" is empty')
     return text
-
-
-def has_visible_character(text: str) -> bool:
-    """Whether ``text`` has a character a word-piece tokenizer keeps: printable (no control,
-    format, private-use, unassigned or surrogate code point), not whitespace, and not a
-    combining mark (which accent stripping removes). An essay without one would be scored as
-    an empty essay, so ``score`` refuses it."""
-    for ch in text:
-        if ch.isprintable() and not ch.isspace() and not unicodedata.category(ch).startswith("M"):
-            return True
-    return False
 
 
 def _check_tokens(value: Any) -> tuple[str, ...]:
@@ -346,9 +335,6 @@ def _object_record(obj: Mapping[str, Any], kind: str, index: int, source: str, l
         if "text" not in obj:
             raise _Invalid('missing field "text"')
         text = _check_text(obj["text"])
-        if not has_visible_character(text):
-            raise _Invalid('field "text" has only invisible characters (control, format or '
-                           "combining ones); it would be scored as an empty essay")
         if "prompt" not in obj:
             raise _Invalid('missing field "prompt"')
         prompt = obj["prompt"]

@@ -11,22 +11,37 @@ windows of all its essays go through the encoder together in token-budget batche
 A scorer has output layers for some prompts only (``scorer.config.prompts``; the shipped one for
 all eight); :func:`check_prompts` turns input records of the other prompts into error records,
 with the same ``"<source>: line <n>: <reason>"`` message form as every other malformed line.
+
+An essay whose text gives no word pieces with the scorer's own tokenizer (no special tokens)
+would be scored as an empty essay: :func:`essay_pieces_check` is that rule for a scorer, exact
+(it asks the tokenizer) and cheap (only texts without an ASCII letter or digit are tokenized: a
+word-piece tokenizer keeps every one of those). :func:`score_records` (``mhmla-serve score``,
+also on Ray's workers) makes such a record an error record, ``"<source>: line <n>: "`` followed
+by :data:`NO_PIECES`, and ``POST /v1/score`` answers 422 with :data:`NO_PIECES` at the essay's
+``text``. The check runs after the input is fingerprinted (:mod:`.records`), on the scorer's
+side, so a Ray job and the CLI make the same records and the same sidecar.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .options import TORCH_DTYPES, ServeOptions, resolve_dtype, resolve_options
 from .records import location
 
-__all__ = ["DTYPES", "check_prompts", "default_scorer_path", "load_scorer", "score_essays",
-           "score_records", "scorer_options", "unsupported_prompt"]
+__all__ = ["DTYPES", "NO_PIECES", "check_prompts", "default_scorer_path", "essay_pieces_check",
+           "load_scorer", "piece_encoder", "score_essays", "score_records", "scorer_options",
+           "unsupported_prompt"]
 
 DTYPES = TORCH_DTYPES
+NO_PIECES = ('field "text" gives no word pieces: the scorer\'s tokenizer keeps none of its '
+             "characters (such as spaces, control, format, private-use or combining characters, "
+             "U+FFFD); it would be scored as an empty essay")
+_ASCII_ALNUM = re.compile(r"[0-9A-Za-z]")  # a text with one always gives word pieces
 
 
 def default_scorer_path() -> Path:
@@ -114,6 +129,50 @@ def check_prompts(records: Iterable[Any], prompts: Sequence[int]) -> Iterator[An
         yield rec
 
 
+def piece_encoder(scorer: Any) -> Callable[[list[str]], list[list[int]]] | None:
+    """The word pieces ``scorer`` scores texts with (no special tokens, no truncation, no
+    padding), as a function of a list of texts: an :class:`~.score_onnx.OnnxScorer`'s
+    ``encode``; else its tokenizer (``scorer.tokenizer``, else
+    ``load_tokenizer(scorer.config.encoder_spec)``, as ``EssayScorer.predict_scores`` picks
+    it); None for a scorer with neither (a stand-in)."""
+    encode = getattr(scorer, "encode", None)
+    if callable(encode):
+        return encode
+    tokenizer = getattr(scorer, "tokenizer", None)
+    if tokenizer is None:
+        spec = getattr(getattr(scorer, "config", None), "encoder_spec", None)
+        if spec is None:
+            return None
+        from ..encoder import load_tokenizer
+
+        tokenizer = load_tokenizer(spec)
+    return lambda texts: tokenizer(texts, add_special_tokens=False, truncation=False,
+                                   padding=False)["input_ids"]
+
+
+def essay_pieces_check(scorer: Any) -> Callable[[Sequence[str]], list[str | None]]:
+    """The empty-essay rule of ``scorer``: a function of texts giving, for each one,
+    :data:`NO_PIECES` when the scorer's tokenizer (:func:`piece_encoder`) gives it no word
+    pieces, else None. Only texts without an ASCII letter or digit are tokenized (one call for
+    all of them); the tokenizer is looked up at the first such text and kept. A scorer without
+    a tokenizer (a stand-in) has no such rule: None for every text."""
+    encoder: list = []  # [the encoder, or None], once looked up
+
+    def check(texts: Sequence[str]) -> list[str | None]:
+        out: list[str | None] = [None] * len(texts)
+        todo = [k for k, text in enumerate(texts) if not _ASCII_ALNUM.search(text)]
+        if todo:
+            if not encoder:
+                encoder.append(piece_encoder(scorer))
+            if encoder[0] is not None:
+                for k, ids in zip(todo, encoder[0]([texts[k] for k in todo])):
+                    if len(ids) == 0:
+                        out[k] = NO_PIECES
+        return out
+
+    return check
+
+
 def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
                  token_budget: int = 8192) -> list[dict[str, int]]:
     """``[{"prompt": p_i, "score": s_i}]`` for essays ``texts`` [n] of ``prompts`` [n], in order.
@@ -132,14 +191,26 @@ def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
     return [{"prompt": p, "score": int(s)} for p, s in zip(prompts, scores)]
 
 
-def score_records(scorer: Any, records: Sequence[Any], token_budget: int = 8192
-                  ) -> list[dict[str, int]]:
+def score_records(scorer: Any, records: Sequence[Any], token_budget: int = 8192, *,
+                  check: Callable[[Sequence[str]], list[str | None]] | None = None
+                  ) -> list[dict[str, Any]]:
     """:func:`score_essays` over valid ``"score"`` input records (``.text``, ``.prompt``); a
     record cut by ``--max-chars N --over-long cap`` gets ``"capped_from"`` (its original
-    length in characters), as ``tag`` records do."""
-    out = score_essays(scorer, [r.text for r in records], [r.prompt for r in records],
-                       token_budget)
-    for rec, res in zip(records, out):
+    length in characters), as ``tag`` records do. A record whose text gives no word pieces
+    (``check``, default :func:`essay_pieces_check` of ``scorer``; pass one made once to keep
+    its tokenizer across calls) is not scored: its result is ``{"error": "<source>: line <n>:
+    NO_PIECES"}``."""
+    reasons = (check or essay_pieces_check(scorer))([r.text for r in records])
+    ok = [rec for rec, why in zip(records, reasons) if why is None]
+    scored = iter(score_essays(scorer, [r.text for r in ok], [r.prompt for r in ok],
+                               token_budget))
+    out: list[dict[str, Any]] = []
+    for rec, why in zip(records, reasons):
+        if why is not None:
+            out.append({"error": f"{location(rec.source, rec.line)}: {why}"})
+            continue
+        res = next(scored)
         if rec.capped_from is not None:
             res["capped_from"] = rec.capped_from
+        out.append(res)
     return out
