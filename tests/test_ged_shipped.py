@@ -86,7 +86,9 @@ def test_a_run_with_trained_word_embeddings_ships_under_the_budget(tmp_path):
     back = shipped.encoder.get_input_embeddings().weight
     err = (back - emb).detach().abs()
     assert (err[changed] <= delta.abs().amax(1, keepdim=True) / 254 + 1e-6).all()  # half a step
-    assert err.sum() == err[changed].sum()  # the other rows are the package's exactly
+    others = torch.ones(len(emb), dtype=torch.bool)
+    others[changed] = False
+    assert err[others].max() == 0  # the other rows are the package's exactly
     ids = torch.tensor([[101, 1045, 2175, 2000, 2082, 102]])
     mask = torch.ones_like(ids)
     with torch.no_grad():
