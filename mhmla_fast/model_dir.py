@@ -70,10 +70,11 @@ def row_delta(trained: torch.Tensor, base: torch.Tensor) -> dict[str, torch.Tens
 def apply_row_delta(base: torch.Tensor, rows: torch.Tensor, q: torch.Tensor,
                     scale: torch.Tensor) -> torch.Tensor:
     """``base`` [V, C] with ``q * scale`` [R, C] added at ``rows`` [R] (see :func:`row_delta`),
-    in fp32. ValueError when the parts do not fit ``base`` or each other."""
+    in fp32. ValueError when the parts do not fit ``base`` or each other, or a row repeats."""
     V, C = base.shape
     if (rows.dim() != 1 or q.shape != (rows.numel(), C) or scale.shape != (rows.numel(),)
-            or q.dtype != torch.int8 or (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < V)):
+            or q.dtype != torch.int8 or (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < V)
+            or torch.unique(rows).numel() != rows.numel()):
         raise ValueError(f"row delta: parts {tuple(rows.shape)}, {tuple(q.shape)} {q.dtype}, "
                          f"{tuple(scale.shape)} do not fit a base tensor of {V} x {C}")
     out = base.float().clone()

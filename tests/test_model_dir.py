@@ -99,6 +99,8 @@ def test_row_delta_parts_that_do_not_fit_are_refused():
         apply_row_delta(base, rows, q, scale)  # row 4 of 4
     with pytest.raises(ValueError, match="do not fit"):
         apply_row_delta(base, torch.tensor([0, 1]), q.float(), scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        apply_row_delta(base, torch.tensor([2, 2]), q, scale)  # a row twice
     with pytest.raises(ValueError, match="one shape"):
         row_delta(torch.zeros(4, 3), torch.zeros(5, 3))
 
