@@ -35,7 +35,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def current_umask() -> int:
-    """The process's umask (read by setting it, then putting it back)."""
+    """The process's umask: from ``/proc/self/status`` where there is one (Linux), else read by
+    setting it and putting it back (which another thread creating a file in between would see)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

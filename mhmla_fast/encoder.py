@@ -79,9 +79,12 @@ def load_encoder(spec: EncoderSpec | str, encoder_config: dict[str, Any] | None 
 
     def no_pooler(make, source):
         try:
-            return make(source, add_pooling_layer=False, dtype=torch.float32)
+            encoder = make(source, add_pooling_layer=False)
         except TypeError:  # encoders without a pooler option (e.g. XLNet, DeBERTa)
-            return make(source, dtype=torch.float32)
+            encoder = make(source)
+        # converted after loading rather than with from_pretrained's dtype argument, which
+        # transformers before 4.56 calls torch_dtype (and passes an unknown one to the model)
+        return encoder.to(torch.float32)
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the unused pooler weights are not worth a report

@@ -60,6 +60,8 @@ def row_delta(trained: torch.Tensor, base: torch.Tensor) -> dict[str, torch.Tens
         raise ValueError(f"row delta: expected two [V, C] tensors of one shape, got "
                          f"{tuple(trained.shape)} and {tuple(base.shape)}")
     trained, base = trained.detach().float().cpu(), base.detach().float().cpu()
+    if not bool(torch.isfinite(trained).all()):
+        raise ValueError("row delta: the trained tensor has non-finite values")
     rows = (trained != base).any(dim=1).nonzero().flatten()
     d = trained[rows] - base[rows]
     scale = d.abs().amax(dim=1) / 127
@@ -70,10 +72,13 @@ def row_delta(trained: torch.Tensor, base: torch.Tensor) -> dict[str, torch.Tens
 def apply_row_delta(base: torch.Tensor, rows: torch.Tensor, q: torch.Tensor,
                     scale: torch.Tensor) -> torch.Tensor:
     """``base`` [V, C] with ``q * scale`` [R, C] added at ``rows`` [R] (see :func:`row_delta`),
-    in fp32. ValueError when the parts do not fit ``base`` or each other, or a row repeats."""
+    in fp32. ValueError when the parts do not fit ``base`` or each other, a row repeats, the
+    rows are not integers or a scale is not finite."""
     V, C = base.shape
     if (rows.dim() != 1 or q.shape != (rows.numel(), C) or scale.shape != (rows.numel(),)
             or q.dtype != torch.int8 or (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < V)
+            or rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool
+            or not scale.is_floating_point() or not bool(torch.isfinite(scale).all())
             or torch.unique(rows).numel() != rows.numel()):
         raise ValueError(f"row delta: parts {tuple(rows.shape)}, {tuple(q.shape)} {q.dtype}, "
                          f"{tuple(scale.shape)} do not fit a base tensor of {V} x {C}")

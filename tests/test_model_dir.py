@@ -101,6 +101,12 @@ def test_row_delta_parts_that_do_not_fit_are_refused():
         apply_row_delta(base, torch.tensor([0, 1]), q.float(), scale)
     with pytest.raises(ValueError, match="do not fit"):
         apply_row_delta(base, torch.tensor([2, 2]), q, scale)  # a row twice
+    with pytest.raises(ValueError, match="do not fit"):
+        apply_row_delta(base, torch.tensor([1.2, 1.7]), q, scale)  # not row indices
+    with pytest.raises(ValueError, match="do not fit"):
+        apply_row_delta(base, torch.tensor([0, 1]), q, torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="non-finite"):
+        row_delta(torch.tensor([[float("inf"), 0.0, 0.0]]), torch.zeros(1, 3))
     with pytest.raises(ValueError, match="one shape"):
         row_delta(torch.zeros(4, 3), torch.zeros(5, 3))
 
@@ -160,6 +166,11 @@ def test_atomic_write_text_replaces_whole_and_leaves_nothing_beside(tmp_path, mo
     assert path.read_text() == '{"a": 2}'
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
     assert path.stat().st_mode & 0o777 == 0o666 & ~durable.current_umask()
+    old = os.umask(0o027)
+    try:
+        assert durable.current_umask() == 0o027
+    finally:
+        os.umask(old)
 
     def failing_replace(src, dst):
         raise OSError("disk full")

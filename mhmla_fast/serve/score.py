@@ -147,7 +147,7 @@ def piece_encoder(scorer: Any) -> Callable[[list[str]], list[list[int]]] | None:
 
         tokenizer = load_tokenizer(spec)
     return lambda texts: tokenizer(texts, add_special_tokens=False, truncation=False,
-                                   padding=False)["input_ids"]
+                                   padding=False, verbose=False)["input_ids"]
 
 
 def essay_pieces_check(scorer: Any) -> Callable[[Sequence[str]], list[str | None]]:
