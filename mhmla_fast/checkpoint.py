@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from . import filelock
-from .durable import atomic_write_text, fsync_file
+from .durable import atomic_write_text, replace_durably
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
@@ -97,8 +97,7 @@ def _write(out: Path, tensors: dict, groups: list, state_json: str, step: int) -
     name = f"checkpoint-{step}.safetensors"
     tmp = out / (name + ".tmp")
     save_file(tensors, tmp)
-    fsync_file(tmp)
-    os.replace(tmp, out / name)
+    replace_durably(tmp, out / name)
     meta = {**json.loads(state_json), "tensors": name, "param_groups": groups}
     atomic_write_text(out / "checkpoint.json", json.dumps(meta, indent=1))
     for old in [*out.glob("checkpoint-*.safetensors"), *out.glob("checkpoint-*.safetensors.tmp")]:

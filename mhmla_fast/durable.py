@@ -7,30 +7,41 @@ from __future__ import annotations
 import os
 import tempfile
 
-__all__ = ["atomic_write_text", "current_umask", "fsync_dir", "fsync_file", "fsync_parent"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "current_umask", "fsync_dir", "fsync_file",
+           "fsync_parent", "replace_durably"]
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace ``path`` with ``text`` (UTF-8) all at once: written to a temporary file of its
-    own beside it (so concurrent writers never share one), fsynced, renamed over ``path``, and
-    the rename made durable. Readers see the old file or the new one, never a part; a failure
-    leaves no temporary file behind."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` all at once: written to a temporary file of its own
+    beside it (``.<name>.<random>.tmp``, so concurrent writers never share one), fsynced,
+    renamed over ``path``, and the rename made durable (:func:`replace_durably`). Readers see
+    the old file or the new one, never a part; a failure leaves no temporary file behind."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; a results file is shared
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def replace_durably(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Publish the written file ``tmp`` as ``path``: fsync its bytes, rename it over ``path``,
+    fsync the directory entry."""
+    fsync_file(tmp)
+    os.replace(tmp, path)
     fsync_parent(path)
 
 

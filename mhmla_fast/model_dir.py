@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -26,8 +26,8 @@ from .durable import current_umask, fsync_dir, fsync_file
 from .encoder import EMBEDDED_ENCODER, resolve_encoder
 
 __all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
-           "row_delta", "apply_row_delta", "DELTA_PARTS", "require_model_dir", "check_save_target", "write_model_dir", "read_model_state", "load_checked_state",
-           "ModelDirMixin"]
+           "row_delta", "apply_row_delta", "DELTA_PARTS", "require_model_dir", "check_save_target",
+           "write_model_dir", "read_model_state", "load_checked_state", "ModelDirMixin"]
 
 def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
     """Frozen ``encoder.*`` parameters of ``model``: model key -> base encoder key."""
@@ -75,11 +75,13 @@ def apply_row_delta(base: torch.Tensor, rows: torch.Tensor, q: torch.Tensor,
     in fp32. ValueError when the parts do not fit ``base`` or each other, a row repeats, the
     rows are not integers or a scale is not finite."""
     V, C = base.shape
-    if (rows.dim() != 1 or q.shape != (rows.numel(), C) or scale.shape != (rows.numel(),)
-            or q.dtype != torch.int8 or (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < V)
-            or rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool
-            or not scale.is_floating_point() or not bool(torch.isfinite(scale).all())
-            or torch.unique(rows).numel() != rows.numel()):
+    R = rows.numel()
+    shapes = rows.dim() == 1 and q.shape == (R, C) and scale.shape == (R,)
+    dtypes = (q.dtype == torch.int8 and scale.is_floating_point()
+              and rows.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+    if not (shapes and dtypes and bool(torch.isfinite(scale).all())
+            and (R == 0 or 0 <= int(rows.min()) <= int(rows.max()) < V)
+            and torch.unique(rows).numel() == R):  # in range, each row once
         raise ValueError(f"row delta: parts {tuple(rows.shape)}, {tuple(q.shape)} {q.dtype}, "
                          f"{tuple(scale.shape)} do not fit a base tensor of {V} x {C}")
     out = base.float().clone()

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from .. import filelock
-from ..durable import fsync_file, fsync_parent
+from ..durable import replace_durably
 from .model import collate_windows, encode_essay_windows, token_budget_batches
 
 __all__ = ["CachedFeatures", "POOLINGS", "cache_path", "encode_window_features",
@@ -205,9 +205,7 @@ def _save(path: Path, features: Tensor, essay_ids: Sequence[int], n_windows: Seq
                "essay_ids": torch.as_tensor(np.asarray(essay_ids, dtype=np.int64)),
                "n_windows": torch.as_tensor(np.asarray(n_windows, dtype=np.int64))},
               tmp, metadata={"meta": json.dumps(meta)})
-    fsync_file(tmp)
-    os.replace(tmp, path)
-    fsync_parent(path)
+    replace_durably(tmp, path)
 
 
 def _read(path: Path) -> CachedFeatures:

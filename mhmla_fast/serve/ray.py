@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..durable import fsync_parent
+from ..durable import atomic_write_bytes
 from .records import (
     InputFingerprint,
     InputRecord,
@@ -398,20 +398,10 @@ def shards_dir(output: str) -> Path:
     return Path(output + SHARDS_SUFFIX)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_parent(path)
-
-
 def _new_job_dir(folder: Path, made_from: dict, size: int, plan: Plan) -> None:
     """Create ``folder`` and its ``job.json`` (atomically, before any shard)."""
     folder.mkdir(exist_ok=True)
-    _write_atomic(folder / "job.json", json.dumps(
+    atomic_write_bytes(folder / "job.json", json.dumps(
         {"format": JOB_FORMAT, "made_from": made_from, "shard_size": size,
          "records": plan.records, "sha256": plan.sha256}, indent=1, sort_keys=True).encode())
 
@@ -555,7 +545,7 @@ def _run_shards(job: RayJob, plan: Plan, committed: dict[int, Path], done: int, 
     try:
         for row in _process(job, todo, workers):
             shard = plan.shards[int(row["shard"])]
-            _write_atomic(folder / shard.file_name, row["text"].encode("utf-8"))
+            atomic_write_bytes(folder / shard.file_name, row["text"].encode("utf-8"))
             committed[shard.shard] = folder / shard.file_name
             bar.update(shard.count)
             if on_commit is not None:
