@@ -83,7 +83,10 @@ def load_encoder(spec: EncoderSpec | str, encoder_config: dict[str, Any] | None 
         except TypeError:  # encoders without a pooler option (e.g. XLNet, DeBERTa)
             encoder = make(source)
         # converted after loading rather than with from_pretrained's dtype argument, which
-        # transformers before 4.56 calls torch_dtype (and passes an unknown one to the model)
+        # transformers before 4.56 calls torch_dtype (and passes an unknown one to the model);
+        # the config then says so too, so a model directory never records a dtype it lacks
+        config = encoder.config
+        setattr(config, "dtype" if hasattr(type(config), "dtype") else "torch_dtype", torch.float32)
         return encoder.to(torch.float32)
 
     level = hf_logging.get_verbosity()

@@ -134,5 +134,8 @@ def test_an_fp16_checkpoint_loads_as_fp32_parameters(tmp_path):
     assert {p.dtype for p in encoder.parameters()} == {torch.float32}
     stored = dict(small.named_parameters())
     assert all(torch.equal(p, stored[n].float()) for n, p in encoder.named_parameters())
-    rebuilt, _ = load_encoder(str(tmp_path / "fp16"), {**config, "dtype": "float16"})
+    # the config a model directory stores says what the parameters are
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    rebuilt, rebuilt_config = load_encoder(str(tmp_path / "fp16"), {**config, "dtype": "float16"})
     assert {p.dtype for p in rebuilt.parameters()} == {torch.float32}
+    assert rebuilt_config["dtype"] == "float16"  # a stored config is handed back as it was

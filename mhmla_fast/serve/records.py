@@ -78,8 +78,9 @@ itself stays one result per line, so every JSONL reader keeps working)::
 ``made_from`` is the caller's description of everything that changes the records (the command,
 a fingerprint of the model directory, threshold, options); ``input`` vouches for the first ``m``
 input records: ``h`` is the :class:`InputFingerprint` of their content (ids, texts, tokens,
-prompts, error reasons; not the file names). The sidecar is replaced atomically (written to
-``.tmp``, fsync-ed, renamed, directory fsync-ed) *before* any line past the ``m`` it vouches for is
+prompts, error reasons; not the file names). The sidecar is replaced atomically
+(:func:`mhmla_fast.durable.atomic_write_text`: a temporary file of its own, fsync-ed, renamed,
+directory fsync-ed) *before* any line past the ``m`` it vouches for is
 written, so the output never holds a record its sidecar does not cover.
 
 * The writer holds an exclusive ``fcntl.flock`` on the output file while it is open: a second
@@ -133,7 +134,7 @@ from typing import IO, Any, BinaryIO
 from tqdm import tqdm
 
 from .. import filelock
-from ..durable import fsync_parent
+from ..durable import atomic_write_text, fsync_parent
 from ..progress import progress_bar
 
 __all__ = [
@@ -903,14 +904,7 @@ class ResumableJsonlWriter:
         meta = meta_path(self.path)
         data = {"format": META_FORMAT, "output": os.path.basename(self.path),
                 "made_from": self.made_from, "input": {"records": records, "sha256": sha256}}
-        tmp = meta + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, meta)
-        fsync_parent(meta)
+        atomic_write_text(meta, json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
 
     def vouch(self, records: int, sha256: str) -> None:
         """Record in the sidecar (atomically, durably) that the output is made from ``records``

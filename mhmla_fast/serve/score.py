@@ -25,6 +25,7 @@ side, so a Ray job and the CLI make the same records and the same sidecar.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -156,18 +157,18 @@ def essay_pieces_check(scorer: Any) -> Callable[[Sequence[str]], list[str | None
     pieces, else None. Only texts without an ASCII letter or digit are tokenized (one call for
     all of them); the tokenizer is looked up at the first such text and kept. A scorer without
     a tokenizer (a stand-in) has no such rule: None for every text."""
-    encoder: list = []  # [the encoder, or None], once looked up
+
+    @functools.cache
+    def encoder() -> Callable[[list[str]], list[list[int]]] | None:
+        return piece_encoder(scorer)
 
     def check(texts: Sequence[str]) -> list[str | None]:
         out: list[str | None] = [None] * len(texts)
         todo = [k for k, text in enumerate(texts) if not _ASCII_ALNUM.search(text)]
-        if todo:
-            if not encoder:
-                encoder.append(piece_encoder(scorer))
-            if encoder[0] is not None:
-                for k, ids in zip(todo, encoder[0]([texts[k] for k in todo])):
-                    if len(ids) == 0:
-                        out[k] = NO_PIECES
+        if todo and encoder() is not None:
+            for k, ids in zip(todo, encoder()([texts[k] for k in todo])):
+                if len(ids) == 0:
+                    out[k] = NO_PIECES
         return out
 
     return check
