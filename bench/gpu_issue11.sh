@@ -64,7 +64,9 @@ for f in src.iterdir():
     if f.name != "word_embeddings.safetensors":
         shutil.copy(f, dst / f.name)
 tagger = load_file("mhmla_fast/models/ged-minilm-mhmla12/model.safetensors")
-state = {k[len("encoder."):]: v.float() for k, v in tagger.items() if k.startswith("encoder.")}
+# the encoder's tensors (a row delta's parts, "<key>:delta_*", apply to MiniLM's own rows: left out)
+state = {k[len("encoder."):]: v.float() for k, v in tagger.items()
+         if k.startswith("encoder.") and ":" not in k}
 state.update({k: v.float() for k, v in load_file(src / "word_embeddings.safetensors").items()})
 save_file({k: v.contiguous() for k, v in state.items()}, dst / "model.safetensors")
 print(f"stand-in MiniLM: {len(state)} tensors in {dst}")
