@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from mhmla_fast.commands.serve import main
-from mhmla_fast.serve.engine import load_tokenizer, plan_windows, word_tokenize_chunked
+from mhmla_fast.serve.engine import (iter_word_tokenize, load_tokenizer, plan_windows,
+                                     word_tokenize_chunked)
 from mhmla_fast.serve.tokenize import word_tokenize
 
 WORDS = ("the a cat dog house school every day he she they we go goes went see sees because "
@@ -91,6 +92,18 @@ def test_word_tokenize_chunked_is_word_tokenize():
     text += "x" * 500 + " tail"  # a piece with no separator grows to the next one
     for chunk in (7, 50, 333, 1 << 16):
         assert word_tokenize_chunked(text, chunk) == word_tokenize(text)
+
+
+def test_a_text_without_spaces_is_tokenized_in_pieces():
+    """Chinese, a URL or base64 with no separator at all: pieces stay near the chunk size (so a
+    server interleaves other work), and the tokens are word_tokenize's."""
+    rng = random.Random(4)
+    han = "".join(rng.choice("我喜欢猫狗学校每天去。，！") for _ in range(5000))
+    blob = "".join(rng.choice("abcXYZ0189+/=") for _ in range(5000))
+    for text in (han, blob, han[:2000] + blob[:2000] + "、" + han[2000:]):
+        parts = list(iter_word_tokenize(text, 64))
+        assert [t for part in parts for t in part] == word_tokenize(text)
+        assert len(parts) >= len(text) // 64  # no piece grew to the end of the text
 
 
 _PEAK = textwrap.dedent("""

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mhmla_fast.serve.tokenize import Token, word_tokenize
+from mhmla_fast.serve.tokenize import Token, token_boundary, word_tokenize
 
 
 def toks(text: str) -> list[tuple[str, int, int]]:
@@ -323,3 +323,45 @@ def test_word_tokenize_lists_equals_the_cluster_rules():
                 and (words[k][0] == "'" or words[k].lower() == "n't") for k in range(1, len(words)))
     assert fast > 9_000  # the one-pass path ran
     assert clitics > 1_000  # and split words at apostrophes
+
+
+def _split_at(text: str, i: int) -> list[Token]:
+    """The tokens of ``text[:i]`` then those of ``text[i:]``, in ``text``'s offsets."""
+    return word_tokenize(text[:i]) + [Token(t.text, t.start + i, t.end + i)
+                                       for t in word_tokenize(text[i:])]
+
+
+def test_token_boundary_means_the_text_can_be_cut_there():
+    """At every position that token_boundary accepts, tokenizing the two halves apart gives the
+    whole text's tokens: over random strings of the tricky pool (the definition of the function,
+    checked exhaustively), with a count so that the check cannot pass by accepting nothing."""
+    accepted = 0
+    for text in _random_texts(seed=5, count=1500, max_len=30):
+        whole = word_tokenize(text)
+        for i in range(1, len(text)):
+            if token_boundary(text, i):
+                accepted += 1
+                assert _split_at(text, i) == whole, (text, i)
+    assert accepted > 5000
+
+
+@pytest.mark.parametrize("text", [
+    "我喜欢猫。她喜欢狗！" * 3,                  # Chinese: a cut between any two characters
+    "これはペンです。カタカナとひらがな",
+    "aGVsbG8gd29ybGQ+/aGVsbG8=+/Zm9vYmFy",   # base64
+    "http://example.com/a/b?c=d&e=f#frag",
+    "word/word/ab+cd=ef",
+])
+def test_texts_without_spaces_have_boundaries_inside(text):
+    cuts = [i for i in range(1, len(text)) if token_boundary(text, i)]
+    assert len(cuts) >= len(text) // 6
+    assert all(_split_at(text, i) == word_tokenize(text) for i in cuts)
+
+
+@pytest.mark.parametrize("text,i", [
+    ("don't", 3), ("3.14", 1), ("3.14", 2), ("a-b", 1), ("a-b", 2), ("!!", 1), ("...", 2),
+    ("\u1100\u1161", 1), ("👨\u200d👩", 2), ("\U0001f1ef\U0001f1f5", 1), ("e\u0301", 1),
+    ("我\u0301", 1), ("John's", 4), ("a\u00adb", 1), ("#\u20e3", 1),
+])
+def test_no_boundary_where_a_token_may_continue(text, i):
+    assert not token_boundary(text, i)

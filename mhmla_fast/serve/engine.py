@@ -42,7 +42,7 @@ import numpy as np
 from ..encoder import max_input_length
 from ..packing import pack_by_token_budget
 from .pieces import WordCache, WordPieces
-from .tokenize import Token, word_tokenize, word_tokenize_lists
+from .tokenize import Token, token_boundary, word_tokenize, word_tokenize_lists
 
 __all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
            "read_tagger_config", "default_tagger_path"]
@@ -182,16 +182,12 @@ def encode_words(pieces, unk: str, sentences: Sequence[Sequence[str]]
 ENCODE_CHUNK = 2048  # words per step of Engine.plan_steps
 
 
-def _is_separator(ch: str) -> bool:
-    """A separator of ``tokenize`` rule 1: it ends a token and belongs to none."""
-    return ch.isspace() or ch == "\u200b"
-
-
 def word_tokenize_chunked(text: str, chunk: int = 1 << 16) -> list[Token]:
-    """``word_tokenize(text)``, computed on pieces of about ``chunk`` characters cut at
-    separators (where no token can span the cut, so the tokens are the same), which bounds the
-    tokenizer's working memory on a long text. A piece without a separator grows to the next
-    one."""
+    """``word_tokenize(text)``, computed on pieces of about ``chunk`` characters cut where no
+    token can span the cut (``tokenize.token_boundary``: at separators, and between characters
+    such as two CJK ones or a letter and a non-joining symbol), so the tokens are the same; it
+    bounds the tokenizer's working memory and time per piece on a long text. A piece with no
+    such cut (one long word) grows to the next one."""
     if len(text) <= chunk:
         return word_tokenize(text)
     return [t for part in iter_word_tokenize(text, chunk) for t in part]
@@ -221,11 +217,11 @@ def iter_word_tokenize(text: str, chunk: int = 1 << 16) -> Iterator[list[Token]]
         b = min(a + chunk, n)
         if b < n:
             c = b
-            while c > a and not _is_separator(text[c]):
+            while c > a and not token_boundary(text, c):
                 c -= 1
             if c == a:
                 c = b
-                while c < n and not _is_separator(text[c]):
+                while c < n and not token_boundary(text, c):
                     c += 1
             b = c
         yield [Token(t.text, t.start + a, t.end + a) for t in word_tokenize(text[a:b])]

@@ -84,7 +84,7 @@ import unicodedata
 from bisect import bisect_right
 from typing import NamedTuple
 
-__all__ = ["Token", "word_tokenize", "word_tokenize_lists"]
+__all__ = ["Token", "token_boundary", "word_tokenize", "word_tokenize_lists"]
 
 
 class Token(NamedTuple):
@@ -420,6 +420,37 @@ def word_tokenize_lists(text: str) -> tuple[list[str], list[tuple[int, int]]]:
         return _word_tokenize_ascii(text)
     tokens = _word_tokenize_clusters(text)
     return [t.text for t in tokens], [(t.start, t.end) for t in tokens]
+
+
+_CUT_AFTER = frozenset({_WORD, _DIGIT, _CJK, _SYM})  # bases that never extend past themselves
+
+
+def token_boundary(text: str, i: int) -> bool:
+    """Whether no token of :func:`word_tokenize` can span position ``i`` of ``text`` (0 < i <
+    len(text)), whatever the text holds before ``i - 1`` and after ``i``: so the tokens of
+    ``text`` are those of ``text[:i]`` followed by those of ``text[i:]`` (shifted by ``i``).
+
+    True at a separator on either side (rule 1), and between two base characters whose tokens
+    cannot continue into each other: a word, digit or CJK base (rules 4b, 4c) or a symbol that
+    is not a joiner, followed by a CJK base, a symbol that is not a joiner (and not the same
+    symbol: rule 4d runs), or, after a CJK base or a symbol, by a word or digit base. Hangul,
+    emoji, regional indicators, marks and invisible characters never make a boundary (they can
+    combine with their neighbours). This lets a long text without spaces (Chinese, Japanese, a
+    URL, base64) be tokenized piece by piece."""
+    cls = _CLASS
+    a, b = text[i - 1], text[i]
+    ca, cb = cls[a], cls[b]
+    if ca == _SEP or cb == _SEP:
+        return True
+    if ca not in _CUT_AFTER or (ca == _SYM and a in _JOINERS):
+        return False
+    if cb == _CJK:
+        return True
+    if cb == _SYM:
+        return b not in _JOINERS and b != a
+    if cb in (_WORD, _DIGIT):
+        return ca in (_CJK, _SYM)
+    return False
 
 
 def word_tokenize(text: str) -> list[Token]:
