@@ -615,7 +615,8 @@ def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
         too_long = _over_long("essays", [e.text for e in essays], max_text_chars)
         if too_long:
             raise HTTPException(413, too_long)
-        errors = _unscorable(essays, prompts, check)
+        # off the event loop: the check tokenizes essays without an ASCII letter or digit
+        errors = await asyncio.to_thread(_unscorable, essays, prompts, check)
         if errors:
             return JSONResponse({"detail": errors}, status_code=422)
         results = await wait("essays", [(e.text, e.prompt) for e in essays], request)

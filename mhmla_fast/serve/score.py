@@ -147,6 +147,17 @@ def piece_encoder(scorer: Any) -> Callable[[list[str]], list[list[int]]] | None:
         from ..encoder import load_tokenizer
 
         tokenizer = load_tokenizer(spec)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # a Rust tokenizer of its own: the HTTP service runs this check off its event loop while
+        # the worker thread calls the scorer's tokenizer, whose calls may change its truncation
+        from tokenizers import Tokenizer
+
+        pieces = Tokenizer.from_str(backend.to_str())
+        pieces.no_truncation()
+        pieces.no_padding()
+        return lambda texts: [e.ids for e in pieces.encode_batch(list(texts),
+                                                                 add_special_tokens=False)]
     return lambda texts: tokenizer(texts, add_special_tokens=False, truncation=False,
                                    padding=False, verbose=False)["input_ids"]
 
