@@ -23,6 +23,7 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
 from mhmla_fast.serve.http import BodyLimit, MicroBatcher, create_app  # noqa: E402
+from mhmla_fast.serve.tokenize import word_tokenize  # noqa: E402
 from test_serve_http import StubEngine, metric_samples, serving, wait_for  # noqa: E402
 
 WORDS = ("the a cat dog house school every day he she they we go goes went see sees because "
@@ -503,6 +504,54 @@ def test_a_long_essay_does_not_stall_short_requests(tiny_engine, tiny_scorer):
           f"windows) was scored")
     assert before >= 48, "short essays waited for the long one"
     assert m[("mhmla_score_batch_essays_count", ())] > 2, "the long essay went through several batches"
+
+
+def test_dropped_inputs_waiting_to_be_planned_let_go_of_their_texts(tiny_engine):
+    """Requests dropped while a long text is being planned: their own long texts, queued for
+    planning behind it, are released at once (their admission cost already is), not when
+    planning reaches them."""
+
+    class SlowPlanning(Watched):
+        def plan_steps(self, **kwargs):
+            for step in self.engine.plan_steps(**kwargs):
+                time.sleep(0.01)
+                yield step
+
+    batcher = MicroBatcher(SlowPlanning(tiny_engine), max_batch_tokens=2048, max_wait_ms=0,
+                           max_queue_pieces=10_000_000)
+
+    async def run() -> None:
+        batcher.start()
+        live = batcher.submit("texts", [long_text(60_000)])
+        await asyncio.sleep(0.05)
+        for k in range(20):
+            batcher.drop(batcher.submit("texts", [long_text(40_000, seed=k + 1)]))
+        assert len(batcher._plans) <= 1  # only the live text, being planned
+        result = await asyncio.wait_for(live, 120)
+        assert result[0]["tokens"] == [t.text for t in word_tokenize(long_text(60_000))]
+
+    asyncio.run(run())
+    batcher.close()
+    batcher.join(10)
+    assert batcher.depth == 0 and batcher.pieces == 0
+
+
+@pytest.mark.parametrize("blank", [" ", " " * 10_000])
+def test_a_blank_text_is_counted_as_tagged_whatever_its_length(tiny_engine, blank):
+    """A text with no words is answered without the encoder; short or long (planned), it is
+    counted once as tagged, like any other text."""
+    tagged: list[int] = []
+    batcher = MicroBatcher(tiny_engine, max_wait_ms=0,
+                           on_batch=lambda texts, requests, s: tagged.append(texts))
+
+    async def run() -> list:
+        batcher.start()
+        return await asyncio.wait_for(batcher.submit("texts", [blank]), 30)
+
+    assert asyncio.run(run())[0]["tokens"] == []
+    batcher.close()
+    batcher.join(10)
+    assert sum(tagged) == 1
 
 
 @pytest.mark.parametrize("text", [

@@ -50,6 +50,7 @@ running batch finish and are discarded.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -346,6 +347,11 @@ class MicroBatcher:
         job.waiting, job.cost = 0, 0.0
         job.pending.clear()
         job.planned.clear()
+        # its inputs waiting to be planned hold their whole texts: let them go now, not when
+        # they reach the head (which may be mid-step outside the lock: _plan_step drops it)
+        if any(entry[0] is job for entry in itertools.islice(self._plans, 1, None)):
+            self._plans = deque(entry for k, entry in enumerate(self._plans)
+                                if k == 0 or entry[0] is not job)
         if job.queued:
             job.queued = False
             self._active.remove(job)
@@ -618,6 +624,9 @@ class MicroBatcher:
             job.waiting -= 1  # nothing to encode (no words): merge at once
             self._waiting -= 1
         res = self._finish(job, plan, [])
+        on_batch = self._on_score_batch if _family(job.kind) == "score" else self._on_batch
+        if on_batch is not None and not job.ended:  # counted as if it went through a batch
+            on_batch(1, 1, 0.0)
         with self._cond:
             if not job.ended and self._store(job, pos, res):
                 self._complete([job])
