@@ -402,6 +402,40 @@ def test_http_command_passes_the_new_limits(tiny_tagger_dir, monkeypatch):
     assert main([*base, "--request-timeout", "-1"]) == 2
 
 
+def test_http_dtype_applies_to_the_scorer_too(tiny_tagger_dir, tiny_scorer_dir, monkeypatch,
+                                               capsys):
+    """One load contract: --dtype is the scorer's as well as the tagger's (as for
+    `mhmla-serve score`); a dtype the scorer lacks (int8) leaves it at its default, said on
+    stderr."""
+    import torch
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from mhmla_fast.commands.serve import main
+
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    base = ["http", "--model", str(tiny_tagger_dir), "--scorer", str(tiny_scorer_dir),
+            "--threads", "1"]
+    assert main([*base, "--backend", "torch", "--dtype", "bfloat16"]) == 0
+    batcher = seen["app"].state.batcher
+    assert batcher.engine.runner.dtype == torch.bfloat16
+    assert {p.dtype for p in batcher.scorer.parameters()} == {torch.bfloat16}
+    assert main([*base, "--backend", "torch"]) == 0  # the defaults: float32 on the CPU
+    assert {p.dtype for p in seen["app"].state.batcher.scorer.parameters()} == {torch.float32}
+    # the ONNX tagger's int8: the scorer stays at its default
+    import argparse
+
+    from mhmla_fast.commands.serve import load_http_scorer
+
+    args = argparse.Namespace(no_scorer=False, scorer=str(tiny_scorer_dir), backend="torch",
+                              dtype="int8", device="cpu", kernels="auto", threads=1,
+                              no_cache=True)
+    capsys.readouterr()
+    _, scorer = load_http_scorer(args)
+    assert {p.dtype for p in scorer.parameters()} == {torch.float32}
+    assert "--dtype int8 is the tagger's" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------- essays in windows
 
 

@@ -684,9 +684,11 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
     shipped scorer when it is installed (a note on stderr when it is not). The scorer follows
     the tagger's rule: backend torch with ``--backend torch``, else auto (on the CPU, ONNX
     Runtime on its cached export; ``--no-cache`` turns that off), on ``--device`` with
-    ``--kernels`` and the default dtype (``--dtype`` is the tagger's); see
-    :mod:`mhmla_fast.serve.options`."""
-    from ..serve.score import default_scorer_path
+    ``--kernels``, in ``--dtype`` when it is one of the scorer's (float32, bfloat16, float16;
+    for another, such as the ONNX tagger's int8, the scorer keeps its default and stderr says
+    so); see :mod:`mhmla_fast.serve.options`."""
+    from ..serve.options import resolve_dtype
+    from ..serve.score import DTYPES, default_scorer_path
 
     if args.no_scorer:
         return None, None
@@ -696,7 +698,12 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
               file=sys.stderr)
         return None, None
     path = resolve_scorer_dir(args.scorer, "--scorer")
-    return path, load_scorer_dir(path, args,
+    dtype = args.dtype
+    if dtype and resolve_dtype(dtype, "cpu") not in DTYPES:
+        print(f"{PROG} http: --dtype {dtype} is the tagger's; the essay scorer has no such "
+              f"dtype ({', '.join(DTYPES)}) and runs in its default", file=sys.stderr)
+        dtype = None
+    return path, load_scorer_dir(path, args, dtype=dtype,
                                  backend="torch" if args.backend == "torch" else "auto")
 
 
