@@ -214,7 +214,9 @@ def test_validation_and_size_limits():
         assert post(json={"texts": []}).json() == {"results": []}
         for bad in ({}, {"texts": "a string"}, {"texts": ["a"], "sentences": [["a"]]},
                     {"sentences": [[]]}, {"sentences": [["a", " "]]}, {"texts": [1]},
-                    {"texts": ["a"], "other": 1}):
+                    {"texts": ["a"], "other": 1},
+                    # blank by str.strip, the offline readers' rule, not only by \S
+                    {"sentences": [["a", "\x1c"]]}, {"sentences": [["a", "\u3000\x1f"]]}):
             r = post(json=bad)
             assert r.status_code == 422, (bad, r.text)
             assert isinstance(r.json()["detail"], list)
@@ -235,7 +237,7 @@ def test_validation_and_size_limits():
         assert r.status_code == 413, r.text
         m = metric_samples(httpx.get(url + "/metrics").text)
         assert m[("mhmla_http_requests_total", (("path", "/v1/tag"), ("status", "413")))] == 3
-        assert m[("mhmla_http_requests_total", (("path", "/v1/tag"), ("status", "422")))] == 10
+        assert m[("mhmla_http_requests_total", (("path", "/v1/tag"), ("status", "422")))] == 12
 
 
 def test_wrong_content_type_415_deep_nesting_422_and_offline_docs():

@@ -100,7 +100,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
 )
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, ValidationInfo,
+    AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, ValidationInfo,
     field_validator, model_validator,
 )
 
@@ -139,7 +139,15 @@ def _no_surrogates(s: str, where: str) -> None:
             raise ValueError(f"{where} contains a lone surrogate U+{ord(ch):04X}")
 
 
-Word = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+def _non_blank(word: str) -> str:
+    """A word of a pre-tokenised sentence must not be blank by ``str.strip``, the rule of the
+    offline readers (``records``): JSON Schema's ``\\S`` differs on U+001C-U+001F."""
+    if not word.strip():
+        raise ValueError("a word must not be empty or blank")
+    return word
+
+
+Word = Annotated[str, StringConstraints(min_length=1), AfterValidator(_non_blank)]
 
 
 class TagRequest(BaseModel):
