@@ -144,6 +144,27 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "xdg" / "mhmla-fast"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_root() == Path.home() / ".cache" / "mhmla-fast"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the XDG spec: ignored
+    assert cache_root() == Path.home() / ".cache" / "mhmla-fast"
+
+
+def test_no_home_directory_makes_auto_run_torch(tiny_tagger_dir, monkeypatch):
+    """No $HOME and no passwd entry (a container's arbitrary uid): auto runs torch with one
+    line saying how to give it a cache, instead of failing to start."""
+    monkeypatch.delenv("MHMLA_CACHE_DIR", raising=False)
+    monkeypatch.delenv("MHMLA_NO_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(ExportUnavailable, match="MHMLA_CACHE_DIR"):
+        cache_root()
+    log = Lines()
+    runner = auto_runner(tiny_tagger_dir, threads=1, log=log)
+    assert runner.backend == "torch"
+    assert "no home directory" in log.text and "MHMLA_CACHE_DIR" in log.text
 
 
 # ---------------------------------------------------------------------------- the cache
@@ -226,13 +247,81 @@ def test_a_failure_to_write_is_not_remembered(tiny_tagger_dir, cache):
     assert len(calls) == 2  # tried again, and made
 
 
-@pytest.mark.parametrize("error", [ImportError("no module named onnxruntime.quantization"),
-                                   MemoryError()])
+@pytest.mark.parametrize("error", [
+    ImportError("no module named onnxruntime.quantization"), MemoryError(),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
+    RuntimeError("Could not allocate bytes object!"),
+])
 def test_an_environment_failure_is_not_remembered(tiny_tagger_dir, cache, error):
     calls: list = []
     with pytest.raises(ExportUnavailable, match="could not be made here"):
         ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls, fail=error))
     assert list((cache / "onnx").glob("*.failed.json")) == []
+
+
+def test_a_model_changed_during_its_export_is_neither_kept_nor_recorded(tiny_tagger_dir, cache,
+                                                                       tmp_path):
+    """The entry is named by the content read before the export: if the files change while it
+    runs (a trainer publishing a new checkpoint), what was exported is not that content, so it
+    is dropped, and a failure then is not the old content's to record."""
+    import shutil
+
+    model = tmp_path / "tagger"
+    shutil.copytree(tiny_tagger_dir, model)
+    config = json.loads((model / "config.json").read_text())
+
+    def publish(changed: dict) -> None:
+        (model / "config.json").write_text(json.dumps({**config, **changed}))
+
+    for fail in (None, ValueError("the new checkpoint does not trace")):
+        calls: list = []
+        exporter = fake_exporter(calls, fail=fail)
+
+        def racing(model_dir, out, exporter=exporter):
+            publish({"threshold": 0.123 if fail is None else 0.456})
+            return exporter(model_dir, out)
+
+        publish({})
+        with pytest.raises(ExportUnavailable, match="changed during its export"):
+            ensure_export(model, cache, log=Lines(), exporter=racing)
+        onnx = cache / "onnx"
+        assert [p for p in onnx.iterdir() if p.is_dir() and p.name != "index"] == []
+        assert list(onnx.glob("*.failed.json")) == []
+    publish({})  # the old content again: exported afresh, not served the new one's export
+    calls = []
+    entry = ensure_export(model, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 1 and (entry.path / "model.onnx").is_file()
+
+
+def test_an_entry_is_readable_by_others_by_the_umask(tiny_tagger_dir, cache):
+    """A cache made ahead (an image build) by one user is read by another: the entry's folder
+    takes the umask's mode, not a temporary folder's 0700."""
+    old = os.umask(0o022)
+    try:
+        entry = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter([]))
+    finally:
+        os.umask(old)
+    assert entry.path.stat().st_mode & 0o777 == 0o755
+
+
+def test_waiting_for_another_exporter_is_bounded(tmp_path):
+    """A stopped or hung exporter holding the lock: a later start waits a bounded time, then
+    runs without the export (ExportUnavailable), rather than hanging."""
+    from mhmla_fast import filelock
+
+    lock = tmp_path / "key.lock"
+    with open(lock, "a+b") as held:
+        assert filelock.try_lock(held.fileno())
+        waited: list = []
+        t0 = time.monotonic()
+        with pytest.raises(ExportUnavailable, match="held the export lock"):
+            with export_cache._locked(lock, lambda: waited.append(1), limit_s=0.5):
+                pass
+        assert waited == [1] and 0.5 <= time.monotonic() - t0 < 5
+        filelock.unlock(held.fileno())
+    with export_cache._locked(lock, lambda: waited.append(2), limit_s=0.5):
+        pass  # free again: taken at once
+    assert waited == [1]
 
 
 @pytest.mark.parametrize("damage", ["cut short", "model.onnx missing", "export.json missing"])

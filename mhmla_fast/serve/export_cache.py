@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import filelock
-from ..durable import atomic_write_text, fsync_dir, fsync_file
+from ..durable import atomic_write_text, current_umask, fsync_dir, fsync_file
 from ..aes.scoring import FORMAT as SCORER_FORMAT
 from .engine import TAGGER_FORMAT
 
@@ -71,6 +71,7 @@ CACHE_ENV = "MHMLA_CACHE_DIR"
 NO_CACHE_ENV = "MHMLA_NO_CACHE"
 CACHE_FORMAT = "mhmla-onnx-cache/1"
 CACHE_META = "cache.json"
+LOCK_WAIT_S = 600.0  # the longest wait for another process's export of the same model
 # What the cached export is made with (onnx_export.export_onnx's defaults): part of the key.
 EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
                   "graphs": ["fp32"], "labels": "identical to torch at the threshold and 0.5",
@@ -122,11 +123,19 @@ def _stderr(*parts: str, end: str = "\n") -> None:
 
 
 def cache_root() -> Path:
-    """``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast``, else ``~/.cache/mhmla-fast``."""
+    """``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast`` (an absolute path only, as the
+    XDG specification says), else ``~/.cache/mhmla-fast``. :class:`ExportUnavailable` when
+    there is no home directory to find (no ``$HOME`` and no passwd entry)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mhmla-fast"
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+    if xdg.is_absolute():
+        return xdg / "mhmla-fast"
+    try:
+        return Path.home() / ".cache" / "mhmla-fast"
+    except RuntimeError as err:  # no $HOME and no passwd entry for this uid
+        raise ExportUnavailable(f"there is no home directory for the export cache ({err}); "
+                                f"set {CACHE_ENV}") from err
 
 
 def cache_enabled(cache: bool | None = None) -> bool:
@@ -292,16 +301,18 @@ def _state(base: Path, key: str) -> tuple[CacheEntry | None, dict | None]:
     return None, failed
 
 
-def _set_aside(entry: Path) -> None:
-    """Move a damaged or incomplete entry out of the way (renamed, then removed)."""
+def _set_aside(entry: Path) -> bool:
+    """Move a damaged or incomplete entry out of the way (renamed, then removed); whether it
+    is gone (False: a cache this process cannot write)."""
     if not entry.exists():
-        return
+        return True
     aside = entry.with_name(f".bad-{entry.name}-{os.getpid()}-{time.time_ns()}")
     try:
         os.rename(entry, aside)
     except OSError:
         aside = entry
     shutil.rmtree(aside, ignore_errors=True)
+    return not entry.exists()
 
 
 def _fsync_tree(stage: Path) -> None:
@@ -363,13 +374,22 @@ def _write_index(base: Path, quick: str, key: str, content: str, model_dir,
 
 
 @contextmanager
-def _locked(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+def _locked(path: Path, on_wait: Callable[[], None], limit_s: float | None = None
+            ) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (created); ``on_wait()`` is called once when another
-    process holds it. Without locks (Windows) nothing is locked: the rename decides."""
+    process holds it, and :class:`ExportUnavailable` is raised when it still does after
+    ``limit_s`` seconds (default :data:`LOCK_WAIT_S`: a stopped or hung exporter must not stop
+    every later start). Without locks (Windows) nothing is locked: the rename decides."""
+    limit_s = LOCK_WAIT_S if limit_s is None else limit_s
     with open(path, "a+b") as f:
         if not filelock.try_lock(f.fileno()):
             on_wait()
-            filelock.lock(f.fileno())
+            t0 = time.monotonic()
+            while not filelock.try_lock(f.fileno()):
+                if time.monotonic() - t0 > limit_s:
+                    raise ExportUnavailable(f"another process has held the export lock {path} "
+                                            f"for over {limit_s:.0f} s")
+                time.sleep(0.2)
         try:
             yield
         finally:
@@ -452,27 +472,36 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
                   kind: ExportKind, exporter: Callable[[Path, Path], dict], log: Log
                   ) -> CacheEntry:
     """Export into a staging directory, complete it, rename it to ``base/key``; on failure
-    record it and raise :class:`ExportUnavailable`."""
+    record it (a failure of the model's own) and raise :class:`ExportUnavailable`. An export
+    during which the model's files changed is neither kept nor recorded: ``key`` names the
+    content read before it."""
     final = base / key
     log(f"mhmla-fast: exporting {model_dir.name} to ONNX once, for fast CPU runs (backend "
         f"auto; --backend torch or MHMLA_NO_CACHE=1 to skip), into {final} ...", end="")
     t0 = time.perf_counter()
-    stage = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=base))
+
+    def unavailable(reason: str) -> ExportUnavailable:
+        log(f" failed after {time.perf_counter() - t0:.1f} s")
+        return ExportUnavailable(reason)
+
+    changed = (f"the model in {model_dir} changed during its export (nothing kept; it is "
+               "exported again on the next run)")
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=base))
+    except OSError as err:
+        raise unavailable(f"the cache {base} cannot be written ({err})") from err
     try:
         try:
             meta = exporter(model_dir, stage)
         except OSError as err:  # the disk, not the model (e.g. full): tried again next run
-            log(f" failed after {time.perf_counter() - t0:.1f} s")
-            raise ExportUnavailable(f"its ONNX export could not be written to {base} "
-                                    f"({type(err).__name__}: {err})") from err
-        except (ImportError, MemoryError) as err:  # the environment, not the model: not recorded
-            log(f" failed after {time.perf_counter() - t0:.1f} s")
-            raise ExportUnavailable(f"its ONNX export could not be made here "
-                                    f"({type(err).__name__}: {err})") from err
-        except Exception as err:  # noqa: BLE001 - any other failure is recorded and reported
-            seconds = time.perf_counter() - t0
+            raise unavailable(f"its ONNX export could not be written to {base} "
+                              f"({type(err).__name__}: {err})") from err
+        except Exception as err:  # noqa: BLE001 - the model's failures are recorded, not others
             reason = f"{type(err).__name__}: {err}"
-            log(f" failed after {seconds:.1f} s")
+            if isinstance(err, (ImportError, MemoryError)) or _out_of_memory(err):
+                raise unavailable(f"its ONNX export could not be made here ({reason})") from err
+            if not _unchanged(model_dir, content):
+                raise unavailable(changed) from err
             record = {"format": CACHE_FORMAT, "kind": kind.name, "key": key, "error": reason,
                       "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "model_dir": str(model_dir.resolve()), "content_sha256": content,
@@ -482,27 +511,49 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
                 _write_json_atomic(failed, record)
             except OSError:
                 pass
-            raise ExportUnavailable(_failed_reason(record, failed)) from err
+            raise unavailable(_failed_reason(record, failed)) from err
+        if not _unchanged(model_dir, content):
+            raise unavailable(changed)
         seconds = time.perf_counter() - t0
-        _write_json_atomic(stage / CACHE_META, {
-            "format": CACHE_FORMAT, "kind": kind.name, "key": key, "content_sha256": content,
-            "model_dir": str(model_dir.resolve()), "versions": versions,
-            "options": kind.options, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "seconds": round(seconds, 2),
-            "validation": (meta or {}).get("validation"),
-            "files": {f.name: f.stat().st_size for f in sorted(stage.iterdir())
-                      if f.is_file() and f.name != CACHE_META}})
-        _fsync_tree(stage)
         try:
-            os.rename(stage, final)
-        except OSError:
-            if not _complete(final):  # neither a lost race nor a whole entry: a real failure
-                raise
-        fsync_dir(base)
+            _write_json_atomic(stage / CACHE_META, {
+                "format": CACHE_FORMAT, "kind": kind.name, "key": key, "content_sha256": content,
+                "model_dir": str(model_dir.resolve()), "versions": versions,
+                "options": kind.options, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "seconds": round(seconds, 2),
+                "validation": (meta or {}).get("validation"),
+                "files": {f.name: f.stat().st_size for f in sorted(stage.iterdir())
+                          if f.is_file() and f.name != CACHE_META}})
+            _fsync_tree(stage)
+            os.chmod(stage, 0o777 & ~current_umask())  # mkdtemp's 0700 would hide it from others
+            try:
+                os.rename(stage, final)
+            except OSError:
+                if not _complete(final):  # neither a lost race nor a whole entry: a real failure
+                    raise
+            fsync_dir(base)
+        except OSError as err:
+            raise unavailable(f"its ONNX export could not be written to {base} "
+                              f"({type(err).__name__}: {err})") from err
         log(f" done in {seconds:.1f} s")
         return CacheEntry(final, key)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure that torch or ONNX Runtime reports as a plain
+    RuntimeError: the machine's state, not the model's, so never recorded as its failure."""
+    return isinstance(err, RuntimeError) and any(
+        word in str(err) for word in ("allocate", "bad_alloc", "out of memory"))
+
+
+def _unchanged(model_dir: Path, content: str) -> bool:
+    """Whether the files of ``model_dir`` still hash to ``content``."""
+    try:
+        return content_key(source_files(model_dir)) == content
+    except (OSError, ValueError):
+        return False
 
 
 def _failed_reason(record: dict, path: Path) -> str:
@@ -541,10 +592,10 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
         except ImportError as err:
             log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
         except Exception as err:  # noqa: BLE001 - a damaged entry: set aside, made again next run
-            _set_aside(entry.path)
+            fate = ("it was removed and is made again on the next run" if _set_aside(entry.path)
+                    else f"it could not be removed (delete {entry.path} to have it made again)")
             log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: its cached ONNX "
-                f"export would not load ({type(err).__name__}: {err}); it was removed and is "
-                "made again on the next run")
+                f"export would not load ({type(err).__name__}: {err}); {fate}")
     return torch()
 
 
