@@ -13,7 +13,7 @@ import os
 import sys
 
 __all__ = [
-    "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores",
+    "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores", "default_threads",
     "TRAIN_PRECISIONS", "check_train_precision", "training_autocast",
 ]
 
@@ -90,6 +90,16 @@ def training_autocast(precision: str, device):
     if bf16 and device.type not in ("cuda", "cpu"):
         raise ValueError(f"precision: bf16 autocast is supported on cuda and cpu, not {device.type}")
     return torch.autocast(device.type if bf16 else "cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
+def default_threads() -> int:
+    """CPU threads for a runtime given none: ``$OMP_NUM_THREADS`` when it is a positive
+    integer (as torch honours it), else :func:`physical_cores`."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        n = 0
+    return n if n > 0 else physical_cores()
 
 
 def physical_cores() -> int:

@@ -44,7 +44,7 @@ TEXTS = [
 def fake_exporter(calls: list, delay: float = 0.0, fail: Exception | None = None):
     """An exporter that writes a stand-in export (no torch), counting its calls."""
 
-    def export(model_dir: Path, out: Path) -> dict:
+    def export(model_dir: Path, out: Path, threads: int | None = None) -> dict:
         calls.append(out)
         time.sleep(delay)
         if fail is not None:
@@ -302,6 +302,27 @@ def test_an_entry_is_readable_by_others_by_the_umask(tiny_tagger_dir, cache):
     finally:
         os.umask(old)
     assert entry.path.stat().st_mode & 0o777 == 0o755
+
+
+def test_threads_reach_the_export_and_omp_num_threads_the_default(tiny_tagger_dir, cache,
+                                                                 monkeypatch):
+    """--threads holds for the export made on first use (torch and the validation's ONNX
+    Runtime), and with none given ONNX Runtime takes $OMP_NUM_THREADS, as torch does."""
+    from mhmla_fast.devices import default_threads, physical_cores
+
+    seen: list = []
+    real = export_cache._default_export
+    monkeypatch.setattr(export_cache, "_default_export",
+                        lambda m, o, threads=None: (seen.append(threads), real(m, o, threads))[1])
+    runner = auto_runner(tiny_tagger_dir, threads=1, log=Lines())
+    assert seen == [1] and runner.backend == "onnx" and runner.threads == 1
+    meta = json.loads((runner.path.parent / "cache.json").read_text())
+    assert meta["validation"] is not None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 1
+    assert auto_runner(tiny_tagger_dir, log=Lines()).threads == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert default_threads() == physical_cores()
 
 
 def test_waiting_for_another_exporter_is_bounded(tmp_path):

@@ -97,13 +97,14 @@ class ExportUnavailable(RuntimeError):
 class ExportKind:
     """What the cache exports for one kind of model: ``name`` (in the key), the ``format`` of the
     models' ``config.json``, the export ``options`` (in the key) and ``export(model_dir,
-    out_dir)``, which writes a validated export (``model.onnx`` and its side files) into
-    ``out_dir`` and returns its metadata (``export.json``), raising when the validation fails."""
+    out_dir, threads=None)``, which writes a validated export (``model.onnx`` and its side
+    files) into ``out_dir`` on ``threads`` CPU threads and returns its metadata
+    (``export.json``), raising when the validation fails."""
 
     name: str
     format: str
     options: dict
-    export: Callable[[Path, Path], dict]
+    export: Callable[..., dict]
 
 
 @dataclass(frozen=True)
@@ -396,44 +397,53 @@ def _locked(path: Path, on_wait: Callable[[], None], limit_s: float | None = Non
             filelock.unlock(f.fileno())
 
 
-def _default_export(model_dir: Path, out_dir: Path) -> dict:
-    """``onnx_export.export_onnx`` with :data:`EXPORT_OPTIONS`; returns its export.json."""
+def _default_export(model_dir: Path, out_dir: Path, threads: int | None = None) -> dict:
+    """``onnx_export.export_onnx`` with :data:`EXPORT_OPTIONS`, torch and the validation's ONNX
+    Runtime on ``threads`` CPU threads (None: their defaults); returns its export.json."""
     from .onnx_export import EXPORT_META, export_onnx
+    from .runners import set_torch_threads
 
+    set_torch_threads(threads)
     export_onnx(model_dir, out_dir, opset=EXPORT_OPTIONS["opset"],
                 exporter=EXPORT_OPTIONS["exporter"], atol=EXPORT_OPTIONS["atol"],
-                seed=EXPORT_OPTIONS["seed"])
+                seed=EXPORT_OPTIONS["seed"], threads=threads)
     return json.loads((out_dir / EXPORT_META).read_text(encoding="utf-8"))
 
 
-def _scorer_export(model_dir: Path, out_dir: Path) -> dict:
-    """``score_onnx.export_scorer`` with :data:`SCORER_EXPORT_OPTIONS`; returns its export.json."""
+def _scorer_export(model_dir: Path, out_dir: Path, threads: int | None = None) -> dict:
+    """``score_onnx.export_scorer`` with :data:`SCORER_EXPORT_OPTIONS`, on ``threads`` like
+    :func:`_default_export`; returns its export.json."""
     from .onnx_export import EXPORT_META
+    from .runners import set_torch_threads
     from .score_onnx import export_scorer
 
+    set_torch_threads(threads)
     export_scorer(model_dir, out_dir, opset=SCORER_EXPORT_OPTIONS["opset"],
                   exporter=SCORER_EXPORT_OPTIONS["exporter"], atol=SCORER_EXPORT_OPTIONS["atol"],
-                  seed=SCORER_EXPORT_OPTIONS["seed"])
+                  seed=SCORER_EXPORT_OPTIONS["seed"], threads=threads)
     return json.loads((out_dir / EXPORT_META).read_text(encoding="utf-8"))
 
 
 # The kinds (looked up at call time, so that a test may replace the module's functions).
 TAGGER = ExportKind("tagger", TAGGER_FORMAT, EXPORT_OPTIONS,
-                    lambda model_dir, out_dir: _default_export(model_dir, out_dir))
+                    lambda model_dir, out_dir, threads=None:
+                    _default_export(model_dir, out_dir, threads))
 SCORER = ExportKind("scorer", SCORER_FORMAT, SCORER_EXPORT_OPTIONS,
-                    lambda model_dir, out_dir: _scorer_export(model_dir, out_dir))
+                    lambda model_dir, out_dir, threads=None:
+                    _scorer_export(model_dir, out_dir, threads))
 KINDS = (TAGGER, SCORER)
 
 
 def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, *,
                   log: Log = _stderr, exporter: Callable[[Path, Path], dict] | None = None,
-                  kind: ExportKind | None = None) -> CacheEntry:
+                  kind: ExportKind | None = None, threads: int | None = None) -> CacheEntry:
     """The cached, validated export of the model in ``model_dir`` (a tagger or a scorer:
     ``kind``, default :func:`kind_of` it): found (quick key, else content hash), or made now
     (one line on stderr through ``log``: what, where, how long).
 
     ``exporter(model_dir, out_dir)`` writes the export into ``out_dir`` and returns its
-    metadata (default: the kind's, e.g. ``export_onnx`` with :data:`EXPORT_OPTIONS`). Raises
+    metadata (default: the kind's, e.g. ``export_onnx`` with :data:`EXPORT_OPTIONS`, on
+    ``threads`` CPU threads). Raises
     :class:`ExportUnavailable` with the reason when the export failed, now or in an earlier
     run (recorded; a failure to write is not recorded), or the cache directory cannot be
     written."""
@@ -462,8 +472,11 @@ def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None =
             for old in base.glob(f".tmp-{key}-*"):  # dead: their exporter held this lock
                 shutil.rmtree(old, ignore_errors=True)
             _set_aside(base / key)  # incomplete (a file missing or cut short): made again
+            if exporter is None:
+                def exporter(model_dir, out_dir, export=kind.export):
+                    return export(model_dir, out_dir, threads=threads)
             entry = _export_entry(Path(model_dir), base, key, content, found.versions,
-                                  kind, exporter or kind.export, log)
+                                  kind, exporter, log)
     _write_index(base, found.quick, key, content, model_dir, kind)
     return entry
 
@@ -566,11 +579,12 @@ def _failed_reason(record: dict, path: Path) -> str:
 
 def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
               onnx: Callable[[Path], Any], torch: Callable[[], Any], cache: bool | None = None,
-              root: str | os.PathLike | None = None, log: Log = _stderr):
+              root: str | os.PathLike | None = None, log: Log = _stderr,
+              threads: int | None = None):
     """The rule of ``backend="auto"`` on the CPU in float32, for any kind of model:
     ``onnx(export_dir)`` on ``model_dir`` itself when it is an export (``model.onnx``, no
     ``model.safetensors``); else, with the cache on, ``onnx`` on the cached export of ``kind``
-    (made now if needed); else, or when no export can be had (one line on stderr says why),
+    (made now if needed, on ``threads`` CPU threads); else, or when no export can be had (one line on stderr says why),
     ``torch()``."""
     model_dir = Path(model_dir)
     if (model_dir / "model.onnx").is_file() and not (model_dir / "model.safetensors").is_file():
@@ -578,7 +592,7 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
     if not cache_enabled(cache):
         return torch()
     try:
-        entry = ensure_export(model_dir, root, log=log, kind=kind)
+        entry = ensure_export(model_dir, root, log=log, kind=kind, threads=threads)
     except ExportUnavailable as err:
         log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: {err}")
     except OSError as err:  # the cache's disk (staging, index): not recorded
@@ -613,7 +627,7 @@ def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
                            threads=threads)
 
     return auto_load(model_dir, TAGGER, onnx=lambda path: _onnx_runner(path, threads),
-                     torch=torch, cache=cache, root=root, log=log)
+                     torch=torch, cache=cache, root=root, log=log, threads=threads)
 
 
 def _onnx_runner(export_dir: Path, threads: int | None):

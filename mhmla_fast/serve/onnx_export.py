@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..devices import physical_cores
+from ..devices import default_threads, physical_cores
 from ..encoder import max_input_length
 from .options import resolve_options
 
@@ -405,7 +405,8 @@ def _copy_side_files(model_dir: Path, dest: Path, encoder: str) -> list[str]:
 def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 opset: int = DEFAULT_OPSET, int8: bool = False, atol: float = 1e-4,
                 int8_tolerance: Int8Tolerance = Int8Tolerance(), validate: bool = True,
-                exporter: str = "torchscript", seed: int = 0, fold: bool = True) -> Path:
+                exporter: str = "torchscript", seed: int = 0, fold: bool = True,
+                threads: int | None = None) -> Path:
     """Export the tagger in ``model_dir`` to ``out_dir/model.onnx`` (see the module doc).
 
     Args:
@@ -424,6 +425,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         fold: the head and classifier folded into one op (default; False: the graph of the
             tagger as trained, for comparisons). Either way the validation's reference is
             the tagger as trained.
+        threads: ONNX Runtime's threads in validation (default: ``devices.default_threads``).
 
     Returns:
         the path of ``model.onnx``. Files are staged and moved into ``out_dir`` only after
@@ -473,7 +475,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                                  batches) if validate else []
         if validate:
             meta["validation"] = validate_onnx(onnx_path, reference, batches, atol=atol,
-                                               exact_labels=(threshold, 0.5))
+                                               exact_labels=(threshold, 0.5), threads=threads)
         if int8:
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -497,7 +499,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     stage / INT8_FILE, reference, batches, atol=int8_tolerance.max_abs,
                     mean_atol=int8_tolerance.mean_abs,
                     min_agreement=int8_tolerance.min_label_agreement, threshold=threshold,
-                    what="int8")
+                    what="int8", threads=threads)
         written = _copy_side_files(model_dir, stage, tagger.config.encoder)
         meta["files"]["side"] = written
         (stage / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
@@ -546,7 +548,7 @@ class OnnxRunner:
             self.device = "cuda" if any("CUDA" in str(p) for p in providers) else "cpu"
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = int(threads) if threads else physical_cores()
+        opts.intra_op_num_threads = int(threads) if threads else default_threads()
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         self.session = ort.InferenceSession(str(self.path), opts, providers=list(providers))

@@ -92,7 +92,8 @@ def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None =
         from .score_onnx import OnnxScorer
 
         return auto_load(path, SCORER, onnx=lambda d: OnnxScorer(d, threads=threads),
-                         torch=lambda: _torch_scorer(path, opts, threads), cache=cache)
+                         torch=lambda: _torch_scorer(path, opts, threads), cache=cache,
+                         threads=threads)
     return _torch_scorer(path, opts, threads)
 
 
