@@ -473,3 +473,25 @@ def test_parquet_input_that_cannot_be_read_is_refused(tmp_path, tiny_tagger_dir,
         assert main([*tag_args(tiny_tagger_dir, tmp_path / "fake.parquet"), *ray_args]) == 2
         assert "not a readable Parquet file" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_clusters_workers_get_the_drivers_cache_settings(monkeypatch):
+    """Workers on a running cluster do not inherit the driver's shell: MHMLA_CACHE_DIR and
+    MHMLA_NO_CACHE go to them in the job's runtime environment (nothing else of the shell)."""
+    import ray
+
+    from mhmla_fast.serve.ray import _init_ray
+
+    seen: list = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
+    monkeypatch.setenv("MHMLA_CACHE_DIR", "/shared/mhmla-cache")
+    monkeypatch.setenv("MHMLA_NO_CACHE", "1")
+    monkeypatch.setenv("SOMETHING_ELSE", "x")
+    assert _init_ray("ray://head:10001", 2)
+    assert seen[-1] == {"address": "ray://head:10001", "runtime_env": {"env_vars": {
+        "MHMLA_CACHE_DIR": "/shared/mhmla-cache", "MHMLA_NO_CACHE": "1"}}}
+    monkeypatch.delenv("MHMLA_CACHE_DIR")
+    monkeypatch.delenv("MHMLA_NO_CACHE")
+    assert _init_ray("auto", 2)
+    assert seen[-1] == {"address": "auto"}

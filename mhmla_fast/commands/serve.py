@@ -537,6 +537,7 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
     except ImportError as err:
         raise UsageError(f"--ray needs Ray Data (pip install 'mhmla-fast[ray]'): {err}") from err
     from ..serve.engine import read_tagger_config
+    from ..serve.export_cache import cache_enabled
 
     if getattr(args, "pretty", False):
         raise UsageError("--pretty prints to standard output; it cannot be combined with --ray")
@@ -572,7 +573,7 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
         settings, threshold, batch_size = {"dtype": opts.dtype}, None, args.batch_essays
     job = RayJob(kind, str(path), backend=opts.backend, device=opts.device, dtype=opts.dtype,
                  kernels=opts.kernels, threads=args.threads, threshold=threshold,
-                 cache=False if getattr(args, "no_cache", False) else None,
+                 cache=False if getattr(args, "no_cache", False) or not cache_enabled() else None,
                  token_budget=args.token_budget, batch_size=batch_size, format=args.format,
                  encoding=args.encoding, max_chars=args.max_chars, over_long=over_long(args),
                  prompts=prompts)

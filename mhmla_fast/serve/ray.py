@@ -452,8 +452,11 @@ def _init_ray(address: str | None, num_cpus: int) -> bool:
         return False
     if address in (None, "", "local"):
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-    else:
-        ray.init(address=address)
+    else:  # a cluster's workers do not inherit this shell: give them the cache's settings
+        from .export_cache import CACHE_ENV, NO_CACHE_ENV
+
+        env = {k: os.environ[k] for k in (CACHE_ENV, NO_CACHE_ENV) if k in os.environ}
+        ray.init(address=address, **({"runtime_env": {"env_vars": env}} if env else {}))
     return True
 
 
