@@ -325,6 +325,23 @@ def test_threads_reach_the_export_and_omp_num_threads_the_default(tiny_tagger_di
     assert default_threads() == physical_cores()
 
 
+def test_stale_staging_folders_of_any_key_are_removed(tiny_tagger_dir, cache):
+    """A run killed mid-export of a model that then changed leaves a staging folder under a
+    key nobody exports again: the next export of any model removes such folders once they are
+    a day old, and leaves younger ones (a live exporter's) alone."""
+    onnx = cache / "onnx"
+    onnx.mkdir(parents=True)
+    old, young, aside = onnx / ".tmp-0123abcd-xyz", onnx / ".tmp-4567ef01-abc", onnx / ".bad-89-1-2"
+    for d in (old, young, aside):
+        d.mkdir()
+        (d / "model.onnx").write_bytes(b"half")
+    day_ago = time.time() - export_cache.STALE_S - 60
+    for d in (old, aside):
+        os.utime(d, (day_ago, day_ago))
+    ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter([]))
+    assert not old.exists() and not aside.exists() and young.is_dir()
+
+
 def test_waiting_for_another_exporter_is_bounded(tmp_path):
     """A stopped or hung exporter holding the lock: a later start waits a bounded time, then
     runs without the export (ExportUnavailable), rather than hanging."""

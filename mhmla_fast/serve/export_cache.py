@@ -471,6 +471,7 @@ def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None =
         if entry is None:
             for old in base.glob(f".tmp-{key}-*"):  # dead: their exporter held this lock
                 shutil.rmtree(old, ignore_errors=True)
+            _remove_stale(base)
             _set_aside(base / key)  # incomplete (a file missing or cut short): made again
             if exporter is None:
                 def exporter(model_dir, out_dir, export=kind.export):
@@ -552,6 +553,22 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
         return CacheEntry(final, key)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+STALE_S = 86400.0  # a staging or set-aside folder this old is a killed run's: removed
+
+
+def _remove_stale(base: Path, now: float | None = None) -> None:
+    """Remove staging (``.tmp-*``) and set-aside (``.bad-*``) folders of any key last changed
+    more than :data:`STALE_S` ago (a run killed mid-export of a model since changed leaves its
+    staging folder under a key nobody exports again). Best effort."""
+    now = time.time() if now is None else now
+    for old in [*base.glob(".tmp-*"), *base.glob(".bad-*")]:
+        try:
+            if old.is_dir() and now - old.stat().st_mtime > STALE_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _out_of_memory(err: BaseException) -> bool:
