@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,6 +68,23 @@ def run_lock(out: Path, *, held: bool = True) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def recover_run_dir(out: Path) -> None:
+    """(Holding :func:`run_lock`, before a run starts or resumes.) Tidy what a killed run left
+    in ``out``: its ``best/`` model directory caught between the two renames of a save is put
+    back (:func:`~mhmla_fast.model_dir.recover_model_dir`), and the temporary files of writes a
+    kill cut short (safetensors' ``.tmpXXXXXX``, ``.<name>.<random>.tmp`` of atomic writes) are
+    removed."""
+    from .model_dir import recover_model_dir
+
+    if not out.is_dir():
+        return
+    recover_model_dir(out / "best")
+    for f in out.iterdir():
+        if f.is_file() and (re.fullmatch(r"\.tmp\w{6,}", f.name)
+                            or (f.name.startswith(".") and f.name.endswith(".tmp"))):
+            f.unlink(missing_ok=True)
 
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:

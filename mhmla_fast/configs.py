@@ -231,6 +231,15 @@ def config_diff(current: Any, stored: dict[str, Any], free: tuple[str, ...] = ()
             if before.get(k) != v and k.split(".")[0] not in free}
 
 
+def same_file(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are two spellings of one existing path (relative or absolute,
+    through links)."""
+    import os
+
+    return (isinstance(a, str) and isinstance(b, str) and os.path.exists(a)
+            and os.path.realpath(a) == os.path.realpath(b))
+
+
 def flat_items(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"layer_attention": {"num_heads": 12}}`` -> ``{"layer_attention.num_heads": 12}``."""
     out: dict[str, Any] = {}

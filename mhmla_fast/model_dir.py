@@ -162,6 +162,24 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
     return path
 
 
+def recover_model_dir(path: str | os.PathLike) -> None:
+    """Finish what a killed :func:`write_model_dir` left at ``path``: between its two renames
+    the directory is missing, with the new one complete (fsynced before the first rename) in
+    ``<name>.tmp`` and the old one in ``<name>.old``; the new one is put in place, else the old
+    one; a ``<name>.old`` left beside a directory in place (a kill before its removal) is
+    removed. Nothing else happens when ``path`` exists, or when neither is there."""
+    full = Path(path).absolute()
+    tmp, old = full.with_name(full.name + ".tmp"), full.with_name(full.name + ".old")
+    if not full.exists():
+        for candidate in (tmp, old):
+            if (candidate / "config.json").is_file() and (candidate / "model.safetensors").is_file():
+                os.replace(candidate, full)
+                fsync_dir(full.parent)
+                break
+    if full.exists() and old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def read_model_state(path: str | os.PathLike, base_tensors: dict[str, str],
                      encoder_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """``model.safetensors`` of ``path`` completed with the tensors of the base encoder in

@@ -254,6 +254,13 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
     other = FinetuneConfig(out=str(tmp_path / "parts"), epochs=3, **{**base, "lr": 5e-4})
     with pytest.raises(ValueError, match="different run"):
         finetune(other, train, dev, log=None)
+    # fewer epochs than the checkpoint has run: an error, not the longer run's model
+    with pytest.raises(ValueError, match="past epoch 1 already"):
+        finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=1, **base), train, dev,
+                 log=None)
+    with pytest.raises(ValueError, match="0 dev"):  # nothing to select by
+        finetune(FinetuneConfig(out=str(tmp_path / "none"), epochs=1, **base), train, [],
+                 log=None)
 
 
 def test_finetuning_precision_is_honoured_on_the_cpu_and_old_checkpoints_resume(tiny_encoder,

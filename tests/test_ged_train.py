@@ -4,6 +4,7 @@ its checkpoint ends exactly where an uninterrupted one does."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -168,7 +169,8 @@ def test_resume_refuses_another_compile_mode(tmp_path, tiny_encoder):
         train(other)
 
 
-@pytest.mark.parametrize("field", ["epochs", "batch_size", "eval_batch_size", "checkpoint_every"])
+@pytest.mark.parametrize("field", ["epochs", "batch_size", "eval_batch_size", "checkpoint_every",
+                                   "max_train_sentences"])
 def test_counts_below_one_are_refused_up_front(tmp_path, tiny_encoder, field):
     with pytest.raises(ValueError, match=f"{field}: expected a whole number of at least 1, got 0"):
         config(tmp_path, tiny_encoder, tmp_path / "run", **{field: 0})
@@ -199,6 +201,70 @@ def test_a_run_folder_in_use_is_refused_untouched(tmp_path, tiny_encoder):
         with pytest.raises(RunLockedError, match="is training into this folder"):
             train(cfg)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]
+
+
+def test_resume_accepts_the_same_run_spelled_otherwise(tmp_path, tiny_encoder, monkeypatch):
+    """The same files by another path (relative, absolute), the run folder moved, or another
+    checkpoint interval: the same run, so it resumes (and ends where it would have)."""
+    import shutil
+
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
+    train(cfg, stop_after_steps=2)
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)
+    again = config(tmp_path, tiny_encoder, "moved", epochs=1, train="train.tsv",
+                   dev="./dev.tsv", checkpoint_every=3)
+    assert (train(again) / "config.json").is_file()
+    done = config(tmp_path, tiny_encoder, tmp_path / "whole", epochs=1)
+    train(done)
+    assert json.loads((tmp_path / "moved" / "log.json").read_text())[0]["dev"] == \
+        json.loads((tmp_path / "whole" / "log.json").read_text())[0]["dev"]
+
+
+def test_empty_data_or_a_dev_set_without_errors_is_refused(tmp_path, tiny_encoder):
+    """Nothing to train on, nothing to select by, or a dev set whose F0.5 is 0 in every epoch
+    (no word labelled i): refused before training, not after it or never."""
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("\n\n")
+    clean = tmp_path / "clean.tsv"
+    clean.write_text(write_fce(tmp_path / "d.tsv", 16, 1).read_text().replace("\ti", "\tc"))
+    for kw, match in ((dict(train=str(empty)), "no sentences to train on"),
+                      (dict(dev=str(empty)), "no sentences to dev on"),
+                      (dict(dev=str(clean)), "no word is labelled as an error")):
+        with pytest.raises(ValueError, match=match):
+            train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, **kw))
+    assert not (tmp_path / "run" / "checkpoint.json").exists()
+
+
+def test_a_kill_between_the_renames_of_best_resumes_to_the_same_model(tmp_path, tiny_encoder):
+    """Saving best/ swaps two renames (old to best.old, best.tmp to best): a kill between them
+    leaves no best/, which a finished run's resume used to need and refused; and the temporary
+    files of writes a kill cut short are removed."""
+    import shutil
+
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
+    best = train(cfg)
+    want = (best / "config.json").read_text()
+    shutil.copytree(best, tmp_path / "run" / "best.old")  # the state the kill left
+    os.replace(best, tmp_path / "run" / "best.tmp")
+    (tmp_path / "run" / ".tmpAbC123").write_bytes(b"x" * 100)  # safetensors' own temporary
+    (tmp_path / "run" / ".checkpoint.json.k2j3.tmp").write_text("{")
+    assert (train(cfg) / "config.json").read_text() == want
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".")) == \
+        [".lock"]
+    assert not (tmp_path / "run" / "best.old").exists()
+
+
+def test_a_locked_run_folder_is_a_message_not_a_traceback(tmp_path, tiny_encoder, capsys):
+    from mhmla_fast.checkpoint import run_lock
+    from mhmla_fast.commands.train import main
+
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
+    with run_lock(tmp_path / "run"):
+        status = main(["ged", "--train", cfg.train, "--dev", cfg.dev, "--out", cfg.out,
+                       "--encoder", tiny_encoder, "--num-heads", "4", "--epochs", "1",
+                       "--no-progress"])
+    assert status == 2 and "is training into this folder" in capsys.readouterr().err
 
 
 def test_linear_schedule_warms_up_then_decays_to_zero(tmp_path):

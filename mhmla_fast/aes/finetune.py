@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_checkpoint, run_lock, save_checkpoint
+from ..checkpoint import load_checkpoint, recover_run_dir, run_lock, save_checkpoint
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
@@ -74,7 +74,12 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     is saved to ``<out>/best``. The run holds :func:`~mhmla_fast.checkpoint.run_lock` on
     ``cfg.out`` (a second process on the same folder raises ``RunLockedError``).
     """
+    if not train_essays or not dev_essays:
+        raise ValueError(f"fine-tuning needs essays to train on and dev essays to select by "
+                         f"({len(train_essays)} train, {len(dev_essays)} dev)")
     with run_lock(Path(cfg.out), held=rank_from_env() == 0):
+        if rank_from_env() == 0:
+            recover_run_dir(Path(cfg.out))
         return _finetune(cfg, train_essays, dev_essays, log=log)
 
 
@@ -119,6 +124,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     if saved is not None:
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
         state["config"] = config
+        if state["epoch"] > cfg.epochs:
+            raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already "
+                             f"(epoch {state['epoch']})")
     state["world_size"] = dist_ctx.world_size if dist_ctx else 1
     autocast = training_autocast(cfg.precision, device)
     # a batch is one prompt's: the other prompts' output layers get no gradient

@@ -116,6 +116,8 @@ def run_train(args) -> int:
     """Dispatch ``mhmla-train aes``; returns the exit status."""
     import torch
 
+    from ..checkpoint import RunLockedError
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -158,7 +160,7 @@ def run_train(args) -> int:
                          members=members, encoder=args.encoder, overrides=_overrides(args),
                          backend=args.backend, log=_log(args))
         print(f"wrote {results}")
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
     return 0

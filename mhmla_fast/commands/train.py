@@ -30,6 +30,7 @@ def add_ged_parser(sub) -> None:
 def run_ged(args) -> int:
     import torch
 
+    from ..checkpoint import RunLockedError
     from ..ged.train import TrainConfig, train
 
     if args.threads:
@@ -38,7 +39,7 @@ def run_ged(args) -> int:
         cfg = config_from_args(TrainConfig, args, train=args.train or _fce("train"),
                                dev=args.dev or _fce("dev"))
         best = train(cfg)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import CheckpointWriter, load_checkpoint, run_lock
+from ..checkpoint import CheckpointWriter, load_checkpoint, recover_run_dir, run_lock
 from ..durable import atomic_write_text
-from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
+from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
+                       same_file)
 from ..devices import TRAIN_PRECISIONS, check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
@@ -114,9 +115,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
-        for name in ("epochs", "batch_size", "eval_batch_size", "checkpoint_every"):
+        for name in ("epochs", "batch_size", "eval_batch_size", "checkpoint_every",
+                     "max_train_sentences"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if (value is not None or name != "max_train_sentences") and (
+                    not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: expected a whole number of at least 1, got {value!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
@@ -131,6 +134,8 @@ class TrainConfig:
 
 
 LR_SCHEDULES = ("constant", "linear")
+# fields naming files: on resume, two spellings of one path are the same run
+PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 
 
@@ -251,6 +256,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     """
     with run_lock(Path(cfg.out), held=rank_from_env() == 0), \
             CheckpointWriter(Path(cfg.out)) as writer:
+        if rank_from_env() == 0:
+            recover_run_dir(Path(cfg.out))
         return _train(cfg, stop_after_steps, writer)
 
 
@@ -267,6 +274,12 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if cfg.max_train_sentences:
         train_set = train_set[: cfg.max_train_sentences]
     dev_set = read_ged(cfg.dev)
+    for name, data in (("train", train_set), ("dev", dev_set)):
+        if not data:
+            raise ValueError(f"{getattr(cfg, name)}: no sentences to {name} on")
+    if not any(1 in s.labels for s in dev_set):
+        raise ValueError(f"{cfg.dev}: no word is labelled as an error (i), so F0.5 is 0 in "
+                         "every epoch and cannot select a model or a threshold")
     # the tagger holds the run's own encoder spec and head config: one object each
     tagger_cfg = TaggerConfig(encoder_spec=cfg.encoder_spec, layer_attention=cfg.layer_attention)
     model = GedTagger(tagger_cfg, backend=cfg.backend)  # freezes what encoder_spec.freeze names
@@ -291,8 +304,12 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             # one; a field a checkpoint predates has its default, and a checkpoint in the
             # flat layout of before is read into the groups
             # (not --compile: its padded batches draw other dropout masks from the stream)
-            free = ("progress",) + (("epochs",) if cfg.lr_schedule == "constant" else ())
-            diff = config_diff(cfg, meta["config"], free)
+            # nor do the run folder's name (a moved run), how often it checkpoints, or how a
+            # path to the same file is spelled
+            free = ("progress", "out", "checkpoint_every") + (
+                ("epochs",) if cfg.lr_schedule == "constant" else ())
+            diff = {k: v for k, v in config_diff(cfg, meta["config"], free).items()
+                    if not (k in PATH_FIELDS and same_file(*v))}
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
