@@ -120,6 +120,9 @@ def _train_worker(rank: int, port: int, cfg_json: str, stop: int | None) -> None
     cfg = TrainConfig(**json.loads(cfg_json))
     train(cfg, stop_after_steps=stop)
     if torch.distributed.is_initialized():
+        # leave together: a rank that tears its group down while the other is still writing
+        # its checkpoint (stop_after_steps returns without a barrier) could abort in gloo
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
