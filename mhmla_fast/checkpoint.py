@@ -32,7 +32,7 @@ import torch
 from . import filelock
 from .durable import atomic_write_text, replace_durably
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointWriter",
+__all__ = ["save_checkpoint", "load_checkpoint", "check_same_data", "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".lock"
@@ -179,6 +179,18 @@ class CheckpointWriter:
         elif self._thread is not None:  # leaving on an error: finish the write, raise nothing
             self._thread.join()
             self._thread = None
+
+
+def check_same_data(meta: dict, data: dict[str, str], out: Path) -> None:
+    """Refuse to resume on other data: ``data`` maps a data set's name ("train", "dev") to a
+    digest of its content as read now, and ``meta["data"]`` holds the digests the run started
+    with. A checkpoint written before digests were stored has none, and is not checked."""
+    saved = meta.get("data") or {}
+    changed = sorted(k for k in data if k in saved and saved[k] != data[k])
+    if changed:
+        raise ValueError(f"{out}: the {' and '.join(changed)} data differ from those the "
+                         "checkpoint was trained on (same file names, other content); restore "
+                         "them, or use another --out to train afresh")
 
 
 def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

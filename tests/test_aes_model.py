@@ -3,6 +3,7 @@ scores inside the prompt's range, a training smoke test, and the shipped (frozen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -254,6 +255,14 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
     other = FinetuneConfig(out=str(tmp_path / "parts"), epochs=3, **{**base, "lr": 5e-4})
     with pytest.raises(ValueError, match="different run"):
         finetune(other, train, dev, log=None)
+    # other essays under the same settings (one score or one text changed): refused, naming the set
+    more = FinetuneConfig(out=str(tmp_path / "parts"), epochs=3, **base)
+    rescored = [dataclasses.replace(train[-1], score=(train[-1].score + 1) % 4)]
+    for changed, name in (((train[:-1] + rescored, dev), "train"),
+                          ((train, [dataclasses.replace(dev[0], text=dev[0].text + " the")]
+                            + dev[1:]), "dev")):
+        with pytest.raises(ValueError, match=f"the {name} data differ from those the checkpoint"):
+            finetune(more, *changed, log=None)
     # fewer epochs than the checkpoint has run: an error, not the longer run's model
     with pytest.raises(ValueError, match="past epoch 1 already"):
         finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=1, **base), train, dev,

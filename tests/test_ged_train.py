@@ -160,6 +160,30 @@ def test_resume_refuses_a_different_run(tmp_path, tiny_encoder):
         train(other)
 
 
+def test_resume_refuses_other_data_under_the_same_file_names(tmp_path, tiny_encoder):
+    """The train or dev file edited between a kill and the resume: the checkpoint's weights
+    were trained on other sentences, so the resume is refused (naming the set) until the data
+    are back; a checkpoint from before digests were stored resumes as it did then."""
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
+    train(cfg, stop_after_steps=2)
+    original = {name: (tmp_path / f"{name}.tsv").read_bytes() for name in ("train", "dev")}
+    for name, n, seed in (("train", 128, 5), ("dev", 32, 6)):
+        write_fce(tmp_path / f"{name}.tsv", n, seed)
+        with pytest.raises(ValueError, match=f"the {name} data differ from those the checkpoint"):
+            train(cfg)
+        (tmp_path / f"{name}.tsv").write_bytes(original[name])
+    assert (train(cfg) / "config.json").is_file()
+
+    old = config(tmp_path, tiny_encoder, tmp_path / "old", epochs=1)
+    train(old, stop_after_steps=2)
+    meta_path = tmp_path / "old" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["data"]
+    meta_path.write_text(json.dumps(meta))
+    write_fce(tmp_path / "train.tsv", 128, 5)
+    assert (train(old) / "config.json").is_file()
+
+
 def test_resume_refuses_another_compile_mode(tmp_path, tiny_encoder):
     """--compile pads batches to fixed shapes, which draws other dropout masks: a resumed run
     with another mode would match neither uninterrupted run, so it is refused."""

@@ -32,6 +32,7 @@ line number, or, with ``errors="collect"``, are skipped and returned as :class:`
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -52,6 +53,7 @@ __all__ = [
     "Essay",
     "denormalise_score",
     "denormalise_scores",
+    "digest_essays",
     "normalise_score",
     "read_asap",
     "read_folds",
@@ -118,6 +120,13 @@ class Essay:
     rater1: int | None
     rater2: int | None
     line: int
+
+
+def digest_essays(h, essays: Iterable[Essay]) -> None:
+    """Feed essays into the sha256 ``h``: each one's id and score, then the sha256 of its text."""
+    for e in essays:
+        h.update(f"\0{e.essay_id}\0{e.score}\0".encode())
+        h.update(hashlib.sha256(e.text.encode("utf-8", "surrogatepass")).digest())
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ length, gradients equal one process's on the whole batch, rank 0 evaluates and w
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -19,12 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_checkpoint, recover_run_dir, run_lock, save_checkpoint
+from ..checkpoint import (check_same_data, load_checkpoint, recover_run_dir, run_lock,
+                          save_checkpoint)
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import load_tokenizer
-from .data import SCORE_RANGES, Essay
+from .data import SCORE_RANGES, Essay, digest_essays
 from .heads import _epoch_batches
 from .model import EssayScorer, ScorerConfig
 from .splits import PROMPTS, Log, qwk
@@ -108,7 +110,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         {"params": list(model.head.parameters()), "lr": cfg.head_lr},
     ])
     config = json.loads(json.dumps(asdict(cfg)))
-    state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config}
+    data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays)}
+    state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config,
+             "data": data}
 
     def same_run(saved: dict) -> None:  # before the checkpoint's tensors are loaded
         stored = dict(saved["config"])
@@ -119,11 +123,12 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
         check_resume_world(saved, dist_ctx, out)
+        check_same_data(saved, data, out)
 
     saved = load_checkpoint(out, model, opt, check=same_run)
     if saved is not None:
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
-        state["config"] = config
+        state["config"], state["data"] = config, data
         if state["epoch"] > cfg.epochs:
             raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already "
                              f"(epoch {state['epoch']})")
@@ -186,6 +191,12 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             torch.distributed.barrier()
     best = EssayScorer.load(out / "best", device=device, backend=cfg.backend)
     return best, state
+
+
+def _essays_digest(essays: Sequence[Essay]) -> str:
+    h = hashlib.sha256()
+    digest_essays(h, essays)
+    return h.hexdigest()
 
 
 def _window_loss(net, cfg: FinetuneConfig, rows, prompt: int, windows, win_score, pad_id: int,

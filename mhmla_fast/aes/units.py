@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..configs import nest_flat
-from .data import Essay
+from .data import Essay, digest_essays
 from .heads import HeadTrainConfig
 
 __all__ = ["data_digest", "nested_settings", "reuse_unit"]
@@ -39,9 +39,7 @@ def data_digest(splits: dict, prompts: Sequence[int]) -> str:
     for p in prompts:
         for name in ("train", "dev", "test"):
             h.update(f"\0{p}/{name}".encode())
-            for e in splits[p][name]:
-                h.update(f"\0{e.essay_id}\0{e.score}\0".encode())
-                h.update(hashlib.sha256(e.text.encode("utf-8", "surrogatepass")).digest())
+            digest_essays(h, splits[p][name])
     return h.hexdigest()
 
 

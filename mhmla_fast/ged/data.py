@@ -41,6 +41,7 @@ with no tokens (M2) or a blank source line (JFLEG); they are returned with empty
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -57,6 +58,7 @@ __all__ = [
     "read_jfleg",
     "read_jfleg_split",
     "read_m2",
+    "sentences_digest",
 ]
 
 PathLike = Union[str, os.PathLike]
@@ -131,6 +133,16 @@ def corpus_stats(sentences: Iterable[Sentence]) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------------
 # shared file reading
+
+
+def sentences_digest(sentences: Iterable[Sentence]) -> str:
+    """A sha256 fingerprint of sentences as read: every token and label, in order (not the file
+    they came from, so a moved or re-encoded file with the same content has the same digest)."""
+    h = hashlib.sha256()
+    for s in sentences:
+        h.update(hashlib.sha256("\0".join(s.tokens).encode("utf-8", "surrogatepass")).digest())
+        h.update(bytes(s.labels) + b"\xff")
+    return h.hexdigest()
 
 
 def _read_lines(path: Path) -> list[str]:

@@ -13,7 +13,8 @@ length-bucketed (sentences of similar length together, batch order shuffled). Th
   atomically after the tensors are on disk, so a run killed at any moment (kill -9)
   resumes from the last checkpoint and ends with the same weights as an uninterrupted one.
   A resumed run may ask for fewer or more epochs: the batches of epoch e depend only on
-  the seed and e, so a 3-epoch run is exactly the first 3 epochs of a 5-epoch one.
+  the seed and e, so a 3-epoch run is exactly the first 3 epochs of a 5-epoch one. The
+  checkpoint records a digest of the train and dev sentences; a resume on other data is refused.
 * ``log.json``: one record per epoch (loss, dev scores, speed).
 * ``best/``: the best epoch's tagger (config.json + model.safetensors + tokenizer), with
   the decision threshold chosen on dev for F0.5 stored in its config.
@@ -32,14 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import CheckpointWriter, load_checkpoint, recover_run_dir, run_lock
+from ..checkpoint import (CheckpointWriter, check_same_data, load_checkpoint, recover_run_dir,
+                          run_lock)
 from ..durable import atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
                        same_file)
 from ..devices import TRAIN_PRECISIONS, check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
-from .data import Sentence, read_ged
+from .data import Sentence, read_ged, sentences_digest
 from .metrics import best_threshold, ged_scores
 from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
                     load_tokenizer)
@@ -314,7 +316,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
         check_resume_world(meta, dist_ctx, out)
+        check_same_data(meta, data, out)
 
+    # the sentences as read (after max_train_sentences): a resume on edited files is refused
+    data = {"train": sentences_digest(train_set), "dev": sentences_digest(dev_set)}
     meta = load_checkpoint(out, model, optimizer, check=same_run)
     if meta is not None:
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
@@ -345,7 +350,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         writer.save(model, optimizer, {
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
-            "world_size": dist_ctx.world_size if dist_ctx else 1,
+            "world_size": dist_ctx.world_size if dist_ctx else 1, "data": data,
         }, global_step)
 
     if epoch > cfg.epochs:
