@@ -32,7 +32,8 @@ import torch
 from . import filelock
 from .durable import atomic_write_text, replace_durably
 
-__all__ = ["save_checkpoint", "load_checkpoint", "check_same_data", "CheckpointWriter",
+__all__ = ["save_checkpoint", "load_checkpoint", "check_same_data", "check_same_precision",
+           "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".lock"
@@ -191,6 +192,23 @@ def check_same_data(meta: dict, data: dict[str, str], out: Path) -> None:
         raise ValueError(f"{out}: the {' and '.join(changed)} data differ from those the "
                          "checkpoint was trained on (same file names, other content); restore "
                          "them, or use another --out to train afresh")
+
+
+def check_same_precision(meta: dict, applied: str, out: Path) -> bool:
+    """Refuse to go on in another arithmetic: ``applied`` is what this run's steps would run in
+    ("fp32" or "bf16", :func:`mhmla_fast.devices.applied_precision`) and
+    ``meta["precision_applied"]`` what the checkpoint's ran in ("auto" is bf16 on CUDA and fp32
+    on the CPU, so a run moved between them would change silently). True when both are recorded
+    and equal: then the configs may spell the precision differently ("auto" on the CPU and
+    "fp32"). False for a checkpoint from before the record (its config is compared as before)."""
+    saved = meta.get("precision_applied")
+    if saved is None:
+        return False
+    if saved != applied:
+        raise ValueError(f"{out}: the checkpoint's steps ran in {saved} and this run's would run "
+                         f"in {applied} (on another device); pass --precision {saved} to go on as "
+                         "the run started, or use another --out to train afresh")
+    return True
 
 
 def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

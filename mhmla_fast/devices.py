@@ -14,7 +14,7 @@ import sys
 
 __all__ = [
     "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores", "default_threads",
-    "TRAIN_PRECISIONS", "check_train_precision", "training_autocast",
+    "TRAIN_PRECISIONS", "applied_precision", "check_train_precision", "training_autocast",
 ]
 
 # Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
@@ -79,14 +79,20 @@ def check_train_precision(precision: str) -> str:
     return precision
 
 
+def applied_precision(precision: str, device) -> str:
+    """What a training ``precision`` means on ``device`` (a ``torch.device``): "bf16" under
+    "bf16", and under "auto" on CUDA; "fp32" otherwise."""
+    check_train_precision(precision)
+    return "bf16" if precision == "bf16" or (precision == "auto" and device.type == "cuda") else "fp32"
+
+
 def training_autocast(precision: str, device):
     """The ``torch.autocast`` context of a training step on ``device`` (a ``torch.device``):
-    bfloat16 matmuls under "bf16" (CUDA or CPU), and under "auto" on CUDA; disabled under
-    "fp32", and under "auto" on any other device. Losses are taken in float32 either way."""
+    bfloat16 matmuls where :func:`applied_precision` is "bf16" (CUDA or CPU), disabled where it
+    is "fp32". Losses are taken in float32 either way."""
     import torch
 
-    check_train_precision(precision)
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    bf16 = applied_precision(precision, device) == "bf16"
     if bf16 and device.type not in ("cuda", "cpu"):
         raise ValueError(f"precision: bf16 autocast is supported on cuda and cpu, not {device.type}")
     return torch.autocast(device.type if bf16 else "cpu", dtype=torch.bfloat16, enabled=bf16)

@@ -293,7 +293,13 @@ def test_finetuning_precision_is_honoured_on_the_cpu_and_old_checkpoints_resume(
     assert any(not torch.equal(a[k], b[k]) for k in a)  # bf16 was not dropped on the CPU
     meta_file = tmp_path / "auto" / "checkpoint.json"
     meta = json.loads(meta_file.read_text())
-    assert meta["config"]["precision"] == "auto"
+    assert meta["config"]["precision"] == "auto" and meta["precision_applied"] == "fp32"
+    # "auto" moved to CUDA would go on in bf16 (simulated by the record): refused
+    meta_file.write_text(json.dumps({**meta, "precision_applied": "bf16"}))
+    with pytest.raises(ValueError, match="steps ran in bf16 and this run's would run in fp32"):
+        finetune(FinetuneConfig(out=str(tmp_path / "auto"), epochs=2, **base), train, train[:4],
+                 log=None)
+    del meta["precision_applied"]  # and the layout of before the record
     meta["config"].pop("precision")
     meta["config"]["bf16"] = True  # the layout of before
     meta_file.write_text(json.dumps(meta))

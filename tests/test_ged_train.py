@@ -184,6 +184,28 @@ def test_resume_refuses_other_data_under_the_same_file_names(tmp_path, tiny_enco
     assert (train(old) / "config.json").is_file()
 
 
+def test_resume_keeps_the_arithmetic_the_run_started_in(tmp_path, tiny_encoder):
+    """"auto" is fp32 on the CPU and bf16 on CUDA: a run moved from one to the other would
+    change arithmetic mid-run, so the resume is refused, naming the precision to pass; "fp32"
+    for a run begun as "auto" on the CPU is the same arithmetic and resumes. (The move is
+    simulated: the checkpoint is edited to say its steps ran in bf16.)"""
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
+    train(cfg, stop_after_steps=2)
+    meta_path = tmp_path / "run" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["config"]["precision"] == "auto" and meta["precision_applied"] == "fp32"
+    meta_path.write_text(json.dumps({**meta, "precision_applied": "bf16"}))
+    with pytest.raises(ValueError, match="steps ran in bf16 and this run's would run in fp32.*"
+                                         "--precision bf16"):
+        train(cfg)
+    meta_path.write_text(json.dumps(meta))
+    train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, precision="fp32"),
+          stop_after_steps=1)
+    with pytest.raises(ValueError, match="steps ran in fp32 and this run's would run in bf16"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, precision="bf16"))
+    assert (train(cfg) / "config.json").is_file()
+
+
 def test_resume_refuses_another_compile_mode(tmp_path, tiny_encoder):
     """--compile pads batches to fixed shapes, which draws other dropout masks: a resumed run
     with another mode would match neither uninterrupted run, so it is refused."""
@@ -447,7 +469,7 @@ def test_bf16_training_on_the_cpu_learns_and_resumes_exactly(tmp_path, tiny_enco
     assert json.loads((full / "config.json").read_text())["training"]["config"]["precision"] == "bf16"
     # a run may not change precision on resume
     cfg.precision = "fp32"
-    with pytest.raises(ValueError, match="a checkpoint of a different run exists"):
+    with pytest.raises(ValueError, match="steps ran in bf16 and this run's would run in fp32"):
         train(cfg)
 
 

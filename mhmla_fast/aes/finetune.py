@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import (check_same_data, load_checkpoint, recover_run_dir, run_lock,
-                          save_checkpoint)
+from ..checkpoint import (check_same_data, check_same_precision, load_checkpoint,
+                          recover_run_dir, run_lock, save_checkpoint)
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..devices import check_train_precision, training_autocast
+from ..devices import applied_precision, check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from .data import SCORE_RANGES, Essay, digest_essays
@@ -111,14 +111,17 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     ])
     config = json.loads(json.dumps(asdict(cfg)))
     data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays)}
+    precision = applied_precision(cfg.precision, device)
     state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config,
-             "data": data}
+             "data": data, "precision_applied": precision}
 
     def same_run(saved: dict) -> None:  # before the checkpoint's tensors are loaded
         stored = dict(saved["config"])
         if "bf16" in stored:  # a checkpoint from before `precision`: bf16 applied on CUDA only
             stored["precision"] = "auto" if stored.pop("bf16") else "fp32"
-        diff = config_diff(cfg, stored, free=("epochs",))  # old layouts read too
+        # "auto" on the CPU and "fp32" are one arithmetic (another one raises)
+        free = ("epochs",) + (("precision",) if check_same_precision(saved, precision, out) else ())
+        diff = config_diff(cfg, stored, free=free)  # old layouts read too
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
@@ -128,7 +131,7 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     saved = load_checkpoint(out, model, opt, check=same_run)
     if saved is not None:
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
-        state["config"], state["data"] = config, data
+        state.update(config=config, data=data, precision_applied=precision)
         if state["epoch"] > cfg.epochs:
             raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already "
                              f"(epoch {state['epoch']})")

@@ -33,12 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import (CheckpointWriter, check_same_data, load_checkpoint, recover_run_dir,
-                          run_lock)
+from ..checkpoint import (CheckpointWriter, check_same_data, check_same_precision,
+                          load_checkpoint, recover_run_dir, run_lock)
 from ..durable import atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
                        same_file)
-from ..devices import TRAIN_PRECISIONS, check_train_precision, training_autocast
+from ..devices import (TRAIN_PRECISIONS, applied_precision, check_train_precision,
+                       training_autocast)
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
 from .data import Sentence, read_ged, sentences_digest
@@ -309,17 +310,21 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             # nor do the run folder's name (a moved run), how often it checkpoints, or how a
             # path to the same file is spelled
             free = ("progress", "out", "checkpoint_every") + (
-                ("epochs",) if cfg.lr_schedule == "constant" else ())
+                ("epochs",) if cfg.lr_schedule == "constant" else ()) + (
+                # "auto" on the CPU and "fp32": one arithmetic (another one raises)
+                ("precision",) if check_same_precision(meta, precision, out) else ())
             diff = {k: v for k, v in config_diff(cfg, meta["config"], free).items()
                     if not (k in PATH_FIELDS and same_file(*v))}
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
         check_resume_world(meta, dist_ctx, out)
+        check_same_precision(meta, precision, out)
         check_same_data(meta, data, out)
 
     # the sentences as read (after max_train_sentences): a resume on edited files is refused
     data = {"train": sentences_digest(train_set), "dev": sentences_digest(dev_set)}
+    precision = applied_precision(cfg.precision, device)
     meta = load_checkpoint(out, model, optimizer, check=same_run)
     if meta is not None:
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
@@ -351,6 +356,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
             "world_size": dist_ctx.world_size if dist_ctx else 1, "data": data,
+            "precision_applied": precision,
         }, global_step)
 
     if epoch > cfg.epochs:
