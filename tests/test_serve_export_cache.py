@@ -342,6 +342,43 @@ def test_stale_staging_folders_of_any_key_are_removed(tiny_tagger_dir, cache):
     assert not old.exists() and not aside.exists() and young.is_dir()
 
 
+def test_entries_unused_for_30_days_are_removed_by_the_next_export(tiny_tagger_dir, cache,
+                                                                     monkeypatch):
+    """Each model version's export is ~100 MB: an entry (or failure record) that no start has
+    used for UNUSED_S is removed by the next export, with the index record that named it. A
+    start that finds an entry marks it used; an entry being made again (its lock held) stays."""
+    from mhmla_fast import filelock
+
+    real = export_cache.runtime_versions
+    made = {}
+    for name in ("old", "used", "locked", "young"):  # four versions of onnxruntime: four keys
+        monkeypatch.setattr(export_cache, "runtime_versions",
+                            lambda name=name: {**real(), "onnxruntime": name})
+        made[name] = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter([]))
+    onnx = cache / "onnx"
+    failed_old, failed_young = onnx / ("0" * 64 + ".failed.json"), onnx / ("1" * 64 + ".failed.json")
+    for record in (failed_old, failed_young):
+        record.write_text("{}")
+    month_ago = time.time() - export_cache.UNUSED_S - 60
+    for path in (made["old"].path, made["used"].path, made["locked"].path, failed_old):
+        os.utime(path, (month_ago, month_ago))
+    assert len(list((onnx / "index").glob("*.json"))) == 4
+    # a start of the "used" version finds its entry (by the quick key): it is used again
+    monkeypatch.setattr(export_cache, "runtime_versions", lambda: {**real(), "onnxruntime": "used"})
+    assert lookup(tiny_tagger_dir, cache).entry == made["used"]
+    monkeypatch.setattr(export_cache, "runtime_versions", lambda: {**real(), "onnxruntime": "new"})
+    with open(onnx / f"{made['locked'].key}.lock", "a+b") as held:
+        assert filelock.try_lock(held.fileno())
+        new = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter([]))
+    assert not made["old"].path.exists() and not failed_old.exists()
+    for kept in (made["used"].path, made["locked"].path, made["young"].path, new.path,
+                 failed_young):
+        assert kept.exists(), kept
+    named = {json.loads(r.read_text())["entry"] for r in (onnx / "index").glob("*.json")}
+    assert named == {made[k].key for k in ("used", "locked", "young")} | {new.key}
+    assert not list(onnx.glob(".bad-*"))  # set aside, then removed
+
+
 def test_waiting_for_another_exporter_is_bounded(tmp_path):
     """A stopped or hung exporter holding the lock: a later start waits a bounded time, then
     runs without the export (ExportUnavailable), rather than hanging."""

@@ -15,6 +15,11 @@ model's ``config.json`` ("format"); it is part of every key, so the two never sh
     <root>/onnx/.tmp-<key>-*/           a staging directory (ignored; removed by the next export
                                         of <key>)
 
+Housekeeping, done by each new export (never on a start that finds its entry): staging and
+set-aside folders a day old are removed, and so are entries and failure records not used for
+:data:`UNUSED_S` (30 days; a start that uses one sets its folder's or record's mtime), with the
+index records that named them. A model version nobody runs any more does not keep its ~100 MB.
+
 ``<root>`` is ``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast``, else
 ``~/.cache/mhmla-fast``. ``MHMLA_NO_CACHE=1`` (or ``cache=False``) turns the cache off; auto then
 runs torch. :func:`auto_load` is the rule itself (cached export, else torch with one line);
@@ -343,6 +348,7 @@ def lookup(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, 
     if isinstance(key, str) and key:
         entry, failed = _state(base, key)
         if entry is not None or failed is not None:
+            _mark_used(base, key, entry)
             return Lookup(entry, failed, key, quick, files, versions,
                           record.get("content_sha256"), kind)
     if not hash_content:
@@ -351,8 +357,18 @@ def lookup(model_dir: str | os.PathLike, root: str | os.PathLike | None = None, 
     key = entry_key(content, versions, kind)
     entry, failed = _state(base, key)
     if entry is not None or failed is not None:
+        _mark_used(base, key, entry)
         _write_index(base, quick, key, content, model_dir, kind)
     return Lookup(entry, failed, key, quick, files, versions, content, kind)
+
+
+def _mark_used(base: Path, key: str, entry: CacheEntry | None) -> None:
+    """Best effort (a read-only cache still works): the entry's folder, or the failure record,
+    gets the time now as its mtime, which :func:`_remove_unused` reads as its last use."""
+    try:
+        os.utime(entry.path if entry is not None else base / f"{key}.failed.json")
+    except OSError:
+        pass
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -472,6 +488,7 @@ def ensure_export(model_dir: str | os.PathLike, root: str | os.PathLike | None =
             for old in base.glob(f".tmp-{key}-*"):  # dead: their exporter held this lock
                 shutil.rmtree(old, ignore_errors=True)
             _remove_stale(base)
+            _remove_unused(base, keep=key)
             _set_aside(base / key)  # incomplete (a file missing or cut short): made again
             if exporter is None:
                 def exporter(model_dir, out_dir, export=kind.export):
@@ -569,6 +586,45 @@ def _remove_stale(base: Path, now: float | None = None) -> None:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError:
             pass
+
+
+UNUSED_S = 30 * 86400.0  # an entry or failure record unused this long is removed
+
+
+def _remove_unused(base: Path, keep: str, now: float | None = None) -> None:
+    """Remove the entries and failure records of ``base`` (other than ``keep``'s) last used
+    more than :data:`UNUSED_S` ago, then the index records naming neither an entry nor a
+    failure. An entry whose lock another process holds (it is being made again) is left.
+    Best effort: what cannot be removed stays."""
+    now = time.time() if now is None else now
+
+    def unused(path: Path) -> bool:
+        try:
+            return now - path.stat().st_mtime > UNUSED_S
+        except OSError:
+            return False
+
+    for path in list(base.iterdir()):
+        name = path.name
+        if name.startswith(".") or name == "index" or name.startswith(keep):
+            continue
+        if name.endswith(".failed.json") and unused(path):
+            path.unlink(missing_ok=True)
+        elif path.is_dir() and unused(path):
+            try:
+                with open(base / f"{name}.lock", "a+b") as lock:
+                    if filelock.try_lock(lock.fileno()):
+                        try:
+                            _set_aside(path)
+                        finally:
+                            filelock.unlock(lock.fileno())
+            except OSError:
+                pass
+    for record in list((base / "index").glob("*.json")):
+        key = (_read_json(record) or {}).get("entry")
+        if isinstance(key, str) and key and not (base / key).exists() \
+                and not (base / f"{key}.failed.json").exists():
+            record.unlink(missing_ok=True)
 
 
 def _out_of_memory(err: BaseException) -> bool:
