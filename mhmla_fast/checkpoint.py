@@ -33,7 +33,7 @@ from . import filelock
 from .durable import atomic_write_text, replace_durably
 
 __all__ = ["save_checkpoint", "load_checkpoint", "check_same_data", "check_same_precision",
-           "CheckpointWriter",
+           "precision_recorded", "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".lock"
@@ -194,21 +194,26 @@ def check_same_data(meta: dict, data: dict[str, str], out: Path) -> None:
                          "them, or use another --out to train afresh")
 
 
-def check_same_precision(meta: dict, applied: str, out: Path) -> bool:
+def check_same_precision(meta: dict, applied: str, out: Path) -> None:
     """Refuse to go on in another arithmetic: ``applied`` is what this run's steps would run in
     ("fp32" or "bf16", :func:`mhmla_fast.devices.applied_precision`) and
     ``meta["precision_applied"]`` what the checkpoint's ran in ("auto" is bf16 on CUDA and fp32
-    on the CPU, so a run moved between them would change silently). True when both are recorded
-    and equal: then the configs may spell the precision differently ("auto" on the CPU and
-    "fp32"). False for a checkpoint from before the record (its config is compared as before)."""
+    on the CPU, so a run moved between them would change silently). When both are recorded and
+    equal, the configs may spell the precision differently ("auto" on the CPU and "fp32"): see
+    :func:`precision_recorded`. A checkpoint from before the record is not checked here (its
+    config's precision is compared as before)."""
     saved = meta.get("precision_applied")
-    if saved is None:
-        return False
-    if saved != applied:
+    if saved is not None and saved != applied:
         raise ValueError(f"{out}: the checkpoint's steps ran in {saved} and this run's would run "
-                         f"in {applied} (on another device); pass --precision {saved} to go on as "
-                         "the run started, or use another --out to train afresh")
-    return True
+                         f"in {applied} (--precision auto means bf16 on CUDA and fp32 on the "
+                         f"CPU); pass --precision {saved} to go on as the run started, or use "
+                         "another --out to train afresh")
+
+
+def precision_recorded(meta: dict) -> bool:
+    """Whether the checkpoint records the arithmetic its steps ran in: then the config's
+    ``precision`` field is compared by :func:`check_same_precision` instead of as spelled."""
+    return meta.get("precision_applied") is not None
 
 
 def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -263,6 +263,13 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
                             + dev[1:]), "dev")):
         with pytest.raises(ValueError, match=f"the {name} data differ from those the checkpoint"):
             finetune(more, *changed, log=None)
+    # an essay moved to another prompt (each prompt has its own output layer): other data
+    two = FinetuneConfig(out=str(tmp_path / "two"), epochs=1, **{**base, "prompts": (3, 4)})
+    both = train + [dataclasses.replace(e, prompt=4) for e in train[:4]]
+    finetune(two, both, dev, log=None)
+    moved = both[:-1] + [dataclasses.replace(both[-1], prompt=3)]
+    with pytest.raises(ValueError, match="the train data differ from those the checkpoint"):
+        finetune(dataclasses.replace(two, epochs=2), moved, dev, log=None)
     # fewer epochs than the checkpoint has run: an error, not the longer run's model
     with pytest.raises(ValueError, match="past epoch 1 already"):
         finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=1, **base), train, dev,

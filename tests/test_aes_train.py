@@ -484,6 +484,24 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     assert result["models"]["mhmla-cls-finetuned"]["qwk"]["0"]["3"] != 0.123
     assert mhmla_train([*args, "--epochs", "1"]) == 0  # the same settings: reused
     assert len(calls) == 1
+    # the same settings on edited data (one test essay's score): scored again, not reused;
+    # the checkpoint's train and dev essays are unchanged, so finetune finishes at once
+    from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+    from mhmla_fast.aes.train import asap_files
+
+    tsv, folds_dir = asap_files(data)
+    test_id = split_essays(read_asap(tsv), read_folds(folds_dir), 0, prompt=3)["test"][0].essay_id
+    lines = tsv.read_bytes().decode().split("\r\n")
+    for i, line in enumerate(lines):
+        if line.startswith(f"{test_id}\t"):
+            *rest, score = line.split("\t")
+            lines[i] = "\t".join([*rest, str((int(score) + 1) % 4)])
+    tsv.write_bytes("\r\n".join(lines).encode())
+    assert mhmla_train([*args, "--epochs", "1"]) == 0
+    assert len(calls) == 2 and calls[1].epochs == 1
+    assert mhmla_train([*args, "--epochs", "1"]) == 0  # and reused again on those data
+    assert len(calls) == 2
+    del calls[1]
     assert mhmla_train([*args, "--epochs", "2"]) == 0  # more epochs: finetune extends the run
     assert len(calls) == 2 and calls[1].epochs == 2
     assert json.loads((cell / "test.json").read_text())["settings"]["epochs"] == 2

@@ -198,6 +198,10 @@ def test_resume_keeps_the_arithmetic_the_run_started_in(tmp_path, tiny_encoder):
     with pytest.raises(ValueError, match="steps ran in bf16 and this run's would run in fp32.*"
                                          "--precision bf16"):
         train(cfg)
+    # another change besides: that one is named first (the suggested --precision alone would
+    # not do)
+    with pytest.raises(ValueError, match=r"a checkpoint of a different run exists.*'lr'"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, lr=1e-4))
     meta_path.write_text(json.dumps(meta))
     train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, precision="fp32"),
           stop_after_steps=1)

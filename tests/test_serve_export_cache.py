@@ -346,7 +346,8 @@ def test_entries_unused_for_30_days_are_removed_by_the_next_export(tiny_tagger_d
                                                                      monkeypatch):
     """Each model version's export is ~100 MB: an entry (or failure record) that no start has
     used for UNUSED_S is removed by the next export, with the index record that named it. A
-    start that finds an entry marks it used; an entry being made again (its lock held) stays."""
+    start that finds an entry marks it used, and one whose model file was read since counts as
+    used (a user who cannot mark it); an entry being made again (its lock held) stays."""
     from mhmla_fast import filelock
 
     real = export_cache.runtime_versions
@@ -362,6 +363,10 @@ def test_entries_unused_for_30_days_are_removed_by_the_next_export(tiny_tagger_d
     month_ago = time.time() - export_cache.UNUSED_S - 60
     for path in (made["old"].path, made["used"].path, made["locked"].path, failed_old):
         os.utime(path, (month_ago, month_ago))
+        if path.is_dir():  # its model file last read a month ago too
+            os.utime(path / "model.onnx", (month_ago, month_ago))
+    # "young" was last marked a month ago, but read since (another user, who cannot mark it)
+    os.utime(made["young"].path, (month_ago, month_ago))
     assert len(list((onnx / "index").glob("*.json"))) == 4
     # a start of the "used" version finds its entry (by the quick key): it is used again
     monkeypatch.setattr(export_cache, "runtime_versions", lambda: {**real(), "onnxruntime": "used"})

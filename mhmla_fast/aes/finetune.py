@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import (check_same_data, check_same_precision, load_checkpoint,
-                          recover_run_dir, run_lock, save_checkpoint)
+                          precision_recorded, recover_run_dir, run_lock, save_checkpoint)
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import applied_precision, check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
@@ -119,13 +119,14 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         stored = dict(saved["config"])
         if "bf16" in stored:  # a checkpoint from before `precision`: bf16 applied on CUDA only
             stored["precision"] = "auto" if stored.pop("bf16") else "fp32"
-        # "auto" on the CPU and "fp32" are one arithmetic (another one raises)
-        free = ("epochs",) + (("precision",) if check_same_precision(saved, precision, out) else ())
+        # precision is compared as the arithmetic it means, below ("auto" on the CPU is "fp32")
+        free = ("epochs",) + (("precision",) if precision_recorded(saved) else ())
         diff = config_diff(cfg, stored, free=free)  # old layouts read too
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
         check_resume_world(saved, dist_ctx, out)
+        check_same_precision(saved, precision, out)
         check_same_data(saved, data, out)
 
     saved = load_checkpoint(out, model, opt, check=same_run)
@@ -197,8 +198,11 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
 
 
 def _essays_digest(essays: Sequence[Essay]) -> str:
+    """sha256 of the essays prompt by prompt (each prompt has its own output layer)."""
     h = hashlib.sha256()
-    digest_essays(h, essays)
+    for p in sorted({e.prompt for e in essays}):
+        h.update(f"\0prompt {p}".encode())
+        digest_essays(h, [e for e in essays if e.prompt == p])
     return h.hexdigest()
 
 

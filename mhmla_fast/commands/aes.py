@@ -215,6 +215,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     from ..aes.data import read_asap, read_folds, split_essays
     from ..aes.metrics import exact_agreement
     from ..aes.train import FinetuneConfig, _aggregate, asap_files, finetune, qwk
+    from ..aes.units import data_digest
     from ..durable import atomic_write_text
     from ..provenance import provenance
 
@@ -237,11 +238,13 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
             out = Path(args.out) / f"finetune-fold{k}-p{p}"
             cfg = replace(base, out=str(out), prompts=(p,), fold=k)
             cell_settings = json.loads(json.dumps(asdict(cfg)))
+            data = data_digest({p: sp}, [p])  # the cell's train, dev and test essays
             done = out / "test.json"
-            if done.is_file():  # a finished cell of these settings; other settings train on
-                # (finetune resumes a longer run and refuses any other change of its config)
+            if done.is_file():  # a finished cell of these settings and essays; others train on
+                # (finetune resumes a longer run, refuses any other change of its config or of
+                # its train and dev essays; a changed test split is scored again)
                 cell = json.loads(done.read_text())
-                if cell.get("settings") == cell_settings:
+                if cell.get("settings") == cell_settings and cell.get("data") == data:
                     cells[k][p] = cell
                     continue
             model, state = finetune(cfg, sp["train"], sp["dev"], log=_log(args))
@@ -249,7 +252,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
             gold = np.array([e.score for e in sp["test"]])
             cell = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
                     "dev_qwk": state["best"], "selected": {"epoch": state["best_epoch"]},
-                    "settings": cell_settings}
+                    "settings": cell_settings, "data": data}
             atomic_write_text(done, json.dumps(cell))
             cells[k][p] = cell
     result = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checkpoint import (CheckpointWriter, check_same_data, check_same_precision,
-                          load_checkpoint, recover_run_dir, run_lock)
+                          load_checkpoint, precision_recorded, recover_run_dir, run_lock)
 from ..durable import atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
                        same_file)
@@ -311,8 +311,8 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             # path to the same file is spelled
             free = ("progress", "out", "checkpoint_every") + (
                 ("epochs",) if cfg.lr_schedule == "constant" else ()) + (
-                # "auto" on the CPU and "fp32": one arithmetic (another one raises)
-                ("precision",) if check_same_precision(meta, precision, out) else ())
+                # compared as the arithmetic it means, below ("auto" on the CPU is "fp32")
+                ("precision",) if precision_recorded(meta) else ())
             diff = {k: v for k, v in config_diff(cfg, meta["config"], free).items()
                     if not (k in PATH_FIELDS and same_file(*v))}
             if diff:

@@ -17,8 +17,11 @@ model's ``config.json`` ("format"); it is part of every key, so the two never sh
 
 Housekeeping, done by each new export (never on a start that finds its entry): staging and
 set-aside folders a day old are removed, and so are entries and failure records not used for
-:data:`UNUSED_S` (30 days; a start that uses one sets its folder's or record's mtime), with the
-index records that named them. A model version nobody runs any more does not keep its ~100 MB.
+:data:`UNUSED_S` (30 days), with the index records that named them. A start that uses an entry
+sets its folder's mtime (or the record's); a user who cannot (a shared cache he does not own)
+still reads ``model.onnx``, whose access time counts too. A model version nobody runs any more
+does not keep its ~100 MB. Starts take no lock: a start that finds an entry in the instant
+between the evicting export's last look and its rename loses it, and runs torch that once.
 
 ``<root>`` is ``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast``, else
 ``~/.cache/mhmla-fast``. ``MHMLA_NO_CACHE=1`` (or ``cache=False``) turns the cache off; auto then
@@ -599,10 +602,16 @@ def _remove_unused(base: Path, keep: str, now: float | None = None) -> None:
     now = time.time() if now is None else now
 
     def unused(path: Path) -> bool:
+        # last use: the mtime a start sets, or (where the start could not: a user who does
+        # not own the entry) the model file's access time, which reading it updates (daily,
+        # under the usual relatime mount option)
         try:
-            return now - path.stat().st_mtime > UNUSED_S
+            last = path.stat().st_mtime
+            if path.is_dir():
+                last = max(last, (path / "model.onnx").stat().st_atime)
         except OSError:
             return False
+        return now - last > UNUSED_S
 
     for path in list(base.iterdir()):
         name = path.name
@@ -615,7 +624,8 @@ def _remove_unused(base: Path, keep: str, now: float | None = None) -> None:
                 with open(base / f"{name}.lock", "a+b") as lock:
                     if filelock.try_lock(lock.fileno()):
                         try:
-                            _set_aside(path)
+                            if unused(path):  # again: a start may have found it meanwhile
+                                _set_aside(path)
                         finally:
                             filelock.unlock(lock.fileno())
             except OSError:
