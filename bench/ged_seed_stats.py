@@ -338,6 +338,36 @@ def paired(mhmla: Sequence[float], baseline: Sequence[float], alpha: float = 0.0
     return out
 
 
+def holm(p_values: Sequence[float | None]) -> list[float | None]:
+    """Holm-Bonferroni adjusted p-values of one family of tests (None stays None and is not
+    counted): the k-th smallest of m p-values becomes max over i <= k of min(1, (m - i + 1) p_(i)),
+    so that "adjusted p < alpha" controls the chance of any false finding in the family."""
+    order = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    m, out, running = len(order), [None] * len(p_values), 0.0
+    for rank, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
+
+
+def _adjust_families(comparisons: list[dict], alpha: float) -> None:
+    """Per encoder and metric, every (baseline, set) test of MHMLA is one family: each paired
+    result gains ``p_holm`` and ``verdict_holm`` (the verdict at ``alpha`` after the adjustment)."""
+    families: dict[tuple, list[dict]] = {}
+    for c in comparisons:
+        for entry in c["sets"].values():
+            for metric, x in entry.items():
+                families.setdefault((c["encoder"], metric), []).append(x)
+    for members in families.values():
+        # a comparison with too few seeds is no test: not in the family
+        judged = [x for x in members if not x["verdict"].startswith("too few")]
+        tests = [x for x in judged if x["p_ttest"] is not None]
+        for x in members:
+            x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
+        for x, p in zip(tests, holm([x["p_ttest"] for x in tests])):
+            x["p_holm"], x["verdict_holm"] = p, verdict(x["n"], x["mean_diff"], p, alpha, 0)
+
+
 def compare(systems: dict[tuple, list[Run]], stats: dict[str, Any], mhmla_j: int,
             common_seeds: bool, alpha: float, min_seeds: int) -> list[dict]:
     """MHMLA J = ``mhmla_j`` against every baseline of its encoder, per test set and tested metric."""
@@ -375,6 +405,7 @@ def compare(systems: dict[tuple, list[Run]], stats: dict[str, Any], mhmla_j: int
                     y = [stats[b_key]["sets"][s][metric]["per_seed"][str(k)] for k in seeds]
                     entry["sets"][s][metric] = paired(x, y, alpha, min_seeds)
             out.append(entry)
+    _adjust_families(out, alpha)
     return out
 
 
@@ -390,14 +421,16 @@ def _tally(verdicts: Sequence[str]) -> str:
 
 def claim(comparisons: Sequence[dict], metric: str = "f05") -> dict[str, str]:
     """Per encoder, the paper's claim (MHMLA above the last layer and AvgL) in plain words,
-    then the tally of verdicts against each baseline."""
+    then the tally of verdicts against each baseline (after Holm's adjustment)."""
     out = {}
     for encoder in dict.fromkeys(c["encoder"] for c in comparisons):
         lines, verdicts = [], []
         for c in comparisons:
             if c["encoder"] != encoder:
                 continue
-            v = [x[metric]["verdict"] for x in c["sets"].values() if metric in x]
+            # judged after Holm's adjustment over the family (the plain verdict without one)
+            v = [x[metric].get("verdict_holm", x[metric]["verdict"]) for x in c["sets"].values()
+                 if metric in x]
             base = c["baseline"].split("/")[1]
             if base in ("last", "avgl"):
                 verdicts += v
@@ -462,7 +495,9 @@ def summarise(runs: Sequence[Run], *, mhmla_j: int = 12, common_seeds: bool = Fa
         "seed: no seed is singled out",
         "dev: the training's dev scores of the selected epoch (selection set, optimistic)",
         f"verdicts: paired t-test at {alpha:g}, two-sided, uncorrected for multiple comparisons; "
-        "the exact sign-flip test cannot go below 2 / 2^n (0.0625 at 5 seeds)",
+        "p_holm / verdict_holm: Holm-Bonferroni over the family of every baseline x set of one "
+        "encoder and metric (family_size tests); the exact sign-flip test cannot go below 2 / 2^n "
+        "(0.0625 at 5 seeds)",
     ]
     devices = sorted({str(r.result.get("device")) for r in runs})
     if len(devices) > 1:
@@ -502,7 +537,7 @@ def markdown_table2(summary: dict, metric: str = "f05", paper: bool = True) -> s
 
 def markdown_comparisons(summary: dict, metric: str = "f05") -> str:
     head = ["MHMLA against", "set", "seeds", "mean difference [95% CI]", "t-test p", "sign-flip p",
-            "verdict"]
+            "verdict", "Holm p", "verdict after Holm"]
     lines = [f"MHMLA J = {summary['mhmla_j']} minus each baseline, paired over seeds "
              f"({METRIC_LABELS[metric]}, points):", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -514,7 +549,8 @@ def markdown_comparisons(summary: dict, metric: str = "f05") -> str:
                 continue
             ci = f" [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}]" if x["ci95"] else ""
             lines.append(f"| {base} | {SET_LABELS.get(s, s)} | {x['n']} | {x['mean_diff']:+.2f}{ci} | "
-                         f"{_p(x['p_ttest'])} | {_p(x['p_signflip'])} | {x['verdict']} |")
+                         f"{_p(x['p_ttest'])} | {_p(x['p_signflip'])} | {x['verdict']} | "
+                         f"{_p(x.get('p_holm'))} | {x.get('verdict_holm', '')} |")
     return "\n".join(lines)
 
 

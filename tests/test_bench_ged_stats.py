@@ -103,6 +103,14 @@ def test_sign_flip_exact_and_verdicts(gs):
     assert one["p_ttest"] is None and one["p_signflip"] is None and one["verdict"].startswith("too few")
 
 
+def test_holm_adjusts_a_family_of_p_values(gs):
+    """Holm-Bonferroni by hand: sorted 0.01, 0.03, 0.04 of m = 3 become 3 x 0.01, then
+    max(0.03, 2 x 0.03), then max(0.06, 1 x 0.04); None is no test and stays None."""
+    assert gs.holm([0.04, 0.01, None, 0.03]) == pytest.approx([0.06, 0.03, None, 0.06])
+    assert gs.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert gs.holm([]) == [] and gs.holm([None]) == [None]
+
+
 def test_table2_statistics_match_numpy_and_scipy(gs, tmp_path, capsys):
     rng = np.random.default_rng(0)
     last = rng.uniform(0.25, 0.6, size=(5, 4))
@@ -145,6 +153,14 @@ def test_table2_statistics_match_numpy_and_scipy(gs, tmp_path, capsys):
             assert x["ci95"] == pytest.approx(list(ci))
             assert x["p_signflip"] == pytest.approx(_by_hand_sign_flip(d))
             assert x["p_signflip_floor"] == pytest.approx(2 / 32)
+    # one family per metric: every baseline x set with a test, adjusted together
+    family = [c["sets"][s]["f05"] for c in comps.values() for s in SETS]
+    tested = [x for x in family if not x["verdict"].startswith("too few")]  # SHMLA: 2 seeds
+    assert len(tested) == 8 and {x["family_size"] for x in family} == {8}
+    assert [x["p_holm"] for x in tested] == pytest.approx(gs.holm([x["p_ttest"] for x in tested]))
+    assert all(x["p_holm"] >= x["p_ttest"] for x in tested)
+    shmla = comps["minilm/shmla"]["sets"]["fce_test"]["f05"]
+    assert shmla["verdict_holm"].startswith("too few") and shmla["p_holm"] is None
     assert comps["minilm/shmla"]["seeds"] == [0, 1]
     assert comps["minilm/shmla"]["dropped_seeds"] == [2, 3, 4]
     assert comps["minilm/last"]["sets"]["fce_test"]["f05"]["verdict"].startswith("MHMLA higher, p=")
