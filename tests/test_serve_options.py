@@ -328,3 +328,15 @@ def test_tagging_and_scoring_share_the_packer(tiny_engine, tiny_scorer, monkeypa
     tiny_engine.tag_texts(["He go to school .", "A cat ."])
     tiny_scorer.predict_scores(["An essay .", "Another one ."], [1, 2], token_budget=512)
     assert calls == [(2, tiny_engine.token_budget, False), (2, 512, True)]
+
+
+def test_score_takes_the_dtype_spellings_of_tag():
+    """`mhmla-serve score --dtype bf16` as `tag --dtype bf16`: the short names normalised, an
+    unknown one refused by argparse naming the choices."""
+    import mhmla_fast.commands.serve as cli
+
+    parser = cli.build_parser()
+    for text, want in (("bf16", "bfloat16"), ("fp32", "float32"), ("float16", "float16")):
+        assert parser.parse_args(["score", "-", "--dtype", text]).dtype == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["score", "-", "--dtype", "int8"])

@@ -756,6 +756,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..serve.options import resolve_dtype
     from ..serve.score import DTYPES as SCORER_DTYPES
 
     parser = argparse.ArgumentParser(prog=PROG, description="Grammatical error detection and "
@@ -799,7 +800,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "scores, made once on first use; torch on a GPU or where onnxruntime is "
                         "missing) or torch; the scorer has no onnx or tensorrt backend")
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
-                   help="scorer weights and compute (default bfloat16 on cuda, float32 on cpu)")
+                   type=lambda text: resolve_dtype(text, "cpu"),  # bf16, fp32 ... as for tag
+                   help="scorer weights and compute: float32/bfloat16/float16, or bf16/fp32/fp16 "
+                   "(default bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--no-cache", action="store_true",
                    help="backend auto: neither read nor write the ONNX export cache (run torch); "
                    "also MHMLA_NO_CACHE=1")
