@@ -33,7 +33,7 @@ from . import filelock
 from .durable import atomic_write_text, replace_durably
 
 __all__ = ["save_checkpoint", "load_checkpoint", "check_same_data", "check_same_precision",
-           "precision_recorded", "CheckpointWriter",
+           "check_same_inputs", "precision_recorded", "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".lock"
@@ -208,6 +208,14 @@ def check_same_precision(meta: dict, applied: str, out: Path) -> None:
                          f"in {applied} (--precision auto means bf16 on CUDA and fp32 on the "
                          f"CPU); pass --precision {saved} to go on as the run started, or use "
                          "another --out to train afresh")
+
+
+def check_same_inputs(meta: dict, precision: str, data: dict[str, str], out: Path) -> None:
+    """What a resume checks beyond its config, in this order: the same arithmetic
+    (:func:`check_same_precision`, ``precision`` as applied now) and the same data
+    (:func:`check_same_data`, ``data`` the digests of the sets as read now)."""
+    check_same_precision(meta, precision, out)
+    check_same_data(meta, data, out)
 
 
 def precision_recorded(meta: dict) -> bool:

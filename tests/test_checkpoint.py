@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from mhmla_fast.checkpoint import (LOCK_FILE, CheckpointWriter, RunLockedError, load_checkpoint,
-                                   run_lock, save_checkpoint)
+from mhmla_fast.checkpoint import (LOCK_FILE, CheckpointWriter, RunLockedError, check_same_inputs,
+                                   load_checkpoint, run_lock, save_checkpoint)
 
 
 def model_and_optimizer(seed: int):
@@ -130,3 +130,14 @@ def test_cuda_random_states_are_restored_in_device_order(tmp_path, monkeypatch):
         restored.clear()
         load_checkpoint(tmp_path, model, opt)
         assert restored == [(i, i) for i in want]
+
+
+def test_a_resume_is_refused_on_other_arithmetic_first_then_on_other_data(tmp_path):
+    meta = {"precision_applied": "fp32", "data": {"train": "a", "dev": "b"}}
+    check_same_inputs(meta, "fp32", {"train": "a", "dev": "b"}, tmp_path)  # the same: passes
+    with pytest.raises(ValueError, match="ran in fp32 and this run's would run in bf16"):
+        check_same_inputs(meta, "bf16", {"train": "x", "dev": "b"}, tmp_path)
+    with pytest.raises(ValueError, match="the dev and train data differ"):
+        check_same_inputs(meta, "fp32", {"train": "x", "dev": "y"}, tmp_path)
+    # a checkpoint from before either record resumes unchecked
+    check_same_inputs({}, "bf16", {"train": "x"}, tmp_path)

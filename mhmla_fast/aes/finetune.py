@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import (check_same_data, check_same_precision, load_checkpoint,
+from ..checkpoint import (check_same_inputs, load_checkpoint,
                           precision_recorded, recover_run_dir, run_lock, save_checkpoint)
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
 from ..devices import applied_precision, check_train_precision, training_autocast
@@ -126,8 +126,7 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
         check_resume_world(saved, dist_ctx, out)
-        check_same_precision(saved, precision, out)
-        check_same_data(saved, data, out)
+        check_same_inputs(saved, precision, data, out)
 
     saved = load_checkpoint(out, model, opt, check=same_run)
     if saved is not None:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import (CheckpointWriter, check_same_data, check_same_precision,
+from ..checkpoint import (CheckpointWriter, check_same_inputs,
                           load_checkpoint, precision_recorded, recover_run_dir, run_lock)
 from ..durable import atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
@@ -319,8 +319,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
         check_resume_world(meta, dist_ctx, out)
-        check_same_precision(meta, precision, out)
-        check_same_data(meta, data, out)
+        check_same_inputs(meta, precision, data, out)
 
     # the sentences as read (after max_train_sentences): a resume on edited files is refused
     data = {"train": sentences_digest(train_set), "dev": sentences_digest(dev_set)}
