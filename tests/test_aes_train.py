@@ -442,17 +442,53 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path):
     from mhmla_fast.commands.train import main as mhmla_train
 
     data = write_asap(tmp_path / "data", n_per_prompt=20)
-    assert mhmla_train(["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data),
-                        "--encoder", tiny_encoder, "--out", str(tmp_path / "ft"),
-                        "--finetune", "--epochs", "1", "--backend", "torch", "--quiet"]) == 0
-    result = json.loads((tmp_path / "ft" / "results-finetune.json").read_text())
+    common = ["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data), "--encoder",
+              tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune", "--epochs", "1",
+              "--backend", "torch", "--quiet"]
+    assert mhmla_train(common) == 0
+    path = tmp_path / "ft" / "results-finetune.json"
+    result = json.loads(path.read_text())
     assert result["protocol"] == "gpu-finetune" and result["prompts"] == [3]
     cell = result["models"]["mhmla-cls-finetuned"]
     assert set(cell["qwk"]["0"]) == {"3"} and cell["selected"]["0"]["3"] == {"epoch": 1}
-    assert (tmp_path / "ft" / "finetune-fold0-p3" / "best" / "config.json").is_file()
-    assert result["settings"]["epochs"] == 1 and result["settings"]["objective"] == "classification"
-    done = tmp_path / "ft" / "finetune-fold0-p3" / "test.json"
-    assert json.loads(done.read_text())["settings"]["epochs"] == 1
+    run = tmp_path / "ft" / "mhmla-cls-finetuned" / "fold0-p3"
+    assert (run / "best" / "config.json").is_file()
+    assert cell["settings"]["epochs"] == 1 and cell["settings"]["objective"] == "classification"
+    assert json.loads((run / "test.json").read_text())["settings"]["epochs"] == 1
+    # other heads and objectives are models of their own: their cells beside, their entries
+    # added to the same file, the first kept as it was
+    assert mhmla_train([*common, "--mode", "avgl", "--objective", "regression"]) == 0
+    assert mhmla_train([*common, "--num-heads", "2", "--seed", "1"]) == 0
+    result = json.loads(path.read_text())
+    assert list(result["models"]) == ["mhmla-cls-finetuned", "avgl-reg-finetuned",
+                                      "mhmla-J2-cls-finetuned-seed1"]
+    assert result["models"]["mhmla-cls-finetuned"] == cell
+    avgl = json.loads((tmp_path / "ft" / "avgl-reg-finetuned" / "fold0-p3" / "best"
+                       / "config.json").read_text())
+    assert avgl["layer_attention"]["mode"] == "avgl" and avgl["objective"] == "regression"
+    j2 = result["models"]["mhmla-J2-cls-finetuned-seed1"]["settings"]
+    assert j2["layer_attention"]["num_heads"] == 2 and j2["seed"] == 1
+
+
+def test_commands_finetune_refuses_a_results_file_of_another_run_before_training(
+        tiny_encoder, tmp_path, capsys):
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    results = tmp_path / "r.json"
+    other = {"protocol": "gpu-finetune", "encoder": "other", "folds": [0], "prompts": [3],
+             "models": {"mhmla-cls-finetuned": {"mean_qwk": 0.8}}}
+    results.write_text(json.dumps(other))
+    args = ["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data), "--encoder",
+            tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune", "--epochs", "1",
+            "--backend", "torch", "--quiet", "--results", str(results)]
+    assert mhmla_train(args) == 2
+    assert "holds results of another run" in capsys.readouterr().err
+    assert json.loads(results.read_text()) == other and not (tmp_path / "ft").exists()
+    results.write_text("{not json")
+    assert mhmla_train(args) == 2
+    assert "not a readable results file" in capsys.readouterr().err
+    assert results.read_text() == "{not json"
 
 
 def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder, tmp_path,
@@ -463,7 +499,7 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     from mhmla_fast.commands.train import main as mhmla_train
 
     data = write_asap(tmp_path / "data", n_per_prompt=20)
-    cell = tmp_path / "ft" / "finetune-fold0-p3"
+    cell = tmp_path / "ft" / "mhmla-reg-finetuned" / "fold0-p3"
     cell.mkdir(parents=True)
     (cell / "test.json").write_text(json.dumps({"qwk": 0.123, "exact": 0.5, "dev_qwk": 0.1,
                                                 "selected": {"epoch": 10}}))  # no settings
@@ -481,7 +517,7 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     assert mhmla_train([*args, "--epochs", "1"]) == 0  # the stale cell is not reused
     assert len(calls) == 1 and calls[0].objective == "regression" and calls[0].epochs == 1
     result = json.loads((tmp_path / "ft" / "results-finetune.json").read_text())
-    assert result["models"]["mhmla-cls-finetuned"]["qwk"]["0"]["3"] != 0.123
+    assert result["models"]["mhmla-reg-finetuned"]["qwk"]["0"]["3"] != 0.123
     assert mhmla_train([*args, "--epochs", "1"]) == 0  # the same settings: reused
     assert len(calls) == 1
     # the same settings on edited data (one test essay's score): scored again, not reused;
@@ -515,6 +551,10 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     (["--finetune", "--models", "mhmla-cls"], "--models: not used by --finetune"),
     (["--head-lr", "1e-4"], "--head-lr: --finetune only"),
     (["--precision", "bf16"], "--precision: --finetune only"),
+    (["--mode", "last"], "--mode: --finetune only"),
+    (["--export-shipped", "x", "--num-heads", "6"], "--num-heads: --finetune only"),
+    (["--finetune", "--mode", "avgl", "--num-heads", "6"],
+     "--num-heads: J of --mode mhmla only (--mode avgl has one head)"),
     (["--objective", "regression"], "--objective: with --export-shipped or --finetune"),
     (["--export-shipped", "x", "--models", "mhmla-cls"], "--models: not used by --export-shipped"),
 ])

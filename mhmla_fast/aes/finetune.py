@@ -31,7 +31,7 @@ from .heads import _epoch_batches
 from .model import EssayScorer, ScorerConfig
 from .splits import PROMPTS, Log, qwk
 
-__all__ = ["FinetuneConfig", "finetune"]
+__all__ = ["FinetuneConfig", "finetune", "model_name"]
 
 
 @accepts_flat_keywords
@@ -66,6 +66,16 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
+
+
+def model_name(cfg: FinetuneConfig) -> str:
+    """The results' name of ``cfg``'s model: head (with J when not 12), objective, and the seed
+    when not 0, as in "mhmla-cls-finetuned", "avgl-reg-finetuned",
+    "mhmla-J6-cls-finetuned-seed1" (the CPU protocol's names, fine-tuned)."""
+    la = cfg.layer_attention
+    head = la.mode + (f"-J{la.num_heads}" if la.mode == "mhmla" and la.num_heads != 12 else "")
+    objective = "cls" if cfg.objective == "classification" else "reg"
+    return f"{head}-{objective}-finetuned" + (f"-seed{cfg.seed}" if cfg.seed else "")
 
 
 def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Sequence[Essay], *,

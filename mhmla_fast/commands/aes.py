@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..configs import MODES
 from ..devices import TRAIN_PRECISIONS
 
 __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
@@ -95,7 +96,13 @@ def add_train_parser(sub) -> None:
                    help="--export-shipped: the head's output (default: train both, keep the "
                    "better on dev); --finetune: the head's output (default classification)")
     p.add_argument("--finetune", action="store_true",
-                   help="full fine-tuning of encoder + MHMLA head per prompt (meant for a GPU)")
+                   help="full fine-tuning of encoder + layer-attention head per prompt (meant "
+                   "for a GPU)")
+    p.add_argument("--mode", default=None, choices=MODES,
+                   help="--finetune: the head (default mhmla; the CPU protocol names its heads "
+                   "in --models)")
+    p.add_argument("--num-heads", type=int, default=None,
+                   help="--finetune with --mode mhmla: J (default 12)")
     p.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
                    help="--finetune: training-step precision (default auto: bf16 autocast on "
                    "CUDA, fp32 on the CPU; bf16 also on a CPU)")
@@ -182,12 +189,17 @@ def _check_mode_options(args) -> None:
     if args.finetune:
         refuse(("patience", "cache_only", "models", "members", "export_shipped"),
                "not used by --finetune")
+        if args.num_heads is not None and (args.mode or "mhmla") != "mhmla":
+            raise ValueError(f"--num-heads: J of --mode mhmla only (--mode {args.mode} has one "
+                             "head)")
         return
     if args.export_shipped:
         refuse(("models", "members", "cache_only"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
     refuse(("precision", "head_lr"), "--finetune only (the other paths train heads on cached "
            "float32 features with one lr)")
+    refuse(("mode", "num_heads"), "--finetune only (the CPU protocol names its heads in "
+           "--models, the shipped scorer is MHMLA)")
     if args.objective is not None and not args.export_shipped:
         raise ValueError("--objective: with --export-shipped or --finetune (the CPU protocol "
                          "runs both objectives as separate models, e.g. mhmla-cls, mhmla-reg)")
@@ -207,35 +219,47 @@ def _overrides(args) -> dict:
 
 
 def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
-    """Full fine-tuning, one scorer per (fold, prompt), scored on the test split (GPU)."""
+    """Full fine-tuning, one scorer per (fold, prompt), scored on the test split (GPU). Cells
+    live in ``<out>/<model name>/fold<k>-p<p>``; the results file gains (or replaces) the
+    model's entry and keeps the other models' (another head, objective or seed)."""
     from dataclasses import asdict, replace
 
     import numpy as np
 
     from ..aes.data import read_asap, read_folds, split_essays
+    from ..aes.finetune import model_name
     from ..aes.metrics import exact_agreement
     from ..aes.train import FinetuneConfig, _aggregate, asap_files, finetune, qwk
     from ..aes.units import data_digest
+    from ..configs import LayerAttentionConfig
     from ..durable import atomic_write_text
     from ..provenance import provenance
 
+    head = LayerAttentionConfig(mode=args.mode or "mhmla", num_heads=args.num_heads or 12)
+    # the settings every cell shares; each cell's config differs in out, prompts and fold only
+    base = FinetuneConfig(out=str(Path(args.out)), prompts=(prompts[0],), fold=folds[0],
+                          encoder=args.encoder, layer_attention=head,
+                          objective=args.objective or "classification",
+                          epochs=args.epochs or 10, batch_size=args.batch_size or 8,
+                          lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
+                          precision=args.precision or "auto", backend=args.backend)
+    name = model_name(base)
+    settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
+                if key not in ("out", "prompts", "fold")}
+    path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
+                                 else Path(args.out) / "results-finetune.json"))
+    header = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
+              "prompts": prompts}
+    _finetune_results(path, header)  # refused before any training, not after it
     tsv, folds_dir = asap_files(args.data_dir)
     essays = read_asap(tsv)
     fold_ids = read_folds(folds_dir)
     cells: dict[int, dict[int, dict]] = {}
-    # the settings every cell shares; each cell's config differs in out, prompts and fold only
-    base = FinetuneConfig(out=str(Path(args.out)), prompts=(prompts[0],), fold=folds[0],
-                          encoder=args.encoder, objective=args.objective or "classification",
-                          epochs=args.epochs or 10, batch_size=args.batch_size or 8,
-                          lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
-                          precision=args.precision or "auto", backend=args.backend)
-    settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
-                if key not in ("out", "prompts", "fold")}
     for k in folds:
         cells[k] = {}
         for p in prompts:
             sp = split_essays(essays, fold_ids, k, prompt=p)
-            out = Path(args.out) / f"finetune-fold{k}-p{p}"
+            out = Path(args.out) / name / f"fold{k}-p{p}"
             cfg = replace(base, out=str(out), prompts=(p,), fold=k)
             cell_settings = json.loads(json.dumps(asdict(cfg)))
             data = data_digest({p: sp}, [p])  # the cell's train, dev and test essays
@@ -255,16 +279,51 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                     "settings": cell_settings, "data": data}
             atomic_write_text(done, json.dumps(cell))
             cells[k][p] = cell
-    result = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
-              "prompts": prompts, "settings": settings,
-              "models": {"mhmla-cls-finetuned": _aggregate(cells, folds, prompts)},
-              "provenance": provenance()}
-    path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
-                                 else Path(args.out) / "results-finetune.json"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    entry = {**_aggregate(cells, folds, prompts), "settings": settings}
+    _finetune_results(path, header, name, entry, provenance())
+    print(f"wrote {path} ({name})")
     return 0
+
+
+def _finetune_results(path: Path, header: dict, name: str | None = None, entry: dict | None = None,
+                      prov: dict | None = None) -> None:
+    """Check (``name`` None) or update the fine-tuning results file ``path``: its ``models``
+    gain ``name``'s entry and keep the others'. A file of another protocol, encoder, folds or
+    prompts (``header``), or one that cannot be read, is an error and is left as it is. The
+    update holds a lock on the file's folder, so two runs (two heads on two GPUs) both land."""
+    import os
+
+    from .. import filelock
+    from ..durable import atomic_write_text
+
+    def read() -> dict:
+        if not path.exists():
+            return {**header, "models": {}}
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: not a readable results file ({err}); move it, or pass "
+                             "--results") from err
+        if not isinstance(old, dict) or {k: old.get(k) for k in header} != header \
+                or not isinstance(old.get("models"), dict):
+            raise ValueError(f"{path}: holds results of another run ("
+                             f"{ {k: old.get(k) for k in header} if isinstance(old, dict) else old}"
+                             f", not {header}); pass --results to write elsewhere")
+        return old
+
+    if name is None:
+        read()
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        filelock.lock(fd)
+        result = read()
+        result["models"][name] = entry
+        result["provenance"] = prov
+        atomic_write_text(path, json.dumps(result, indent=1))
+    finally:
+        os.close(fd)
 
 
 def export_shipped_scorer(out_dir: str | Path, *, data_dir: str | Path | None = None,
