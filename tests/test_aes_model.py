@@ -190,7 +190,7 @@ def test_frozen_embedded_encoder_is_not_stored(tmp_path):
     torch.testing.assert_close(loaded(ids, mask, 3), before, atol=5e-3, rtol=1e-2)
 
 
-def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path):
+def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path, capsys):
     from mhmla_fast.aes.train import FinetuneConfig, finetune
 
     rng = random.Random(2)
@@ -208,7 +208,11 @@ def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path):
     cfg = FinetuneConfig(out=str(tmp_path / "ft"), prompts=(3,), encoder=tiny_encoder,
                          num_heads=4, pooling="attention", epochs=4, batch_size=8, lr=2e-3,
                          head_lr=5e-3, backend="torch")
-    model, state = finetune(cfg, train, dev, log=None)
+    lines: list[str] = []
+    model, state = finetune(cfg, train, dev, log=lines.append)
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2", "epoch 3", "epoch 4"]
+    bars = capsys.readouterr().err  # a progress bar per epoch (none with log=None, below)
+    assert "epoch 1/4" in bars and "epoch 4/4" in bars and "4/4 [" in bars
     losses = [r["loss"] for r in state["log"]]
     assert losses[-1] < losses[0] * 0.7, losses
     assert state["best"] > 0.5
@@ -217,6 +221,7 @@ def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path):
     # resuming a finished run trains nothing more and returns the same best scorer
     _, again = finetune(cfg, train, dev, log=None)
     assert again["log"] == state["log"]
+    assert "epoch 1/4" not in capsys.readouterr().err
     from mhmla_fast.checkpoint import RunLockedError, run_lock
 
     with run_lock(tmp_path / "ft"), pytest.raises(RunLockedError):  # the folder in use

@@ -26,6 +26,7 @@ from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, 
 from ..devices import applied_precision, check_train_precision, training_autocast
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import load_tokenizer
+from ..progress import progress_bar
 from .data import SCORE_RANGES, Essay, digest_essays
 from .heads import _epoch_batches
 from .model import EssayScorer, ScorerConfig
@@ -154,7 +155,11 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         model.train()
         t0, n = time.perf_counter(), 0
         total_t = torch.zeros((), dtype=torch.float64, device=device)  # read once per epoch
-        for step, rows in enumerate(_epoch_batches(win_prompt, cfg.batch_size, cfg.seed, state["epoch"])):
+        batches = _epoch_batches(win_prompt, cfg.batch_size, cfg.seed, state["epoch"])
+        # a bar per epoch where there is a log (not under --quiet), on the main rank only
+        bar = progress_bar(total=len(batches), desc=f"epoch {state['epoch'] + 1}/{cfg.epochs}",
+                           disable=log is None or not main_rank, unit="batch")
+        for step, rows in enumerate(batches):
             p = int(win_prompt[rows[0]])
             opt.zero_grad(set_to_none=True)
             if dist_ctx is None:
@@ -175,6 +180,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
                 total_t += loss_sum.detach().double() * weight
             opt.step()
             n += len(rows)
+            bar.update(1)
+            bar.set_postfix(windows_s=f"{n / (time.perf_counter() - t0):.1f}", refresh=False)
+        bar.close()
         if dist_ctx is not None:  # the epoch's loss over every rank's windows
             torch.distributed.all_reduce(total_t)
         total = float(total_t.item())
