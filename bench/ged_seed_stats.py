@@ -40,7 +40,9 @@ Written: ``--out`` (default ``bench/results/ged_seed_stats.json``): ``unit``, ``
 (path, system, seed, commit, device, date and command of each), ``systems`` (per system:
 ``sets`` and ``dev`` {metric: {n, mean, std, min, max, per_seed}}), ``comparisons``,
 ``claim`` (per encoder, the paper's claim in words), ``j_sweep`` (per encoder with two or more
-MHMLA J: J, seeds, dev and FCE test F0.5; J = 1 is SHMLA unless MHMLA J = 1 runs exist),
+MHMLA J: J, seeds, dev and FCE test F0.5; J = 1 is SHMLA unless MHMLA J = 1 runs exist; each J
+against J = ``--mhmla-j`` as above, paired on common seeds, on dev and FCE test F0.5 at argmax,
+with Holm's adjustment over the J's of one encoder and score),
 ``notes``, ``provenance``; the J-sweep plot
 (``--j-sweep-png``, when there is a sweep); and Markdown tables on stdout, beside the
 paper's Table 2, ready for the README.
@@ -452,10 +454,18 @@ def claim(comparisons: Sequence[dict], metric: str = "f05") -> dict[str, str]:
     return out
 
 
-def j_sweep(stats: dict[str, Any]) -> dict[str, list[dict]]:
+SWEEP_TESTED = {"dev_f05": ("dev", "f05"), "fce_test_f05": ("fce_test", "f05")}
+
+
+def j_sweep(stats: dict[str, Any], mhmla_j: int = 12, alpha: float = 0.05,
+            min_seeds: int = 3) -> dict[str, list[dict]]:
     """Per encoder with MHMLA at two or more J: one row per J (ascending) with its head, seeds
     and the dev and FCE-test F0.5 spreads (argmax and threshold; None where absent). Without
-    MHMLA J = 1 runs, J = 1 is the SHMLA system (the same model: one head over the layers)."""
+    MHMLA J = 1 runs, J = 1 is the SHMLA system (the same model: one head over the layers).
+
+    Each row but J = ``mhmla_j``'s also has ``vs_j``: per :data:`SWEEP_TESTED` score, the
+    paired comparison (:func:`paired`, d_s = J's score - J = ``mhmla_j``'s, on the seeds both
+    have) and, over the encoder's rows, Holm's adjustment (``p_holm``, ``verdict_holm``)."""
     by_encoder: dict[str, list[dict]] = {}
     shmla: dict[str, dict] = {}
     for s in stats.values():
@@ -469,14 +479,43 @@ def j_sweep(stats: dict[str, Any]) -> dict[str, list[dict]]:
             continue
         if encoder in shmla and all(s["J"] != 1 for s in members):
             members = [{**shmla[encoder], "J": 1}, *members]
+        ref = next((s for s in members if s["J"] == mhmla_j and s["head"] == "mhmla"), None)
         rows = []
         for s in sorted(members, key=lambda x: x["J"]):
             test = s["sets"].get("fce_test", {})
             dev = s["dev"] or {}
-            rows.append({"J": s["J"], "head": s["head"], "seeds": s["seeds"],
-                         **{f"dev_{m}": _brief(dev.get(m)) for m in TESTED},
-                         **{f"fce_test_{m}": _brief(test.get(m)) for m in TESTED}})
+            row = {"J": s["J"], "head": s["head"], "seeds": s["seeds"],
+                   **{f"dev_{m}": _brief(dev.get(m)) for m in TESTED},
+                   **{f"fce_test_{m}": _brief(test.get(m)) for m in TESTED}}
+            if ref is not None and s is not ref:
+                row["vs_j"] = {"J": mhmla_j, **_versus(s, ref, alpha, min_seeds)}
+            rows.append(row)
+        for key in SWEEP_TESTED:  # one family per encoder and score: every J against the reference
+            judged = [(r["J"], r["vs_j"][key]) for r in rows if key in r.get("vs_j", {})]
+            tests = [(j, x) for j, x in judged if not x["verdict"].startswith("too few")
+                     and x["p_ttest"] is not None]
+            for _, x in judged:
+                x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
+            for (j, x), p in zip(tests, holm([x["p_ttest"] for _, x in tests])):
+                x["p_holm"] = p
+                x["verdict_holm"] = verdict(x["n"], x["mean_diff"], p, alpha, 0, f"J = {j}")
         out[encoder] = rows
+    return out
+
+
+def _versus(s: dict, ref: dict, alpha: float, min_seeds: int) -> dict[str, dict]:
+    """System ``s`` against ``ref`` on each :data:`SWEEP_TESTED` score, paired on common seeds."""
+    out = {}
+    for key, (block, metric) in SWEEP_TESTED.items():
+        mine = ((s["dev"] if block == "dev" else s["sets"].get(block)) or {}).get(metric)
+        theirs = ((ref["dev"] if block == "dev" else ref["sets"].get(block)) or {}).get(metric)
+        if mine is None or theirs is None:
+            continue
+        seeds = sorted(mine["per_seed"].keys() & theirs["per_seed"].keys(), key=int)
+        out[key] = {"seeds": [int(k) for k in seeds],
+                    **paired([mine["per_seed"][k] for k in seeds],
+                             [theirs["per_seed"][k] for k in seeds], alpha, min_seeds,
+                             name=f"J = {s['J']}")}
     return out
 
 
@@ -504,7 +543,7 @@ def summarise(runs: Sequence[Run], *, mhmla_j: int = 12, common_seeds: bool = Fa
         notes.append(f"the inputs come from different devices: {devices} (bf16 on GPU, fp32 on CPU)")
     return {"unit": "percent", "mhmla_j": mhmla_j, "alpha": alpha, "min_seeds": min_seeds,
             "systems": stats, "comparisons": comparisons, "claim": claim(comparisons),
-            "j_sweep": j_sweep(stats), "notes": notes}
+            "j_sweep": j_sweep(stats, mhmla_j, alpha, min_seeds), "notes": notes}
 
 
 # ---------------------------------------------------------------- Markdown and plot
@@ -557,15 +596,32 @@ def markdown_comparisons(summary: dict, metric: str = "f05") -> str:
 def markdown_j_sweep(summary: dict) -> str:
     out = []
     for encoder, rows in summary["j_sweep"].items():
+        ref = next((r["vs_j"]["J"] for r in rows if "vs_j" in r), None)
         head = ["J", "seeds", "dev F0.5", "FCE test F0.5", "FCE test F0.5, threshold"]
-        lines = [f"J sweep, MHMLA on {ENCODER_LABELS.get(encoder, encoder)} (mean ± sample std, %):",
+        if ref is not None:
+            head += [f"dev: J - J{ref} (p, Holm p)", f"FCE test: J - J{ref} (p, Holm p)"]
+        lines = [f"J sweep, MHMLA on {ENCODER_LABELS.get(encoder, encoder)} (mean ± sample std, %"
+                 + (f"; paired differences against J = {ref} in points" if ref else "") + "):",
                  "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for r in rows:
             j = f"{r['J']} (SHMLA)" if r["head"] == "shmla" else str(r["J"])
-            lines.append(f"| {j} | {len(r['seeds'])} | {_cell(r['dev_f05'])} | "
-                         f"{_cell(r['fce_test_f05'])} | {_cell(r['fce_test_f05_threshold'])} |")
+            cells = [j, str(len(r["seeds"])), _cell(r["dev_f05"]), _cell(r["fce_test_f05"]),
+                     _cell(r["fce_test_f05_threshold"])]
+            if ref is not None:
+                cells += [_versus_cell(r.get("vs_j", {}).get(k)) for k in SWEEP_TESTED]
+            lines.append("| " + " | ".join(cells) + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def _versus_cell(x: dict | None) -> str:
+    if x is None:
+        return ""
+    if x["verdict"].startswith("too few"):  # a p of 2 seeds is shown nowhere: untested
+        return f"{x['mean_diff']:+.2f} ({x['n']} seed{'s' if x['n'] != 1 else ''}: untested)"
+    if x["p_ttest"] is None:
+        return f"{x['mean_diff']:+.2f} ({x['verdict']})"
+    return f"{x['mean_diff']:+.2f} ({_p(x['p_ttest'])}, {_p(x.get('p_holm'))})"
 
 
 def markdown(summary: dict) -> str:

@@ -227,6 +227,25 @@ def test_grouping_j_sweep_and_its_plot(gs, tmp_path, capsys):
         assert r["fce_test_f05"]["std"] == pytest.approx(100 * test[r["J"]].std(ddof=1))
         assert r["dev_f05"]["mean"] == pytest.approx(100 * dev[r["J"]].mean())
         assert r["dev_f05_threshold"]["mean"] == pytest.approx(100 * dev[r["J"]].mean() + 1)
+    # every J against J = 12, paired over the three seeds, with Holm over the two other J's
+    assert "vs_j" not in rows[2]
+    for key, values in (("fce_test_f05", test), ("dev_f05", dev)):
+        ps = []
+        for r in rows[:2]:
+            x = r["vs_j"][key]
+            want = st.ttest_rel(100 * values[r["J"]], 100 * values[12])
+            assert r["vs_j"]["J"] == 12 and x["seeds"] == list(seeds)
+            assert x["mean_diff"] == pytest.approx(100 * (values[r["J"]] - values[12]).mean())
+            assert x["p_ttest"] == pytest.approx(want.pvalue) and x["family_size"] == 2
+            ps.append(want.pvalue)
+        lo, hi = sorted(ps)
+        holm = [min(1, 2 * lo), max(min(1, 2 * lo), min(1, hi))]
+        got = sorted(r["vs_j"][key]["p_holm"] for r in rows[:2])
+        assert got == pytest.approx(holm)
+    mp = out["j_sweep"]["mpnet"]  # constant shifts: p 0, named by J after the adjustment too
+    assert mp[1]["vs_j"]["fce_test_f05"]["mean_diff"] == pytest.approx(-1.0)
+    assert mp[1]["vs_j"]["fce_test_f05"]["verdict_holm"] == "J = 4 lower, p=0"
+    assert mp[0]["vs_j"]["fce_test_f05"]["verdict_holm"] == "J = 1 lower, p=0"
 
     _write(tmp_path, "ged_minilm_seed_stats.json", {"not": "an input"})  # matched by the glob, skipped
     dest, png = tmp_path / "out" / "stats.json", tmp_path / "out" / "sweep.png"
@@ -236,6 +255,7 @@ def test_grouping_j_sweep_and_its_plot(gs, tmp_path, capsys):
     assert json.loads(dest.read_text())["j_sweep_png"] == str(png)
     text = capsys.readouterr().out
     assert "J sweep, MHMLA on MiniLM" in text and "| 1 (SHMLA) | 3 |" in text
+    assert "FCE test: J - J12 (p, Holm p)" in text and "| -1.00 (0, 0) |" in text
 
 
 def test_inconsistent_inputs_are_refused(gs, tmp_path, capsys):
