@@ -229,8 +229,8 @@ def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path, capsys):
 
 
 def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, tmp_path):
-    """1 epoch, then the same run extended to 2 (from the checkpoint) ends with the weights,
-    optimizer state and log of an uninterrupted 2-epoch run; no pickle is written."""
+    """1 epoch, then the same run extended to 2 (from the checkpoint, its folder moved) ends with
+    the weights, optimizer state and log of an uninterrupted 2-epoch run; no pickle is written."""
     from safetensors.torch import load_file
 
     from mhmla_fast.aes.train import FinetuneConfig, finetune
@@ -243,9 +243,10 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
                 lr=1e-3, head_lr=3e-3, backend="torch")
     _, whole = finetune(FinetuneConfig(out=str(tmp_path / "whole"), epochs=2, **base), train,
                         dev, log=None)
-    finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=1, **base), train, dev, log=None)
-    first = json.loads((tmp_path / "parts" / "checkpoint.json").read_text())
+    finetune(FinetuneConfig(out=str(tmp_path / "first"), epochs=1, **base), train, dev, log=None)
+    first = json.loads((tmp_path / "first" / "checkpoint.json").read_text())
     assert first["epoch"] == 1 and first["tensors"] == "checkpoint-1.safetensors"
+    (tmp_path / "first").rename(tmp_path / "parts")  # a moved run folder resumes
     _, parts = finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=2, **base), train,
                         dev, log=None)
     strip = lambda log: [{k: v for k, v in r.items() if k != "seconds"} for r in log]  # noqa: E731

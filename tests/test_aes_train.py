@@ -520,6 +520,11 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     assert result["models"]["mhmla-reg-finetuned"]["qwk"]["0"]["3"] != 0.123
     assert mhmla_train([*args, "--epochs", "1"]) == 0  # the same settings: reused
     assert len(calls) == 1
+    (tmp_path / "ft").rename(tmp_path / "moved")  # and in a moved folder
+    moved = [a if a != str(tmp_path / "ft") else str(tmp_path / "moved") for a in args]
+    assert mhmla_train([*moved, "--epochs", "1"]) == 0
+    assert len(calls) == 1
+    (tmp_path / "moved").rename(tmp_path / "ft")
     # the same settings on edited data (one test essay's score): scored again, not reused;
     # the checkpoint's train and dev essays are unchanged, so finetune finishes at once
     from mhmla_fast.aes.data import read_asap, read_folds, split_essays

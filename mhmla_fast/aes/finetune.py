@@ -130,8 +130,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         stored = dict(saved["config"])
         if "bf16" in stored:  # a checkpoint from before `precision`: bf16 applied on CUDA only
             stored["precision"] = "auto" if stored.pop("bf16") else "fp32"
-        # precision is compared as the arithmetic it means, below ("auto" on the CPU is "fp32")
-        free = ("epochs",) + (("precision",) if precision_recorded(saved) else ())
+        # precision is compared as the arithmetic it means, below ("auto" on the CPU is "fp32");
+        # the run folder may have moved (as for GED)
+        free = ("epochs", "out") + (("precision",) if precision_recorded(saved) else ())
         diff = config_diff(cfg, stored, free=free)  # old layouts read too
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "

@@ -266,9 +266,11 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
             done = out / "test.json"
             if done.is_file():  # a finished cell of these settings and essays; others train on
                 # (finetune resumes a longer run, refuses any other change of its config or of
-                # its train and dev essays; a changed test split is scored again)
+                # its train and dev essays; a changed test split is scored again); where the
+                # folder lies is no setting: a moved one is reused
                 cell = json.loads(done.read_text())
-                if cell.get("settings") == cell_settings and cell.get("data") == data:
+                if _without_out(cell.get("settings")) == _without_out(cell_settings) \
+                        and cell.get("data") == data:
                     cells[k][p] = cell
                     continue
             model, state = finetune(cfg, sp["train"], sp["dev"], log=_log(args))
@@ -283,6 +285,10 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     _finetune_results(path, header, name, entry, provenance())
     print(f"wrote {path} ({name})")
     return 0
+
+
+def _without_out(settings: dict | None) -> dict | None:
+    return None if settings is None else {k: v for k, v in settings.items() if k != "out"}
 
 
 def _finetune_results(path: Path, header: dict, name: str | None = None, entry: dict | None = None,
