@@ -454,6 +454,9 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path):
     run = tmp_path / "ft" / "mhmla-cls-finetuned" / "fold0-p3"
     assert (run / "best" / "config.json").is_file()
     assert cell["settings"]["epochs"] == 1 and cell["settings"]["objective"] == "classification"
+    (epoch,) = cell["epochs"]["0"]["3"]
+    assert epoch["epoch"] == 1 and epoch["seconds"] > 0
+    assert epoch["dev_mean_qwk"] == pytest.approx(cell["dev_qwk"]["0"]["3"])
     assert json.loads((run / "test.json").read_text())["settings"]["epochs"] == 1
     # other heads and objectives are models of their own: their cells beside, their entries
     # added to the same file, the first kept as it was

@@ -281,10 +281,24 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                     "settings": cell_settings, "data": data}
             atomic_write_text(done, json.dumps(cell))
             cells[k][p] = cell
-    entry = {**_aggregate(cells, folds, prompts), "settings": settings}
+    entry = {**_aggregate(cells, folds, prompts), "settings": settings,
+             # each cell's epochs: dev QWK and seconds (from its checkpoint), the curve behind
+             # the selected epoch
+             "epochs": {str(k): {str(p): _epoch_log(Path(args.out) / name / f"fold{k}-p{p}")
+                                 for p in prompts} for k in folds}}
     _finetune_results(path, header, name, entry, provenance())
     print(f"wrote {path} ({name})")
     return 0
+
+
+def _epoch_log(cell: Path) -> list[dict] | None:
+    """A fine-tuning cell's per-epoch record (epoch, loss, mean dev QWK, seconds) from its
+    checkpoint; None when it has none (a cell copied without it)."""
+    try:
+        log = json.loads((cell / "checkpoint.json").read_text(encoding="utf-8"))["log"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [{k: r.get(k) for k in ("epoch", "loss", "dev_mean_qwk", "seconds")} for r in log]
 
 
 def _without_out(settings: dict | None) -> dict | None:
