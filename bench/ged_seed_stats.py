@@ -457,15 +457,19 @@ def claim(comparisons: Sequence[dict], metric: str = "f05") -> dict[str, str]:
 SWEEP_TESTED = {"dev_f05": ("dev", "f05"), "fce_test_f05": ("fce_test", "f05")}
 
 
-def j_sweep(stats: dict[str, Any], mhmla_j: int = 12, alpha: float = 0.05,
-            min_seeds: int = 3) -> dict[str, list[dict]]:
+def j_sweep(stats: dict[str, Any], systems: dict[tuple, list[Run]] | None = None,
+            mhmla_j: int = 12, alpha: float = 0.05, min_seeds: int = 3,
+            common_seeds: bool = False) -> dict[str, list[dict]]:
     """Per encoder with MHMLA at two or more J: one row per J (ascending) with its head, seeds
     and the dev and FCE-test F0.5 spreads (argmax and threshold; None where absent). Without
     MHMLA J = 1 runs, J = 1 is the SHMLA system (the same model: one head over the layers).
 
-    Each row but J = ``mhmla_j``'s also has ``vs_j``: per :data:`SWEEP_TESTED` score, the
-    paired comparison (:func:`paired`, d_s = J's score - J = ``mhmla_j``'s, on the seeds both
-    have) and, over the encoder's rows, Holm's adjustment (``p_holm``, ``verdict_holm``)."""
+    With ``systems`` (:func:`group_runs`), each row but J = ``mhmla_j``'s also has ``vs_j``: per
+    :data:`SWEEP_TESTED` score, the paired comparison (:func:`paired`, d_s = J's score - J =
+    ``mhmla_j``'s, on the seeds both have, the others in ``dropped_seeds``) and, over the
+    encoder's rows, Holm's adjustment (``p_holm``, ``verdict_holm``). As for Table 2, runs
+    trained otherwise than in the head are refused, and so are unmatched seeds unless
+    ``common_seeds``."""
     by_encoder: dict[str, list[dict]] = {}
     shmla: dict[str, dict] = {}
     for s in stats.values():
@@ -487,8 +491,9 @@ def j_sweep(stats: dict[str, Any], mhmla_j: int = 12, alpha: float = 0.05,
             row = {"J": s["J"], "head": s["head"], "seeds": s["seeds"],
                    **{f"dev_{m}": _brief(dev.get(m)) for m in TESTED},
                    **{f"fce_test_{m}": _brief(test.get(m)) for m in TESTED}}
-            if ref is not None and s is not ref:
-                row["vs_j"] = {"J": mhmla_j, **_versus(s, ref, alpha, min_seeds)}
+            if ref is not None and s is not ref and systems is not None:
+                row["vs_j"] = {"J": mhmla_j, **_versus(s, ref, systems, alpha, min_seeds,
+                                                       common_seeds)}
             rows.append(row)
         for key in SWEEP_TESTED:  # one family per encoder and score: every J against the reference
             judged = [(r["J"], r["vs_j"][key]) for r in rows if key in r.get("vs_j", {})]
@@ -503,19 +508,36 @@ def j_sweep(stats: dict[str, Any], mhmla_j: int = 12, alpha: float = 0.05,
     return out
 
 
-def _versus(s: dict, ref: dict, alpha: float, min_seeds: int) -> dict[str, dict]:
-    """System ``s`` against ``ref`` on each :data:`SWEEP_TESTED` score, paired on common seeds."""
-    out = {}
+def _versus(s: dict, ref: dict, systems: dict[tuple, list[Run]], alpha: float, min_seeds: int,
+            common_seeds: bool) -> dict[str, Any]:
+    """System ``s`` against ``ref`` on each :data:`SWEEP_TESTED` score, paired on common seeds
+    (none in common: no comparison)."""
+    def runs_of(x: dict) -> dict[int, Run]:
+        j = x["J"] if x["head"] == "mhmla" else None
+        return {r.seed: r for r in systems[(x["encoder"], x["head"], j)]}
+
+    mine_runs, ref_runs = runs_of(s), runs_of(ref)
+    if mine_runs.keys() != ref_runs.keys() and not common_seeds:
+        raise ValueError(f"J sweep: J = {s['J']} and J = {ref['J']} of {s['encoder']} have "
+                         f"unmatched seeds ({sorted(mine_runs)} and {sorted(ref_runs)}); run the "
+                         "missing seeds or pass --common-seeds")
+    common = sorted(mine_runs.keys() & ref_runs.keys())
+    if not common:
+        return {"seeds": [], "dropped_seeds": sorted(mine_runs.keys() | ref_runs.keys())}
+    diff = _recipe_diff(mine_runs[common[0]], ref_runs[common[0]], RECIPE_FREE | HEAD_FIELDS)
+    if diff:
+        raise ValueError(f"J sweep: {mine_runs[common[0]].path} and {ref_runs[common[0]].path} "
+                         f"were not trained identically apart from the head: {diff}")
+    out: dict[str, Any] = {"seeds": common,
+                           "dropped_seeds": sorted(mine_runs.keys() ^ ref_runs.keys())}
     for key, (block, metric) in SWEEP_TESTED.items():
         mine = ((s["dev"] if block == "dev" else s["sets"].get(block)) or {}).get(metric)
         theirs = ((ref["dev"] if block == "dev" else ref["sets"].get(block)) or {}).get(metric)
         if mine is None or theirs is None:
             continue
-        seeds = sorted(mine["per_seed"].keys() & theirs["per_seed"].keys(), key=int)
-        out[key] = {"seeds": [int(k) for k in seeds],
-                    **paired([mine["per_seed"][k] for k in seeds],
-                             [theirs["per_seed"][k] for k in seeds], alpha, min_seeds,
-                             name=f"J = {s['J']}")}
+        out[key] = paired([mine["per_seed"][str(k)] for k in common],
+                          [theirs["per_seed"][str(k)] for k in common], alpha, min_seeds,
+                          name=f"J = {s['J']}")
     return out
 
 
@@ -543,7 +565,8 @@ def summarise(runs: Sequence[Run], *, mhmla_j: int = 12, common_seeds: bool = Fa
         notes.append(f"the inputs come from different devices: {devices} (bf16 on GPU, fp32 on CPU)")
     return {"unit": "percent", "mhmla_j": mhmla_j, "alpha": alpha, "min_seeds": min_seeds,
             "systems": stats, "comparisons": comparisons, "claim": claim(comparisons),
-            "j_sweep": j_sweep(stats, mhmla_j, alpha, min_seeds), "notes": notes}
+            "j_sweep": j_sweep(stats, systems, mhmla_j, alpha, min_seeds, common_seeds),
+            "notes": notes}
 
 
 # ---------------------------------------------------------------- Markdown and plot

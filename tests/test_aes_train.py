@@ -438,7 +438,7 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
         mhmla_eval(["aes", *common, "--model", str(shipped), "--fold", "7"])
 
 
-def test_commands_finetune_protocol(tiny_encoder, tmp_path):
+def test_commands_finetune_protocol(tiny_encoder, tmp_path, capsys):
     from mhmla_fast.commands.train import main as mhmla_train
 
     data = write_asap(tmp_path / "data", n_per_prompt=20)
@@ -471,6 +471,14 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path):
     assert avgl["layer_attention"]["mode"] == "avgl" and avgl["objective"] == "regression"
     j2 = result["models"]["mhmla-J2-cls-finetuned-seed1"]["settings"]
     assert j2["layer_attention"]["num_heads"] == 2 and j2["seed"] == 1
+    # the same model with other settings replaces its entry, and says so
+    capsys.readouterr()
+    assert mhmla_train([*common, "--epochs", "2"]) == 0
+    assert ("mhmla-cls-finetuned's entry, made with other settings (epochs), is replaced"
+            in capsys.readouterr().err)
+    result = json.loads(path.read_text())
+    assert result["models"]["mhmla-cls-finetuned"]["settings"]["epochs"] == 2
+    assert [e["epoch"] for e in result["models"]["mhmla-cls-finetuned"]["epochs"]["0"]["3"]] == [1, 2]
 
 
 def test_commands_finetune_refuses_a_results_file_of_another_run_before_training(
@@ -563,6 +571,8 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     (["--export-shipped", "x", "--num-heads", "6"], "--num-heads: --finetune only"),
     (["--finetune", "--mode", "avgl", "--num-heads", "6"],
      "--num-heads: J of --mode mhmla only (--mode avgl has one head)"),
+    (["--num-heads", "0"], "--num-heads: --finetune only"),  # 0 is given, not absent
+    (["--finetune", "--num-heads", "0"], "num_heads: expected a positive integer J, got 0"),
     (["--objective", "regression"], "--objective: with --export-shipped or --finetune"),
     (["--export-shipped", "x", "--models", "mhmla-cls"], "--models: not used by --export-shipped"),
 ])

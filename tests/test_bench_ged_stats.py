@@ -234,7 +234,8 @@ def test_grouping_j_sweep_and_its_plot(gs, tmp_path, capsys):
         for r in rows[:2]:
             x = r["vs_j"][key]
             want = st.ttest_rel(100 * values[r["J"]], 100 * values[12])
-            assert r["vs_j"]["J"] == 12 and x["seeds"] == list(seeds)
+            assert r["vs_j"]["J"] == 12 and r["vs_j"]["seeds"] == list(seeds)
+            assert r["vs_j"]["dropped_seeds"] == []
             assert x["mean_diff"] == pytest.approx(100 * (values[r["J"]] - values[12]).mean())
             assert x["p_ttest"] == pytest.approx(want.pvalue) and x["family_size"] == 2
             ps.append(want.pvalue)
@@ -246,6 +247,32 @@ def test_grouping_j_sweep_and_its_plot(gs, tmp_path, capsys):
     assert mp[1]["vs_j"]["fce_test_f05"]["mean_diff"] == pytest.approx(-1.0)
     assert mp[1]["vs_j"]["fce_test_f05"]["verdict_holm"] == "J = 4 lower, p=0"
     assert mp[0]["vs_j"]["fce_test_f05"]["verdict_holm"] == "J = 1 lower, p=0"
+
+    # a J with seeds J = 12 lacks: refused, unless --common-seeds (then paired on the common
+    # seeds, the others listed); with no seed in common, no comparison at all (no NaN)
+    extra = _write(tmp_path, "ged_minilm_mhmla_J4_seed7.json",
+                   _suite("mhmla", 7, {x: 0.5 for x in SETS}, num_heads=4))
+    with pytest.raises(ValueError, match="J sweep: J = 4 and J = 12 of minilm have unmatched"):
+        gs.summarise([*runs, gs.load_run(extra)])
+    common = gs.summarise([*runs, gs.load_run(extra)], common_seeds=True)["j_sweep"]["minilm"]
+    assert common[1]["vs_j"]["seeds"] == [0, 1, 2] and common[1]["vs_j"]["dropped_seeds"] == [7]
+    assert common[1]["vs_j"]["fce_test_f05"]["n"] == 3
+    extra.unlink()
+    (tmp_path / "x").mkdir()
+    apart = [gs.load_run(_write(tmp_path / "x", f"ged_minilm_mhmla_J{j}_seed{s}.json",
+                                _suite("mhmla", s, {x: 0.5 for x in SETS}, num_heads=j)))
+             for j, s in ((4, 7), (12, 8))]
+    vs = gs.summarise(apart, common_seeds=True)["j_sweep"]["minilm"][0]["vs_j"]
+    assert vs == {"J": 12, "seeds": [], "dropped_seeds": [7, 8]}
+    # a J trained with another recipe (here the learning rate) is no comparison of J: refused
+    changed = [r for r in runs if "_J4_" not in r.path]
+    for i, s in enumerate(seeds):
+        other = _suite("mhmla", s, {x: test[4][i] for x in SETS}, num_heads=4)
+        other["training"]["config"]["lr"] = 1e-4
+        changed.append(gs.load_run(_write(tmp_path / "x", f"ged_minilm_mhmla_J4_seed{s}.json",
+                                          other)))
+    with pytest.raises(ValueError, match="not trained identically apart from the head.*'lr'"):
+        gs.summarise(changed)
 
     _write(tmp_path, "ged_minilm_seed_stats.json", {"not": "an input"})  # matched by the glob, skipped
     dest, png = tmp_path / "out" / "stats.json", tmp_path / "out" / "sweep.png"

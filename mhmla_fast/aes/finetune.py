@@ -45,9 +45,9 @@ class FinetuneConfig:
     windows of one prompt; best epoch by mean dev QWK; a checkpoint after every epoch
     (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``) so a killed run resumes at
     the last finished epoch, with the same batches, dropout masks and weights as an
-    uninterrupted run (a larger ``epochs`` may extend a finished run; any other change of the
-    config is refused). ``encoder_spec.max_length``: the window with ``[CLS]``/``[SEP]``
-    (None: min(512, encoder positions)).
+    uninterrupted run (a larger ``epochs`` may extend a finished run, and the run folder may
+    move; any other change of the config is refused). ``encoder_spec.max_length``: the window
+    with ``[CLS]``/``[SEP]`` (None: min(512, encoder positions)).
     """
 
     out: str

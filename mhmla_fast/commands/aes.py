@@ -182,7 +182,8 @@ def _models(args) -> list[str]:
 def _check_mode_options(args) -> None:
     """Raise ValueError for an option the chosen path of ``mhmla-train aes`` does not use."""
     def refuse(names: tuple[str, ...], why: str) -> None:
-        given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]
+        given = [f"--{n.replace('_', '-')}" for n in names
+                 if getattr(args, n) is not None and getattr(args, n) is not False]
         if given:
             raise ValueError(f"{', '.join(given)}: {why}")
 
@@ -235,7 +236,8 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     from ..durable import atomic_write_text
     from ..provenance import provenance
 
-    head = LayerAttentionConfig(mode=args.mode or "mhmla", num_heads=args.num_heads or 12)
+    head = LayerAttentionConfig(mode=args.mode or "mhmla",
+                                num_heads=12 if args.num_heads is None else args.num_heads)
     # the settings every cell shares; each cell's config differs in out, prompts and fold only
     base = FinetuneConfig(out=str(Path(args.out)), prompts=(prompts[0],), fold=folds[0],
                           encoder=args.encoder, layer_attention=head,
@@ -284,21 +286,24 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     entry = {**_aggregate(cells, folds, prompts), "settings": settings,
              # each cell's epochs: dev QWK and seconds (from its checkpoint), the curve behind
              # the selected epoch
-             "epochs": {str(k): {str(p): _epoch_log(Path(args.out) / name / f"fold{k}-p{p}")
+             "epochs": {str(k): {str(p): _epoch_log(Path(args.out) / name / f"fold{k}-p{p}",
+                                                    base.epochs)
                                  for p in prompts} for k in folds}}
     _finetune_results(path, header, name, entry, provenance())
     print(f"wrote {path} ({name})")
     return 0
 
 
-def _epoch_log(cell: Path) -> list[dict] | None:
+def _epoch_log(cell: Path, epochs: int) -> list[dict] | None:
     """A fine-tuning cell's per-epoch record (epoch, loss, mean dev QWK, seconds) from its
-    checkpoint; None when it has none (a cell copied without it)."""
+    checkpoint, up to ``epochs`` (the run's; a longer run stopped early may have gone further);
+    None when it has none (a cell copied without it)."""
     try:
         log = json.loads((cell / "checkpoint.json").read_text(encoding="utf-8"))["log"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return [{k: r.get(k) for k in ("epoch", "loss", "dev_mean_qwk", "seconds")} for r in log]
+    return [{k: r.get(k) for k in ("epoch", "loss", "dev_mean_qwk", "seconds")} for r in log
+            if r.get("epoch", 0) <= epochs]
 
 
 def _without_out(settings: dict | None) -> dict | None:
@@ -339,6 +344,11 @@ def _finetune_results(path: Path, header: dict, name: str | None = None, entry: 
     try:
         filelock.lock(fd)
         result = read()
+        before = (result["models"].get(name) or {}).get("settings")
+        if before is not None and before != entry["settings"]:  # said, not silently replaced
+            changed = sorted(k for k in entry["settings"] if before.get(k) != entry["settings"][k])
+            print(f"{path}: {name}'s entry, made with other settings ({', '.join(changed)}), is "
+                  "replaced", file=sys.stderr)
         result["models"][name] = entry
         result["provenance"] = prov
         atomic_write_text(path, json.dumps(result, indent=1))
