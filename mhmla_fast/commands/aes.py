@@ -252,7 +252,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                                  else Path(args.out) / "results-finetune.json"))
     header = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
               "prompts": prompts}
-    _finetune_results(path, header)  # refused before any training, not after it
+    _read_results(path, header)  # refused before any training, not after it
     tsv, folds_dir = asap_files(args.data_dir)
     essays = read_asap(tsv)
     fold_ids = read_folds(folds_dir)
@@ -289,7 +289,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
              "epochs": {str(k): {str(p): _epoch_log(Path(args.out) / name / f"fold{k}-p{p}",
                                                     base.epochs)
                                  for p in prompts} for k in folds}}
-    _finetune_results(path, header, name, entry, provenance())
+    _add_results_entry(path, header, name, entry, provenance())
     print(f"wrote {path} ({name})")
     return 0
 
@@ -310,40 +310,39 @@ def _without_out(settings: dict | None) -> dict | None:
     return None if settings is None else {k: v for k, v in settings.items() if k != "out"}
 
 
-def _finetune_results(path: Path, header: dict, name: str | None = None, entry: dict | None = None,
-                      prov: dict | None = None) -> None:
-    """Check (``name`` None) or update the fine-tuning results file ``path``: its ``models``
-    gain ``name``'s entry and keep the others'. A file of another protocol, encoder, folds or
-    prompts (``header``), or one that cannot be read, is an error and is left as it is. The
-    update holds a lock on the file's folder, so two runs (two heads on two GPUs) both land."""
+def _read_results(path: Path, header: dict) -> dict:
+    """The fine-tuning results file ``path`` (an empty one with ``header`` when it does not
+    exist). A file of another protocol, encoder, folds or prompts (``header``), or one that
+    cannot be read, is a ValueError and is left as it is."""
+    if not path.exists():
+        return {**header, "models": {}}
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable results file ({err}); move it, or pass "
+                         "--results") from err
+    if not isinstance(old, dict) or {k: old.get(k) for k in header} != header \
+            or not isinstance(old.get("models"), dict):
+        raise ValueError(f"{path}: holds results of another run ("
+                         f"{ {k: old.get(k) for k in header} if isinstance(old, dict) else old}"
+                         f", not {header}); pass --results to write elsewhere")
+    return old
+
+
+def _add_results_entry(path: Path, header: dict, name: str, entry: dict, prov: dict) -> None:
+    """Add (or replace, said on stderr when its settings differ) ``name``'s entry in the results
+    file ``path``, keeping the other models' (:func:`_read_results`). The update holds a lock on
+    the file's folder, so two runs (two heads on two GPUs) both land."""
     import os
 
     from .. import filelock
     from ..durable import atomic_write_text
 
-    def read() -> dict:
-        if not path.exists():
-            return {**header, "models": {}}
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise ValueError(f"{path}: not a readable results file ({err}); move it, or pass "
-                             "--results") from err
-        if not isinstance(old, dict) or {k: old.get(k) for k in header} != header \
-                or not isinstance(old.get("models"), dict):
-            raise ValueError(f"{path}: holds results of another run ("
-                             f"{ {k: old.get(k) for k in header} if isinstance(old, dict) else old}"
-                             f", not {header}); pass --results to write elsewhere")
-        return old
-
-    if name is None:
-        read()
-        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         filelock.lock(fd)
-        result = read()
+        result = _read_results(path, header)
         before = (result["models"].get(name) or {}).get("settings")
         if before is not None and before != entry["settings"]:  # said, not silently replaced
             changed = sorted(k for k in entry["settings"] if before.get(k) != entry["settings"][k])
