@@ -85,6 +85,9 @@ def test_export_is_a_self_contained_validated_engine_directory(export_dir, tagge
 
     meta = json.loads((export_dir / "export.json").read_text())
     assert meta["opset"] == 17 and meta["exporter"] == "torchscript"
+    # the attention traced in transformers' eager form: no SDPA NaN guards in the graph
+    assert meta["attention"] == "eager"
+    assert not any(n.op_type == "IsNaN" for n in model.graph.node)
     assert {"torch", "onnx", "onnxruntime", "transformers"} <= set(meta["versions"])
     assert meta["source"]["model_dir"] == str(tagger_dir.resolve())
     val = meta["validation"]
@@ -266,3 +269,16 @@ def test_engine_on_an_export_imports_no_torch(export_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_eager_attention_switches_the_encoder_and_restores_it(tagger_dir):
+    tagger = GedTagger.load(tagger_dir, device="cpu", dtype=torch.float32, backend="torch")
+    own = tagger.encoder.config._attn_implementation
+    assert own != "eager", "the tiny encoder loads with its default (SDPA) attention"
+    with onnx_export.eager_attention(tagger.encoder) as traced:
+        assert traced == "eager" and tagger.encoder.config._attn_implementation == "eager"
+    assert tagger.encoder.config._attn_implementation == own
+    with pytest.raises(RuntimeError, match="inside"):
+        with onnx_export.eager_attention(tagger.encoder):
+            raise RuntimeError("inside")
+    assert tagger.encoder.config._attn_implementation == own, "restored after an error too"

@@ -265,7 +265,7 @@ def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagg
                      str(tiny_tagger_dir), "--kernels", "torch", "--device", "cpu",
                      "--threads", "1", "--no-progress"]) == 0
     assert seen["engine"] == dict(backend="auto", device="cpu", dtype=None, kernels="torch",
-                                  threads=1, threshold=None, token_budget=8192, host_workers=0,
+                                  threads=1, threshold=None, token_budget=None, host_workers=0,
                                   cache=None)
     essays = tmp_path / "essays.jsonl"
     essays.write_text('{"text": "a b c", "prompt": 1}\n')

@@ -279,8 +279,9 @@ def _add_compute_options(g) -> None:
                    help="the layer-attention head's implementation: auto (default: what was "
                    "measured faster, the fused Triton forward for large batches on cuda, else "
                    "eager), torch (eager), triton (fused)")
-    g.add_argument("--token-budget", type=_positive, default=8192,
-                   help="padded word pieces per forward pass (default 8192)")
+    g.add_argument("--token-budget", type=_positive, default=None,
+                   help="padded word pieces per forward pass (default: 1024 on the CPU, 8192 "
+                   "on a GPU, the faster measured)")
     g.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads of the runtime (torch or ONNX Runtime intra-op; default: "
                    "the runtime's choice; fewer on a shared machine)")

@@ -41,6 +41,7 @@ import numpy as np
 
 from ..encoder import max_input_length
 from ..packing import pack_by_token_budget
+from .options import default_token_budget
 from .pieces import WordCache, WordPieces
 from .tokenize import Token, token_boundary, word_tokenize, word_tokenize_lists
 
@@ -260,7 +261,8 @@ class Engine:
         max_pieces: the encoder's limit including the two special tokens (512 for BERT).
         threshold: error-probability decision threshold (the model's dev-tuned one by
             default; 0.5 is the paper's argmax).
-        token_budget: padded pieces per batch; max_batch: rows per batch.
+        token_budget: padded pieces per batch (default: ``options.default_token_budget`` of
+            the runner's device, 1024 on the CPU, 8192 on a GPU); max_batch: rows per batch.
         max_padding: a batch of 8 rows or more is closed before its padded pieces exceed
             ``1 + max_padding`` times its real ones (None: only the budget and max_batch
             cut; see ``packing.pack_by_token_budget``).
@@ -274,7 +276,7 @@ class Engine:
     ENCODE_CHUNK = ENCODE_CHUNK  # words per step of plan_steps
 
     def __init__(self, runner, tokenizer, *, max_pieces: int = 512, threshold: float = 0.5,
-                 token_budget: int = 8192, max_batch: int = 256,
+                 token_budget: int | None = None, max_batch: int = 256,
                  max_padding: float | None = 0.2, long_window: int = 254,
                  host_workers: int = 0):
         if max_pieces < 4:
@@ -291,6 +293,10 @@ class Engine:
             vocab = WordPieces.from_hf(tokenizer)
         self.runner, self.tokenizer = runner, tokenizer
         self.max_pieces, self.threshold = max_pieces, float(threshold)
+        if token_budget is None:
+            token_budget = default_token_budget(getattr(runner, "device", "cpu"))
+        if int(token_budget) < 1:
+            raise ValueError(f"token_budget: expected a positive integer, got {token_budget}")
         self.token_budget, self.max_batch = int(token_budget), int(max_batch)
         self.max_padding = max_padding
         self.cls_id, self.sep_id, self.pad_id = vocab.cls_id, vocab.sep_id, vocab.pad_id

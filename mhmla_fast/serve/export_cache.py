@@ -83,7 +83,8 @@ LOCK_WAIT_S = 600.0  # the longest wait for another process's export of the same
 # What the cached export is made with (onnx_export.export_onnx's defaults): part of the key.
 EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
                   "graphs": ["fp32"], "labels": "identical to torch at the threshold and 0.5",
-                  "head": "folded with the classifier (LayerAttentionLinear)"}
+                  "head": "folded with the classifier (LayerAttentionLinear)",
+                  "attention": "eager"}
 # What a scorer's cached export is made with (score_onnx.export_scorer's defaults): its key.
 SCORER_EXPORT_OPTIONS = {"opset": 17, "exporter": "torchscript", "atol": 1e-4, "seed": 0,
                          "graph": "encoder + head: every prompt's window outputs; the last "

@@ -637,7 +637,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
                max_queue: int = 1024, max_request_bytes: int = 1_000_000,
                max_texts_per_request: int = 256, model_name: str | None = None,
                scorer: Any = None, scorer_name: str | None = None,
-               max_essays_per_request: int = 64, score_token_budget: int = 8192,
+               max_essays_per_request: int = 64, score_token_budget: int | None = None,
                max_text_chars: int | None = 500_000, max_queue_pieces: int = 1_000_000,
                request_timeout_s: float | None = 60.0,
                max_buffered_bytes: int | None = 64_000_000,

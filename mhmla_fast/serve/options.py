@@ -14,6 +14,9 @@ resolves them here, once:
     kernels   the layer-attention head's implementation: "auto" (per device and direction the
               one measured faster, ``mhmla_fast.dispatch``), "torch" (eager), "triton" (fused)
 
+Beside them, the token budget (padded word pieces per forward pass) of tagging and scoring
+defaults per device (:func:`default_token_budget`): 1024 on the CPU, 8192 on a GPU.
+
 "auto" picks the runtime from the other options: torch on CUDA, and wherever an option asks
 for something only torch has (``kernels="triton"``, dtype bfloat16 or float16, a device other
 than the CPU); on the CPU in float32, ONNX Runtime on a cached export of the model that was
@@ -39,12 +42,17 @@ from ..devices import cuda_available, resolve_device  # noqa: F401 - re-exported
 
 __all__ = ["BACKENDS", "KERNELS", "TORCH_DTYPES", "ONNX_DTYPES", "ServeOptions",
            "cuda_available", "onnx_importable", "resolve_device", "resolve_dtype",
-           "resolve_options"]
+           "resolve_options", "TOKEN_BUDGETS", "default_token_budget"]
 
 BACKENDS = ("auto", "torch", "onnx", "tensorrt")
 KERNELS = ("auto", "torch", "triton")  # = mhmla_fast.functional.BACKENDS (not imported: torch)
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 ONNX_DTYPES = ("float32", "int8")
+# Padded word pieces per forward pass by device type. On 2 CPU cores (AMD EPYC, AVX-512) small
+# passes ran faster per piece: ONNX Runtime fp32 tagged FCE dev + test 1.14x faster at 1024
+# than at 8192 (median of 7 interleaved repeats), torch fp32 1.18x, torch bf16 1.04x, and the
+# ONNX scorer scored ASAP essays 1.16x faster (bench/results/token_budget_cpu_2026-11-24.json).
+TOKEN_BUDGETS = {"cpu": 1024, "cuda": 8192}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
             "float": "float32"}
 
@@ -75,6 +83,12 @@ def resolve_dtype(dtype: str | None, device: str, backend: str = "torch") -> str
     if backend == "torch" and _device_type(device) == "cuda":
         return "bfloat16"
     return "float32"
+
+
+def default_token_budget(device) -> int:
+    """The token budget for ``device`` ("cpu", "cuda", "cuda:N" or a ``torch.device``) when the
+    caller gives none: :data:`TOKEN_BUDGETS` of its type (a GPU's for any other type)."""
+    return TOKEN_BUDGETS.get(_device_type(str(device)), TOKEN_BUDGETS["cuda"])
 
 
 def onnx_importable() -> bool:

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import gc_paused
-from .score import score_essays
+from .score import score_essays, scorer_token_budget
 
 __all__ = ["MicroBatcher", "QueueFull", "TooCostly", "Unavailable", "EngineFailure",
            "estimate_pieces", "KINDS"]
@@ -176,7 +176,8 @@ class MicroBatcher:
             integer score per essay, and optionally ``plan_essay``/``score_windows``/
             ``finish_essay`` (an :class:`~mhmla_fast.aes.model.EssayScorer`) to score long essays
             window by window; used only from the worker thread. Needed for ``submit("essays", ...)``.
-        score_token_budget: the scorer's padded word pieces per forward pass.
+        score_token_budget: the scorer's padded word pieces per forward pass (default:
+            ``score.scorer_token_budget``, 1024 on the CPU, 8192 on a GPU).
         max_batch_tokens: estimated word pieces per batch (the first item is always taken).
         max_wait_ms: how long a batch may wait for more items after its first one was queued.
         max_queue: inputs (texts, sentences, essays) waiting at most.
@@ -189,7 +190,7 @@ class MicroBatcher:
         on_failure: called once per request failed by the engine or scorer.
     """
 
-    def __init__(self, engine: Any, *, scorer: Any = None, score_token_budget: int = 8192,
+    def __init__(self, engine: Any, *, scorer: Any = None, score_token_budget: int | None = None,
                  max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 1024, max_queue_pieces: int = 1_000_000,
                  split_pieces: int | None = None,
@@ -197,6 +198,7 @@ class MicroBatcher:
                  on_score_batch: Callable[[int, int, float], None] | None = None,
                  on_failure: Callable[[], None] | None = None) -> None:
         split_pieces = max(1, max_batch_tokens // 4) if split_pieces is None else split_pieces
+        score_token_budget = scorer_token_budget(scorer, score_token_budget)
         if min(max_batch_tokens, max_queue, score_token_budget, max_queue_pieces,
                split_pieces) < 1 or not 0 <= max_wait_ms < float("inf"):
             raise ValueError("max_batch_tokens, max_queue, max_queue_pieces, split_pieces and "

@@ -31,10 +31,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .options import TORCH_DTYPES, ServeOptions, resolve_dtype, resolve_options
+from .options import (TORCH_DTYPES, ServeOptions, default_token_budget, resolve_dtype,
+                      resolve_options)
 from .records import location
 
 __all__ = ["DTYPES", "NO_PIECES", "check_prompts", "default_scorer_path", "essay_pieces_check",
+           "scorer_token_budget",
            "load_scorer", "piece_encoder", "score_essays", "score_records", "scorer_options",
            "unsupported_prompt"]
 
@@ -186,25 +188,41 @@ def essay_pieces_check(scorer: Any) -> Callable[[Sequence[str]], list[str | None
     return check
 
 
+def scorer_token_budget(scorer: Any, token_budget: int | None = None) -> int:
+    """``token_budget``, else the default of the device ``scorer`` runs on
+    (``options.default_token_budget``: 1024 on the CPU, 8192 on a GPU). The device is its
+    runner's (an ONNX scorer) or its parameters' (a torch scorer); "cpu" when it has neither."""
+    if token_budget is not None:
+        return int(token_budget)
+    device = getattr(getattr(scorer, "runner", None), "device", None)
+    if device is None:
+        try:
+            device = next(scorer.parameters()).device
+        except (AttributeError, StopIteration):
+            device = "cpu"
+    return default_token_budget(device)
+
+
 def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
-                 token_budget: int = 8192) -> list[dict[str, int]]:
+                 token_budget: int | None = None) -> list[dict[str, int]]:
     """``[{"prompt": p_i, "score": s_i}]`` for essays ``texts`` [n] of ``prompts`` [n], in order.
 
     One ``scorer.predict_scores(texts, prompts, token_budget=...)`` call for all of them (an empty
-    list makes no call). Scores are plain ``int`` (JSON-ready). Raises ValueError when the lengths
+    list makes no call; ``token_budget``: :func:`scorer_token_budget`). Scores are plain ``int`` (JSON-ready). Raises ValueError when the lengths
     differ or the scorer returns the wrong number of scores."""
     if len(texts) != len(prompts):
         raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
     if not texts:
         return []
     prompts = [int(p) for p in prompts]
-    scores = scorer.predict_scores(list(texts), prompts, token_budget=token_budget)
+    scores = scorer.predict_scores(list(texts), prompts,
+                                   token_budget=scorer_token_budget(scorer, token_budget))
     if len(scores) != len(texts):
         raise ValueError(f"the scorer returned {len(scores)} scores for {len(texts)} essays")
     return [{"prompt": p, "score": int(s)} for p, s in zip(prompts, scores)]
 
 
-def score_records(scorer: Any, records: Sequence[Any], token_budget: int = 8192, *,
+def score_records(scorer: Any, records: Sequence[Any], token_budget: int | None = None, *,
                   check: Callable[[Sequence[str]], list[str | None]] | None = None
                   ) -> list[dict[str, Any]]:
     """:func:`score_essays` over valid ``"score"`` input records (``.text``, ``.prompt``); a

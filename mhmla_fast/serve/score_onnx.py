@@ -55,8 +55,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +65,7 @@ from ..aes.scoring import EssayPlan, combine_windows, essay_prompts, essay_score
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
-                          ExportValidationError, OnnxRunner)
+                          ExportValidationError, OnnxRunner, eager_attention)
 
 __all__ = ["EXPORT_FORMAT", "OUTPUT_NAME", "VALIDATION_ESSAYS", "ExportedScorerConfig",
            "GRAPHS", "OnnxScorer", "export_graph", "export_scorer", "validate_scorer",
@@ -249,29 +248,6 @@ def export_graph(scorer) -> str:
     parts += [getattr(getattr(last, "attention", None), "output", None),
               getattr(last, "intermediate", None), getattr(last, "output", None)]
     return "cls-last-layer" if all(x is not None for x in parts) else "whole-encoder"
-
-
-@contextmanager
-def _eager_attention(encoder) -> Iterator[str]:
-    """The encoder's attention traced as explicit ops (transformers' "eager" implementation)
-    while in the block, then its own again; yields what is traced ("eager", or the encoder's own
-    implementation when it has no other). The SDPA implementation exports to a masked softmax
-    with NaN guards that ONNX Runtime ran 1.6x slower than torch on ASAP essays, the eager one
-    1.1-1.16x (see the module doc)."""
-    own = getattr(getattr(encoder, "config", None), "_attn_implementation", None)
-    switch = getattr(encoder, "set_attn_implementation", None)
-    if switch is None or own in (None, "eager"):
-        yield own or "eager"
-        return
-    try:
-        switch("eager")
-    except (ValueError, ImportError):  # an encoder without an eager implementation
-        yield own
-        return
-    try:
-        yield "eager"
-    finally:
-        switch(own)
 
 
 def _load_for_export(model_dir: Path):
@@ -593,7 +569,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         t0 = time.perf_counter()
         path = stage / ONNX_FILE
         try:
-            with _eager_attention(scorer.encoder) as attention:
+            with eager_attention(scorer.encoder) as attention:
                 torch_to_onnx(module, example_inputs(int(hf.vocab_size), pad_id), path,
                               opset=opset, exporter=exporter, output_name=OUTPUT_NAME,
                               output_axes={0: "batch"})

@@ -140,7 +140,7 @@ def plan_profiles(max_batch: int = 256, max_sequence: int = 512, *,
     (the serving engine packs at most ``token_budget`` padded pieces per batch) and is
     optimised for ``hi`` pieces at min(that, token_budget // hi) rows; without a token
     budget every bucket takes ``max_batch`` rows and is optimised for the largest batch.
-    The defaults match ``Engine``'s (max_batch 256, token_budget 8192, 512 pieces).
+    The defaults match ``Engine``'s on a GPU (max_batch 256, token_budget 8192, 512 pieces).
     """
     if max_batch < 1 or max_sequence < 1 or min_bucket < 1:
         raise ValueError(f"max_batch, max_sequence, min_bucket must be >= 1, got "
