@@ -29,8 +29,8 @@ from pathlib import Path
 from mhmla_fast.provenance import cpu_info, dated_results_path, load_average
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TAG_PATHS = ("onnx-float32", "torch-float32", "torch-bfloat16")
-SCORE_PATHS = ("onnx-float32",)
+TAG_PATHS = ("auto-float32", "torch-float32", "torch-bfloat16")  # auto on the CPU: ONNX Runtime
+SCORE_PATHS = ("auto-float32",)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -76,12 +76,13 @@ def tag_runs(path: str, args, texts):
     from mhmla_fast.serve.engine import Engine
 
     backend, dtype = path.split("-")
-    calls = {}
+    calls, runners = {}, set()
     for b in args.budgets:
         engine = Engine.load(None, backend=backend, device=args.device, dtype=dtype,
                              threads=args.threads, token_budget=b)
+        runners.add(type(engine.runner).__name__)
         calls[b] = lambda e=engine: [r.labels for r in e.tag_texts(texts)]
-    return calls
+    return calls, sorted(runners)
 
 
 def score_runs(path: str, args, texts, prompts):
@@ -92,11 +93,13 @@ def score_runs(path: str, args, texts, prompts):
                          dtype=dtype, threads=args.threads)
     return {b: (lambda b=b: [int(s) for s in scorer.predict_scores(texts, prompts,
                                                                     token_budget=b)])
-            for b in args.budgets}
+            for b in args.budgets}, [type(scorer).__name__]
 
 
-def measure(calls: dict, repeats: int, reference: int, items: int, differ) -> dict:
-    """Interleaved repeats of every budget's call; rows per budget (see the module doc)."""
+def measure(made: tuple[dict, list], repeats: int, reference: int, items: int, differ) -> dict:
+    """Interleaved repeats of every budget's call (``made``: the calls by budget, and the
+    runtime classes behind them); rows per budget (see the module doc)."""
+    calls, runtime = made
     outputs = {b: call() for b, call in calls.items()}  # warm-up, and the outputs compared
     seconds = {b: [] for b in calls}
     for _ in range(repeats):
@@ -112,7 +115,7 @@ def measure(calls: dict, repeats: int, reference: int, items: int, differ) -> di
                      "items_per_s": round(items / statistics.median(s), 1),
                      "speedup_vs_reference": round(statistics.median(paired), 3),
                      "differ_from_reference": differ(outputs[reference], outputs[b])})
-    return {"rows": rows}
+    return {"runtime": runtime, "rows": rows}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

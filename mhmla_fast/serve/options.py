@@ -49,9 +49,10 @@ KERNELS = ("auto", "torch", "triton")  # = mhmla_fast.functional.BACKENDS (not i
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 ONNX_DTYPES = ("float32", "int8")
 # Padded word pieces per forward pass by device type. On 2 CPU cores (AMD EPYC, AVX-512) small
-# passes ran faster per piece: ONNX Runtime fp32 tagged FCE dev + test 1.14x faster at 1024
-# than at 8192 (median of 7 interleaved repeats), torch fp32 1.18x, torch bf16 1.04x, and the
-# ONNX scorer scored ASAP essays 1.16x faster (bench/results/token_budget_cpu_2026-11-24.json).
+# passes ran faster per piece: at 1024 against 8192, ONNX Runtime fp32 tagged FCE dev + test
+# 1.21x faster (median of 5 paired, interleaved repeats), torch fp32 1.11x, torch bf16 1.04x,
+# and the ONNX scorer scored ASAP essays 1.21x faster, with identical fp32 labels and scores
+# (bench/results/token_budget_cpu_2026-11-24.json). GPU passes stay large (H100 figures).
 TOKEN_BUDGETS = {"cpu": 1024, "cuda": 8192}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
             "float": "float32"}
