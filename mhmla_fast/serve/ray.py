@@ -88,7 +88,8 @@ SHARDS_SUFFIX = ".shards"
 class RayJob:
     """What every actor needs: the command (``kind`` "tag" or "score"), the model directory and
     its load contract (backend, device, dtype, kernels, threads, the export ``cache`` of backend
-    "auto"; ``threshold`` and ``token_budget``, None: the device's default), how input lines are read (``format``, ``encoding``, ``max_chars``,
+    "auto"; ``threshold`` and ``token_budget``, None: the device's default), how input lines
+    are read (``format``, ``encoding``, ``max_chars``,
     ``over_long``, ``prompts``: the scorer's prompts, for ``score``), and ``batch_size``
     records per engine call. ``crash_once`` = (marker file, record index) is a test hook: the
     first actor to reach that record creates the marker and exits the process."""

@@ -208,8 +208,9 @@ def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
     """``[{"prompt": p_i, "score": s_i}]`` for essays ``texts`` [n] of ``prompts`` [n], in order.
 
     One ``scorer.predict_scores(texts, prompts, token_budget=...)`` call for all of them (an empty
-    list makes no call; ``token_budget``: :func:`scorer_token_budget`). Scores are plain ``int`` (JSON-ready). Raises ValueError when the lengths
-    differ or the scorer returns the wrong number of scores."""
+    list makes no call; ``token_budget``: :func:`scorer_token_budget`). Scores are plain ``int``
+    (JSON-ready). Raises ValueError when the lengths differ or the scorer returns the wrong
+    number of scores."""
     if len(texts) != len(prompts):
         raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
     if not texts:
