@@ -457,7 +457,26 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path, capsys):
     (epoch,) = cell["epochs"]["0"]["3"]
     assert epoch["epoch"] == 1 and epoch["seconds"] > 0
     assert epoch["dev_mean_qwk"] == pytest.approx(cell["dev_qwk"]["0"]["3"])
-    assert json.loads((run / "test.json").read_text())["settings"]["epochs"] == 1
+    stored = json.loads((run / "test.json").read_text())
+    assert stored["settings"]["epochs"] == 1
+    # the cell's predictions in the CPU protocol's unit layout, for ensembles chosen on dev
+    from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+    from mhmla_fast.aes.train import asap_files
+
+    tsv, folds_dir = asap_files(data)
+    sp = split_essays(read_asap(tsv), read_folds(folds_dir), 0, prompt=3)
+    assert stored["ids"] == [e.essay_id for e in sp["test"]]
+    assert stored["gold"] == [e.score for e in sp["test"]]
+    assert stored["dev_ids"] == [e.essay_id for e in sp["dev"]]
+    assert len(stored["pred"]) == len(sp["test"]) and len(stored["dev_pred"]) == len(sp["dev"])
+    assert all(0 <= x <= 3 for x in stored["pred"] + stored["dev_pred"])  # prompt 3's scale
+    from mhmla_fast.aes.train import qwk
+
+    assert qwk(np.array(stored["gold"]), np.array(stored["pred"]), 3) == pytest.approx(
+        stored["qwk"], abs=1e-12)
+    dev_gold = np.array([e.score for e in sp["dev"]])
+    assert qwk(dev_gold, np.array(stored["dev_pred"]), 3) == pytest.approx(
+        cell["dev_qwk"]["0"]["3"], abs=1e-12), "the dev predictions are the selected model's"
     # other heads and objectives are models of their own: their cells beside, their entries
     # added to the same file, the first kept as it was
     assert mhmla_train([*common, "--mode", "avgl", "--objective", "regression"]) == 0
@@ -644,3 +663,25 @@ def test_a_feature_cache_of_other_encoder_weights_under_the_same_name_is_refused
     legacy = {k: v for k, v in first.meta.items() if k != "encoder_sha256"}
     features._save(path, first.features, first.essay_ids, first.n_windows, legacy)
     assert "encoder_sha256" not in build_feature_cache(tmp_path / "cache", ids, texts, **kw).meta
+
+
+def test_commands_finetune_adds_predictions_to_an_older_cell(tiny_encoder, tmp_path):
+    """A finished cell from before predictions were stored gets them from its selected model,
+    which must score the test QWK the cell records; a cell whose model does not is refused."""
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    args = ["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data), "--encoder",
+            tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune", "--epochs", "1",
+            "--backend", "torch", "--quiet"]
+    assert mhmla_train(args) == 0
+    done = tmp_path / "ft" / "mhmla-cls-finetuned" / "fold0-p3" / "test.json"
+    full = json.loads(done.read_text())
+    keys = ("ids", "gold", "pred", "dev_ids", "dev_pred")
+    old = {k: v for k, v in full.items() if k not in keys}
+    done.write_text(json.dumps(old))
+    assert mhmla_train(args) == 0
+    assert json.loads(done.read_text()) == full, "the same predictions, from the best model"
+    done.write_text(json.dumps({**old, "qwk": old["qwk"] - 0.25}))
+    assert mhmla_train(args) == 2
+    assert json.loads(done.read_text())["qwk"] == old["qwk"] - 0.25, "left as it was"

@@ -273,14 +273,18 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                 cell = json.loads(done.read_text())
                 if _without_out(cell.get("settings")) == _without_out(cell_settings) \
                         and cell.get("data") == data:
+                    if "pred" not in cell or "dev_pred" not in cell:  # a cell made before them
+                        cell = _with_predictions(cell, out, sp, p)
+                        atomic_write_text(done, json.dumps(cell))
                     cells[k][p] = cell
                     continue
             model, state = finetune(cfg, sp["train"], sp["dev"], log=_log(args))
-            pred = model.predict_scores([e.text for e in sp["test"]], p)
-            gold = np.array([e.score for e in sp["test"]])
-            cell = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
+            preds = _cell_predictions(model, sp, p)
+            gold = np.array(preds["gold"])
+            cell = {"qwk": qwk(gold, np.array(preds["pred"]), p),
+                    "exact": exact_agreement(gold, np.array(preds["pred"])),
                     "dev_qwk": state["best"], "selected": {"epoch": state["best_epoch"]},
-                    "settings": cell_settings, "data": data}
+                    "settings": cell_settings, "data": data, **preds}
             atomic_write_text(done, json.dumps(cell))
             cells[k][p] = cell
     entry = {**_aggregate(cells, folds, prompts), "settings": settings,
@@ -292,6 +296,43 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     _add_results_entry(path, header, name, entry, provenance())
     print(f"wrote {path} ({name})")
     return 0
+
+
+def _cell_predictions(model, split: dict, prompt: int) -> dict:
+    """A fine-tuned cell's predictions in the layout of the CPU protocol's units
+    (``aes.protocol``), so that ensembles can combine them with frozen-feature models chosen
+    on dev: the test essays' ``ids``, ``gold`` and ``pred``, and the dev essays' ``dev_ids``
+    and ``dev_pred`` (integer scores, in the split's order)."""
+    test, dev = split["test"], split["dev"]
+    return {"ids": [e.essay_id for e in test], "gold": [e.score for e in test],
+            "pred": [int(x) for x in model.predict_scores([e.text for e in test], prompt)],
+            "dev_ids": [e.essay_id for e in dev],
+            "dev_pred": [int(x) for x in model.predict_scores([e.text for e in dev], prompt)]}
+
+
+def _with_predictions(cell: dict, out: Path, split: dict, prompt: int) -> dict:
+    """``cell`` (a finished cell from before predictions were stored) with
+    :func:`_cell_predictions` of its selected model (``out/best``). Its test QWK must come out
+    as stored, else ValueError: the folder's model is not the one that was scored."""
+    import numpy as np
+
+    from ..aes.model import EssayScorer
+    from ..aes.train import qwk
+    from ..devices import resolve_device
+
+    best = out / "best"
+    if not (best / "config.json").is_file():
+        raise ValueError(f"{out}: a finished cell without its predictions or its selected "
+                         f"model ({best}); remove {out / 'test.json'} to train it again")
+    model = EssayScorer.load(best, device=resolve_device(None),
+                             backend=cell["settings"].get("backend", "auto"))
+    preds = _cell_predictions(model, split, prompt)
+    again = qwk(np.array(preds["gold"]), np.array(preds["pred"]), prompt)
+    if abs(again - cell["qwk"]) > 1e-9:
+        raise ValueError(f"{out}: its selected model scores test QWK {again:.6f}, not the "
+                         f"{cell['qwk']:.6f} the cell records; remove {out / 'test.json'} to "
+                         f"train it again")
+    return {**cell, **preds}
 
 
 def _epoch_log(cell: Path, epochs: int) -> list[dict] | None:
