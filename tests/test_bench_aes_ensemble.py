@@ -1,0 +1,111 @@
+"""bench/aes_ensemble.py: dev-chosen ensembles of fine-tuned and frozen scorers, checked
+against the ensembles computed here, and its refusals of members of other essays."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench_scripts import load_bench_script
+from test_aes_train import write_asap
+
+from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+from mhmla_fast.aes.ensembles import greedy_ensemble, mean_ensemble
+from mhmla_fast.aes.train import asap_files, qwk
+
+
+def _noisy(gold, rng, flip: float) -> list[int]:
+    """``gold`` with a share ``flip`` of the scores moved by one (clipped to prompt 3's 0..3)."""
+    moved = np.clip(np.asarray(gold) + rng.choice([-1, 1], size=len(gold)), 0, 3)
+    return np.where(rng.random(len(gold)) < flip, moved, gold).astype(int).tolist()
+
+
+@pytest.fixture()
+def run(tmp_path):
+    data = write_asap(tmp_path / "data", n_per_prompt=40)
+    tsv, folds = asap_files(data)
+    essays, fold_ids = read_asap(tsv), read_folds(folds)
+    rng = np.random.default_rng(0)
+    units, ft = tmp_path / "units", tmp_path / "ft" / "mhmla-cls-finetuned"
+    units.mkdir()
+    splits = {p: split_essays(essays, fold_ids, 0, prompt=p) for p in (3, 4)}
+    joint = {}
+    for p, sp in splits.items():
+        test_gold = [e.score for e in sp["test"]]
+        dev_gold = [e.score for e in sp["dev"]]
+        base = {"ids": [e.essay_id for e in sp["test"]], "gold": test_gold, "settings": {}}
+        for name, flip in (("ridge-layers", 0.5), ("mhmla-cls", 0.3)):
+            unit = {**base, "pred": _noisy(test_gold, rng, flip),
+                    "dev_pred": _noisy(dev_gold, rng, flip)}
+            (units / f"{name}-fold0-p{p}.json").write_text(json.dumps(unit))
+        joint[str(p)] = {**base, "pred": _noisy(test_gold, rng, 0.6),
+                         "dev_pred": _noisy(dev_gold, rng, 0.6)}
+        cell = ft / f"fold0-p{p}"
+        cell.mkdir(parents=True)
+        (cell / "test.json").write_text(json.dumps({
+            **base, "pred": _noisy(test_gold, rng, 0.2), "dev_pred": _noisy(dev_gold, rng, 0.2),
+            "dev_ids": [e.essay_id for e in sp["dev"]], "qwk": 0.0}))
+    (units / "mhmla-joint-cls-fold0-p3_4.json").write_text(json.dumps(joint))
+    (units / "mhmla-cls-fold1-p3.json").write_text("{}")  # another fold: not read
+    return data, units, ft, splits
+
+
+def test_ensembles_match_an_independent_computation(run, tmp_path):
+    bench = load_bench_script("aes_ensemble")
+    data, units, ft, splits = run
+    out = tmp_path / "ens.json"
+    assert bench.main(["--units", str(units), "--finetuned", str(ft), "--fold", "0",
+                       "--prompt", "3,4", "--data-dir", str(data), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == [3, 4]
+    for p, sp in splits.items():
+        cell = result["cells"][str(p)]
+        assert set(cell["members"]) == {"ridge-layers", "mhmla-cls", "mhmla-joint-cls",
+                                        "mhmla-cls-finetuned"}
+        assert cell["members"]["mhmla-cls-finetuned"]["kind"] == "finetuned"
+        members = {n: json.loads((units / f"{n}-fold0-p{p}.json").read_text())
+                   for n in ("mhmla-cls", "ridge-layers")}
+        members["mhmla-joint-cls"] = json.loads(
+            (units / "mhmla-joint-cls-fold0-p3_4.json").read_text())[str(p)]
+        members["mhmla-cls-finetuned"] = json.loads((ft / f"fold0-p{p}" / "test.json").read_text())
+        dev_gold = np.array([e.score for e in sp["dev"]])
+        test_gold = np.array([e.score for e in sp["test"]])
+        names = sorted(cell["members"])  # the script's order: frozen units by file name, then ft
+        order = [n for n in ("mhmla-cls", "mhmla-joint-cls", "ridge-layers")] + \
+                ["mhmla-cls-finetuned"]
+        assert sorted(order) == names
+        picks = greedy_ensemble([np.array(members[n]["dev_pred"]) for n in order], dev_gold, p)
+        want = qwk(test_gold, mean_ensemble([np.array(members[order[i]]["pred"])
+                                             for i in picks], p), p)
+        assert cell["greedy-all"]["test_qwk"] == pytest.approx(want, abs=1e-12)
+        assert cell["greedy-all"]["picks"] == [order[i] for i in picks]
+        frozen = order[:3]
+        picks = greedy_ensemble([np.array(members[n]["dev_pred"]) for n in frozen], dev_gold, p)
+        want = qwk(test_gold, mean_ensemble([np.array(members[frozen[i]]["pred"])
+                                             for i in picks], p), p)
+        assert cell["greedy-frozen"]["test_qwk"] == pytest.approx(want, abs=1e-12)
+        best = max(order, key=lambda n: qwk(dev_gold, np.array(members[n]["dev_pred"]), p))
+        assert cell["best-by-dev-all"]["member"] == best
+    means = result["mean_test_qwk"]
+    assert means["greedy-all"] == pytest.approx(
+        np.mean([result["cells"][p]["greedy-all"]["test_qwk"] for p in ("3", "4")]))
+
+
+def test_members_of_other_essays_are_refused(run):
+    bench = load_bench_script("aes_ensemble")
+    data, units, ft, _ = run
+    args = ["--units", str(units), "--finetuned", str(ft), "--fold", "0", "--prompt", "3",
+            "--data-dir", str(data)]
+    path = ft / "fold0-p3" / "test.json"
+    cell = json.loads(path.read_text())
+    path.write_text(json.dumps({**cell, "dev_ids": cell["dev_ids"][::-1]}))
+    with pytest.raises(ValueError, match="dev essays are not the split's"):
+        bench.main(args)
+    path.write_text(json.dumps({**cell, "ids": cell["ids"][::-1]}))
+    with pytest.raises(ValueError, match="other test essays"):
+        bench.main(args)
+    path.write_text(json.dumps({k: v for k, v in cell.items() if k != "pred"}))
+    with pytest.raises(ValueError, match="no predictions stored"):
+        bench.main(args)
