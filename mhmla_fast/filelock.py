@@ -1,6 +1,6 @@
 """Exclusive advisory file locks (``flock``), shared by everything that must not be done by two
 processes at once: a training run's folder (:func:`mhmla_fast.checkpoint.run_lock`), a
-``mhmla-serve`` output file (:mod:`mhmla_fast.serve.records`) and an ONNX export being cached
+``mhmla-serve`` output file (:mod:`mhmla_fast.serve.outputs`) and an ONNX export being cached
 (:mod:`mhmla_fast.serve.export_cache`).
 
 A ``flock`` belongs to the open file, so it goes when the process does: a killed run leaves

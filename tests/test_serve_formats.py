@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mhmla_fast.commands.serve import main
-from mhmla_fast.serve.records import InputRecord, check_encoding, iter_input_records
+from mhmla_fast.serve.inputs import InputRecord, check_encoding, iter_input_records
 
 LINES = ['{"text": "a json text", "id": "j"}', "{braces} open this plain line", "[1, 2, 3]",
          '"string"', "plain text"]

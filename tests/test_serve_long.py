@@ -194,17 +194,17 @@ def test_max_chars_bounds_the_reading_of_a_line(tmp_path, monkeypatch):
     around it, line numbers, CRLF and a first-line BOM are read as before."""
     import tracemalloc
 
-    from mhmla_fast.serve import records
+    from mhmla_fast.serve import inputs
 
-    monkeypatch.setattr(records, "READ_BOUND_SLACK", 1024)
-    assert records.read_bound(10) == 1184 and records.read_bound(None) is None
+    monkeypatch.setattr(inputs, "READ_BOUND_SLACK", 1024)
+    assert inputs.read_bound(10) == 1184 and inputs.read_bound(None) is None
     src = tmp_path / "in.txt"
     huge = 8 << 20  # 8 MiB without a line break, then a short line, then 8 MiB more
     with open(src, "wb") as f:
         f.write(b"\xef\xbb\xbfa b\r\n" + b"x" * 1184 + b"\n" + b"y" * huge + b"\nc d\n")
         f.write(b"z" * huge)
     tracemalloc.start()
-    got = list(records.iter_input_records([str(src)], "tag", max_chars=10))
+    got = list(inputs.iter_input_records([str(src)], "tag", max_chars=10))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 4 << 20, peak  # a line read whole would hold 8 MiB at least
@@ -214,23 +214,23 @@ def test_max_chars_bounds_the_reading_of_a_line(tmp_path, monkeypatch):
         f"{src}: line 3: {huge} bytes, over the 1184 read for --max-chars 10; skipped")
     assert got[4].error.startswith(f"{src}: line 5: {huge} bytes, over the 1184")
     # without --max-chars every line is read whole, as before
-    assert [r.text for r in records.iter_input_records([str(src)], "tag")][2] == "y" * huge
+    assert [r.text for r in inputs.iter_input_records([str(src)], "tag")][2] == "y" * huge
     # standard input reads the same way
     with open(src, "rb") as stdin:
-        piped = list(records.iter_input_records(["-"], "tag", stdin=stdin, max_chars=10))
+        piped = list(inputs.iter_input_records(["-"], "tag", stdin=stdin, max_chars=10))
     assert [(r.text, r.error and r.error.replace("<stdin>", str(src))) for r in piped] == [
         (r.text, r.error) for r in got]
     with pytest.raises(ValueError, match="max_chars: expected a positive integer"):
-        records.iter_input_records([str(src)], "tag", max_chars=0)
+        inputs.iter_input_records([str(src)], "tag", max_chars=0)
 
 
 def test_an_unbounded_line_on_the_cli_and_on_ray_shards(tmp_path, monkeypatch, tiny_tagger_dir):
     """The CLI writes the over-long line's error record (exit 1: a record failed) and tags the
     rest; Ray's shards, read back by byte range from a path or a URI, are the CLI's records."""
     from mhmla_fast.serve import ray as serve_ray
-    from mhmla_fast.serve import records
+    from mhmla_fast.serve import inputs
 
-    monkeypatch.setattr(records, "READ_BOUND_SLACK", 1024)
+    monkeypatch.setattr(inputs, "READ_BOUND_SLACK", 1024)
     src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
     src.write_bytes(b"a b\n" + b"w " * 4096 + b"\nc d\n" + b'{"id": "j", "text": "e f"}\n')
     assert main(["tag", str(src), "--model", str(tiny_tagger_dir), "--no-progress",
@@ -241,7 +241,7 @@ def test_an_unbounded_line_on_the_cli_and_on_ray_shards(tmp_path, monkeypatch, t
         None, f"{src}: line 2: 8192 bytes, over the 1184 read for --max-chars 10; skipped",
         None, None]
     assert recs[3]["id"] == "j" and recs[0]["tokens"] == ["a", "b"]
-    want = list(records.limit_length(records.iter_input_records(
+    want = list(inputs.limit_length(inputs.iter_input_records(
         [str(src)], "tag", max_chars=10), 10, "cap"))
     job = serve_ray.RayJob("tag", "unused", max_chars=10, over_long="cap")
     for path in (str(src), src.as_uri()):
@@ -256,18 +256,18 @@ def test_an_unbounded_line_on_the_cli_and_on_ray_shards(tmp_path, monkeypatch, t
 def test_the_read_bound_leaves_out_a_last_lines_lone_carriage_return(tmp_path, monkeypatch):
     """A line's break is not counted against the bound, by the rule that strips it: ``\\n``,
     ``\\r\\n``, or the ``\\r`` ending a last line."""
-    from mhmla_fast.serve import records
+    from mhmla_fast.serve import inputs
 
-    monkeypatch.setattr(records, "READ_BOUND_SLACK", 1024)  # read_bound(10) == 1184
+    monkeypatch.setattr(inputs, "READ_BOUND_SLACK", 1024)  # read_bound(10) == 1184
     src = tmp_path / "in.txt"
     src.write_bytes(b"v" * 1184 + b"\r\n" + b"w" * 1184 + b"\r")
-    got = list(records.iter_input_records([str(src)], "tag", max_chars=10))
+    got = list(inputs.iter_input_records([str(src)], "tag", max_chars=10))
     assert [(r.text, r.error) for r in got] == [("v" * 1184, None), ("w" * 1184, None)]
     src.write_bytes(b"w" * 1185 + b"\r")
-    (over,) = records.iter_input_records([str(src)], "tag", max_chars=10)
+    (over,) = inputs.iter_input_records([str(src)], "tag", max_chars=10)
     assert over.text is None and "1185 bytes, over the 1184" in over.error
     # a "\r\n" split between two pieces of an over-long line is still a two-byte break
-    monkeypatch.setattr(records, "bounded_lines", functools.partial(records.bounded_lines, piece=1))
+    monkeypatch.setattr(inputs, "bounded_lines", functools.partial(inputs.bounded_lines, piece=1))
     src.write_bytes(b"u" * 2000 + b"\r\n" + b"ok\n")
-    over, ok = records.iter_input_records([str(src)], "tag", max_chars=10)
+    over, ok = inputs.iter_input_records([str(src)], "tag", max_chars=10)
     assert "line 1: 2000 bytes, over the 1184" in over.error and ok.text == "ok"

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from mhmla_fast.commands.serve import main  # noqa: E402
 from mhmla_fast.serve import ray as serve_ray  # noqa: E402
-from mhmla_fast.serve.records import meta_path  # noqa: E402
+from mhmla_fast.serve.outputs import meta_path  # noqa: E402
 from essay_pieces import NO_PIECES_TEXTS, UNK_TEXTS  # noqa: E402
 
 BASE = ["--no-progress", "--threads", "1", "--device", "cpu", "--dtype", "float32"]
@@ -228,7 +228,7 @@ def test_shards_read_back_the_records_of_the_cli_parser_also_from_a_uri(tmp_path
     """No Ray: the plan's shards, read back by byte range from the local path or from a
     ``file://`` URI (pyarrow's filesystems), are the CLI parser's records (BOM, CRLF, no final
     newline, malformed lines)."""
-    from mhmla_fast.serve.records import iter_input_records
+    from mhmla_fast.serve.inputs import iter_input_records
 
     src = tmp_path / "in.txt"
     src.write_bytes(b"\xef\xbb\xbf" + sentences(300).replace(b"\n", b"\r\n", 7) + b"last\r")
@@ -431,7 +431,7 @@ def test_parquet_shards_read_back_the_cli_records_also_from_a_uri(tmp_path):
     ``score`` the rows are the records of the same JSON lines."""
     import pyarrow as pa
 
-    from mhmla_fast.serve.records import iter_input_records
+    from mhmla_fast.serve.inputs import iter_input_records
 
     pq_file, _ = write_parquet_and_jsonl(tmp_path, "p", parquet_rows(150), row_group_size=32)
     txt = tmp_path / "t.txt"

@@ -1,4 +1,4 @@
-"""Tests of the serving I/O layer (mhmla_fast.serve.records): tolerant input records, the resumable
+"""Tests of the serving I/O layer (mhmla_fast.serve.inputs, .outputs, .records): tolerant input records, the resumable
 JSONL writer, the batching driver, and a real ``kill -9`` + resume run in a subprocess.
 
 All inputs are hand-made and written into ``tmp_path``.
@@ -18,16 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from mhmla_fast.serve.records import (
+from mhmla_fast.serve.inputs import InputRecord, iter_input_records
+from mhmla_fast.serve.outputs import (
     InputFingerprint,
-    InputRecord,
     OutputCorruptError,
     OutputExistsError,
     ResumableJsonlWriter,
     ResumeMismatchError,
-    iter_input_records,
-    run_records,
 )
+from mhmla_fast.serve.records import run_records
 
 from kill9 import kill_command_after_lines
 
@@ -524,7 +523,9 @@ def test_run_records_checks_process_batch_results(tmp_path):
 _KILL_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
-    from mhmla_fast.serve.records import ResumableJsonlWriter, iter_input_records, run_records
+    from mhmla_fast.serve.inputs import iter_input_records
+    from mhmla_fast.serve.outputs import ResumableJsonlWriter
+    from mhmla_fast.serve.records import run_records
 
     def process_batch(batch):
         time.sleep(0.001)

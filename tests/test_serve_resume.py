@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from mhmla_fast.commands.serve import main
-from mhmla_fast.serve.records import (
+from mhmla_fast.serve.inputs import iter_input_records
+from mhmla_fast.serve.outputs import (
     OutputCorruptError,
     OutputLockedError,
     ResumableJsonlWriter,
     ResumeMismatchError,
-    iter_input_records,
     meta_path,
-    run_records,
 )
+from mhmla_fast.serve.records import run_records
 
 # ------------------------------------------------------------------------------------ writer
 

@@ -11,7 +11,7 @@
 ``tag``
     Input: the files in order (``-`` or nothing = standard input), one record per line: plain
     text, or a JSON object with ``"text"`` or ``"tokens"`` (and optional ``"id"``); the rules are
-    those of :mod:`mhmla_fast.serve.records`. Output: JSONL, one line per input line in input
+    those of :mod:`mhmla_fast.serve.inputs`. Output: JSONL, one line per input line in input
     order, ``{"index", "id", "tokens", "offsets" (raw text only), "labels", "probs", "spans"}``,
     or ``{"index", "id", "error"}`` for a malformed line (tagging goes on). ``--output FILE`` is
     written append-only and fsync-ed as it goes; after a crash or ``kill -9`` rerun the same
@@ -24,7 +24,7 @@
     auto|text|jsonl`` and ``--encoding`` say how lines are read; ``--max-chars N`` skips longer
     records, or with ``--over-long cap`` tags their first N characters (``"capped_from"``).
     ``FILE.meta.json`` records what ``--output FILE`` was made from (model fingerprint,
-    options, input fingerprint; :mod:`mhmla_fast.serve.records`): ``--resume`` refuses other
+    options, input fingerprint; :mod:`mhmla_fast.serve.outputs`): ``--resume`` refuses other
     input, model or options, a file without it (never truncated), and a second writer.
 
 ``score``
@@ -319,7 +319,7 @@ def _count_lines(paths: Sequence[str]) -> int | None:
     """Records in ``paths`` (one per line, a last line without newline included; a Parquet
     file's rows from its footer), or None when one of them is standard input or not a regular
     file."""
-    from ..serve.records import is_parquet, open_parquet
+    from ..serve.inputs import is_parquet, open_parquet
 
     total = 0
     for p in paths:
@@ -366,10 +366,10 @@ def _stdout_is_tty() -> bool:
 
 
 def read_inputs(args: argparse.Namespace, inputs: Sequence[str], kind: str):
-    """The input records of ``tag``/``score`` (:func:`~mhmla_fast.serve.records.iter_input_records`
+    """The input records of ``tag``/``score`` (:func:`~mhmla_fast.serve.inputs.iter_input_records`
     with ``--format`` and ``--encoding``, then ``--max-chars``/``--over-long``); bad arguments and
     missing files become UsageError."""
-    from ..serve.records import iter_input_records, limit_length
+    from ..serve.inputs import iter_input_records, limit_length
 
     try:
         records = iter_input_records(inputs, kind, format=args.format, encoding=args.encoding,
@@ -417,11 +417,11 @@ def run_tag(args: argparse.Namespace) -> int:
 
 
 def open_output(output: str | None, resume: bool, made_from: Any = None):
-    """The :class:`~mhmla_fast.serve.records.ResumableJsonlWriter` of ``--output`` (None or
+    """The :class:`~mhmla_fast.serve.outputs.ResumableJsonlWriter` of ``--output`` (None or
     ``-``: standard output); ``made_from`` (a dict, or a function making it, called only for a
     file) goes to its sidecar. Refusals (existing output, other input or settings on resume, a
     file that is not ours, another writer holding the lock) become UsageError."""
-    from ..serve.records import ResumableJsonlWriter
+    from ..serve.outputs import ResumableJsonlWriter
 
     if callable(made_from):
         made_from = made_from() if output not in (None, "-") else None
@@ -437,7 +437,8 @@ def made_from(command: str, model: Path, args: argparse.Namespace, **settings: A
     ``--max-chars``, ``--over-long``, ``--backend`` and ``settings``, e.g. the resolved dtype and
     threshold). Batch sizes, token budgets, threads, device and kernels are left out: they change
     probabilities only within float rounding (a resumed run may use other ones)."""
-    from ..serve.records import check_encoding, directory_fingerprint
+    from ..serve.inputs import check_encoding
+    from ..serve.outputs import directory_fingerprint
 
     return {"command": command, "model_sha256": directory_fingerprint(model),
             "backend": args.backend, "format": args.format,
@@ -473,8 +474,12 @@ def exit_status(run: Any, close: Any, *, output: str | None, verb: str) -> int:
     messages): 0, 1 when some input lines were malformed, 3 when it stopped on an error, 130
     interrupted, 141 broken pipe; a refused resume (other input or settings, an output that is
     not ours or is locked) raises UsageError. ``close()`` runs when ``run`` fails."""
-    from ..serve.records import (OutputCorruptError, OutputExistsError, OutputLockedError,
-                                 ResumeMismatchError)
+    from ..serve.outputs import (
+        OutputCorruptError,
+        OutputExistsError,
+        OutputLockedError,
+        ResumeMismatchError,
+    )
 
     to_file = output not in (None, "-")
     resume_hint = f"; rerun with --resume to continue {output}" if to_file else ""

@@ -71,7 +71,7 @@ def format_pretty(record: dict, text: str | None, colour: bool) -> str:
 
 
 class PrettyWriter:
-    """Stands in for :class:`~mhmla_fast.serve.records.ResumableJsonlWriter` in ``run_records``
+    """Stands in for :class:`~mhmla_fast.serve.outputs.ResumableJsonlWriter` in ``run_records``
     (``done``, ``done_errors``, ``last_id``, ``path``, ``write``, ``sync``): prints each record
     with :func:`format_pretty`. A result's private ``"_text"`` (the raw input) is used for display
     and not printed."""

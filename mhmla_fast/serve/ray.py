@@ -8,16 +8,16 @@ each record produced exactly once. Needs the optional extra ``mhmla-fast[ray]``;
 A job (:func:`run_job`) on inputs ``paths`` into ``output``:
 
 1. **plan** (driver): read the inputs once with the CLI's parser
-   (:mod:`mhmla_fast.serve.records`: ``--format``, ``--encoding``, ``--max-chars``/``--over-long``,
+   (:mod:`mhmla_fast.serve.inputs`: ``--format``, ``--encoding``, ``--max-chars``/``--over-long``,
    for ``score`` the scorer's prompts), fingerprint every record as the CLI does, and cut the
    records into shards of ``shard_size``: each shard is the byte ranges of its lines, or the
    row ranges of its Parquet rows (no text is shipped through the driver), and the
-   :class:`~.records.InputFingerprint` of its own records.
+   :class:`~.outputs.InputFingerprint` of its own records.
 2. **process** (Ray Data): ``from_items`` over the shards not yet committed, ``map_batches``
    with :class:`ShardWorker` actors (``workers`` of them; ``num_gpus=1`` each on a CUDA device,
    else ``num_cpus=threads``). An actor reads its shard's byte ranges, parses them with the same
    parser, or reads its rows with pyarrow (only the row groups that hold them, only the
-   columns a record uses; :func:`~.records.parquet_records`), the shard's fingerprint must
+   columns a record uses; :func:`~.inputs.parquet_records`), the shard's fingerprint must
    equal the plan's, and produces the shard's JSONL with
    :func:`~.records.run_records`, exactly as the CLI assembles records. A dead actor is
    restarted and its shard retried by Ray.
@@ -25,7 +25,7 @@ A job (:func:`run_job`) on inputs ``paths`` into ``output``:
    (temporary file, fsync, rename, directory fsync): a shard file exists complete or not at all,
    and its name carries its input fingerprint.
 4. **concatenate** (driver): when every shard is committed, the shards are appended in order to
-   ``output`` through the CLI's :class:`~.records.ResumableJsonlWriter` (its sidecar is the
+   ``output`` through the CLI's :class:`~.outputs.ResumableJsonlWriter` (its sidecar is the
    CLI's: a finished Ray output is a finished ``mhmla-serve`` output), then the shard folder is
    removed.
 
@@ -55,15 +55,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..durable import atomic_write_bytes
-from .records import (
-    InputFingerprint,
+from .inputs import (
     InputRecord,
-    OutputExistsError,
-    ResumableJsonlWriter,
     OverLong,
-    ResumeMismatchError,
-    RunSummary,
-    _check_made_from,
     bounded_lines,
     check_not_wide,
     check_parquet,
@@ -73,9 +67,16 @@ from .records import (
     parse_line,
     parquet_records,
     read_bound,
-    run_records,
     strip_line,
 )
+from .outputs import (
+    InputFingerprint,
+    OutputExistsError,
+    ResumableJsonlWriter,
+    ResumeMismatchError,
+    _check_made_from,
+)
+from .records import RunSummary, run_records
 
 __all__ = ["RayJob", "ShardWorker", "check_uri", "is_uri", "plan_shards", "read_shard", "run_job",
            "shards_dir"]
@@ -141,7 +142,7 @@ def is_uri(path: str) -> bool:
 def check_uri(path: str) -> None:
     """FileNotFoundError / IsADirectoryError unless the URI ``path`` names a file; for a
     line-based one, ValueError when it starts with a UTF-16/32 byte-order mark (the check a
-    local file gets when opened: :func:`~.records.check_not_wide`)."""
+    local file gets when opened: :func:`~.inputs.check_not_wide`)."""
     import pyarrow.fs
 
     fs, inner = pyarrow.fs.FileSystem.from_uri(path)
@@ -169,7 +170,7 @@ def _range_lines(job: RayJob, path: str, start: int = 0,
                  end: int | None = None) -> Iterator[tuple[int, int, bytes | OverLong]]:
     """``(start byte, end byte, line)`` of the lines of ``path`` from byte ``start`` up to
     byte ``end`` (None: the end of the file), read by the CLI's bounded reader
-    (:func:`~.records.bounded_lines` with ``--max-chars``' bound)."""
+    (:func:`~.inputs.bounded_lines` with ``--max-chars``' bound)."""
     with _open_binary(path) as f:
         f.seek(start)
         lines = bounded_lines(f, read_bound(job.max_chars))
@@ -488,7 +489,7 @@ def run_job(job: RayJob, paths: Sequence[str], output: str, *, made_from: dict[s
     with ``workers * job.num_cpus`` CPUs (and stops it at the end), unless Ray is already
     initialised. ``shard_size``: records per shard (default 8192 for tag, 512 for score; a
     resumed job keeps its own). ``on_commit(k)`` is called after shard ``k`` is committed.
-    Refusals are the CLI's: :class:`~.records.OutputExistsError`, ``ResumeMismatchError``,
+    Refusals are the CLI's: :class:`~.outputs.OutputExistsError`, ``ResumeMismatchError``,
     ``OutputLockedError``, ``OutputCorruptError``."""
     from ..progress import progress_bar
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from .options import (TORCH_DTYPES, ServeOptions, default_token_budget, resolve_dtype,
                       resolve_options)
-from .records import location
+from .inputs import location
 
 __all__ = ["DTYPES", "NO_PIECES", "check_prompts", "default_scorer_path", "essay_pieces_check",
            "scorer_token_budget",
@@ -120,7 +120,7 @@ def unsupported_prompt(prompt: int, prompts: Sequence[int]) -> str | None:
 
 
 def check_prompts(records: Iterable[Any], prompts: Sequence[int]) -> Iterator[Any]:
-    """``records`` (:class:`~mhmla_fast.serve.records.InputRecord`, kind ``"score"``) with every
+    """``records`` (:class:`~mhmla_fast.serve.inputs.InputRecord`, kind ``"score"``) with every
     valid record whose prompt is not in ``prompts`` replaced by an error record (same index,
     source, line and id; ``error`` = ``"<source>: line <n>: <reason>"``). Lazy, order kept."""
     allowed = frozenset(int(p) for p in prompts)
