@@ -1,8 +1,5 @@
 """Input records of ``tag`` / ``score``: text and JSONL lines, Parquet rows, error records.
 
-Input (:func:`iter_input_records`)
-----------------------------------
-
 Every line of every input (files in the order given, ``"-"`` = standard input) is one
 :class:`InputRecord`, numbered by a global 1-based ``index`` in input order; ``source`` is the path
 (``"<stdin>"`` for standard input) and ``line`` the 1-based line number in it. Lines are split on
@@ -59,9 +56,7 @@ field, binary values are decoded as ``encoding``), with ``line`` its 1-based row
 error messages ``"<source>: row <n>: <reason>"`` (:func:`location`). ``format`` "auto" and
 "jsonl" read it alike; "text" is refused, as is a file that is not Parquet (ValueError, before
 anything is read).
-
 """
-
 
 from __future__ import annotations
 

@@ -34,9 +34,7 @@ written, so the output never holds a record its sidecar does not cover.
   then the number of complete records ``k`` and writing continues with index ``k + 1``. A missing
   or empty output starts at 1 (a stale sidecar is replaced).
 * ``path="-"`` writes to standard output (flushed, not synced), has no sidecar and cannot resume.
-
 """
-
 
 from __future__ import annotations
 
