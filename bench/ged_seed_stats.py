@@ -31,9 +31,10 @@ at argmax and at the threshold, with ``d_s = MHMLA_s - baseline_s`` (points)::
 
 The sign-flip test assumes only that each difference is symmetric about 0 under the null, so
 it holds for any n; its smallest p is 2 / 2^n (0.25 at 3 seeds, 0.0625 at 5), so it cannot
-reach 5% below 6 seeds. The verdict uses the t-test: ``too few seeds (need >= 3)`` for n < 3,
-else ``MHMLA higher, p=...`` / ``MHMLA lower, p=...`` when p_t < 0.05, else ``no significant
-difference at 5% (p=...)``. The tests are not corrected for the 4 sets x 3 baselines.
+reach 5% below 6 seeds. The verdict uses the t-test: ``too few seeds (need >= 3)`` for n < 3
+(``one seed: no test`` where a lower minimum lets one seed through), else ``MHMLA higher,
+p=...`` / ``MHMLA lower, p=...`` when p_t < 0.05, else ``no significant difference at 5%
+(p=...)``. The tests are not corrected for the 4 sets x 3 baselines.
 No best seed is ever reported: every seed's value is listed, and only their spread is summarised.
 
 Written: ``--out`` (default ``bench/results/ged_seed_stats.json``): ``unit``, ``inputs``
@@ -303,6 +304,8 @@ def verdict(n: int, mean_diff: float, p: float | None, alpha: float = 0.05,
     """The comparison in words (see the module doc); ``name``: the system compared."""
     if n < min_seeds:
         return f"too few seeds (need >= {min_seeds})"
+    if n < 2:
+        return "one seed: no test"
     if p is None:
         return f"no significant difference at {100 * alpha:g}% (identical scores)"
     if p < alpha:

@@ -101,6 +101,9 @@ def test_sign_flip_exact_and_verdicts(gs):
     assert shifted["p_ttest"] == 0.0 and shifted["verdict"] == "MHMLA higher, p=0"
     one = gs.paired([1.0], [0.5])
     assert one["p_ttest"] is None and one["p_signflip"] is None and one["verdict"].startswith("too few")
+    # asked for no minimum, one seed still gets no test (not "identical scores")
+    assert gs.paired([1.0], [0.5], min_seeds=1)["verdict"] == "one seed: no test"
+    assert gs.verdict(1, 0.0, None, min_seeds=1) == "one seed: no test"
 
 
 def test_holm_adjusts_a_family_of_p_values(gs):
