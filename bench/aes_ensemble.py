@@ -16,6 +16,10 @@ selection uses). Rows per cell, test QWK of:
 * ``greedy-frozen``: ``aes.ensembles.greedy_ensemble`` over the frozen members (the CPU
   protocol's ``ensemble-greedy``), and ``greedy-all``: over frozen and fine-tuned members.
 
+A prompt without a fine-tuned cell still counts, with its frozen members only (its ``-all``
+rows are then its ``-frozen`` rows); ``prompts_finetuned`` lists the prompts that have one.
+A prompt without frozen members is skipped.
+
 The test split is never used to choose. Means over the prompts run are reported for each row.
 """
 
@@ -131,14 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if got is not None:
                 members[got[0]] = got[1]
                 finetuned.add(got[0])
-        if not finetuned or len(members) == len(finetuned):
-            print(f"prompt {p}: skipped ({len(finetuned)} fine-tuned, "
-                  f"{len(members) - len(finetuned)} frozen members)", file=sys.stderr)
+        if len(members) == len(finetuned):
+            print(f"prompt {p}: skipped (no frozen member in {args.units})", file=sys.stderr)
             continue
+        if not finetuned:
+            print(f"prompt {p}: no fine-tuned cell; its rows are the frozen members'",
+                  file=sys.stderr)
         cells[p] = ensemble_cell(members, finetuned, np.array([e.score for e in dev]),
                                  [e.essay_id for e in dev], p)
     if not cells:
-        print("no prompt has both fine-tuned and frozen members", file=sys.stderr)
+        print("no prompt has frozen members", file=sys.stderr)
         return 1
     rows = ["best-by-dev-frozen", "greedy-frozen", "best-by-dev-all", "greedy-all"]
     names = sorted({n for c in cells.values() for n in c["members"]})
@@ -146,11 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in names:
         if all(n in c["members"] for c in cells.values()):
             means[n] = float(np.mean([c["members"][n]["test_qwk"] for c in cells.values()]))
-    result = {"fold": args.fold, "prompts": list(cells), "units": str(args.units),
-              "finetuned": [str(f) for f in args.finetuned], "cells": cells,
+    with_ft = [p for p, c in cells.items()
+               if any(m["kind"] == "finetuned" for m in c["members"].values())]
+    result = {"fold": args.fold, "prompts": list(cells), "prompts_finetuned": with_ft,
+              "units": str(args.units), "finetuned": [str(f) for f in args.finetuned],
+              "cells": cells,
               "mean_test_qwk": means, "provenance": provenance(),
               "note": "test QWK; members and ensembles chosen on the dev split only"}
-    print(f"fold {args.fold}, prompts {list(cells)}: mean test QWK")
+    print(f"fold {args.fold}, prompts {list(cells)} (fine-tuned cells: {with_ft}): "
+          "mean test QWK")
     for k, v in sorted(means.items(), key=lambda kv: -kv[1]):
         print(f"  {k:28s} {100 * v:.2f}")
     if args.out:

@@ -59,7 +59,7 @@ def test_ensembles_match_an_independent_computation(run, tmp_path):
     assert bench.main(["--units", str(units), "--finetuned", str(ft), "--fold", "0",
                        "--prompt", "3,4", "--data-dir", str(data), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["prompts"] == [3, 4]
+    assert result["prompts"] == [3, 4] and result["prompts_finetuned"] == [3, 4]
     for p, sp in splits.items():
         cell = result["cells"][str(p)]
         assert set(cell["members"]) == {"ridge-layers", "mhmla-cls", "mhmla-joint-cls",
@@ -109,3 +109,25 @@ def test_members_of_other_essays_are_refused(run):
     path.write_text(json.dumps({k: v for k, v in cell.items() if k != "pred"}))
     with pytest.raises(ValueError, match="no predictions stored"):
         bench.main(args)
+
+
+def test_a_prompt_without_a_fine_tuned_cell_counts_with_its_frozen_members(run, tmp_path):
+    bench = load_bench_script("aes_ensemble")
+    data, units, ft, _ = run
+    (ft / "fold0-p4" / "test.json").unlink()
+    out = tmp_path / "ens.json"
+    assert bench.main(["--units", str(units), "--finetuned", str(ft), "--fold", "0",
+                       "--prompt", "3,4", "--data-dir", str(data), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == [3, 4] and result["prompts_finetuned"] == [3]
+    cell = result["cells"]["4"]
+    assert {m["kind"] for m in cell["members"].values()} == {"frozen"}
+    assert cell["greedy-all"] == cell["greedy-frozen"]
+    assert cell["best-by-dev-all"] == cell["best-by-dev-frozen"]
+    assert "mhmla-cls-finetuned" not in result["mean_test_qwk"]  # not a member of every cell
+    for p in (3, 4):  # no frozen member: the prompt is skipped
+        for unit in units.glob(f"*-fold0-p{p}.json"):
+            unit.unlink()
+    (units / "mhmla-joint-cls-fold0-p3_4.json").unlink()
+    assert bench.main(["--units", str(units), "--finetuned", str(ft), "--fold", "0",
+                       "--prompt", "3,4", "--data-dir", str(data)]) == 1
