@@ -6,7 +6,8 @@
 
 Members of a cell: every unit of the CPU protocol's run folder for that fold and prompt
 (``<units>/<model>-fold<k>-p<p>.json``; a joint model's unit ``<model>-fold<k>-p3_4_...json``
-gives its prompt's share) and every fine-tuned model's cell (``<finetuned>/fold<k>-p<p>/
+gives its prompt's share; where a joint model has units of several prompt sets, the one of
+``--joint-prompts``, by default the prompts run, and each cell's ``unit_files`` names the files) and every fine-tuned model's cell (``<finetuned>/fold<k>-p<p>/
 test.json``, with the predictions ``mhmla-train aes --finetune`` stores). All members must
 predict the same test essays (ids and gold compared) and the same dev essays (the fine-tuned
 cells' ``dev_ids`` against the split read from ``--data-dir``, whose dev scores are the gold the
@@ -44,6 +45,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fine-tuned model folders (OUT/<model name> of aes --finetune)")
     p.add_argument("--fold", type=int, default=0)
     p.add_argument("--prompt", default="1,2,3,4,5,6,7,8")
+    p.add_argument("--joint-prompts", default=None,
+                   help="the prompt set of the joint units to use where a model has units of "
+                   "several (default: --prompt)")
     p.add_argument("--data-dir", default=None,
                    help="the shared data folder or its asap_aes folder (default: "
                    "$MHMLA_SHARED_DATA or ../shared/data)")
@@ -51,21 +55,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def frozen_members(units: Path, fold: int, prompt: int) -> dict[str, dict]:
-    """``{model: {"pred", "dev_pred", "ids", "gold", "dev_qwk"}}`` of the frozen units."""
-    out = {}
+def frozen_members(units: Path, fold: int, prompt: int,
+                   joint: Sequence[int]) -> tuple[dict[str, dict], dict[str, str]]:
+    """``({model: {"pred", "dev_pred", "ids", "gold", ...}}, {model: unit file name})`` of the
+    frozen units of ``prompt``. A model with units of several prompt sets (joint heads trained
+    on different prompts) takes the one of the set ``joint``, or its only one; else ValueError."""
+    found: dict[str, list[tuple[list[int], Path]]] = {}
     for path in sorted(units.glob(f"*-fold{fold}-p*.json")):
         m = UNIT.match(path.name)
         if m is None or int(m["fold"]) != fold:
             continue
         prompts = [int(x) for x in m["prompts"].split("_")]
-        if prompt not in prompts:
-            continue
+        if prompt in prompts:
+            found.setdefault(m["name"], []).append((prompts, path))
+    out, files = {}, {}
+    for name, candidates in found.items():
+        if len(candidates) > 1:
+            candidates = [c for c in candidates if sorted(c[0]) == sorted(joint)]
+            if len(candidates) != 1:
+                sets = ", ".join(",".join(map(str, c[0])) for c in found[name])
+                raise ValueError(f"{units}: {name} has units of the prompt sets {sets} for "
+                                 f"prompt {prompt}; pass --joint-prompts with one of them")
+        prompts, path = candidates[0]
         unit = json.loads(path.read_text())
         if len(prompts) > 1 or "settings" not in unit:  # a joint unit: one entry per prompt
             unit = unit[str(prompt)]
-        out[m["name"]] = unit
-    return out
+        out[name], files[name] = unit, path.name
+    return out, files
 
 
 def finetuned_member(folder: Path, fold: int, prompt: int) -> tuple[str, dict] | None:
@@ -123,12 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mhmla_fast.provenance import provenance
 
     prompts = [int(x) for x in args.prompt.split(",")]
+    joint = [int(x) for x in (args.joint_prompts or args.prompt).split(",")]
     tsv, folds_dir = asap_files(args.data_dir)
     essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
     cells = {}
     for p in prompts:
         dev = split_essays(essays, fold_ids, args.fold, prompt=p)["dev"]
-        members = frozen_members(Path(args.units), args.fold, p)
+        members, files = frozen_members(Path(args.units), args.fold, p, joint)
         finetuned = set()
         for folder in args.finetuned:
             got = finetuned_member(Path(folder), args.fold, p)
@@ -143,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         cells[p] = ensemble_cell(members, finetuned, np.array([e.score for e in dev]),
                                  [e.essay_id for e in dev], p)
+        cells[p]["unit_files"] = files
     if not cells:
         print("no prompt has frozen members", file=sys.stderr)
         return 1

@@ -131,3 +131,31 @@ def test_a_prompt_without_a_fine_tuned_cell_counts_with_its_frozen_members(run, 
     (units / "mhmla-joint-cls-fold0-p3_4.json").unlink()
     assert bench.main(["--units", str(units), "--finetuned", str(ft), "--fold", "0",
                        "--prompt", "3,4", "--data-dir", str(data)]) == 1
+
+
+def test_joint_units_of_several_prompt_sets_are_chosen_not_mixed(run, tmp_path):
+    bench = load_bench_script("aes_ensemble")
+    data, units, ft, _ = run
+    first = json.loads((units / "mhmla-joint-cls-fold0-p3_4.json").read_text())
+    other = {p: {**u, "pred": u["pred"][::-1]} for p, u in first.items()}  # another joint model
+    (units / "mhmla-joint-cls-fold0-p3_4_5.json").write_text(json.dumps(other))
+    args = ["--units", str(units), "--finetuned", str(ft), "--fold", "0",
+            "--data-dir", str(data)]
+
+    def joint_test_qwk(out, p, unit):
+        cell = json.loads(out.read_text())["cells"][str(p)]
+        assert cell["unit_files"]["mhmla-joint-cls"] == unit
+        return cell["members"]["mhmla-joint-cls"]["test_qwk"]
+
+    out = tmp_path / "a.json"
+    assert bench.main([*args, "--prompt", "3,4", "--out", str(out)]) == 0  # the run's own set
+    a = joint_test_qwk(out, 3, "mhmla-joint-cls-fold0-p3_4.json")
+    with pytest.raises(ValueError, match="prompt sets 3,4, 3,4,5 for prompt 3"):
+        bench.main([*args, "--prompt", "3"])
+    out = tmp_path / "b.json"
+    assert bench.main([*args, "--prompt", "3", "--joint-prompts", "3,4,5", "--out",
+                       str(out)]) == 0
+    b = joint_test_qwk(out, 3, "mhmla-joint-cls-fold0-p3_4_5.json")
+    gold = np.array(first["3"]["gold"])
+    assert a == pytest.approx(qwk(gold, np.array(first["3"]["pred"]), 3), abs=1e-12)
+    assert b == pytest.approx(qwk(gold, np.array(other["3"]["pred"]), 3), abs=1e-12)
