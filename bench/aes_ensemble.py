@@ -7,8 +7,9 @@
 Members of a cell: every unit of the CPU protocol's run folder for that fold and prompt
 (``<units>/<model>-fold<k>-p<p>.json``; a joint model's unit ``<model>-fold<k>-p3_4_...json``
 gives its prompt's share; where a joint model has units of several prompt sets, the one of
-``--joint-prompts``, by default the prompts run, and each cell's ``unit_files`` names the files) and every fine-tuned model's cell (``<finetuned>/fold<k>-p<p>/
-test.json``, with the predictions ``mhmla-train aes --finetune`` stores). All members must
+``--joint-prompts``, by default the prompts run; each cell's ``unit_files`` names the files)
+and every fine-tuned model's cell (``<finetuned>/fold<k>-p<p>/test.json``, with the
+predictions ``mhmla-train aes --finetune`` stores). All members must
 predict the same test essays (ids and gold compared) and the same dev essays (the fine-tuned
 cells' ``dev_ids`` against the split read from ``--data-dir``, whose dev scores are the gold the
 selection uses). Rows per cell, test QWK of:
@@ -142,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     joint = [int(x) for x in (args.joint_prompts or args.prompt).split(",")]
     tsv, folds_dir = asap_files(args.data_dir)
     essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
-    cells = {}
+    cells, with_ft = {}, []
     for p in prompts:
         dev = split_essays(essays, fold_ids, args.fold, prompt=p)["dev"]
         members, files = frozen_members(Path(args.units), args.fold, p, joint)
@@ -155,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(members) == len(finetuned):
             print(f"prompt {p}: skipped (no frozen member in {args.units})", file=sys.stderr)
             continue
-        if not finetuned:
+        if finetuned:
+            with_ft.append(p)
+        else:
             print(f"prompt {p}: no fine-tuned cell; its rows are the frozen members'",
                   file=sys.stderr)
         cells[p] = ensemble_cell(members, finetuned, np.array([e.score for e in dev]),
@@ -170,21 +173,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in names:
         if all(n in c["members"] for c in cells.values()):
             means[n] = float(np.mean([c["members"][n]["test_qwk"] for c in cells.values()]))
-    with_ft = [p for p, c in cells.items()
-               if any(m["kind"] == "finetuned" for m in c["members"].values())]
     result = {"fold": args.fold, "prompts": list(cells), "prompts_finetuned": with_ft,
               "units": str(args.units), "finetuned": [str(f) for f in args.finetuned],
-              "cells": cells,
-              "mean_test_qwk": means, "provenance": provenance(),
+              "cells": cells, "mean_test_qwk": means, "provenance": provenance(),
               "note": "test QWK; members and ensembles chosen on the dev split only"}
+    if args.out:  # written before the summary, so a closed standard output loses nothing
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"fold {args.fold}, prompts {list(cells)} (fine-tuned cells: {with_ft}): "
           "mean test QWK")
     for k, v in sorted(means.items(), key=lambda kv: -kv[1]):
         print(f"  {k:28s} {100 * v:.2f}")
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")
     return 0
 
