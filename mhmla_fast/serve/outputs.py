@@ -58,6 +58,7 @@ __all__ = [
     "OutputLockedError",
     "ResumeMismatchError",
     "ResumableJsonlWriter",
+    "check_made_from",
     "directory_fingerprint",
     "meta_path",
 ]
@@ -157,8 +158,9 @@ def _read_meta(path: str) -> dict[str, Any]:
     return data
 
 
-def _check_made_from(path: str, then: Mapping[str, Any], now: Mapping[str, Any]) -> None:
-    """ResumeMismatchError naming every key whose value differs between the sidecar and now."""
+def check_made_from(path: str, then: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """ResumeMismatchError naming every key whose value differs between ``then`` (what an
+    existing output, or a Ray job folder, was made from) and ``now``; ``path`` names it."""
     diffs = [f"{k}: {then.get(k)!r} then, {now.get(k)!r} now"
              for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
     if diffs:
@@ -274,7 +276,7 @@ class ResumableJsonlWriter:
 
     def _open_for_resume(self) -> None:
         meta = _read_meta(self.path)
-        _check_made_from(self.path, meta["made_from"], self.made_from)
+        check_made_from(self.path, meta["made_from"], self.made_from)
         scan = _scan_output(self._f, self.path)
         vouched = meta["input"]["records"]
         if scan.done > vouched:

@@ -74,7 +74,7 @@ from .outputs import (
     OutputExistsError,
     ResumableJsonlWriter,
     ResumeMismatchError,
-    _check_made_from,
+    check_made_from,
 )
 from .records import RunSummary, run_records
 
@@ -420,7 +420,7 @@ def _open_job_dir(folder: Path, made_from: dict, shard_size: int | None, default
         data = json.loads(job_file.read_text(encoding="utf-8"))
         if data.get("format") != JOB_FORMAT:
             raise ResumeMismatchError(f"{job_file}: not a {JOB_FORMAT} file; remove {folder}")
-        _check_made_from(str(folder), data["made_from"], made_from)
+        check_made_from(str(folder), data["made_from"], made_from)
         if shard_size is not None and shard_size != data["shard_size"]:
             raise ResumeMismatchError(f"{folder} was made with shards of {data['shard_size']} "
                                       f"records, not {shard_size}; resume without --shard-size")
