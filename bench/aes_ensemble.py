@@ -9,7 +9,9 @@ Members of a cell: every unit of the CPU protocol's run folder for that fold and
 gives its prompt's share; where a joint model has units of several prompt sets, the one of
 ``--joint-prompts``, by default the prompts run; each cell's ``unit_files`` names the files)
 and every fine-tuned model's cell (``<finetuned>/fold<k>-p<p>/test.json``, with the
-predictions ``mhmla-train aes --finetune`` stores). All members must
+predictions ``mhmla-train aes --finetune`` stores; a joint cell ``fold<k>-p3_4_.../test.json``
+of ``--finetune --joint`` gives its prompt's share, chosen by ``--joint-prompts`` like the
+joint units). All members must
 predict the same test essays (ids and gold compared) and the same dev essays (the fine-tuned
 cells' ``dev_ids`` against the split read from ``--data-dir``, whose dev scores are the gold the
 selection uses). Rows per cell, test QWK of:
@@ -47,8 +49,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fold", type=int, default=0)
     p.add_argument("--prompt", default="1,2,3,4,5,6,7,8")
     p.add_argument("--joint-prompts", default=None,
-                   help="the prompt set of the joint units to use where a model has units of "
-                   "several (default: --prompt)")
+                   help="the prompt set of the joint units (and joint fine-tuned cells) to use "
+                   "where a model has several (default: --prompt)")
     p.add_argument("--data-dir", default=None,
                    help="the shared data folder or its asap_aes folder (default: "
                    "$MHMLA_SHARED_DATA or ../shared/data)")
@@ -85,11 +87,29 @@ def frozen_members(units: Path, fold: int, prompt: int,
     return out, files
 
 
-def finetuned_member(folder: Path, fold: int, prompt: int) -> tuple[str, dict] | None:
+def finetuned_member(folder: Path, fold: int, prompt: int,
+                     joint: Sequence[int]) -> tuple[str, dict] | None:
+    """``(model name, the prompt's record)`` of the fine-tuned model in ``folder``: its cell
+    ``fold<k>-p<p>``, or the share of a joint cell ``fold<k>-p3_4_...`` that holds ``prompt``
+    (where several do, the one of the set ``joint``, else ValueError); None when it has none."""
     path = folder / f"fold{fold}-p{prompt}" / "test.json"
-    if not path.is_file():
-        return None
-    cell = json.loads(path.read_text())
+    if path.is_file():
+        cell = json.loads(path.read_text())
+    else:
+        found = []
+        for cell_dir in sorted(folder.glob(f"fold{fold}-p*_*")):
+            prompts = [int(x) for x in cell_dir.name.split("-p", 1)[1].split("_")]
+            if prompt in prompts and (cell_dir / "test.json").is_file():
+                found.append((prompts, cell_dir / "test.json"))
+        if len(found) > 1:
+            found = [f for f in found if sorted(f[0]) == sorted(joint)]
+            if len(found) != 1:
+                raise ValueError(f"{folder}: joint cells of several prompt sets hold prompt "
+                                 f"{prompt}; pass --joint-prompts with one of them")
+        if not found:
+            return None
+        path = found[0][1]
+        cell = json.loads(path.read_text())["prompts"][str(prompt)]
     if "pred" not in cell or "dev_pred" not in cell:
         raise ValueError(f"{path}: no predictions stored; run the same mhmla-train aes "
                          "--finetune command again to add them")
@@ -149,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         members, files = frozen_members(Path(args.units), args.fold, p, joint)
         finetuned = set()
         for folder in args.finetuned:
-            got = finetuned_member(Path(folder), args.fold, p)
+            got = finetuned_member(Path(folder), args.fold, p, joint)
             if got is not None:
                 members[got[0]] = got[1]
                 finetuned.add(got[0])

@@ -500,6 +500,67 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path, capsys):
     assert [e["epoch"] for e in result["models"]["mhmla-cls-finetuned"]["epochs"]["0"]["3"]] == [1, 2]
 
 
+def test_commands_finetune_joint_trains_one_scorer_for_all_prompts(tiny_encoder, tmp_path,
+                                                                  monkeypatch):
+    """--joint: one cell per fold for all the prompts (one encoder, an output layer per
+    prompt), selected on the mean dev QWK; each prompt's record holds that model's predictions,
+    and a second run reuses the cell."""
+    import mhmla_fast.aes.train as aes_train
+    from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+    from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.aes.train import asap_files, qwk
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    calls = []
+    real = aes_train.finetune
+
+    def spy(cfg, *a, **kw):
+        calls.append(cfg)
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(aes_train, "finetune", spy)
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    args = ["aes", "--prompt", "3,4", "--fold", "0", "--data-dir", str(data), "--encoder",
+            tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune", "--joint", "--epochs",
+            "2", "--backend", "torch", "--quiet"]
+    assert mhmla_train(args) == 0
+    assert len(calls) == 1 and calls[0].prompts == (3, 4)
+    result = json.loads((tmp_path / "ft" / "results-finetune.json").read_text())
+    entry = result["models"]["mhmla-joint-cls-finetuned"]
+    run = tmp_path / "ft" / "mhmla-joint-cls-finetuned" / "fold0-p3_4"
+    stored = json.loads((run / "test.json").read_text())
+    assert set(stored["prompts"]) == {"3", "4"}
+    epoch = stored["selected"]["epoch"]
+    assert entry["selected"]["0"] == {"3": {"epoch": epoch}, "4": {"epoch": epoch}}
+    assert entry["epochs"]["0"]["3"] == entry["epochs"]["0"]["4"]  # one run behind both
+    assert len(entry["epochs"]["0"]["3"]) == 2
+    best = EssayScorer.load(run / "best")
+    assert tuple(best.config.prompts) == (3, 4)
+    tsv, folds_dir = asap_files(data)
+    essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
+    dev_qwks = []
+    for p in (3, 4):
+        sp = split_essays(essays, fold_ids, 0, prompt=p)
+        rec = stored["prompts"][str(p)]
+        assert rec["ids"] == [e.essay_id for e in sp["test"]]
+        assert rec["dev_ids"] == [e.essay_id for e in sp["dev"]]
+        assert rec["pred"] == [int(x) for x in best.predict_scores([e.text for e in sp["test"]], p)]
+        assert rec["qwk"] == pytest.approx(entry["qwk"]["0"][str(p)], abs=1e-12)
+        assert qwk(np.array(rec["gold"]), np.array(rec["pred"]), p) == pytest.approx(
+            rec["qwk"], abs=1e-12)
+        dev_gold = np.array([e.score for e in sp["dev"]])
+        dev_qwk = qwk(dev_gold, np.array(rec["dev_pred"]), p)
+        assert dev_qwk == pytest.approx(entry["dev_qwk"]["0"][str(p)], abs=1e-12)
+        dev_qwks.append(dev_qwk)
+    # selected on the mean of its prompts' dev QWKs
+    assert stored["dev_qwk"] == pytest.approx(np.mean(dev_qwks), abs=1e-12)
+    assert stored["dev_qwk"] == pytest.approx(max(e["dev_mean_qwk"] for e in entry["epochs"]["0"]["3"]))
+    assert mhmla_train(args) == 0  # the same settings and essays: reused, not trained again
+    assert len(calls) == 1
+    assert json.loads((tmp_path / "ft" / "results-finetune.json").read_text())["models"][
+        "mhmla-joint-cls-finetuned"]["qwk"] == entry["qwk"]
+
+
 def test_commands_finetune_refuses_a_results_file_of_another_run_before_training(
         tiny_encoder, tmp_path, capsys):
     from mhmla_fast.commands.train import main as mhmla_train
@@ -594,6 +655,8 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     (["--finetune", "--num-heads", "0"], "num_heads: expected a positive integer J, got 0"),
     (["--objective", "regression"], "--objective: with --export-shipped or --finetune"),
     (["--export-shipped", "x", "--models", "mhmla-cls"], "--models: not used by --export-shipped"),
+    (["--joint"], "--joint: with --finetune"),
+    (["--finetune", "--joint", "--prompt", "3"], "--joint: give two or more prompts"),
 ])
 def test_aes_options_the_chosen_path_does_not_use_are_errors(tmp_path, capsys, extra, message):
     from mhmla_fast.commands.train import main as mhmla_train

@@ -159,3 +159,56 @@ def test_joint_units_of_several_prompt_sets_are_chosen_not_mixed(run, tmp_path):
     gold = np.array(first["3"]["gold"])
     assert a == pytest.approx(qwk(gold, np.array(first["3"]["pred"]), 3), abs=1e-12)
     assert b == pytest.approx(qwk(gold, np.array(other["3"]["pred"]), 3), abs=1e-12)
+
+
+def test_joint_fine_tuned_cells_give_each_prompt_its_share(run, tmp_path):
+    """A ``--finetune --joint`` cell (``fold0-p3_4/test.json``, one record per prompt) is a
+    member of each of its prompts; cells of several prompt sets are chosen by
+    ``--joint-prompts``, never mixed."""
+    bench = load_bench_script("aes_ensemble")
+    data, units, ft, splits = run
+    joint_ft = ft.parent / "mhmla-joint-cls-finetuned"
+    rng = np.random.default_rng(1)
+
+    def write_cell(prompts, flip):
+        records = {}
+        for p in prompts:
+            sp = splits[p]
+            test_gold = [e.score for e in sp["test"]]
+            records[str(p)] = {"ids": [e.essay_id for e in sp["test"]], "gold": test_gold,
+                               "pred": _noisy(test_gold, rng, flip),
+                               "dev_ids": [e.essay_id for e in sp["dev"]],
+                               "dev_pred": _noisy([e.score for e in sp["dev"]], rng, flip)}
+        cell = joint_ft / f"fold0-p{'_'.join(map(str, prompts))}"
+        cell.mkdir(parents=True)
+        (cell / "test.json").write_text(json.dumps({"settings": {}, "prompts": records}))
+        return records
+
+    records = write_cell((3, 4), 0.25)
+    args = ["--units", str(units), "--finetuned", str(ft), str(joint_ft), "--fold", "0",
+            "--data-dir", str(data)]
+    out = tmp_path / "ens.json"
+    assert bench.main([*args, "--prompt", "3,4", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for p in (3, 4):
+        member = result["cells"][str(p)]["members"]["mhmla-joint-cls-finetuned"]
+        assert member["kind"] == "finetuned"
+        want = qwk(np.array(records[str(p)]["gold"]), np.array(records[str(p)]["pred"]), p)
+        assert member["test_qwk"] == pytest.approx(want, abs=1e-12)
+    assert "mhmla-joint-cls-finetuned" in result["mean_test_qwk"]
+    # prompt 3 alone has no cell of its own set: the joint cell holding it is its member
+    assert bench.main([*args, "--prompt", "3"]) == 0
+    # a joint cell of another prompt set holding prompt 3 too
+    (joint_ft / "fold0-p3_4_5").mkdir()
+    reversed_preds = {p: {**r, "pred": r["pred"][::-1]} for p, r in records.items()}
+    (joint_ft / "fold0-p3_4_5" / "test.json").write_text(
+        json.dumps({"settings": {}, "prompts": reversed_preds}))
+    with pytest.raises(ValueError, match="joint cells of several prompt sets hold prompt 3"):
+        bench.main([*args, "--prompt", "3"])
+    out = tmp_path / "b.json"
+    assert bench.main([*args, "--prompt", "3", "--joint-prompts", "3,4,5", "--out",
+                       str(out)]) == 0
+    got = json.loads(out.read_text())["cells"]["3"]["members"]["mhmla-joint-cls-finetuned"]
+    gold = np.array(records["3"]["gold"])
+    assert got["test_qwk"] == pytest.approx(qwk(gold, np.array(records["3"]["pred"][::-1]), 3),
+                                            abs=1e-12)

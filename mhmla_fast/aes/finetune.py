@@ -70,11 +70,13 @@ class FinetuneConfig:
 
 
 def model_name(cfg: FinetuneConfig) -> str:
-    """The results' name of ``cfg``'s model: head (with J when not 12), objective, and the seed
-    when not 0, as in "mhmla-cls-finetuned", "avgl-reg-finetuned",
-    "mhmla-J6-cls-finetuned-seed1" (the CPU protocol's names, fine-tuned)."""
+    """The results' name of ``cfg``'s model: head (with J when not 12), "joint" when it scores
+    several prompts, objective, and the seed when not 0, as in "mhmla-cls-finetuned",
+    "avgl-reg-finetuned", "mhmla-J6-cls-finetuned-seed1", "mhmla-joint-reg-finetuned" (the CPU
+    protocol's names, fine-tuned)."""
     la = cfg.layer_attention
     head = la.mode + (f"-J{la.num_heads}" if la.mode == "mhmla" and la.num_heads != 12 else "")
+    head += "-joint" if len(cfg.prompts) > 1 else ""
     objective = "cls" if cfg.objective == "classification" else "reg"
     return f"{head}-{objective}-finetuned" + (f"-seed{cfg.seed}" if cfg.seed else "")
 

@@ -98,6 +98,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--finetune", action="store_true",
                    help="full fine-tuning of encoder + layer-attention head per prompt (meant "
                    "for a GPU)")
+    p.add_argument("--joint", action="store_true",
+                   help="--finetune: one scorer per fold for all --prompt prompts (one encoder "
+                   "and head, an output layer per prompt, selected on their mean dev QWK) "
+                   "instead of one per prompt")
     p.add_argument("--mode", default=None, choices=MODES,
                    help="--finetune: the head (default mhmla; the CPU protocol names its heads "
                    "in --models)")
@@ -187,9 +191,15 @@ def _check_mode_options(args) -> None:
         if given:
             raise ValueError(f"{', '.join(given)}: {why}")
 
+    if args.joint and not args.finetune:
+        raise ValueError("--joint: with --finetune (the CPU protocol names its joint heads in "
+                         "--models, e.g. mhmla-joint-reg)")
     if args.finetune:
         refuse(("patience", "cache_only", "models", "members", "export_shipped"),
                "not used by --finetune")
+        if args.joint and len(parse_prompts(args.prompt)) < 2:
+            raise ValueError("--joint: give two or more prompts in --prompt (a joint scorer "
+                             "of one prompt is the per-prompt one)")
         if args.num_heads is not None and (args.mode or "mhmla") != "mhmla":
             raise ValueError(f"--num-heads: J of --mode mhmla only (--mode {args.mode} has one "
                              "head)")
@@ -220,26 +230,23 @@ def _overrides(args) -> dict:
 
 
 def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
-    """Full fine-tuning, one scorer per (fold, prompt), scored on the test split (GPU). Cells
-    live in ``<out>/<model name>/fold<k>-p<p>``; the results file gains (or replaces) the
+    """Full fine-tuning, one scorer per (fold, prompt), or with ``--joint`` one per fold for all
+    the prompts, scored on the test split (GPU). Cells live in ``<out>/<model
+    name>/fold<k>-p<p>`` (joint: ``fold<k>-p3_4_...``); the results file gains (or replaces) the
     model's entry and keeps the other models' (another head, objective or seed)."""
     from dataclasses import asdict, replace
 
-    import numpy as np
-
     from ..aes.data import read_asap, read_folds, split_essays
     from ..aes.finetune import model_name
-    from ..aes.metrics import exact_agreement
-    from ..aes.train import FinetuneConfig, _aggregate, asap_files, finetune, qwk
-    from ..aes.units import data_digest
+    from ..aes.train import FinetuneConfig, _aggregate, asap_files
     from ..configs import LayerAttentionConfig
-    from ..durable import atomic_write_text
     from ..provenance import provenance
 
     head = LayerAttentionConfig(mode=args.mode or "mhmla",
                                 num_heads=12 if args.num_heads is None else args.num_heads)
+    groups = [tuple(prompts)] if args.joint else [(p,) for p in prompts]
     # the settings every cell shares; each cell's config differs in out, prompts and fold only
-    base = FinetuneConfig(out=str(Path(args.out)), prompts=(prompts[0],), fold=folds[0],
+    base = FinetuneConfig(out=str(Path(args.out)), prompts=groups[0], fold=folds[0],
                           encoder=args.encoder, layer_attention=head,
                           objective=args.objective or "classification",
                           epochs=args.epochs or 10, batch_size=args.batch_size or 8,
@@ -257,45 +264,88 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     essays = read_asap(tsv)
     fold_ids = read_folds(folds_dir)
     cells: dict[int, dict[int, dict]] = {}
+    cell_dirs: dict[int, dict[int, Path]] = {}
     for k in folds:
-        cells[k] = {}
-        for p in prompts:
-            sp = split_essays(essays, fold_ids, k, prompt=p)
-            out = Path(args.out) / name / f"fold{k}-p{p}"
-            cfg = replace(base, out=str(out), prompts=(p,), fold=k)
-            cell_settings = json.loads(json.dumps(asdict(cfg)))
-            data = data_digest({p: sp}, [p])  # the cell's train, dev and test essays
-            done = out / "test.json"
-            if done.is_file():  # a finished cell of these settings and essays; others train on
-                # (finetune resumes a longer run, refuses any other change of its config or of
-                # its train and dev essays; a changed test split is scored again); where the
-                # folder lies is no setting: a moved one is reused
-                cell = json.loads(done.read_text())
-                if _without_out(cell.get("settings")) == _without_out(cell_settings) \
-                        and cell.get("data") == data:
-                    if "pred" not in cell or "dev_pred" not in cell:  # a cell made before them
-                        cell = _with_predictions(cell, out, sp, p)
-                        atomic_write_text(done, json.dumps(cell))
-                    cells[k][p] = cell
-                    continue
-            model, state = finetune(cfg, sp["train"], sp["dev"], log=_log(args))
-            preds = _cell_predictions(model, sp, p)
-            gold = np.array(preds["gold"])
-            cell = {"qwk": qwk(gold, np.array(preds["pred"]), p),
-                    "exact": exact_agreement(gold, np.array(preds["pred"])),
-                    "dev_qwk": state["best"], "selected": {"epoch": state["best_epoch"]},
-                    "settings": cell_settings, "data": data, **preds}
-            atomic_write_text(done, json.dumps(cell))
-            cells[k][p] = cell
+        cells[k], cell_dirs[k] = {}, {}
+        for group in groups:
+            splits = {p: split_essays(essays, fold_ids, k, prompt=p) for p in group}
+            out = Path(args.out) / name / f"fold{k}-p{'_'.join(map(str, group))}"
+            cfg = replace(base, out=str(out), prompts=group, fold=k)
+            for p, cell in _finetune_cell(cfg, splits, args).items():
+                cells[k][p], cell_dirs[k][p] = cell, out
     entry = {**_aggregate(cells, folds, prompts), "settings": settings,
              # each cell's epochs: dev QWK and seconds (from its checkpoint), the curve behind
-             # the selected epoch
-             "epochs": {str(k): {str(p): _epoch_log(Path(args.out) / name / f"fold{k}-p{p}",
-                                                    base.epochs)
+             # the selected epoch (a joint cell's mean dev QWK, for each of its prompts)
+             "epochs": {str(k): {str(p): _epoch_log(cell_dirs[k][p], base.epochs)
                                  for p in prompts} for k in folds}}
     _add_results_entry(path, header, name, entry, provenance())
     print(f"wrote {path} ({name})")
     return 0
+
+
+def _finetune_cell(cfg, splits: dict[int, dict], args) -> dict[int, dict]:
+    """Train (or reuse) the fine-tuning cell ``cfg`` on the essays of ``splits`` (prompt ->
+    train/dev/test) and return each prompt's record: test ``qwk`` and ``exact``, ``dev_qwk`` of
+    the selected epoch, ``selected``, ``settings``, ``data`` and the predictions
+    (:func:`_cell_predictions`). They are stored in ``<cfg.out>/test.json``: a one-prompt cell
+    is its prompt's record; a joint cell holds ``{"settings", "data", "dev_qwk" (the mean
+    dev QWK it was selected on), "selected", "prompts": {p: record}}``. A stored cell of the
+    same settings and essays is reused (where the folder lies is no setting: a moved one is
+    reused); others train on: ``finetune`` resumes a longer run and refuses any other change
+    of its config or of its train and dev essays; a changed test split is scored again."""
+    from dataclasses import asdict
+
+    import numpy as np
+
+    from ..aes.metrics import exact_agreement
+    from ..aes.train import finetune, qwk
+    from ..aes.units import data_digest
+    from ..durable import atomic_write_text
+
+    group = tuple(cfg.prompts)
+    out = Path(cfg.out)
+    cell_settings = json.loads(json.dumps(asdict(cfg)))
+    data = data_digest(splits, list(group))  # the cell's train, dev and test essays
+    done = out / "test.json"
+    if done.is_file():
+        cell = json.loads(done.read_text())
+        if _without_out(cell.get("settings")) == _without_out(cell_settings) \
+                and cell.get("data") == data:
+            if len(group) > 1:
+                return {int(p): c for p, c in cell["prompts"].items()}
+            if "pred" not in cell or "dev_pred" not in cell:  # a cell made before them
+                cell = _with_predictions(cell, out, splits[group[0]], group[0])
+                atomic_write_text(done, json.dumps(cell))
+            return {group[0]: cell}
+    train = [e for p in group for e in splits[p]["train"]]
+    dev = [e for p in group for e in splits[p]["dev"]]
+    model, state = finetune(cfg, train, dev, log=_log(args))
+    best = next((r for r in state["log"] if r["epoch"] == state["best_epoch"]), {})
+    records = {}
+    for p in group:
+        preds = _cell_predictions(model, splits[p], p)
+        gold = np.array(preds["gold"])
+        dev_qwk = state["best"] if len(group) == 1 else _prompt_value(best.get("dev_qwk"), p)
+        records[p] = {"qwk": qwk(gold, np.array(preds["pred"]), p),
+                      "exact": exact_agreement(gold, np.array(preds["pred"])),
+                      "dev_qwk": dev_qwk, "selected": {"epoch": state["best_epoch"]},
+                      "settings": cell_settings, "data": data, **preds}
+    if len(group) == 1:
+        stored = records[group[0]]
+    else:
+        stored = {"settings": cell_settings, "data": data, "dev_qwk": state["best"],
+                  "selected": {"epoch": state["best_epoch"]},
+                  "prompts": {str(p): r for p, r in records.items()}}
+    atomic_write_text(done, json.dumps(stored))
+    return records
+
+
+def _prompt_value(per_prompt: dict | None, prompt: int) -> float | None:
+    """``per_prompt[prompt]`` of a log's per-prompt dict, whose keys are ints in memory and
+    strings once read back from JSON."""
+    if not per_prompt:
+        return None
+    return per_prompt.get(prompt, per_prompt.get(str(prompt)))
 
 
 def _cell_predictions(model, split: dict, prompt: int) -> dict:
