@@ -561,6 +561,35 @@ def test_commands_finetune_joint_trains_one_scorer_for_all_prompts(tiny_encoder,
         "mhmla-joint-cls-finetuned"]["qwk"] == entry["qwk"]
 
 
+def test_commands_finetune_with_word_embeddings_frozen(tiny_encoder, tmp_path):
+    """--freeze word_embeddings: a model of its own name whose word embeddings stay the
+    encoder's (stored only for an encoder that is not the embedded one, as here; the embedded
+    MiniLM's are read from its package: ``model_dir.frozen_encoder_keys``); freeze "all"
+    leaves nothing to fine-tune."""
+    from mhmla_fast.aes.finetune import FinetuneConfig
+    from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.commands.train import main as mhmla_train
+    from mhmla_fast.encoder import load_encoder
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    assert mhmla_train(["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data),
+                        "--encoder", tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune",
+                        "--freeze", "word_embeddings", "--epochs", "1", "--backend", "torch",
+                        "--quiet"]) == 0
+    result = json.loads((tmp_path / "ft" / "results-finetune.json").read_text())
+    entry = result["models"]["mhmla-cls-finetuned-words-frozen"]
+    assert entry["settings"]["encoder_spec"]["freeze"] == "word_embeddings"
+    best = tmp_path / "ft" / "mhmla-cls-finetuned-words-frozen" / "fold0-p3" / "best"
+    trained = EssayScorer.load(best).encoder.embeddings.word_embeddings.weight
+    fresh = load_encoder(tiny_encoder)[0]
+    base = fresh.embeddings.word_embeddings.weight
+    assert torch.equal(trained, base)
+    other = EssayScorer.load(best).encoder.embeddings.position_embeddings.weight
+    assert not torch.equal(other, fresh.embeddings.position_embeddings.weight)  # trained
+    with pytest.raises(ValueError, match="leaves nothing of the encoder to fine-tune"):
+        FinetuneConfig(out=str(tmp_path / "x"), freeze="all")
+
+
 def test_commands_finetune_refuses_a_results_file_of_another_run_before_training(
         tiny_encoder, tmp_path, capsys):
     from mhmla_fast.commands.train import main as mhmla_train
@@ -656,6 +685,7 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     (["--objective", "regression"], "--objective: with --export-shipped or --finetune"),
     (["--export-shipped", "x", "--models", "mhmla-cls"], "--models: not used by --export-shipped"),
     (["--joint"], "--joint: with --finetune"),
+    (["--freeze", "word_embeddings"], "--freeze: --finetune only"),
     (["--finetune", "--joint", "--prompt", "3"], "--joint: give two or more prompts"),
 ])
 def test_aes_options_the_chosen_path_does_not_use_are_errors(tmp_path, capsys, extra, message):

@@ -67,18 +67,24 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
+        if self.encoder_spec.freeze == "all":
+            raise ValueError("freeze: 'all' leaves nothing of the encoder to fine-tune (the "
+                             "CPU protocol trains heads on a frozen encoder); use none or "
+                             "word_embeddings")
 
 
 def model_name(cfg: FinetuneConfig) -> str:
     """The results' name of ``cfg``'s model: head (with J when not 12), "joint" when it scores
-    several prompts, objective, and the seed when not 0, as in "mhmla-cls-finetuned",
-    "avgl-reg-finetuned", "mhmla-J6-cls-finetuned-seed1", "mhmla-joint-reg-finetuned" (the CPU
+    several prompts, objective, "words-frozen" when the word embeddings are not trained, and
+    the seed when not 0, as in "mhmla-cls-finetuned", "avgl-reg-finetuned",
+    "mhmla-J6-cls-finetuned-seed1", "mhmla-joint-reg-finetuned-words-frozen" (the CPU
     protocol's names, fine-tuned)."""
     la = cfg.layer_attention
     head = la.mode + (f"-J{la.num_heads}" if la.mode == "mhmla" and la.num_heads != 12 else "")
     head += "-joint" if len(cfg.prompts) > 1 else ""
     objective = "cls" if cfg.objective == "classification" else "reg"
-    return f"{head}-{objective}-finetuned" + (f"-seed{cfg.seed}" if cfg.seed else "")
+    words = "-words-frozen" if cfg.encoder_spec.freeze == "word_embeddings" else ""
+    return f"{head}-{objective}-finetuned{words}" + (f"-seed{cfg.seed}" if cfg.seed else "")
 
 
 def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Sequence[Essay], *,

@@ -98,6 +98,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--finetune", action="store_true",
                    help="full fine-tuning of encoder + layer-attention head per prompt (meant "
                    "for a GPU)")
+    p.add_argument("--freeze", default=None, choices=("none", "word_embeddings"),
+                   help="--finetune: encoder parts kept fixed (default none; word_embeddings: "
+                   "not trained, and with the embedded MiniLM read from its package instead "
+                   "of stored, so the scorer is smaller)")
     p.add_argument("--joint", action="store_true",
                    help="--finetune: one scorer per fold for all --prompt prompts (one encoder "
                    "and head, an output layer per prompt, selected on their mean dev QWK) "
@@ -207,7 +211,7 @@ def _check_mode_options(args) -> None:
     if args.export_shipped:
         refuse(("models", "members", "cache_only"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
-    refuse(("precision", "head_lr"), "--finetune only (the other paths train heads on cached "
+    refuse(("precision", "head_lr", "freeze"), "--finetune only (the other paths train heads on cached "
            "float32 features with one lr)")
     refuse(("mode", "num_heads"), "--finetune only (the CPU protocol names its heads in "
            "--models, the shipped scorer is MHMLA)")
@@ -247,7 +251,8 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     groups = [tuple(prompts)] if args.joint else [(p,) for p in prompts]
     # the settings every cell shares; each cell's config differs in out, prompts and fold only
     base = FinetuneConfig(out=str(Path(args.out)), prompts=groups[0], fold=folds[0],
-                          encoder=args.encoder, layer_attention=head,
+                          encoder=args.encoder, freeze=args.freeze or "none",
+                          layer_attention=head,
                           objective=args.objective or "classification",
                           epochs=args.epochs or 10, batch_size=args.batch_size or 8,
                           lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
