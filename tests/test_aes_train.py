@@ -778,3 +778,62 @@ def test_commands_finetune_adds_predictions_to_an_older_cell(tiny_encoder, tmp_p
     done.write_text(json.dumps({**old, "qwk": old["qwk"] - 0.25}))
     assert mhmla_train(args) == 2
     assert json.loads(done.read_text())["qwk"] == old["qwk"] - 0.25, "left as it was"
+
+
+def test_ship_aes_scorer_ships_a_joint_cell_only_when_it_beats_the_shipped_on_dev(
+        tiny_encoder, tmp_path, capsys):
+    """training/ship_aes_scorer.py: the rule is the mean fold-0 dev QWK against the shipped
+    scorer's record; a loser, a one-prompt cell or another prompt set writes nothing; a winner
+    is written in fp16 with the cell's record, read back and scored on dev again."""
+    from bench_scripts import load_script
+
+    from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    ship = load_script("training/ship_aes_scorer.py")
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    common = ["aes", "--fold", "0", "--data-dir", str(data), "--encoder", tiny_encoder,
+              "--out", str(tmp_path / "ft"), "--finetune", "--epochs", "1", "--backend",
+              "torch", "--quiet", "--objective", "regression"]
+    assert mhmla_train([*common, "--prompt", "3,4", "--joint"]) == 0
+    assert mhmla_train([*common, "--prompt", "3", "--results", str(tmp_path / "p3.json")]) == 0
+    cell = tmp_path / "ft" / "mhmla-joint-reg-finetuned" / "fold0-p3_4"
+    record = json.loads((cell / "test.json").read_text())
+
+    def shipped(dev: float, prompts=(3, 4)) -> str:
+        folder = tmp_path / f"shipped-{dev}-{len(prompts)}"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(
+            {"training": {"fold": 0, "dev_qwk": {str(p): dev for p in prompts}}}))
+        return str(folder)
+
+    out = tmp_path / "package" / "aes"
+    args = ["--data-dir", str(data), "--out", str(out)]
+    assert ship.main([str(cell), *args, "--shipped", shipped(record["dev_qwk"])]) == 1
+    assert "not shipped: the candidate does not beat" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="only a --joint cell can replace it"):
+        ship.main([str(tmp_path / "ft" / "mhmla-reg-finetuned" / "fold0-p3"), *args,
+                   "--shipped", shipped(-1.0)])
+    with pytest.raises(SystemExit, match="for prompts \\[3, 4, 5\\]"):
+        ship.main([str(cell), *args, "--shipped", shipped(-1.0, (3, 4, 5))])
+    with pytest.raises(SystemExit, match="not a finished cell"):
+        ship.main([str(tmp_path), *args, "--shipped", shipped(-1.0)])
+    assert ship.main([str(cell), *args, "--shipped", shipped(-0.5), "--dry-run"]) == 0
+    assert not out.exists()
+    assert ship.main([str(cell), *args, "--shipped", shipped(-0.9)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    training = config["training"]
+    assert training["protocol"] == "finetune" and training["weights_dtype"] == "float16"
+    assert training["test_qwk"] == {p: r["qwk"] for p, r in record["prompts"].items()}
+    assert training["replaced_dev_mean_qwk"] == pytest.approx(-0.9)
+    assert set(training["dev_qwk_fp16"]) == {"3", "4"}
+    scorer = EssayScorer.load(out)
+    assert tuple(scorer.config.prompts) == (3, 4)
+    with __import__("safetensors").safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+    # a candidate that loses its lead once in fp16 is taken back: the previous scorer returns
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    ship.dev_mean_qwk = lambda *a: {"3": -0.95, "4": -0.95}
+    assert ship.main([str(cell), *args, "--shipped", shipped(-0.9)]) == 1
+    assert "no longer beats" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before

@@ -61,15 +61,11 @@ def test_shipped_model_correct_sentence_is_mostly_clean():
 
 
 def test_a_run_with_trained_word_embeddings_ships_under_the_budget(tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from bench_scripts import load_script
 
     from mhmla_fast.ged.model import TaggerConfig
 
-    script = Path(__file__).resolve().parents[1] / "training" / "ship_ged_model.py"
-    spec = importlib.util.spec_from_file_location("ship_ged_model", script)
-    ship = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ship)
+    ship = load_script("training/ship_ged_model.py")
     run = GedTagger(TaggerConfig(freeze="none"), backend="torch").eval()
     emb = run.encoder.get_input_embeddings().weight
     changed = torch.arange(1000, 10000)  # about as many rows as an FCE run changes
