@@ -438,6 +438,21 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
         mhmla_eval(["aes", *common, "--model", str(shipped), "--fold", "7"])
 
 
+@pytest.fixture()
+def finetune_calls(monkeypatch) -> list:
+    """The configs ``mhmla-train aes --finetune`` hands to ``finetune`` (which still runs)."""
+    import mhmla_fast.aes.train as aes_train
+
+    calls, real = [], aes_train.finetune
+
+    def spy(cfg, *a, **kw):
+        calls.append(cfg)
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(aes_train, "finetune", spy)
+    return calls
+
+
 def test_commands_finetune_protocol(tiny_encoder, tmp_path, capsys):
     from mhmla_fast.commands.train import main as mhmla_train
 
@@ -501,24 +516,16 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path, capsys):
 
 
 def test_commands_finetune_joint_trains_one_scorer_for_all_prompts(tiny_encoder, tmp_path,
-                                                                  monkeypatch):
+                                                                  finetune_calls):
     """--joint: one cell per fold for all the prompts (one encoder, an output layer per
     prompt), selected on the mean dev QWK; each prompt's record holds that model's predictions,
     and a second run reuses the cell."""
-    import mhmla_fast.aes.train as aes_train
     from mhmla_fast.aes.data import read_asap, read_folds, split_essays
     from mhmla_fast.aes.model import EssayScorer
     from mhmla_fast.aes.train import asap_files, qwk
     from mhmla_fast.commands.train import main as mhmla_train
 
-    calls = []
-    real = aes_train.finetune
-
-    def spy(cfg, *a, **kw):
-        calls.append(cfg)
-        return real(cfg, *a, **kw)
-
-    monkeypatch.setattr(aes_train, "finetune", spy)
+    calls = finetune_calls
     data = write_asap(tmp_path / "data", n_per_prompt=20)
     args = ["aes", "--prompt", "3,4", "--fold", "0", "--data-dir", str(data), "--encoder",
             tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune", "--joint", "--epochs",
@@ -612,10 +619,9 @@ def test_commands_finetune_refuses_a_results_file_of_another_run_before_training
 
 
 def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder, tmp_path,
-                                                                    monkeypatch):
+                                                                    finetune_calls):
     """A finished (fold, prompt) cell is reused only when its recorded settings are the run's;
     other settings go back to finetune (which extends a longer run or refuses a change)."""
-    import mhmla_fast.aes.train as aes_train
     from mhmla_fast.commands.train import main as mhmla_train
 
     data = write_asap(tmp_path / "data", n_per_prompt=20)
@@ -623,14 +629,7 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     cell.mkdir(parents=True)
     (cell / "test.json").write_text(json.dumps({"qwk": 0.123, "exact": 0.5, "dev_qwk": 0.1,
                                                 "selected": {"epoch": 10}}))  # no settings
-    calls = []
-    real = aes_train.finetune
-
-    def spy(cfg, *a, **kw):
-        calls.append(cfg)
-        return real(cfg, *a, **kw)
-
-    monkeypatch.setattr(aes_train, "finetune", spy)
+    calls = finetune_calls
     args = ["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data), "--encoder",
             tiny_encoder, "--out", str(tmp_path / "ft"), "--finetune", "--backend", "torch",
             "--quiet", "--objective", "regression"]
