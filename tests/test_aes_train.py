@@ -832,7 +832,7 @@ def test_ship_aes_scorer_ships_a_joint_cell_only_when_it_beats_the_shipped_on_de
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
     # a candidate that loses its lead once in fp16 is taken back: the previous scorer returns
     before = {f.name: f.read_bytes() for f in out.iterdir()}
-    ship.dev_mean_qwk = lambda *a: {"3": -0.95, "4": -0.95}
+    ship.dev_qwks = lambda *a: {"3": -0.95, "4": -0.95}
     assert ship.main([str(cell), *args, "--shipped", shipped(-0.9)]) == 1
     assert "no longer beats" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before

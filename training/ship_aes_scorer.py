@@ -33,7 +33,7 @@ MAX_MB = 30
 EMBEDDINGS = "encoder.embeddings.word_embeddings.weight"
 
 
-def dev_mean_qwk(scorer, splits: dict, prompts) -> dict[str, float]:
+def dev_qwks(scorer, splits: dict, prompts) -> dict[str, float]:
     """Dev QWK per prompt of ``scorer`` on ``splits`` (prompt -> train/dev/test essays)."""
     from mhmla_fast.aes.train import qwk
 
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                              row_deltas=deltas)
         size = sum(f.stat().st_size for f in Path(written).iterdir()) / 2**20
         back = EssayScorer.load(written)
-        dev = dev_mean_qwk(back, splits, prompts)
+        dev = dev_qwks(back, splits, prompts)
         again = float(np.mean(list(dev.values())))
         print(f"wrote {written} ({size:.1f} MB); read back in fp16, dev mean QWK {100 * again:.2f}")
         reason = (f"{size:.1f} MB, over the {MAX_MB} MB budget" if size > MAX_MB else
