@@ -128,12 +128,26 @@ def _keys_tile(
     for i0 in range(0, H, BLOCK_I):
         z = _hidden_times_weights(z, H_ptr, WK_ptr, hl, l, rows, i0, kk, N, H, K, PREC, ACC,
                                   BLOCK_I)
-    z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(ACC)[None, :]
+    return _keys_from_z(z, BK_ptr, l, rows, kk, N, K, seed_k, rate_k, scale_k, DROP_K)
+
+
+@triton.jit
+def _keys_from_z(z, BK_ptr, l, rows, kk, N, K, seed_k, rate_k, scale_k, DROP_K: tl.constexpr):
+    """k~ = dropout(relu(z + b_k^l)) for the [BLOCK_N, BLOCK_K] tile z = h W_k^l[:, kk]."""
+    z += tl.load(BK_ptr + l * K + kk, mask=kk < K, other=0.0).to(z.dtype)[None, :]
     return _dropout(tl.maximum(z, 0.0), seed_k, l * N * K + rows[:, None] * K + kk[None, :],
                     rate_k, scale_k, DROP_K)
 
 
 # ------------------------------------------------------------------ forward kernels
+
+
+@triton.jit
+def _scores_step(a, k, WA_ptr, l, kk, jj, K, J, PREC: tl.constexpr):
+    """a + k~ W_a^l[kk, :]: one key block's share of the scores [BLOCK_N, BLOCK_J]."""
+    wa = tl.load(WA_ptr + l * K * J + kk[:, None] * J + jj[None, :],
+                 mask=(kk[:, None] < K) & (jj[None, :] < J), other=0.0)
+    return tl.dot(k.to(WA_ptr.dtype.element_ty), wa, a, input_precision=PREC, out_dtype=a.dtype)
 
 
 @triton.jit
@@ -150,21 +164,36 @@ def _layer_attention_fwd_scores_kernel(
     N_BUCKET,  # autotuning key only: N rounded to a power of two
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    FLAT: tl.constexpr,  # one loop over (key block, H block): the pipeline runs on across blocks
 ):
+    """a^l = dropout(relu(h^l W_k^l + b_k^l)) W_a^l + b_a^l for a [BLOCK_N] tile of tokens: the
+    key tile accumulates over H in BLOCK_I steps, one BLOCK_K block of key columns at a time
+    (FLAT: in one loop over all K / BLOCK_K x H / BLOCK_I steps, each block's scores taken at
+    its last step); only the scores are written."""
     pid_n = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     jj = tl.arange(0, BLOCK_J)
     a = tl.zeros((BLOCK_N, BLOCK_J), ACC)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k = _keys_tile(H_ptr, WK_ptr, BK_ptr, l, l, rows, kk, N, H, K, seed_k, rate_k, scale_k,
-                       DROP_K, PREC, ACC, BLOCK_N, BLOCK_K, BLOCK_I)
-        wa = tl.load(
-            WA_ptr + l * K * J + kk[:, None] * J + jj[None, :],
-            mask=(kk[:, None] < K) & (jj[None, :] < J), other=0.0,
-        )
-        a = tl.dot(k.to(WA_ptr.dtype.element_ty), wa, a, input_precision=PREC, out_dtype=ACC)
+    if FLAT:
+        steps = tl.cdiv(H, BLOCK_I)
+        z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
+        for it in range(0, tl.cdiv(K, BLOCK_K) * steps):
+            block = it // steps
+            i0 = (it - block * steps) * BLOCK_I
+            kk = block * BLOCK_K + tl.arange(0, BLOCK_K)
+            z = _hidden_times_weights(z, H_ptr, WK_ptr, l, l, rows, i0, kk, N, H, K, PREC, ACC,
+                                      BLOCK_I)
+            if i0 + BLOCK_I >= H:  # the block's last step: its scores, then the next block
+                k = _keys_from_z(z, BK_ptr, l, rows, kk, N, K, seed_k, rate_k, scale_k, DROP_K)
+                a = _scores_step(a, k, WA_ptr, l, kk, jj, K, J, PREC)
+                z = tl.zeros((BLOCK_N, BLOCK_K), ACC)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k = _keys_tile(H_ptr, WK_ptr, BK_ptr, l, l, rows, kk, N, H, K, seed_k, rate_k,
+                           scale_k, DROP_K, PREC, ACC, BLOCK_N, BLOCK_K, BLOCK_I)
+            a = _scores_step(a, k, WA_ptr, l, kk, jj, K, J, PREC)
     a += tl.load(BA_ptr + l * J + jj, mask=jj < J, other=0.0).to(ACC)[None, :]
     tl.store(
         S_ptr + l * N * J + rows[:, None] * J + jj[None, :], a,
@@ -265,14 +294,16 @@ def _layer_attention_fwd_values_kernel(
 #                                                dW_k^l = sum_n h^l' dz^l, db_k^l = sum_n dz^l
 #   dh^l = (dv^l W_v^l' + dz^l W_k^l') * keep_h / (1 - r_h)
 #
-# where h^l in the weight gradients is the dropped-out input the forward used. The values
-# never need recomputing: the products t_j = dc_j W_v^{l,j}' ([N, H] per head) give both
-# dh_v = dv W_v' = sum_j p~_j t_j and dp~_j = <h, t_j> (+ the bias term), so one GEMM-shaped
-# kernel (bwd_values) yields dh_v, dp, dv and db_v. delta couples the layers, so dz waits for
-# every layer's dp: bwd_softmax forms da, then bwd_keys recomputes z on chip (one GEMM) and
-# writes dz with dW_a and db_k as per-token-tile partials. dW_v, dW_k and dh += dz W_k' are
-# batched GEMMs over all N tokens (one reduction each, as eager autograd's). Every partial
-# is summed in a fixed order: weight gradients are deterministic run to run.
+# where h^l in the weight gradients is the dropped-out input the forward used. bwd_values
+# recomputes the value GEMM tile v = h~ W_v + b_v on chip (one GEMM, reduction over H) and, in
+# its epilogue, forms dp~_j = <dc_j, v_j> (per 64-column slot), dv = p~ dc and dv's per-tile
+# column sums (db_v): v is never written. delta couples the layers, so dz waits for every
+# layer's dp: bwd_softmax forms da, then bwd_keys recomputes z on chip (one GEMM) and writes
+# dz with dW_a and db_k as per-64-token partials. dW_v = h~' dv, dW_k = h~' dz and
+# dh = dv W_v' + dz W_k' are cuBLAS batched GEMMs over all N tokens (one reduction each, as
+# eager autograd's): six GEMM-sized passes per layer in all, the two recomputations with
+# their element-wise work fused, against eager's four plus the L x N x (H + K) round trips.
+# Every partial is summed in a fixed order: weight gradients are deterministic run to run.
 
 
 @triton.jit
@@ -282,25 +313,24 @@ def _layer_attention_bwd_values_kernel(
     BV_ptr,  # [L, H] value biases
     DC_ptr,  # [N, H] gradient of c
     P_ptr,  # [L, N, J] layer weights p (ACC)
-    DH_ptr,  # [G, N, H] dv W_v' (out)
-    DV_ptr,  # [G, N, H] dv = p~ dc (out, by the programs of column tile 0)
-    DPP_ptr,  # [S + 1, G, N, J] dp: slot s < S the sum over H's columns 64 s .. 64 s + 63,
-    #           slot S the bias term (out, ACC)
-    DBV_ptr,  # [T, G, H] dv summed over each token tile t (out, ACC, column tile 0)
-    G, N, H, J, D, l0, S,
+    DV_ptr,  # [G, N, H] dv = p~ dc (out)
+    DPP_ptr,  # [S, G, N, J] dp partial sums, slot s over H's columns 64 s .. 64 s + 63 (out,
+    #           ACC, zeroed by the launcher: a tile of several slots writes only its first)
+    DBV_ptr,  # [T, G, H] dv summed over tokens 64 t .. 64 t + 63 (out, ACC, zeroed likewise)
+    G, N, H, J, D, l0,
     seed_p, rate_p, scale_p,
     DROP_P: tl.constexpr,
     N_BUCKET,  # autotuning key only: N rounded to a power of two
-    BLOCK_D: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr,
+    BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    """For a [BLOCK_N] tile of tokens, columns oo of h and layer l, with t_j = dc_j W_v^{l,j}'
-    [BLOCK_N, BLOCK_O] (one head's D columns of the reduction at a time)::
+    """For a [BLOCK_N] tile of tokens, value columns oo and layer l: the value GEMM tile
+    v = h~ W_v^l[:, oo] + b_v^l[oo] on chip (reduction over H in BLOCK_I steps), then::
 
-        dh_v[:, oo] = sum_j p~_j t_j,    dp_j (partial over oo) = sum_oo h~[:, oo] t_j
+        dp_j (partial over oo) = sum_{o in oo, head(o) = j} dc[:, o] v[:, o]
+        dv[:, oo] = p~_{head(o)} dc[:, oo],    and dv's column sums over the tile
 
-    dp carries the dropout factor keep_p / (1 - r_p). Column tile 0 also writes the bias
-    term <dc_j, b_v^{l,j}> of dp, dv and dv's column sums.
+    dp carries the dropout factor keep_p / (1 - r_p). v itself is never written.
     """
     pid_o = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -310,48 +340,41 @@ def _layer_attention_bwd_values_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     oo = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-    dd = tl.arange(0, BLOCK_D)
-    col_ok = dd < D
-    h = _load_hidden(H_ptr, g, rows, pid_o * BLOCK_O, N, H, BLOCK_O)
-    # slots of 64 columns, whatever BLOCK_O is: a tile of several slots writes its sum to the
-    # first and zeros to the others, so every slot is written at every launch
+    col_ok = oo < H
+    jj = tl.arange(0, BLOCK_J)
+    v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
+    for i0 in range(0, H, BLOCK_I):
+        v = _hidden_times_weights(v, H_ptr, WV_ptr, g, l, rows, i0, oo, N, H, H, PREC, ACC,
+                                  BLOCK_I)
+    v += tl.load(BV_ptr + l * H + oo, mask=col_ok, other=0.0).to(ACC)[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    dc = tl.load(DC_ptr + rows[:, None] * H + oo[None, :], mask=ok, other=0.0)
+    # one-hot head maps: p [N, J] @ head_of spreads each head's weight over its columns, and
+    # (dc v) @ head_of' sums each head's columns, both in the accumulator's own layout
+    head = oo // D
+    head_of = ((head[None, :] == jj[:, None]) & col_ok[None, :]).to(dtype)  # [BLOCK_J, BLOCK_O]
+    head_of_t = ((head[:, None] == jj[None, :]) & col_ok[:, None]).to(dtype)  # [BLOCK_O, BLOCK_J]
+    offs_p = l * N * J + rows[:, None] * J + jj[None, :]  # (l, n, j) in [L, N, J]
+    p_ok = row_ok[:, None] & (jj[None, :] < J)
+    prod = dc.to(ACC) * v  # v dies here: the epilogue holds one fp32 tile at a time
+    if dtype == tl.float32 or ACC == tl.float64:
+        dp = tl.dot(prod.to(dtype), head_of_t, input_precision="ieee", out_dtype=ACC)
+    else:  # 16-bit inputs: the fp32 products as hi + lo in the input dtype, summed in fp32
+        hi = prod.to(dtype)
+        dp = tl.dot(hi, head_of_t, out_dtype=ACC)
+        dp = tl.dot((prod - hi.to(ACC)).to(dtype), head_of_t, dp, out_dtype=ACC)
+    p = _dropout(tl.load(P_ptr + offs_p, mask=p_ok, other=0.0), seed_p, offs_p, rate_p, scale_p,
+                 DROP_P)
+    dp = _dropout(dp, seed_p, offs_p, rate_p, scale_p, DROP_P)
+    # p~ in the input dtype, as eager multiplies it (exact: one term per column)
+    pw = tl.dot(p.to(dtype), head_of, input_precision="ieee" if dtype == tl.float32 else PREC,
+                out_dtype=ACC)
+    dv = (pw * dc.to(ACC)).to(dtype)
+    tl.store(DV_ptr + g * N * H + rows[:, None] * H + oo[None, :], dv, mask=ok)
     slot = pid_o * (BLOCK_O // 64)
-    acc = tl.zeros((BLOCK_N, BLOCK_O), ACC)
-    for j in range(0, J):
-        cols = j * D + dd
-        dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :],
-                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        wt = tl.load(  # [BLOCK_D, BLOCK_O] = W_v^l[oo, cols]'
-            WV_ptr + l * H * H + oo[None, :] * H + cols[:, None],
-            mask=col_ok[:, None] & (oo[None, :] < H), other=0.0,
-        )
-        t = tl.dot(dc, wt, input_precision=PREC, out_dtype=ACC)
-        at = l * N * J + rows * J + j  # (l, n, j) in [L, N, J]: the dropout offset of p
-        pj = _dropout(tl.load(P_ptr + at, mask=row_ok, other=0.0), seed_p, at, rate_p,
-                      scale_p, DROP_P)
-        acc += pj[:, None] * t
-        dp = _dropout(tl.sum(t * h.to(ACC), axis=1), seed_p, at, rate_p, scale_p, DROP_P)
-        to = (g * N + rows) * J + j  # (g, n, j) in one slot
-        tl.store(DPP_ptr + slot * G * N * J + to, dp, mask=row_ok)
-        for r in tl.static_range(1, BLOCK_O // 64):
-            tl.store(DPP_ptr + (slot + r) * G * N * J + to, tl.zeros_like(dp),
-                     mask=row_ok & (slot + r < S))
-    tl.store(DH_ptr + g * N * H + rows[:, None] * H + oo[None, :], acc.to(dtype),
-             mask=row_ok[:, None] & (oo[None, :] < H))
-    if pid_o == 0:
-        for j in range(0, J):
-            cols = j * D + dd
-            ok = row_ok[:, None] & col_ok[None, :]
-            dc = tl.load(DC_ptr + rows[:, None] * H + cols[None, :], mask=ok, other=0.0).to(ACC)
-            bv = tl.load(BV_ptr + l * H + cols, mask=col_ok, other=0.0).to(ACC)
-            at = l * N * J + rows * J + j
-            pj = _dropout(tl.load(P_ptr + at, mask=row_ok, other=0.0), seed_p, at, rate_p,
-                          scale_p, DROP_P)
-            dp = _dropout(tl.sum(dc * bv[None, :], axis=1), seed_p, at, rate_p, scale_p, DROP_P)
-            tl.store(DPP_ptr + S * G * N * J + (g * N + rows) * J + j, dp, mask=row_ok)
-            dv = (pj[:, None] * dc).to(dtype)
-            tl.store(DV_ptr + g * N * H + rows[:, None] * H + cols[None, :], dv, mask=ok)
-            tl.store(DBV_ptr + (pid_n * G + g) * H + cols, tl.sum(dv.to(ACC), axis=0), mask=col_ok)
+    tl.store(DPP_ptr + (slot * G + g) * N * J + rows[:, None] * J + jj[None, :], dp, mask=p_ok)
+    tl.store(DBV_ptr + (pid_n * (BLOCK_N // 64) * G + g) * H + oo, tl.sum(dv.to(ACC), axis=0),
+             mask=col_ok)
 
 
 @triton.jit
@@ -385,7 +408,9 @@ def _layer_attention_bwd_keys_kernel(
     WA_ptr,  # [L, K, J] scorer weights
     DA_ptr,  # [L, N, J] score gradients da (ACC)
     DZ_ptr,  # [G, N, K] dz (out)
-    DWB_ptr,  # [T, G, K, J + 1] per token tile t: k~' da in columns < J, sum_n dz in J (out, ACC)
+    DWB_ptr,  # [T, G, K, J + 1] over tokens 64 t .. 64 t + 63: k~' da in columns < J, sum_n dz
+    #           in column J (out, ACC, zeroed by the launcher: a tile of several slots
+    #           writes only its first)
     G, N, H, K, J, l0,
     seed_k, rate_k, scale_k,
     DROP_K: tl.constexpr,
@@ -405,14 +430,17 @@ def _layer_attention_bwd_keys_kernel(
     row_ok = rows[:, None] < N
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     jj = tl.arange(0, BLOCK_J)
+    # k~ in the input dtype, as eager holds it (and its ReLU mask [k~ > 0] from that value):
+    # half the registers of the fp32 tile
     k = _keys_tile(H_ptr, WK_ptr, BK_ptr, g, l, rows, kk, N, H, K, seed_k, rate_k, scale_k,
-                   DROP_K, PREC, ACC, BLOCK_N, BLOCK_K, BLOCK_I)
+                   DROP_K, PREC, ACC, BLOCK_N, BLOCK_K, BLOCK_I).to(dtype)
     # the score gradient enters both products in the input dtype, as in eager autograd;
     # rows past N have da = 0, so they add nothing to k~' da and get dz = 0
     da = tl.load(DA_ptr + l * N * J + rows[:, None] * J + jj[None, :],
                  mask=row_ok & (jj[None, :] < J), other=0.0).to(dtype)
-    dwa = tl.dot(tl.trans(k.to(dtype)), da, input_precision=PREC, out_dtype=ACC)
-    at = ((pid_n * G + g) * K + kk[:, None]) * (J + 1) + jj[None, :]
+    dwa = tl.dot(tl.trans(k), da, input_precision=PREC, out_dtype=ACC)
+    slot = pid_n * (BLOCK_N // 64)
+    at = ((slot * G + g) * K + kk[:, None]) * (J + 1) + jj[None, :]
     tl.store(DWB_ptr + at, dwa, mask=(kk[:, None] < K) & (jj[None, :] < J))
     wa_t = tl.load(
         WA_ptr + l * K * J + kk[None, :] * J + jj[:, None],
@@ -422,7 +450,7 @@ def _layer_attention_bwd_keys_kernel(
     dz = tl.where(k > 0, dk * scale_k, 0.0).to(dtype)
     tl.store(DZ_ptr + g * N * K + rows[:, None] * K + kk[None, :], dz,
              mask=row_ok & (kk[None, :] < K))
-    tl.store(DWB_ptr + ((pid_n * G + g) * K + kk) * (J + 1) + J, tl.sum(dz.to(ACC), axis=0),
+    tl.store(DWB_ptr + ((slot * G + g) * K + kk) * (J + 1) + J, tl.sum(dz.to(ACC), axis=0),
              mask=kk < K)
 
 
@@ -468,10 +496,12 @@ _ACC = {torch.float64: tl.float64}
 _SEED_STREAMS = 3  # h, k, p
 _SMEM_BYTES = 227 * 1024  # per block on sm_90
 _DROPOUT_BLOCK = 1024
-# Token tile of the backward's GEMM kernels, fixed (not autotuned): it sets the number of
-# per-tile partial sums (dW_a, db_k, db_v), which the launcher allocates and sums.
-BWD_BLOCK_N = 64
-_BWD_SLOT = 64  # columns of H per partial dp slot of bwd_values (its smallest BLOCK_O)
+# The backward's per-tile partial sums come in slots of 64 tokens (dW_a, db_k, db_v) or 64
+# columns of H (dp), the smallest tile, so their number does not depend on the autotuned
+# tiles: the launcher zeroes them, a tile spanning several slots writes its first, and the
+# slots are summed in order.
+_BWD_SLOT = 64
+_BWD_SOFTMAX_BLOCK_N = 64
 # Backward layer group: at most this many elements of G x N x (H + K) (v and z recomputed for
 # G layers at a time; at least one layer). 2^25 is 64 MiB in bf16: at BERT-base shape and
 # N = 4096 that is 5 layers per group (3 groups). Fewer elements: less memory, more launches.
@@ -482,10 +512,10 @@ BWD_GROUP_ELEMENTS = 1 << 25
 # and pipelined). Every kept config compiles without spilling at BERT-base and MiniLM shape,
 # dropout on and off; the next larger tiles spill: fwd_scores at 64 with key dropout (128 x
 # 128 on 8 warps: 32-72 bytes; without it 0), fwd_values at 64 (64 x 128 on 4 warps: 168-304,
-# 64 x 256 on 8 warps: 96-216), bwd_values at 64 (64 x 256 on 8 warps: 8), bwd_keys at 64
+# 64 x 256 on 8 warps: 96-216), bwd_values at 32, bwd_keys at 64
 # (64 x 128 on 4 warps: 72-88). A compile without that alignment (scalar loads, no
 # pipelining) had admitted 64 for fwd_values: the report now compiles as the JIT does.
-_TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 32, "bwd_values": 32, "bwd_keys": 32}
+_TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 32, "bwd_values": 64, "bwd_keys": 64}
 _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "BLOCK_O"),
               "bwd_values": ("BLOCK_N", "BLOCK_O"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
 
@@ -493,11 +523,11 @@ _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "B
 def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     """Whether a config of kernel ``name`` fits an sm_90 SM without spilling (see above).
 
-    ``tiles`` holds the config's block sizes, the shape's (BLOCK_J, BLOCK_D, the backward's
-    BLOCK_N) and DROP_K (key dropout on).
+    ``tiles`` holds the config's block sizes, the shape's BLOCK_J and DROP_K (key dropout on).
     """
     rows, cols = _TILE_DIMS[name]
-    per_thread = 32 if name == "fwd_scores" and tiles["DROP_K"] else _TILE_PER_THREAD[name]
+    per_thread = (32 if name in ("fwd_scores", "bwd_keys") and tiles["DROP_K"]
+                  else _TILE_PER_THREAD[name])
     if name == "fwd_values" and tiles["FLAT"] and warps == 8 and tiles[rows] == tiles[cols]:
         per_thread = 64  # the flat loop holds fewer registers: 128 x 128 on 8 warps spills 0
         # (64 x 128 on 4 warps: 8 bytes, 128 x 64 on 4 warps: 48-72, 256 x 64 on 8: 48-64)
@@ -505,22 +535,22 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
         return False
     if name == "bwd_keys" and tiles["BLOCK_K"] < 64:  # k~' da has BLOCK_K rows: wgmma needs 64
         return False
-    # bf16 operand tiles [BLOCK_N, red] and [red, cols] staged, red the reduction block
-    red = tiles["BLOCK_D"] if name == "bwd_values" else tiles["BLOCK_I"]
-    return stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * red <= _SMEM_BYTES
+    # bf16 operand tiles [BLOCK_N, BLOCK_I] and [BLOCK_I, cols] staged
+    return stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"] <= _SMEM_BYTES
 
 
 def _candidates(name: str) -> list[tuple[dict, int, int]]:
     """(tiles, num_warps, num_stages) to autotune over for kernel ``name``, before ``_keep``."""
     if name == "fwd_scores":
-        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128, 256) for k in (64, 128, 256)]
+        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64, FLAT=f)
+                for n in (128, 256) for k in (64, 128, 256) for f in (False, True)]
     elif name == "fwd_values":
         grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64, FLAT=f)
                 for n in (64, 128, 256) for o in (64, 128, 256) for f in (False, True)]
     elif name == "bwd_values":
-        return [(dict(BLOCK_O=o), w, s) for o in (64, 128, 256) for w in (4, 8) for s in (2, 3, 4)]
+        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128) for o in (64, 128)]
     elif name == "bwd_keys":
-        grid = [dict(BLOCK_K=k, BLOCK_I=i) for k in (64, 128, 256) for i in (32, 64)]
+        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128) for k in (64, 128, 256)]
     else:
         raise ValueError(f"no candidates for kernel {name!r}")
     return [(t, w, s) for t in grid for w in (4, 8) for s in (3, 4)]
@@ -528,10 +558,10 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
 
 # The fixed config per kernel: the interpreter's and the tests', and the autotuner's fallback.
 _FIXED = {
-    "fwd_scores": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64), 4, 3),
+    "fwd_scores": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64, FLAT=False), 4, 3),
     "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64, FLAT=False), 4, 3),
-    "bwd_values": (dict(BLOCK_O=64), 4, 2),
-    "bwd_keys": (dict(BLOCK_K=64, BLOCK_I=64), 4, 3),
+    "bwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64), 4, 3),
+    "bwd_keys": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64), 4, 3),
 }
 _KERNELS = {
     "fwd_scores": _layer_attention_fwd_scores_kernel,
@@ -565,16 +595,14 @@ def layer_attention_configs(name: str, H: int = 768, J: int = 12,
     if _interpreting():
         tiles, w, s = _FIXED[name]
         return [(dict(tiles), w, s)]
-    shape = {**_shape_constexprs(H, J), "BLOCK_N": BWD_BLOCK_N, "DROP_K": dropout_k}
+    shape = {**_shape_constexprs(H, J), "DROP_K": dropout_k}
     kept = [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**shape, **t}, w, s)]
     return kept or [_FIXED[name]]
 
 
 def _shape_constexprs(H: int, J: int) -> dict:
-    """Per-shape tile widths: heads padded to a power of two >= 16 (for tl.dot), one head's
-    D = H / J columns padded to a power of two >= 16 (the reduction block of bwd_values)."""
-    return dict(BLOCK_J=max(16, _pow2(J)),
-                BLOCK_D=max(16, _pow2(H // J)))
+    """Per-shape tile widths: heads padded to a power of two >= 16 (for tl.dot)."""
+    return dict(BLOCK_J=max(16, _pow2(J)))
 
 
 @functools.cache
@@ -637,8 +665,7 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     for name, fn in _KERNELS.items():
         configs = _candidates(name) if candidates else layer_attention_configs(name, H, J, dropout)
         for tiles, warps, stages in configs:
-            extra = dict(BLOCK_N=BWD_BLOCK_N) if name.startswith("bwd") else {}
-            values = {**common, **drops, **extra, **tiles}
+            values = {**common, **drops, **tiles}
             consts = {a: values[a] for a in fn.arg_names if a in values}
             signature = {}
             for a in fn.arg_names:
@@ -764,14 +791,15 @@ def layer_attention_bwd(
 
     ``dc`` [N, H] is the gradient of c, ``dp`` [L, N, J] (or None) that of the returned
     layer weights; the other arguments are the forward's inputs and its weights p. Two passes
-    over groups of G layers (``_bwd_layer_groups``): pass 1 (bwd_values) gives dh_v, dp, dv,
-    dW_v and db_v of a group; after the softmax backward over all layers (bwd_softmax), pass 2
-    (bwd_keys) gives dz, dW_a and db_k, then dh += dz W_k' and dW_k. Besides the gradients it
+    over groups of G layers (``_bwd_layer_groups``): pass 1 (bwd_values, v recomputed on chip)
+    gives dp, dv and db_v of a group, then cuBLAS dW_v = h~' dv and dh = dv W_v'; after the
+    softmax backward over all layers (bwd_softmax), pass 2 (bwd_keys, z recomputed on chip)
+    gives dz, dW_a and db_k, then dh += dz W_k' and dW_k = h~' dz. Besides the gradients it
     allocates one [G, N, max(H, K)] buffer (dv in pass 1, dz in pass 2; and a [G, N, H] one
     for h with dropout when the forward dropped it), [L, N, J]-sized score tensors and
-    per-tile partial sums.
+    per-slot partial sums.
     dW_v and dW_k are GEMMs over all N tokens, written in the input dtype, as eager autograd
-    computes them; the other weight gradients are sums of per-tile partials in a fixed order.
+    computes them; the other weight gradients are sums of per-slot partials in a fixed order.
     """
     _check_launchable(hidden)
     L, N, H = hidden.shape
@@ -780,19 +808,19 @@ def layer_attention_bwd(
     dtype, dev = hidden.dtype, hidden.device
     acc = _acc_dtype(dtype)
     shape = _shape_constexprs(H, J)
-    common = dict(ACC=_ACC.get(dtype, tl.float32), PREC=_precision(dtype),
-                  BLOCK_J=shape["BLOCK_J"], BLOCK_N=BWD_BLOCK_N, N_BUCKET=_n_bucket(N))
+    common = dict(ACC=_ACC.get(dtype, tl.float32), PREC=_precision(dtype), N_BUCKET=_n_bucket(N))
     r = _rates(dropout, seed)
     drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
     dc = dc.contiguous()
     groups = _bwd_layer_groups(L, N, H, K)
     most = max(l1 - l0 for l0, l1 in groups)
-    tiles, slots = _cdiv(N, BWD_BLOCK_N), _cdiv(H, _BWD_SLOT)
+    row_slots, col_slots = _cdiv(N, _BWD_SLOT), _cdiv(H, _BWD_SLOT)
     scratch = torch.empty(most * N * max(H, K), device=dev, dtype=dtype)  # dv in pass 1, dz in 2
     h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
-    dpp_buf = torch.empty((slots + 1) * most * N * J, device=dev, dtype=acc)
-    dbv_buf = torch.empty(tiles * most * H, device=dev, dtype=acc)
-    dwb_buf = torch.empty(tiles * most * K * (J + 1), device=dev, dtype=acc)
+    # partial sums, zeroed: a tile spanning several slots writes only its first
+    dpp_buf = torch.zeros(col_slots * most * N * J, device=dev, dtype=acc)
+    dbv_buf = torch.zeros(row_slots * most * H, device=dev, dtype=acc)
+    dwb_buf = torch.zeros(row_slots * most * K * (J + 1), device=dev, dtype=acc)
 
     def group_hidden(l0: int, l1: int) -> Tensor:
         """h~ of layers l0 .. l1: the forward's dropped-out input."""
@@ -806,27 +834,31 @@ def layer_attention_bwd(
     db_v = torch.empty((L, H), device=dev, dtype=acc)
     dwb = torch.empty((L, K, J + 1), device=dev, dtype=acc)  # dW_a | db_k
     dp_all = torch.empty((L, N, J), device=dev, dtype=acc)
-    # pass 1: dh_v, dp, dv -> dW_v, db_v, group by group
+    # pass 1: dp, dv -> dW_v, db_v, dh = dv W_v', group by group
     for l0, l1 in groups:
         G = l1 - l0
         h = group_hidden(l0, l1)
         dv = scratch[: G * N * H].view(G, N, H)
-        dpp = dpp_buf[: (slots + 1) * G * N * J].view(slots + 1, G, N, J)
-        dbv = dbv_buf[: tiles * G * H].view(tiles, G, H)
+        dpp = dpp_buf[: col_slots * G * N * J].view(col_slots, G, N, J)
+        dbv = dbv_buf[: row_slots * G * H].view(row_slots, G, H)
+        if l0:  # the previous group's partials (the first group's are fresh zeros)
+            dpp.zero_()
+            dbv.zero_()
         _launch(
-            "bwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), tiles, G),
-            h, w_v, b_v, dc, p, dh[l0:l1], dv, dpp, dbv, G, N, H, J, D, l0, slots,
-            r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, BLOCK_D=shape["BLOCK_D"],
-            **{k: v for k, v in common.items() if k != "BLOCK_J"},
+            "bwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), _cdiv(N, m["BLOCK_N"]), G),
+            h, w_v, b_v, dc, p, dv, dpp, dbv, G, N, H, J, D, l0,
+            r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, BLOCK_J=shape["BLOCK_J"],
+            **common,
         )
         torch.sum(dpp, 0, out=dp_all[l0:l1])
         torch.sum(dbv, 0, out=db_v[l0:l1])
         torch.bmm(h.mT, dv, out=dw_v[l0:l1])
+        torch.bmm(dv, w_v[l0:l1].mT, out=dh[l0:l1])
     if dp is not None:  # a gradient flowing into the returned layer weights
         dp_all += dp
     da = torch.empty_like(dp_all)
-    _layer_attention_bwd_softmax_kernel[(_cdiv(N, BWD_BLOCK_N),)](
-        dp_all, p, da, L, N, J, BLOCK_J=shape["BLOCK_J"], BLOCK_N=BWD_BLOCK_N,
+    _layer_attention_bwd_softmax_kernel[(_cdiv(N, _BWD_SOFTMAX_BLOCK_N),)](
+        dp_all, p, da, L, N, J, BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SOFTMAX_BLOCK_N,
     )
     db_a = da.sum(1)
     # pass 2: dz (z recomputed on chip), dW_a, db_k -> dh += dz W_k', dW_k
@@ -834,13 +866,16 @@ def layer_attention_bwd(
         G = l1 - l0
         h = h_buf[:G] if drop_h and len(groups) == 1 else group_hidden(l0, l1)  # still there
         dz = scratch[: G * N * K].view(G, N, K)
-        dwb_tiles = dwb_buf[: tiles * G * K * (J + 1)].view(tiles, G, K, J + 1)
+        dwb_slots = dwb_buf[: row_slots * G * K * (J + 1)].view(row_slots, G, K, J + 1)
+        if l0:
+            dwb_slots.zero_()
         _launch(
-            "bwd_keys", lambda m: (tiles, _cdiv(K, m["BLOCK_K"]), G),
-            h, w_k, b_k, w_a, da, dz, dwb_tiles, G, N, H, K, J, l0,
-            r["seed_k"], r["rate_k"], r["scale_k"], DROP_K=drop_k, **common,
+            "bwd_keys", lambda m: (_cdiv(N, m["BLOCK_N"]), _cdiv(K, m["BLOCK_K"]), G),
+            h, w_k, b_k, w_a, da, dz, dwb_slots, G, N, H, K, J, l0,
+            r["seed_k"], r["rate_k"], r["scale_k"], DROP_K=drop_k, BLOCK_J=shape["BLOCK_J"],
+            **common,
         )
-        torch.sum(dwb_tiles, 0, out=dwb[l0:l1])
+        torch.sum(dwb_slots, 0, out=dwb[l0:l1])
         dh_g = dh[l0:l1].baddbmm_(dz, w_k[l0:l1].mT)
         if drop_h:
             _dropout_layers(dh_g, dh_g, l0, r["seed_h"], r["rate_h"], r["scale_h"])

@@ -55,4 +55,4 @@ def test_the_gate_fails_on_a_config_the_keep_rule_rejects():
     res = report("--candidates", "--kernels", "bwd_keys", "--shapes", "minilm", "--dropout", "off")
     assert res.returncode == 1, res.stdout[-3000:]
     failed = [line.split() for line in res.stdout.splitlines() if "FAIL: spills" in line]
-    assert any(row[3] == "K=256,I=64" and row[4] == "4" for row in failed), res.stdout[-3000:]
+    assert any(row[3] == "N=64,K=256,I=64" and row[4] == "4" for row in failed), res.stdout[-3000:]

@@ -351,20 +351,24 @@ def test_triton_backward_in_layer_groups_matches_reference(monkeypatch, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("H,K,block_o,block_k,dropout", [
-    (120, 72, 128, 128, False),  # one bwd_values tile over both 64-column dp slots
-    (200, 136, 256, 256, True),  # one tile over 4 slots, the last one partial; dropout
-    (384, 96, 128, 64, False),  # 3 tiles of 2 slots each
+@pytest.mark.parametrize("H,K,block_n,block_o,block_k,dropout", [
+    (120, 72, 64, 128, 128, False),  # one bwd_values tile over both 64-column dp slots
+    (200, 136, 128, 256, 256, True),  # one tile over 4 slots, the last one partial; 128 x 64-token
+    #                                   slots, the second one partial; dropout
+    (384, 96, 128, 128, 64, False),  # 3 tiles of 2 column slots each, 2 token slots each
 ])
 def test_triton_backward_tiles_over_several_slots_read_nothing_unwritten(
-        monkeypatch, H, K, block_o, block_k, dropout):
-    """Backward tiles wider than one 64-column dp slot write every slot they own, and no
-    kernel reads memory it has not written: every buffer the op allocates starts as NaN."""
+        monkeypatch, H, K, block_n, block_o, block_k, dropout):
+    """Backward tiles wider than one 64-column or 64-token slot of partial sums leave the
+    slots past their first at zero, and no kernel reads memory it has not written: every
+    buffer the op allocates with torch.empty starts as NaN."""
     import mhmla_fast.kernels.layer_attention as kernels
 
     L, N, J = 3, 70, 4 if H % 4 == 0 else 3
-    monkeypatch.setitem(kernels._FIXED, "bwd_values", (dict(BLOCK_O=block_o), 4, 2))
-    monkeypatch.setitem(kernels._FIXED, "bwd_keys", (dict(BLOCK_K=block_k, BLOCK_I=32), 4, 3))
+    monkeypatch.setitem(kernels._FIXED, "bwd_values",
+                        (dict(BLOCK_N=block_n, BLOCK_O=block_o, BLOCK_I=64), 4, 3))
+    monkeypatch.setitem(kernels._FIXED, "bwd_keys",
+                        (dict(BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_I=32), 4, 3))
     empty, empty_like = torch.empty, torch.empty_like
 
     def nan(t):
@@ -597,19 +601,23 @@ def test_compiles_without_graph_breaks():
 
 
 @needs_triton
+@pytest.mark.parametrize("kernel", ["fwd_values", "fwd_scores"])
 @pytest.mark.parametrize("L,N,H,K,J", [(1, 37, 120, 72, 3), (13, 37, 120, 96, 1), (6, 70, 384, 64, 12)])
-def test_the_flat_values_loop_gives_the_nested_loops_bits(monkeypatch, L, N, H, K, J):
-    """fwd_values with FLAT (one loop over all layer x H-block steps, the weighting at each
-    layer's last step) against the nested loops: the same sums in the same order, with
-    dropout on p, so bit-identical under the interpreter."""
+def test_the_flat_loops_give_the_nested_loops_bits(monkeypatch, kernel, L, N, H, K, J):
+    """fwd_values and fwd_scores with FLAT (one loop over all layer (key block) x H-block
+    steps, the weighting (scores) at each layer's (block's) last step) against the nested
+    loops: the same sums in the same order, with dropout on k and p, so bit-identical under
+    the interpreter."""
     import mhmla_fast.kernels.layer_attention as kernels
 
     ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=L + H)
-    tiles, warps, stages = kernels._FIXED["fwd_values"]
+    tiles, warps, stages = kernels._FIXED[kernel]
+    if kernel == "fwd_scores":  # two key blocks where K allows, the last one partial
+        tiles = {**tiles, "BLOCK_K": 32 if K <= 96 else 64}
     out = {}
     for flat in (False, True):
-        monkeypatch.setitem(kernels._FIXED, "fwd_values", ({**tiles, "FLAT": flat}, warps, stages))
-        out[flat] = kernels.layer_attention_fwd(*ts, J, (0.0, 0.0, 0.3), 17)
+        monkeypatch.setitem(kernels._FIXED, kernel, ({**tiles, "FLAT": flat}, warps, stages))
+        out[flat] = kernels.layer_attention_fwd(*ts, J, (0.0, 0.2, 0.3), 17)
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
 
 
