@@ -10,6 +10,7 @@
 #   bash bench/gpu_issue10.sh profile      # torch.profiler table of one fused forward + backward
 #   bash bench/gpu_issue10.sh probe        # the open 16-bit fault: neighbouring shapes, one process each
 #   bash bench/gpu_issue10.sh session      # one call: headline, tests, N sweep, profile (time-boxed)
+#   bash bench/gpu_issue10.sh rerun        # shorter: headline without torch.compile, bf16 sweep, profile, tests
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
 # the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
@@ -101,6 +102,22 @@ PY
       grep -A16 "^direction winners" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
     done; done
     timeout 45 bash "$0" profile > /dev/null 2>&1 || true ;;
+  rerun)  # (run 'setup' first) a shorter call after a kernel change: headline without the
+    # torch.compile providers (their autotuning takes minutes), the bf16 N sweep at both
+    # shapes, the profile, then the GPU kernel tests
+    TRITON_PRINT_AUTOTUNING=1 timeout 70 python bench/benchmark_layer_attention.py --quick \
+      --providers eager fused auto cublas --modes forward full --out "$OUT/headline.json" \
+      > "$OUT/headline.log" 2>&1 || true
+    sed -n '/^speedup/,/^  \* headline/p' "$OUT/headline.log" | head -12
+    for shape in bert-base minilm; do
+      TRITON_PRINT_AUTOTUNING=1 timeout 80 python bench/benchmark_layer_attention.py --shapes $shape \
+        --dtypes bf16 --n 1024 4096 16384 --providers eager fused --modes forward full \
+        --out "$OUT/sweep_${shape}_bf16.json" > "$OUT/sweep_${shape}_bf16.log" 2>&1 || true
+      grep -A12 "^direction winners" "$OUT/sweep_${shape}_bf16.log" || tail -3 "$OUT/sweep_${shape}_bf16.log"
+    done
+    timeout 40 bash "$0" profile > /dev/null 2>&1 || true
+    timeout 60 bash "$0" tests > /dev/null 2>&1 || true
+    grep -E "passed|failed|^FAILED" "$OUT/tests_gpu.log" | tail -8 || true ;;
   probe)  # the open 16-bit fault (13 70 120 72 3 in fp16): neighbouring shapes, one process each
     export CUDA_LAUNCH_BLOCKING=1 MHMLA_TRITON_CONFIGS=fixed
     for s in "13 70 120 72 3" "2 70 120 72 3" "13 64 120 72 3" "13 70 128 72 3" "13 70 120 80 3" \

@@ -503,9 +503,11 @@ _DROPOUT_BLOCK = 1024
 _BWD_SLOT = 64
 _BWD_SOFTMAX_BLOCK_N = 64
 # Backward layer group: at most this many elements of G x N x (H + K) (v and z recomputed for
-# G layers at a time; at least one layer). 2^25 is 64 MiB in bf16: at BERT-base shape and
-# N = 4096 that is 5 layers per group (3 groups). Fewer elements: less memory, more launches.
-BWD_GROUP_ELEMENTS = 1 << 25
+# G layers at a time; at least one layer). 2^27 is 256 MiB in bf16: at BERT-base shape all 12
+# layers form one group up to N = 7281 tokens (5 layers per group at N = 16384). Fewer
+# elements: less memory, but more launches, and on an H100 the backward at N = 4096 was bound
+# by the host's launches with 3 groups (2.6 ms wall for 1.26 ms of GPU time, commit 48dbd3e).
+BWD_GROUP_ELEMENTS = 1 << 27
 # fp32 elements of one [rows, cols] tile per thread that a kernel may hold, per kernel,
 # calibrated on the sm_90 compile report of every candidate with the alignment Triton's JIT
 # gives a real launch (16-byte aligned pointers, H, K, D divisible by 16: loads vectorised
@@ -817,10 +819,11 @@ def layer_attention_bwd(
     row_slots, col_slots = _cdiv(N, _BWD_SLOT), _cdiv(H, _BWD_SLOT)
     scratch = torch.empty(most * N * max(H, K), device=dev, dtype=dtype)  # dv in pass 1, dz in 2
     h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
-    # partial sums, zeroed: a tile spanning several slots writes only its first
-    dpp_buf = torch.zeros(col_slots * most * N * J, device=dev, dtype=acc)
-    dbv_buf = torch.zeros(row_slots * most * H, device=dev, dtype=acc)
-    dwb_buf = torch.zeros(row_slots * most * K * (J + 1), device=dev, dtype=acc)
+    # partial sums, zeroed (one allocation): a tile spanning several slots writes only its first
+    dpp_buf, dbv_buf, dwb_buf = torch.zeros(
+        most * (col_slots * N * J + row_slots * H + row_slots * K * (J + 1)), device=dev,
+        dtype=acc).split([col_slots * most * N * J, row_slots * most * H,
+                          row_slots * most * K * (J + 1)])
 
     def group_hidden(l0: int, l1: int) -> Tensor:
         """h~ of layers l0 .. l1: the forward's dropped-out input."""
