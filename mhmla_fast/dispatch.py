@@ -19,11 +19,16 @@ CUDA, as measured on an NVIDIA H100 80GB HBM3 (torch 2.11, triton 3.6, commit 07
   ms; MiniLM N = 1024 and 4096: 0.22 against 0.14-0.17 ms). The crossover lies between
   L N H (H + K) = 1.45e10 (lost or tied) and 2.9e10 (won): auto takes the fused forward from
   2^34 = 1.7e10 up, eager below.
-- backward: eager wins everywhere (fused forward + backward 2.4-3.8 ms against eager's 1.70
-  at BERT-base N = 4096): the fused backward recomputes v and z (six GEMMs to eager's four)
-  and its host loop over layer groups is launch-bound. So when a gradient is needed, auto
-  runs eager end to end (an eager backward behind a fused forward would recompute the eager
-  forward).
+- backward (``bench/results/gpu_2026-11-26/``, commit b094c51, bf16): the fused forward +
+  backward recomputes v and z on chip (six GEMM-sized passes to eager's four, 1.19 ms of GPU
+  time at BERT-base N = 4096) and is still bound by its host launches where the work is
+  small. Against eager: BERT-base N = 1024 1.306 against 0.953 ms (lost), N = 4096 1.640
+  against 1.688 and 1.735 against 1.693 in a second run (a tie), N = 16384 4.778 against
+  6.382 ms (won, 1.34x); MiniLM lost at N = 1024 and 4096 and tied at 16384 (1.869 against
+  1.846). So auto runs the fused pair only from L N H (H + K) = 2^37 = 1.4e11 up (BERT-base
+  from about N = 9,700 tokens), in fp16 and bf16 (fp32 was not measured); below it, when a
+  gradient is needed, eager end to end (an eager backward behind a fused forward would
+  recompute the eager forward).
 - 16-bit inputs whose H or K is not a multiple of 16 run eager (:func:`fused_unsupported`).
 
 Devices without Triton (CPU without ``TRITON_INTERPRET=1``) always run eager.
@@ -47,12 +52,14 @@ class AutoRule:
 
     ``forward``, ``backward``: "torch" or "triton". ``min_fused_work``: the fused forward runs
     only where the two projections' multiply-adds L N H (H + K) reach this (below it, launch
-    overhead makes eager faster); eager runs below.
+    overhead makes eager faster); eager runs below. ``min_fused_backward_work``: likewise for
+    a fused backward ("triton" backward), which auto takes only for 16-bit inputs.
     """
 
     forward: str = "torch"
     backward: str = "torch"
     min_fused_work: int = 0
+    min_fused_backward_work: int = 0
 
     def __post_init__(self):
         for name in ("forward", "backward"):
@@ -62,7 +69,8 @@ class AutoRule:
 
 # device type -> rule; a device type not listed runs eager
 AUTO_KERNELS: dict[str, AutoRule] = {
-    "cuda": AutoRule(forward="triton", backward="torch", min_fused_work=1 << 34),
+    "cuda": AutoRule(forward="triton", backward="triton", min_fused_work=1 << 34,
+                     min_fused_backward_work=1 << 37),
 }
 
 
@@ -85,7 +93,7 @@ def fused_unsupported(device_type: str, dtype: torch.dtype, H: int, K: int) -> s
 
 def layer_attention_kernels(backend: str, device: torch.device, needs_grad: bool = False,
                             work: int | None = None, unsupported: str | None = None,
-                            ) -> tuple[str, str]:
+                            dtype: torch.dtype | None = None) -> tuple[str, str]:
     """The (forward, backward) implementations ``backend`` means on ``device``.
 
     ``"torch"`` and ``"triton"`` mean that implementation in both directions; ``"auto"``
@@ -93,7 +101,9 @@ def layer_attention_kernels(backend: str, device: torch.device, needs_grad: bool
     (``needs_grad``) and the rule's backward is eager, since an eager backward behind a fused
     forward recomputes the eager forward; an eager forward where ``work`` (L N H (H + K))
     is below the rule's ``min_fused_work`` or the fused kernels cannot take the case
-    (``unsupported``, from :func:`fused_unsupported`).
+    (``unsupported``, from :func:`fused_unsupported`). A fused backward needs ``dtype`` fp16 or
+    bf16 and ``work`` at least the rule's ``min_fused_backward_work`` (else eager end to end
+    when a gradient is needed).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -103,6 +113,10 @@ def layer_attention_kernels(backend: str, device: torch.device, needs_grad: bool
     forward, backward = rule.forward, rule.backward
     if unsupported is not None:
         return ("torch", "torch")
+    if backward == "triton" and (
+            dtype not in (torch.float16, torch.bfloat16)
+            or (work is not None and work < rule.min_fused_backward_work)):
+        backward = "torch"
     if needs_grad and backward == "torch":
         return ("torch", "torch")
     if forward == "triton" and work is not None and work < rule.min_fused_work:

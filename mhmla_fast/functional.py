@@ -166,7 +166,7 @@ def layer_attention(
         t.requires_grad for t in (flat, *params.values()))
     unsupported = fused_unsupported(flat.device.type, flat.dtype, H, K)  # "triton" raises it
     kernels = layer_attention_kernels(backend, flat.device, needs_grad, work=L * N * H * (H + K),
-                                      unsupported=unsupported)
+                                      unsupported=unsupported, dtype=flat.dtype)
     dropout = tuple(float(r) if training else 0.0 for r in rates.values())
     if kernels == ("torch", "torch"):
         c, p = layer_attention_reference(

@@ -444,7 +444,16 @@ def test_auto_backend_follows_the_measured_table(monkeypatch):
     assert kernels("auto", cuda, needs_grad=True, work=10**9) == ("torch", "torch")
     assert kernels("auto", cuda, work=10**9, unsupported="odd shape") == ("torch", "torch")
     monkeypatch.setitem(dispatch.AUTO_KERNELS, "cuda", dispatch.AutoRule("triton", "triton"))
-    assert kernels("auto", cuda, needs_grad=True, work=1) == ("triton", "triton")
+    assert kernels("auto", cuda, needs_grad=True, work=1, dtype=torch.float16) == ("triton", "triton")
+    # a fused backward from its own crossover up, for 16-bit inputs only
+    rule = dispatch.AutoRule("triton", "triton", min_fused_work=1000, min_fused_backward_work=5000)
+    monkeypatch.setitem(dispatch.AUTO_KERNELS, "cuda", rule)
+    bf16 = torch.bfloat16
+    assert kernels("auto", cuda, needs_grad=True, work=5000, dtype=bf16) == ("triton", "triton")
+    assert kernels("auto", cuda, needs_grad=True, work=4999, dtype=bf16) == ("torch", "torch")
+    assert kernels("auto", cuda, needs_grad=True, work=10**9, dtype=torch.float32) == ("torch", "torch")
+    assert kernels("auto", cuda, needs_grad=True, work=10**9) == ("torch", "torch")  # dtype unknown
+    assert kernels("auto", cuda, work=4999, dtype=bf16) == ("triton", "torch")  # no gradient
     assert kernels("triton", cpu) == ("triton", "triton")
     assert kernels("torch", cuda, work=10**9) == ("torch", "torch")
     with pytest.raises(ValueError, match="backend: expected one of"):
@@ -472,9 +481,9 @@ def test_auto_backend_runs_the_pair_the_table_names(monkeypatch):
     exactly that: the forward equals the fused op bit for bit, the gradients eager's."""
     from mhmla_fast import dispatch
 
-    L, N, H, K, J = 2, 30, 24, 16, 4
-    ts = make_inputs(L, N, H, K, J, device=DEVICE, seed=8)
-    grad_c = torch.randn(N, H, device=DEVICE, dtype=torch.float64)
+    L, N, H, K, J = 2, 30, 32, 16, 4
+    ts = [t.half() for t in make_inputs(L, N, H, K, J, device=DEVICE, seed=8)]  # a fused
+    grad_c = torch.randn(N, H, device=DEVICE, dtype=torch.float64)  # backward is 16-bit only
     monkeypatch.setitem(dispatch.AUTO_KERNELS, torch.device(DEVICE).type,
                         dispatch.AutoRule("triton", "triton"))
     auto = run(ts, J, "auto", grad_c)
