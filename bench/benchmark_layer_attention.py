@@ -1109,7 +1109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench repetition budget, ms")
     p.add_argument("--bwd-group-elements", type=_positive_int, default=None,
                    help="the fused backward's layer-group budget (kernels.layer_attention."
-                        "BWD_GROUP_ELEMENTS; default: the module's, 2^25): fewer elements use less "
+                        "BWD_GROUP_ELEMENTS; default: the module's, 2^27): fewer elements use less "
                         "memory and more launches; recorded in the header")
     args = p.parse_args(argv)
     if args.shapes is None:

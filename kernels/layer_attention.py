@@ -21,22 +21,22 @@ Plan (see DESIGN.md section 3):
   one-hot head map, so the weights arrive in the accumulator's layout), accumulated on chip;
   one write of c. Neither the L x N x H values nor the L x N x K keys are
   ever written to memory.
-* backward, over groups of G layers (at most ``BWD_GROUP_ELEMENTS`` elements of G x N x (H + K),
-  so the scratch memory is a fraction of the L x N x H the gradient dh takes), in two passes
-  because the softmax over the layers couples them:
-  pass 1, values kernel (grid: H column tiles x token tiles x G): per head j one GEMM tile
-  t_j = dc_j W_v^{l,j}' gives both dh_v = sum_j p~_j t_j (written into dh) and the partial
-  dp_j = <h~, t_j> per 64-column slot (no recomputation of v); column tile 0 adds dp's bias
-  term and writes dv = p~ dc, from which cuBLAS forms dW_v = h~' dv;
+* backward, over groups of G layers (at most ``BWD_GROUP_ELEMENTS`` elements of G x N x (H + K);
+  one group at BERT-base shape up to N = 7281), in two passes because the softmax over the
+  layers couples them:
+  pass 1, values kernel (grid: H column tiles x token tiles x G): the value GEMM tile
+  v = h~ W_v + b_v recomputed on chip, and in its epilogue dp_j = <dc_j, v_j> (one-hot head
+  dots, per 64-column slot), dv = p~ dc (written once) and dv's per-64-token column sums;
+  then cuBLAS forms dW_v = h~' dv and dh = dv W_v';
   softmax kernel: da = p (dp - sum_l p dp) over the L layers;
   pass 2, keys kernel (grid: token tiles x K column tiles x G): z = h~ W_k + b_k recomputed on
-  chip, dz = (da W_a') [k~ > 0] / (1 - r_k) written once, with per-token-tile partials of
+  chip, dz = (da W_a') [k~ > 0] / (1 - r_k) written once, with per-64-token partials of
   dW_a = k~' da and db_k; then dh += dz W_k' and dW_k = h~' dz as batched GEMMs.
-  Every reduction over tokens has a fixed order (GEMMs, per-tile partials summed in tile
+  Every reduction over tokens has a fixed order (GEMMs, per-slot partials summed in slot
   order): weight gradients are deterministic run to run. dW_v and dW_k are each one
-  reduction rounded once to the input dtype, as in eager autograd. The backward runs five
+  reduction rounded once to the input dtype, as in eager autograd. The backward runs six
   GEMM-sized passes per layer against eager autograd's four: eager keeps the forward's v and
-  k in memory, the fused op recomputes z on chip and never materialises v.
+  k in memory, the fused op recomputes both on chip and never writes them.
 
 Tiles: on a GPU every kernel is autotuned over configs filtered by a ``keep`` rule (no config
 that would spill registers at BERT-base or MiniLM shape, see ``bench/compile_report.py``);
