@@ -315,9 +315,10 @@ def _layer_attention_bwd_values_kernel(
     P_ptr,  # [L, N, J] layer weights p (ACC)
     DV_ptr,  # [G, N, H] dv = p~ dc (out)
     DPP_ptr,  # [S, G, N, J] dp partial sums, slot s over H's columns 64 s .. 64 s + 63 (out,
-    #           ACC, zeroed by the launcher: a tile of several slots writes only its first)
-    DBV_ptr,  # [T, G, H] dv summed over tokens 64 t .. 64 t + 63 (out, ACC, zeroed likewise)
-    G, N, H, J, D, l0,
+    #           ACC; a tile spanning several slots writes its sum to the first, zeros to the rest)
+    DBV_ptr,  # db_v partials: dv summed over tokens 64 t .. 64 t + 63, slot t, (l, o) at
+    #           t * SLOT_STRIDE + l * H + o (out, ACC; slots written as DPP's)
+    G, N, H, J, D, l0, S, T, SLOT_STRIDE,
     seed_p, rate_p, scale_p,
     DROP_P: tl.constexpr,
     N_BUCKET,  # autotuning key only: N rounded to a power of two
@@ -372,9 +373,16 @@ def _layer_attention_bwd_values_kernel(
     dv = (pw * dc.to(ACC)).to(dtype)
     tl.store(DV_ptr + g * N * H + rows[:, None] * H + oo[None, :], dv, mask=ok)
     slot = pid_o * (BLOCK_O // 64)
-    tl.store(DPP_ptr + (slot * G + g) * N * J + rows[:, None] * J + jj[None, :], dp, mask=p_ok)
-    tl.store(DBV_ptr + (pid_n * (BLOCK_N // 64) * G + g) * H + oo, tl.sum(dv.to(ACC), axis=0),
-             mask=col_ok)
+    at = (slot * G + g) * N * J + rows[:, None] * J + jj[None, :]
+    tl.store(DPP_ptr + at, dp, mask=p_ok)
+    for r in tl.static_range(1, BLOCK_O // 64):  # the tile's other column slots: zeros
+        tl.store(DPP_ptr + at + r * G * N * J, tl.zeros_like(dp), mask=p_ok & (slot + r < S))
+    slot = pid_n * (BLOCK_N // 64)
+    dbv = tl.sum(dv.to(ACC), axis=0)
+    at = slot * SLOT_STRIDE + l * H + oo
+    tl.store(DBV_ptr + at, dbv, mask=col_ok)
+    for r in tl.static_range(1, BLOCK_N // 64):  # the tile's other token slots: zeros
+        tl.store(DBV_ptr + at + r * SLOT_STRIDE, tl.zeros_like(dbv), mask=col_ok & (slot + r < T))
 
 
 @triton.jit
@@ -382,10 +390,12 @@ def _layer_attention_bwd_softmax_kernel(
     DP_ptr,  # [L, N, J] gradient of the layer weights p (ACC)
     P_ptr,  # [L, N, J] layer weights p (ACC)
     DA_ptr,  # [L, N, J] score gradients da (out, ACC)
-    L, N, J,
+    DBA_ptr,  # db_a partials: token slot t, (l, j) at t * SLOT_STRIDE + l * J + j (out, ACC)
+    L, N, J, SLOT_STRIDE,
     BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """da^l = p^l (dp^l - sum_t p^t dp^t): the softmax backward over the L layers."""
+    """da^l = p^l (dp^l - sum_t p^t dp^t): the softmax backward over the L layers, and da
+    summed over this program's BLOCK_N tokens (one slot of the bias gradient db_a)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     jj = tl.arange(0, BLOCK_J)
     offs = rows[:, None] * J + jj[None, :]
@@ -397,7 +407,10 @@ def _layer_attention_bwd_softmax_kernel(
     for layer in range(0, L):
         at = tl.cast(layer, tl.int64) * N * J + offs
         p = tl.load(P_ptr + at, mask=ok, other=0.0)
-        tl.store(DA_ptr + at, p * (tl.load(DP_ptr + at, mask=ok, other=0.0) - delta), mask=ok)
+        da = p * (tl.load(DP_ptr + at, mask=ok, other=0.0) - delta)
+        tl.store(DA_ptr + at, da, mask=ok)
+        tl.store(DBA_ptr + tl.program_id(0) * SLOT_STRIDE + layer * J + jj, tl.sum(da, axis=0),
+                 mask=jj < J)
 
 
 @triton.jit
@@ -408,10 +421,11 @@ def _layer_attention_bwd_keys_kernel(
     WA_ptr,  # [L, K, J] scorer weights
     DA_ptr,  # [L, N, J] score gradients da (ACC)
     DZ_ptr,  # [G, N, K] dz (out)
-    DWB_ptr,  # [T, G, K, J + 1] over tokens 64 t .. 64 t + 63: k~' da in columns < J, sum_n dz
-    #           in column J (out, ACC, zeroed by the launcher: a tile of several slots
-    #           writes only its first)
-    G, N, H, K, J, l0,
+    DWA_ptr,  # dW_a partials: k~' da over tokens 64 t .. 64 t + 63, slot t, (l, k, j) at
+    #           t * SLOT_STRIDE + (l * K + k) * J + j (out, ACC; a tile spanning several
+    #           slots writes its sum to the first, zeros to the rest)
+    DBK_ptr,  # db_k partials: dz summed likewise, (l, k) at t * SLOT_STRIDE + l * K + k
+    G, N, H, K, J, l0, T, SLOT_STRIDE,
     seed_k, rate_k, scale_k,
     DROP_K: tl.constexpr,
     N_BUCKET,  # autotuning key only: N rounded to a power of two
@@ -440,8 +454,11 @@ def _layer_attention_bwd_keys_kernel(
                  mask=row_ok & (jj[None, :] < J), other=0.0).to(dtype)
     dwa = tl.dot(tl.trans(k), da, input_precision=PREC, out_dtype=ACC)
     slot = pid_n * (BLOCK_N // 64)
-    at = ((slot * G + g) * K + kk[:, None]) * (J + 1) + jj[None, :]
-    tl.store(DWB_ptr + at, dwa, mask=(kk[:, None] < K) & (jj[None, :] < J))
+    at = slot * SLOT_STRIDE + (l * K + kk[:, None]) * J + jj[None, :]
+    ok = (kk[:, None] < K) & (jj[None, :] < J)
+    tl.store(DWA_ptr + at, dwa, mask=ok)
+    for r in tl.static_range(1, BLOCK_N // 64):  # the tile's other token slots: zeros
+        tl.store(DWA_ptr + at + r * SLOT_STRIDE, tl.zeros_like(dwa), mask=ok & (slot + r < T))
     wa_t = tl.load(
         WA_ptr + l * K * J + kk[None, :] * J + jj[:, None],
         mask=(jj[:, None] < J) & (kk[None, :] < K), other=0.0,
@@ -450,8 +467,11 @@ def _layer_attention_bwd_keys_kernel(
     dz = tl.where(k > 0, dk * scale_k, 0.0).to(dtype)
     tl.store(DZ_ptr + g * N * K + rows[:, None] * K + kk[None, :], dz,
              mask=row_ok & (kk[None, :] < K))
-    tl.store(DWB_ptr + ((slot * G + g) * K + kk) * (J + 1) + J, tl.sum(dz.to(ACC), axis=0),
-             mask=kk < K)
+    dbk = tl.sum(dz.to(ACC), axis=0)
+    at = slot * SLOT_STRIDE + l * K + kk
+    tl.store(DBK_ptr + at, dbk, mask=kk < K)
+    for r in tl.static_range(1, BLOCK_N // 64):
+        tl.store(DBK_ptr + at + r * SLOT_STRIDE, tl.zeros_like(dbk), mask=(kk < K) & (slot + r < T))
 
 
 @triton.jit
@@ -496,12 +516,11 @@ _ACC = {torch.float64: tl.float64}
 _SEED_STREAMS = 3  # h, k, p
 _SMEM_BYTES = 227 * 1024  # per block on sm_90
 _DROPOUT_BLOCK = 1024
-# The backward's per-tile partial sums come in slots of 64 tokens (dW_a, db_k, db_v) or 64
-# columns of H (dp), the smallest tile, so their number does not depend on the autotuned
-# tiles: the launcher zeroes them, a tile spanning several slots writes its first, and the
-# slots are summed in order.
+# The backward's per-tile partial sums come in slots of 64 tokens (db_v, dW_a, db_k, db_a) or
+# 64 columns of H (dp), the smallest tile, so their number does not depend on the autotuned
+# tiles: a tile spanning several slots writes its sum to the first and zeros to the others,
+# and the slots are summed in order. The softmax kernel's programs are one token slot each.
 _BWD_SLOT = 64
-_BWD_SOFTMAX_BLOCK_N = 64
 # Backward layer group: at most this many elements of G x N x (H + K) (v and z recomputed for
 # G layers at a time; at least one layer). 2^27 is 256 MiB in bf16: at BERT-base shape all 12
 # layers form one group up to N = 7281 tokens (5 layers per group at N = 16384). Fewer
@@ -657,7 +676,7 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     and count as unaligned. For ``bench/compile_report.py``.
     """
     elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWB_ptr"}
+    acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWA_ptr", "DBK_ptr"}
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
     drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
@@ -801,7 +820,9 @@ def layer_attention_bwd(
     for h with dropout when the forward dropped it), [L, N, J]-sized score tensors and
     per-slot partial sums.
     dW_v and dW_k are GEMMs over all N tokens, written in the input dtype, as eager autograd
-    computes them; the other weight gradients are sums of per-slot partials in a fixed order.
+    computes them; the other weight gradients are sums of per-slot partials in a fixed order,
+    summed and rounded together: db_v, db_k, dw_a and db_a are views of one buffer (fewer
+    launches: the backward was host-bound on an H100).
     """
     _check_launchable(hidden)
     L, N, H = hidden.shape
@@ -816,14 +837,15 @@ def layer_attention_bwd(
     dc = dc.contiguous()
     groups = _bwd_layer_groups(L, N, H, K)
     most = max(l1 - l0 for l0, l1 in groups)
-    row_slots, col_slots = _cdiv(N, _BWD_SLOT), _cdiv(H, _BWD_SLOT)
+    T, S = _cdiv(N, _BWD_SLOT), _cdiv(H, _BWD_SLOT)  # token slots, column slots
     scratch = torch.empty(most * N * max(H, K), device=dev, dtype=dtype)  # dv in pass 1, dz in 2
     h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
-    # partial sums, zeroed (one allocation): a tile spanning several slots writes only its first
-    dpp_buf, dbv_buf, dwb_buf = torch.zeros(
-        most * (col_slots * N * J + row_slots * H + row_slots * K * (J + 1)), device=dev,
-        dtype=acc).split([col_slots * most * N * J, row_slots * most * H,
-                          row_slots * most * K * (J + 1)])
+    dpp_buf = torch.empty(S * most * N * J, device=dev, dtype=acc)  # dp per column slot
+    # the bias and scorer gradients, per token slot, side by side: one sum and one cast at the end
+    sections = (L * H, L * K * J, L * K, L * J)  # db_v, dW_a, db_k, db_a
+    stride = sum(sections)
+    slots = torch.empty((T, stride), device=dev, dtype=acc)
+    dbv_slots, dwa_slots, dbk_slots, dba_slots = slots.split(sections, dim=1)
 
     def group_hidden(l0: int, l1: int) -> Tensor:
         """h~ of layers l0 .. l1: the forward's dropped-out input."""
@@ -834,57 +856,47 @@ def layer_attention_bwd(
 
     dh = torch.empty_like(hidden)
     dw_v, dw_k = torch.empty_like(w_v), torch.empty_like(w_k)
-    db_v = torch.empty((L, H), device=dev, dtype=acc)
-    dwb = torch.empty((L, K, J + 1), device=dev, dtype=acc)  # dW_a | db_k
     dp_all = torch.empty((L, N, J), device=dev, dtype=acc)
-    # pass 1: dp, dv -> dW_v, db_v, dh = dv W_v', group by group
+    # pass 1: dp, dv -> db_v; dW_v = h~' dv and dh = dv W_v' by cuBLAS, group by group
     for l0, l1 in groups:
         G = l1 - l0
         h = group_hidden(l0, l1)
         dv = scratch[: G * N * H].view(G, N, H)
-        dpp = dpp_buf[: col_slots * G * N * J].view(col_slots, G, N, J)
-        dbv = dbv_buf[: row_slots * G * H].view(row_slots, G, H)
-        if l0:  # the previous group's partials (the first group's are fresh zeros)
-            dpp.zero_()
-            dbv.zero_()
+        dpp = dpp_buf[: S * G * N * J].view(S, G, N, J)
         _launch(
             "bwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), _cdiv(N, m["BLOCK_N"]), G),
-            h, w_v, b_v, dc, p, dv, dpp, dbv, G, N, H, J, D, l0,
+            h, w_v, b_v, dc, p, dv, dpp, dbv_slots, G, N, H, J, D, l0, S, T, stride,
             r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, BLOCK_J=shape["BLOCK_J"],
             **common,
         )
         torch.sum(dpp, 0, out=dp_all[l0:l1])
-        torch.sum(dbv, 0, out=db_v[l0:l1])
         torch.bmm(h.mT, dv, out=dw_v[l0:l1])
         torch.bmm(dv, w_v[l0:l1].mT, out=dh[l0:l1])
     if dp is not None:  # a gradient flowing into the returned layer weights
         dp_all += dp
     da = torch.empty_like(dp_all)
-    _layer_attention_bwd_softmax_kernel[(_cdiv(N, _BWD_SOFTMAX_BLOCK_N),)](
-        dp_all, p, da, L, N, J, BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SOFTMAX_BLOCK_N,
+    _layer_attention_bwd_softmax_kernel[(T,)](
+        dp_all, p, da, dba_slots, L, N, J, stride, BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SLOT,
     )
-    db_a = da.sum(1)
-    # pass 2: dz (z recomputed on chip), dW_a, db_k -> dh += dz W_k', dW_k
+    # pass 2: dz (z recomputed on chip) -> dW_a, db_k; dh += dz W_k' and dW_k = h~' dz
     for l0, l1 in groups:
         G = l1 - l0
         h = h_buf[:G] if drop_h and len(groups) == 1 else group_hidden(l0, l1)  # still there
         dz = scratch[: G * N * K].view(G, N, K)
-        dwb_slots = dwb_buf[: row_slots * G * K * (J + 1)].view(row_slots, G, K, J + 1)
-        if l0:
-            dwb_slots.zero_()
         _launch(
             "bwd_keys", lambda m: (_cdiv(N, m["BLOCK_N"]), _cdiv(K, m["BLOCK_K"]), G),
-            h, w_k, b_k, w_a, da, dz, dwb_slots, G, N, H, K, J, l0,
+            h, w_k, b_k, w_a, da, dz, dwa_slots, dbk_slots, G, N, H, K, J, l0, T, stride,
             r["seed_k"], r["rate_k"], r["scale_k"], DROP_K=drop_k, BLOCK_J=shape["BLOCK_J"],
             **common,
         )
-        torch.sum(dwb_slots, 0, out=dwb[l0:l1])
         dh_g = dh[l0:l1].baddbmm_(dz, w_k[l0:l1].mT)
         if drop_h:
             _dropout_layers(dh_g, dh_g, l0, r["seed_h"], r["rate_h"], r["scale_h"])
         torch.bmm(h.mT, dz, out=dw_k[l0:l1])
-    return (dh, dw_v, db_v.to(dtype), dw_k, dwb[..., J].to(dtype).contiguous(),
-            dwb[..., :J].to(dtype).contiguous(), db_a.to(dtype))
+    # the slots summed in order, rounded once to the input dtype
+    db_v, dw_a, db_k, db_a = slots.sum(0).to(dtype).split(sections)
+    return (dh, dw_v, db_v.view(L, H), dw_k, db_k.view(L, K), dw_a.view(L, K, J),
+            db_a.view(L, J))
 
 
 def layer_attention_dropout_masks(
@@ -938,10 +950,13 @@ def _layer_attention_bwd_op(
     b_k: Tensor, w_a: Tensor, b_a: Tensor, p: Tensor, num_heads: int,
     dropout_h: float, dropout_k: float, dropout_p: float, seed: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return layer_attention_bwd(
+    grads = layer_attention_bwd(
         dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, num_heads,
         (dropout_h, dropout_k, dropout_p), int(seed.item()),
     )
+    # a custom op's outputs may not alias each other: the small gradients share one buffer
+    dh, dw_v, db_v, dw_k, db_k, dw_a, db_a = grads
+    return dh, dw_v, db_v.clone(), dw_k, db_k.clone(), dw_a.clone(), db_a.clone()
 
 
 @_layer_attention_bwd_op.register_fake
