@@ -11,6 +11,7 @@
 #   bash bench/gpu_issue10.sh probe        # the open 16-bit fault: neighbouring shapes, one process each
 #   bash bench/gpu_issue10.sh session      # one call: headline, tests, N sweep, profile (time-boxed)
 #   bash bench/gpu_issue10.sh rerun        # shorter: headline without torch.compile, bf16 sweep, profile, tests
+#   bash bench/gpu_issue10.sh next-a       # tests + full headline, one tarball back; next-b: the bf16/fp16 N sweep + profile
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
 # the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
@@ -118,6 +119,28 @@ PY
     timeout 40 bash "$0" profile > /dev/null 2>&1 || true
     timeout 60 bash "$0" tests > /dev/null 2>&1 || true
     grep -E "passed|failed|^FAILED" "$OUT/tests_gpu.log" | tail -8 || true ;;
+  next-a|next-b)  # (run 'setup' first) two calls of about 5 minutes, each returning one
+    # tarball (a device call returns at most 8 files): a = the GPU kernel tests and the
+    # headline with every provider; b = the N sweep (eager, fused, auto) at both shapes in
+    # bf16 and fp16, and the profile
+    raw="$OUT/raw_$stage"; mkdir -p "$raw"
+    if [ "$stage" = next-a ]; then
+      nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$raw/nvidia_smi.txt"
+      OUT="$raw" timeout 100 bash "$0" tests > /dev/null 2>&1 || true
+      grep -E "passed|failed|^FAILED|^ERROR" "$raw/tests_gpu.log" | tail -12 || true
+      TRITON_PRINT_AUTOTUNING=1 timeout 170 python bench/benchmark_layer_attention.py --quick \
+        --modes inference forward full --out "$raw/headline.json" > "$raw/headline.log" 2>&1 || true
+      sed -n '/^speedup/,/^  \* headline/p' "$raw/headline.log" | head -14
+    else
+      for shape in bert-base minilm; do for dtype in bf16 fp16; do
+        TRITON_PRINT_AUTOTUNING=1 timeout 70 python bench/benchmark_layer_attention.py --shapes $shape \
+          --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes forward full \
+          --out "$raw/sweep_${shape}_${dtype}.json" > "$raw/sweep_${shape}_${dtype}.log" 2>&1 || true
+        grep -E "^$shape +$dtype .*(eager|fused|auto) +full" "$raw/sweep_${shape}_${dtype}.log" || true
+      done; done
+      OUT="$raw" timeout 40 bash "$0" profile > /dev/null 2>&1 || true
+    fi
+    tar czf "$OUT/$stage.tgz" -C "$raw" . && rm -rf "$raw" ;;
   probe)  # the open 16-bit fault (13 70 120 72 3 in fp16): neighbouring shapes, one process each
     export CUDA_LAUNCH_BLOCKING=1 MHMLA_TRITON_CONFIGS=fixed
     for s in "13 70 120 72 3" "2 70 120 72 3" "13 64 120 72 3" "13 70 128 72 3" "13 70 120 80 3" \

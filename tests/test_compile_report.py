@@ -43,10 +43,14 @@ def test_every_launchable_config_compiles_for_sm90_without_spills_and_with_wgmma
     lines = [line.split() for line in res.stdout.splitlines() if line.startswith(("fwd_", "bwd_"))]
     kernels = {row[0] for row in lines}
     assert kernels == {"fwd_scores", "fwd_values", "bwd_values", "bwd_keys"}
-    assert {row[1] for row in lines} == {"bert-base", "minilm"}
+    # a MiniLM config that compiles to the same binary as a BERT-base one is listed once
+    assert "bert-base" in {row[1] for row in lines} <= {"bert-base", "minilm"}
     assert {row[2] for row in lines} == {"on", "off"}
     assert all(row[-1] == "ok" for row in lines)
     assert "0 failed the gate" in res.stdout
+    minilm = report("--shapes", "minilm", "--dropout", "off")  # Triton's cache: seconds
+    rows = [line.split() for line in minilm.stdout.splitlines() if line.startswith(("fwd_", "bwd_"))]
+    assert minilm.returncode == 0 and rows and all(r[1] == "minilm" and r[-1] == "ok" for r in rows)
 
 
 @needs_tools
