@@ -314,13 +314,15 @@ def _layer_attention_bwd_values_kernel(
     DC_ptr,  # [N, H] gradient of c
     P_ptr,  # [L, N, J] layer weights p (ACC)
     DV_ptr,  # [G, N, H] dv = p~ dc (out)
-    DPP_ptr,  # [S, G, N, J] dp partial sums, slot s over H's columns 64 s .. 64 s + 63 (out,
-    #           ACC; a tile spanning several slots writes its sum to the first, zeros to the rest)
+    DPP_ptr,  # WHOLE_HEADS: [G, N, J] dp; else [S, G, N, J] dp partial sums, slot s over H's
+    #           columns 64 s .. 64 s + 63 (out, ACC; a tile spanning several slots writes its
+    #           sum to the first, zeros to the rest)
     DBV_ptr,  # db_v partials: dv summed over tokens 64 t .. 64 t + 63, slot t, (l, o) at
     #           t * SLOT_STRIDE + l * H + o (out, ACC; slots written as DPP's)
     G, N, H, J, D, l0, S, T, SLOT_STRIDE,
     seed_p, rate_p, scale_p,
     DROP_P: tl.constexpr,
+    WHOLE_HEADS: tl.constexpr,  # D divides 64: dp needs no partial slots
     N_BUCKET,  # autotuning key only: N rounded to a power of two
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -372,11 +374,16 @@ def _layer_attention_bwd_values_kernel(
                 out_dtype=ACC)
     dv = (pw * dc.to(ACC)).to(dtype)
     tl.store(DV_ptr + g * N * H + rows[:, None] * H + oo[None, :], dv, mask=ok)
-    slot = pid_o * (BLOCK_O // 64)
-    at = (slot * G + g) * N * J + rows[:, None] * J + jj[None, :]
-    tl.store(DPP_ptr + at, dp, mask=p_ok)
-    for r in tl.static_range(1, BLOCK_O // 64):  # the tile's other column slots: zeros
-        tl.store(DPP_ptr + at + r * G * N * J, tl.zeros_like(dp), mask=p_ok & (slot + r < S))
+    if WHOLE_HEADS:  # D divides 64: this tile holds its heads whole, their dp is complete
+        mine = (jj * D >= pid_o * BLOCK_O) & (jj * D < pid_o * BLOCK_O + BLOCK_O)
+        tl.store(DPP_ptr + g * N * J + rows[:, None] * J + jj[None, :], dp,
+                 mask=p_ok & mine[None, :])
+    else:
+        slot = pid_o * (BLOCK_O // 64)
+        at = (slot * G + g) * N * J + rows[:, None] * J + jj[None, :]
+        tl.store(DPP_ptr + at, dp, mask=p_ok)
+        for r in tl.static_range(1, BLOCK_O // 64):  # the tile's other column slots: zeros
+            tl.store(DPP_ptr + at + r * G * N * J, tl.zeros_like(dp), mask=p_ok & (slot + r < S))
     slot = pid_n * (BLOCK_N // 64)
     dbv = tl.sum(dv.to(ACC), axis=0)
     at = slot * SLOT_STRIDE + l * H + oo
@@ -556,6 +563,8 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
         return False
     if name == "bwd_keys" and tiles["BLOCK_K"] < 64:  # k~' da has BLOCK_K rows: wgmma needs 64
         return False
+    if name == "bwd_values" and warps == 4 and tiles["BLOCK_N"] > 64:  # 128 x 64: 24 bytes
+        return False  # spilled with dropout (the epilogue's row-wise values: p~, dp)
     # bf16 operand tiles [BLOCK_N, BLOCK_I] and [BLOCK_I, cols] staged
     return stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"] <= _SMEM_BYTES
 
@@ -679,7 +688,7 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWA_ptr", "DBK_ptr"}
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
-    drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
+    drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout, WHOLE_HEADS=64 % (H // J) == 0)
     sizes = dict(H=H, K=K, D=H // J, J=J, L=L)
     aligned_sizes = {a for a, v in sizes.items() if v % 16 == 0}
     cases = []
@@ -840,7 +849,9 @@ def layer_attention_bwd(
     T, S = _cdiv(N, _BWD_SLOT), _cdiv(H, _BWD_SLOT)  # token slots, column slots
     scratch = torch.empty(most * N * max(H, K), device=dev, dtype=dtype)  # dv in pass 1, dz in 2
     h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
-    dpp_buf = torch.empty(S * most * N * J, device=dev, dtype=acc)  # dp per column slot
+    # D dividing 64: every tile holds whole heads and writes dp itself; else dp per column slot
+    whole_heads = _BWD_SLOT % D == 0
+    dpp_buf = None if whole_heads else torch.empty(S * most * N * J, device=dev, dtype=acc)
     # the bias and scorer gradients, per token slot, side by side: one sum and one cast at the end
     sections = (L * H, L * K * J, L * K, L * J)  # db_v, dW_a, db_k, db_a
     stride = sum(sections)
@@ -862,14 +873,15 @@ def layer_attention_bwd(
         G = l1 - l0
         h = group_hidden(l0, l1)
         dv = scratch[: G * N * H].view(G, N, H)
-        dpp = dpp_buf[: S * G * N * J].view(S, G, N, J)
+        dpp = dp_all[l0:l1] if whole_heads else dpp_buf[: S * G * N * J].view(S, G, N, J)
         _launch(
             "bwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), _cdiv(N, m["BLOCK_N"]), G),
             h, w_v, b_v, dc, p, dv, dpp, dbv_slots, G, N, H, J, D, l0, S, T, stride,
-            r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, BLOCK_J=shape["BLOCK_J"],
-            **common,
+            r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, WHOLE_HEADS=whole_heads,
+            BLOCK_J=shape["BLOCK_J"], **common,
         )
-        torch.sum(dpp, 0, out=dp_all[l0:l1])
+        if not whole_heads:
+            torch.sum(dpp, 0, out=dp_all[l0:l1])
         torch.bmm(h.mT, dv, out=dw_v[l0:l1])
         torch.bmm(dv, w_v[l0:l1].mT, out=dh[l0:l1])
     if dp is not None:  # a gradient flowing into the returned layer weights

@@ -356,6 +356,7 @@ def test_triton_backward_in_layer_groups_matches_reference(monkeypatch, dtype):
     (200, 136, 128, 256, 256, True),  # one tile over 4 slots, the last one partial; 128 x 64-token
     #                                   slots, the second one partial; dropout
     (384, 96, 128, 128, 64, False),  # 3 tiles of 2 column slots each, 2 token slots each
+    (256, 64, 64, 128, 64, True),  # J = 4, D = 64: whole heads, dp written without slots
 ])
 def test_triton_backward_tiles_over_several_slots_read_nothing_unwritten(
         monkeypatch, H, K, block_n, block_o, block_k, dropout):
