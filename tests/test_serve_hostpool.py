@@ -39,8 +39,11 @@ def test_host_workers_give_the_engines_own_results(tiny_engine, monkeypatch):
         sentences = [t.split() or ["x"] for t in data]
         assert ([r.to_dict() for r in engine.tag_tokens(sentences)]
                 == [r.to_dict() for r in tiny_engine.tag_tokens(sentences)])
-        small = data[:10]  # below 2 * CHUNK: the calling thread
-        assert [r.to_dict() for r in engine.tag_texts(small)] == want[:10]
+        small = data[:10]  # below 2 * CHUNK: the calling thread. Compared with the engine's
+        # own call on the same texts: batched with other texts, a probability can move in its
+        # 6th decimal (a different padding and batch shape on CPU; seen on an AMX Xeon)
+        assert ([r.to_dict() for r in engine.tag_texts(small)]
+                == [r.to_dict() for r in tiny_engine.tag_texts(small)])
         assert calls == [len(data)]
     finally:
         engine.close()
