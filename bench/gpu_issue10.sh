@@ -133,7 +133,7 @@ PY
       sed -n '/^speedup/,/^  \* headline/p' "$raw/headline.log" | head -14
     else
       for shape in bert-base minilm; do for dtype in bf16 fp16; do
-        TRITON_PRINT_AUTOTUNING=1 timeout 70 python bench/benchmark_layer_attention.py --shapes $shape \
+        TRITON_PRINT_AUTOTUNING=1 timeout 90 python bench/benchmark_layer_attention.py --shapes $shape \
           --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes forward full \
           --out "$raw/sweep_${shape}_${dtype}.json" > "$raw/sweep_${shape}_${dtype}.log" 2>&1 || true
         grep -E "^$shape +$dtype .*(eager|fused|auto) +full" "$raw/sweep_${shape}_${dtype}.log" || true
