@@ -86,6 +86,15 @@ def _dropout(x, seed, offsets, rate, scale, DROP: tl.constexpr):
 
 
 @triton.jit
+def _store_slots(ptr, at, x, mask, slot, slots, stride, SPAN: tl.constexpr):
+    """A tile's partial sum x at slot ``slot`` (offsets ``at``), zeros at the SPAN - 1 slots it
+    also spans (``stride`` elements apart, those below ``slots``): every slot gets written."""
+    tl.store(ptr + at, x, mask=mask)
+    for r in tl.static_range(1, SPAN):
+        tl.store(ptr + at + r * stride, tl.zeros_like(x), mask=mask & (slot + r < slots))
+
+
+@triton.jit
 def _load_hidden(
     H_ptr,  # [L, N, H] hidden states
     l, rows, i0, N, H,
@@ -380,16 +389,11 @@ def _layer_attention_bwd_values_kernel(
                  mask=p_ok & mine[None, :])
     else:
         slot = pid_o * (BLOCK_O // 64)
-        at = (slot * G + g) * N * J + rows[:, None] * J + jj[None, :]
-        tl.store(DPP_ptr + at, dp, mask=p_ok)
-        for r in tl.static_range(1, BLOCK_O // 64):  # the tile's other column slots: zeros
-            tl.store(DPP_ptr + at + r * G * N * J, tl.zeros_like(dp), mask=p_ok & (slot + r < S))
+        _store_slots(DPP_ptr, (slot * G + g) * N * J + rows[:, None] * J + jj[None, :], dp, p_ok,
+                     slot, S, G * N * J, BLOCK_O // 64)
     slot = pid_n * (BLOCK_N // 64)
-    dbv = tl.sum(dv.to(ACC), axis=0)
-    at = slot * SLOT_STRIDE + l * H + oo
-    tl.store(DBV_ptr + at, dbv, mask=col_ok)
-    for r in tl.static_range(1, BLOCK_N // 64):  # the tile's other token slots: zeros
-        tl.store(DBV_ptr + at + r * SLOT_STRIDE, tl.zeros_like(dbv), mask=col_ok & (slot + r < T))
+    _store_slots(DBV_ptr, slot * SLOT_STRIDE + l * H + oo, tl.sum(dv.to(ACC), axis=0), col_ok,
+                 slot, T, SLOT_STRIDE, BLOCK_N // 64)
 
 
 @triton.jit
@@ -461,11 +465,8 @@ def _layer_attention_bwd_keys_kernel(
                  mask=row_ok & (jj[None, :] < J), other=0.0).to(dtype)
     dwa = tl.dot(tl.trans(k), da, input_precision=PREC, out_dtype=ACC)
     slot = pid_n * (BLOCK_N // 64)
-    at = slot * SLOT_STRIDE + (l * K + kk[:, None]) * J + jj[None, :]
-    ok = (kk[:, None] < K) & (jj[None, :] < J)
-    tl.store(DWA_ptr + at, dwa, mask=ok)
-    for r in tl.static_range(1, BLOCK_N // 64):  # the tile's other token slots: zeros
-        tl.store(DWA_ptr + at + r * SLOT_STRIDE, tl.zeros_like(dwa), mask=ok & (slot + r < T))
+    _store_slots(DWA_ptr, slot * SLOT_STRIDE + (l * K + kk[:, None]) * J + jj[None, :], dwa,
+                 (kk[:, None] < K) & (jj[None, :] < J), slot, T, SLOT_STRIDE, BLOCK_N // 64)
     wa_t = tl.load(
         WA_ptr + l * K * J + kk[None, :] * J + jj[:, None],
         mask=(jj[:, None] < J) & (kk[None, :] < K), other=0.0,
@@ -474,11 +475,8 @@ def _layer_attention_bwd_keys_kernel(
     dz = tl.where(k > 0, dk * scale_k, 0.0).to(dtype)
     tl.store(DZ_ptr + g * N * K + rows[:, None] * K + kk[None, :], dz,
              mask=row_ok & (kk[None, :] < K))
-    dbk = tl.sum(dz.to(ACC), axis=0)
-    at = slot * SLOT_STRIDE + l * K + kk
-    tl.store(DBK_ptr + at, dbk, mask=kk < K)
-    for r in tl.static_range(1, BLOCK_N // 64):
-        tl.store(DBK_ptr + at + r * SLOT_STRIDE, tl.zeros_like(dbk), mask=(kk < K) & (slot + r < T))
+    _store_slots(DBK_ptr, slot * SLOT_STRIDE + l * K + kk, tl.sum(dz.to(ACC), axis=0), kk < K,
+                 slot, T, SLOT_STRIDE, BLOCK_N // 64)
 
 
 @triton.jit
@@ -540,9 +538,11 @@ BWD_GROUP_ELEMENTS = 1 << 27
 # and pipelined). Every kept config compiles without spilling at BERT-base and MiniLM shape,
 # dropout on and off; the next larger tiles spill: fwd_scores at 64 with key dropout (128 x
 # 128 on 8 warps: 32-72 bytes; without it 0), fwd_values at 64 (64 x 128 on 4 warps: 168-304,
-# 64 x 256 on 8 warps: 96-216), bwd_values at 32, bwd_keys at 64
-# (64 x 128 on 4 warps: 72-88). A compile without that alignment (scalar loads, no
-# pipelining) had admitted 64 for fwd_values: the report now compiles as the JIT does.
+# 64 x 256 on 8 warps: 96-216), bwd_values at 64 (64 x 256 on 8 warps: 112-152; and 128 x 64
+# on 4 warps spills 24 with dropout, excluded by name), bwd_keys at 64 without key dropout
+# (128 x 256 on 8 warps: 80-112) and 32 with it (128 x 128 on 8 warps: 80). A compile without
+# that alignment (scalar loads, no pipelining) had admitted 64 for fwd_values: the report now
+# compiles as the JIT does.
 _TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 32, "bwd_values": 64, "bwd_keys": 64}
 _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "BLOCK_O"),
               "bwd_values": ("BLOCK_N", "BLOCK_O"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
@@ -631,8 +631,9 @@ def layer_attention_configs(name: str, H: int = 768, J: int = 12,
 
 
 def _shape_constexprs(H: int, J: int) -> dict:
-    """Per-shape tile widths: heads padded to a power of two >= 16 (for tl.dot)."""
-    return dict(BLOCK_J=max(16, _pow2(J)))
+    """Per-shape constexprs: heads padded to a power of two >= 16 (for tl.dot); WHOLE_HEADS,
+    whether D = H / J divides the 64-column slot, so every bwd_values tile holds whole heads."""
+    return dict(BLOCK_J=max(16, _pow2(J)), WHOLE_HEADS=_BWD_SLOT % (H // J) == 0)
 
 
 @functools.cache
@@ -700,7 +701,7 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWA_ptr", "DBK_ptr"}
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
-    drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout, WHOLE_HEADS=64 % (H // J) == 0)
+    drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
     sizes = dict(H=H, K=K, D=H // J, J=J, L=L)
     aligned_sizes = {a for a, v in sizes.items() if v % 16 == 0}
     cases = []
@@ -862,7 +863,7 @@ def layer_attention_bwd(
     scratch = torch.empty(most * N * max(H, K), device=dev, dtype=dtype)  # dv in pass 1, dz in 2
     h_buf = torch.empty((most, N, H), device=dev, dtype=dtype) if drop_h else None
     # D dividing 64: every tile holds whole heads and writes dp itself; else dp per column slot
-    whole_heads = _BWD_SLOT % D == 0
+    whole_heads = shape["WHOLE_HEADS"]
     dpp_buf = None if whole_heads else torch.empty(S * most * N * J, device=dev, dtype=acc)
     # the bias and scorer gradients, per token slot, side by side: one sum and one cast at the end
     sections = (L * H, L * K * J, L * K, L * J)  # db_v, dW_a, db_k, db_a
