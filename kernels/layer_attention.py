@@ -230,6 +230,15 @@ def _weighted_values(
 
 
 @triton.jit
+def _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P: tl.constexpr, dtype):
+    """p~^{l,j} [BLOCK_N] at rows ``rows``, rounded to ``dtype`` (as eager multiplies it) and
+    returned in fp32; 0 past N."""
+    offs = l * N * J + rows * J + j
+    p = tl.load(P_ptr + offs, mask=rows < N, other=0.0)
+    return _dropout(p, seed_p, offs, rate_p, scale_p, DROP_P).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _layer_attention_fwd_values_kernel(
     H_ptr,  # [L, N, H] hidden states
     WV_ptr,  # [L, H, H] value weights
@@ -243,10 +252,16 @@ def _layer_attention_fwd_values_kernel(
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
     FLAT: tl.constexpr,  # one loop over (layer, H block): the pipeline runs on across layers
+    ROWSCALE: tl.constexpr = False,  # the tile within one head: weights scale h's rows
 ):
     """c[:, oo] = sum_l p~^{l, head(o)} (h^l W_v^l + b_v^l)[:, oo] for a [BLOCK_N] tile of
     tokens; the value GEMM tile accumulates over H in BLOCK_I steps, layer by layer (FLAT:
-    in one loop over all L x H / BLOCK_I steps, each layer's weighting at its last step)."""
+    in one loop over all L x H / BLOCK_I steps, each layer's weighting at its last step).
+
+    ROWSCALE (BLOCK_O dividing D, so the tile's columns belong to one head j): p~^{l,j} is one
+    weight per row, so c[:, oo] = sum_l (p~^{l,j} h^l) W_v^l[:, oo] + sum_l p~^{l,j} b_v^l[oo]
+    is one GEMM over the L x H reduction, with a single accumulator and no per-layer epilogue
+    (the weighted h tile enters the dot rounded to the input dtype, as eager rounds v)."""
     # column tiles vary fastest: the H / BLOCK_O programs that read the same [L, BLOCK_N, H]
     # rows of h run together and share them through L2 (W_v, 2 L H^2 bytes, stays in L2)
     pid_o = tl.program_id(0)
@@ -255,10 +270,33 @@ def _layer_attention_fwd_values_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     oo = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     jj = tl.arange(0, BLOCK_J)
+    acc = tl.zeros((BLOCK_N, BLOCK_O), ACC)
+    if ROWSCALE:
+        j = (pid_o * BLOCK_O) // D  # the tile's head
+        steps = tl.cdiv(H, BLOCK_I)
+        for it in range(0, L * steps):
+            layer = it // steps
+            i0 = (it - layer * steps) * BLOCK_I
+            l = tl.cast(layer, tl.int64)
+            w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype)
+            h = (_load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I).to(ACC) * w_l[:, None])
+            ii = i0 + tl.arange(0, BLOCK_I)
+            w = tl.load(WV_ptr + l * H * H + ii[:, None] * H + oo[None, :],
+                        mask=(ii[:, None] < H) & (oo[None, :] < H), other=0.0)
+            acc = tl.dot(h.to(dtype), w, acc, input_precision=PREC, out_dtype=ACC)
+        for layer in range(0, L):  # sum_l p~^{l,j} b_v^l: a rank-L update
+            l = tl.cast(layer, tl.int64)
+            w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype)
+            b = tl.load(BV_ptr + l * H + oo, mask=oo < H, other=0.0).to(ACC)
+            acc += w_l[:, None] * b[None, :]
+        tl.store(
+            C_ptr + rows[:, None] * H + oo[None, :], acc.to(C_ptr.dtype.element_ty),
+            mask=(rows[:, None] < N) & (oo[None, :] < H),
+        )
+        return
     # head_of[j, o] = 1 where column o belongs to head j: p [N, J] @ head_of spreads each head's
     # weight over its D columns, in the accumulator's own layout (no gather)
     head_of = (((oo[None, :] // D) == jj[:, None]) & (oo[None, :] < H)).to(dtype)
-    acc = tl.zeros((BLOCK_N, BLOCK_O), ACC)
     if FLAT:
         steps = tl.cdiv(H, BLOCK_I)
         v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
@@ -544,6 +582,11 @@ BWD_GROUP_ELEMENTS = 1 << 27
 # that alignment (scalar loads, no pipelining) had admitted 64 for fwd_values: the report now
 # compiles as the JIT does.
 _TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 32, "bwd_values": 64, "bwd_keys": 64}
+# fwd_values with ROWSCALE holds one [BLOCK_N, BLOCK_O] accumulator and the weighted h tile
+# [BLOCK_N, BLOCK_I] in fp32: at most 192 elements of both per thread. At BERT-base shape the
+# next larger ones spill with dropout (256 x 64 x 64 on 4 warps: 16-32 bytes, 256 x 32 x 128 on
+# 4 warps: 88-152), the kept ones compile at 63-248 registers without spilling.
+_ROWSCALE_PER_THREAD = 192
 _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "BLOCK_O"),
               "bwd_values": ("BLOCK_N", "BLOCK_O"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
 
@@ -554,6 +597,13 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     ``tiles`` holds the config's block sizes, the shape's BLOCK_J and DROP_K (key dropout on).
     """
     rows, cols = _TILE_DIMS[name]
+    smem = stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"] <= _SMEM_BYTES
+    if name == "fwd_values" and tiles.get("ROWSCALE"):
+        # one head per tile, as wide as the head up to 64 columns (a narrower tile reads h
+        # once more per column for no gain); the accumulator and weighted h tile per thread
+        d, o = tiles["HEAD_DIM"], tiles["BLOCK_O"]
+        fits = tiles["BLOCK_N"] * (o + tiles["BLOCK_I"]) <= _ROWSCALE_PER_THREAD * 32 * warps
+        return d % o == 0 and o >= min(d, 64) and fits and smem
     per_thread = (32 if name in ("fwd_scores", "bwd_keys") and tiles["DROP_K"]
                   else _TILE_PER_THREAD[name])
     if name == "fwd_values" and tiles["FLAT"] and warps == 8 and tiles[rows] == tiles[cols]:
@@ -565,8 +615,7 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
         return False
     if name == "bwd_values" and warps == 4 and tiles["BLOCK_N"] > 64:  # 128 x 64: 24 bytes
         return False  # spilled with dropout (the epilogue's row-wise values: p~, dp)
-    # bf16 operand tiles [BLOCK_N, BLOCK_I] and [BLOCK_I, cols] staged
-    return stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"] <= _SMEM_BYTES
+    return smem  # bf16 operand tiles [BLOCK_N, BLOCK_I] and [BLOCK_I, cols] staged
 
 
 def _candidates(name: str) -> list[tuple[dict, int, int]]:
@@ -575,8 +624,10 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
         grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64, FLAT=f)
                 for n in (128, 256) for k in (64, 128, 256) for f in (False, True)]
     elif name == "fwd_values":
-        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64, FLAT=f)
+        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64, FLAT=f, ROWSCALE=False)
                 for n in (64, 128, 256) for o in (64, 128, 256) for f in (False, True)]
+        grid += [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=i, FLAT=True, ROWSCALE=True)
+                 for n in (128, 256) for o in (32, 64) for i in (64, 128)]
     elif name == "bwd_values":
         grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128) for o in (64, 128)]
     elif name == "bwd_keys":
@@ -589,7 +640,7 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
 # The fixed config per kernel: the interpreter's and the tests', and the autotuner's fallback.
 _FIXED = {
     "fwd_scores": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64, FLAT=False), 4, 3),
-    "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64, FLAT=False), 4, 3),
+    "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64, FLAT=False, ROWSCALE=False), 4, 3),
     "bwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64), 4, 3),
     "bwd_keys": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64), 4, 3),
 }
@@ -625,7 +676,7 @@ def layer_attention_configs(name: str, H: int = 768, J: int = 12,
     if _interpreting():
         tiles, w, s = _FIXED[name]
         return [(dict(tiles), w, s)]
-    shape = {**_shape_constexprs(H, J), "DROP_K": dropout_k}
+    shape = {**_shape_constexprs(H, J), "DROP_K": dropout_k, "HEAD_DIM": H // J}
     kept = [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**shape, **t}, w, s)]
     return kept or [_FIXED[name]]
 

@@ -632,6 +632,57 @@ def test_the_flat_loops_give_the_nested_loops_bits(monkeypatch, kernel, L, N, H,
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("L,N,H,K,J,block_o,block_i", [
+    (3, 70, 128, 64, 4, 32, 64),  # D = 32: four one-head column tiles, two H steps per layer
+    (2, 37, 128, 48, 2, 64, 128),  # D = 64: one H step per layer
+    (4, 33, 128, 40, 2, 32, 64),  # D = 64, two tiles per head
+])
+def test_rowscale_values_match_the_layer_by_layer_weighting(monkeypatch, dtype, L, N, H, K, J,
+                                                            block_o, block_i):
+    """fwd_values with ROWSCALE (the tile inside one head, whose weights p~^{l,j} scale h's
+    rows: one GEMM over L x H) against the layer-by-layer weighting of the default config, with
+    dropout on k and p: fp32 equal to rounding; in fp16 (the weighted h tile rounded to fp16)
+    no further from a float64 computation than eager is."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    ts = make_inputs(L, N, H, K, J, dtype=dtype, device=DEVICE, seed=L + N)
+    tiles, warps, stages = kernels._FIXED["fwd_values"]
+    rowscale = {**tiles, "BLOCK_O": block_o, "BLOCK_I": block_i, "FLAT": True, "ROWSCALE": True}
+    out = {}
+    for name, t in (("layers", tiles), ("rowscale", rowscale)):
+        monkeypatch.setitem(kernels._FIXED, "fwd_values", (t, warps, stages))
+        out[name] = kernels.layer_attention_fwd(*ts, J, (0.0, 0.2, 0.3), 23)
+    assert torch.equal(out["rowscale"][1], out["layers"][1])  # p: the same scores kernel
+    if dtype == torch.float32:
+        torch.testing.assert_close(out["rowscale"][0], out["layers"][0], rtol=1e-5, atol=1e-5)
+    else:
+        oracle, _ = kernels._reference_replaying_masks([t.double() for t in ts], J,
+                                                       (0.0, 0.2, 0.3), 23)
+        eager, _ = kernels._reference_replaying_masks(ts, J, (0.0, 0.2, 0.3), 23)
+        assert_close_to_oracle("c", out["rowscale"][0], eager, oracle, 2.0, 1e-5)
+
+
+def test_rowscale_configs_keep_to_one_head_per_tile():
+    """The keep rule admits ROWSCALE only where BLOCK_O divides D (the tile's columns in one
+    head), as wide as the head up to 64, and where the accumulator and the weighted h tile fit
+    (BERT-base: D = 64; MiniLM: D = 32)."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    def rowscale_tiles(H, J):
+        return {(t["BLOCK_N"], t["BLOCK_O"], t["BLOCK_I"], w)
+                for t, w, s in kernels._candidates("fwd_values") if t["ROWSCALE"]
+                and kernels._keep("fwd_values", {**kernels._shape_constexprs(H, J), **t,
+                                                 "DROP_K": False, "HEAD_DIM": H // J}, w, s)}
+
+    bert, minilm, odd = rowscale_tiles(768, 12), rowscale_tiles(384, 12), rowscale_tiles(120, 3)
+    assert {o for _, o, _, _ in bert} == {64} and {o for _, o, _, _ in minilm} == {32}
+    assert not odd  # D = 40: no power-of-two column tile within a head
+    assert (256, 64, 64, 8) in bert and (256, 64, 64, 4) not in bert  # 16-32 bytes spilled
+    assert (256, 32, 128, 8) in minilm and (256, 32, 128, 4) not in minilm  # 88-152 bytes
+
+
+@needs_triton
 def test_direct_calls_and_the_custom_ops_give_the_same_bits(monkeypatch):
     """Outside torch.compile the autograd Function calls the launchers directly; through the
     registered custom ops (what tracing uses) output and gradients are bit-identical, with
