@@ -230,12 +230,13 @@ def _weighted_values(
 
 
 @triton.jit
-def _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P: tl.constexpr, dtype):
+def _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P: tl.constexpr, dtype,
+                 ACC: tl.constexpr):
     """p~^{l,j} [BLOCK_N] at rows ``rows``, rounded to ``dtype`` (as eager multiplies it) and
-    returned in fp32; 0 past N."""
+    returned as ACC; 0 past N."""
     offs = l * N * J + rows * J + j
     p = tl.load(P_ptr + offs, mask=rows < N, other=0.0)
-    return _dropout(p, seed_p, offs, rate_p, scale_p, DROP_P).to(dtype).to(tl.float32)
+    return _dropout(p, seed_p, offs, rate_p, scale_p, DROP_P).to(dtype).to(ACC)
 
 
 @triton.jit
@@ -278,7 +279,8 @@ def _layer_attention_fwd_values_kernel(
             layer = it // steps
             i0 = (it - layer * steps) * BLOCK_I
             l = tl.cast(layer, tl.int64)
-            w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype)
+            w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype,
+                                  ACC)
             h = (_load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I).to(ACC) * w_l[:, None])
             ii = i0 + tl.arange(0, BLOCK_I)
             w = tl.load(WV_ptr + l * H * H + ii[:, None] * H + oo[None, :],
@@ -286,7 +288,8 @@ def _layer_attention_fwd_values_kernel(
             acc = tl.dot(h.to(dtype), w, acc, input_precision=PREC, out_dtype=ACC)
         for layer in range(0, L):  # sum_l p~^{l,j} b_v^l: a rank-L update
             l = tl.cast(layer, tl.int64)
-            w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype)
+            w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype,
+                                  ACC)
             b = tl.load(BV_ptr + l * H + oo, mask=oo < H, other=0.0).to(ACC)
             acc += w_l[:, None] * b[None, :]
         tl.store(
@@ -373,6 +376,7 @@ def _layer_attention_bwd_values_kernel(
     N_BUCKET,  # autotuning key only: N rounded to a power of two
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+    ROWSCALE: tl.constexpr = False,  # the tile is one head whole (BLOCK_O == D)
 ):
     """For a [BLOCK_N] tile of tokens, value columns oo and layer l: the value GEMM tile
     v = h~ W_v^l[:, oo] + b_v^l[oo] on chip (reduction over H in BLOCK_I steps), then::
@@ -381,6 +385,9 @@ def _layer_attention_bwd_values_kernel(
         dv[:, oo] = p~_{head(o)} dc[:, oo],    and dv's column sums over the tile
 
     dp carries the dropout factor keep_p / (1 - r_p). v itself is never written.
+
+    ROWSCALE (the tile's columns are head j whole, BLOCK_O == D, so WHOLE_HEADS): p~_j is one
+    weight per row and dp_j a row sum, with no one-hot head maps and their dots.
     """
     pid_o = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -399,6 +406,19 @@ def _layer_attention_bwd_values_kernel(
     v += tl.load(BV_ptr + l * H + oo, mask=col_ok, other=0.0).to(ACC)[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     dc = tl.load(DC_ptr + rows[:, None] * H + oo[None, :], mask=ok, other=0.0)
+    if ROWSCALE:
+        tl.static_assert(WHOLE_HEADS)
+        offs = l * N * J + rows * J + pid_o  # (l, n, j): the tile is head j = pid_o
+        dp = _dropout(tl.sum(dc.to(ACC) * v, axis=1), seed_p, offs, rate_p, scale_p, DROP_P)
+        tl.store(DPP_ptr + g * N * J + rows * J + pid_o, dp, mask=row_ok)
+        w = _row_weights(P_ptr, l, rows, pid_o, N, J, seed_p, rate_p, scale_p, DROP_P, dtype,
+                         ACC)
+        dv = (w[:, None] * dc.to(ACC)).to(dtype)
+        tl.store(DV_ptr + g * N * H + rows[:, None] * H + oo[None, :], dv, mask=ok)
+        slot = pid_n * (BLOCK_N // 64)
+        _store_slots(DBV_ptr, slot * SLOT_STRIDE + l * H + oo, tl.sum(dv.to(ACC), axis=0),
+                     col_ok, slot, T, SLOT_STRIDE, BLOCK_N // 64)
+        return
     # one-hot head maps: p [N, J] @ head_of spreads each head's weight over its columns, and
     # (dc v) @ head_of' sums each head's columns, both in the accumulator's own layout
     head = oo // D
@@ -598,6 +618,12 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     """
     rows, cols = _TILE_DIMS[name]
     smem = stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"] <= _SMEM_BYTES
+    if name == "bwd_values" and tiles.get("ROWSCALE"):
+        # the tile is one head whole; at most 64 elements of the [BLOCK_N, D] tile per thread
+        # (BERT-base: 256 x 64 on 4 warps spills 40-80 bytes; the kept ones take 56-206
+        # registers)
+        fits = tiles["BLOCK_N"] * tiles["BLOCK_O"] <= 64 * 32 * warps
+        return tiles["HEAD_DIM"] == tiles["BLOCK_O"] and fits and smem
     if name == "fwd_values" and tiles.get("ROWSCALE"):
         # one head per tile, as wide as the head up to 64 columns (a narrower tile reads h
         # once more per column for no gain); the accumulator and weighted h tile per thread
@@ -629,7 +655,10 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
         grid += [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=i, FLAT=True, ROWSCALE=True)
                  for n in (128, 256) for o in (32, 64) for i in (64, 128)]
     elif name == "bwd_values":
-        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64) for n in (64, 128) for o in (64, 128)]
+        grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64, ROWSCALE=False)
+                for n in (64, 128) for o in (64, 128)]
+        grid += [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=i, ROWSCALE=True)
+                 for n in (128, 256) for o in (32, 64) for i in (64, 128)]
     elif name == "bwd_keys":
         grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128) for k in (64, 128, 256)]
     else:
@@ -641,7 +670,7 @@ def _candidates(name: str) -> list[tuple[dict, int, int]]:
 _FIXED = {
     "fwd_scores": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64, FLAT=False), 4, 3),
     "fwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64, FLAT=False, ROWSCALE=False), 4, 3),
-    "bwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64), 4, 3),
+    "bwd_values": (dict(BLOCK_N=64, BLOCK_O=64, BLOCK_I=64, ROWSCALE=False), 4, 3),
     "bwd_keys": (dict(BLOCK_N=64, BLOCK_K=64, BLOCK_I=64), 4, 3),
 }
 _KERNELS = {

@@ -673,23 +673,63 @@ def test_rowscale_values_match_the_layer_by_layer_weighting(monkeypatch, dtype, 
         assert_close_to_oracle("c", out["rowscale"][0], eager, oracle, 2.0, 1e-5)
 
 
+@needs_triton
+@pytest.mark.parametrize("L,N,H,K,J,dropout,dtype", [
+    *[(*shape, dt) for dt in (torch.float32, torch.float16) for shape in (
+        (3, 70, 128, 64, 4, (0.0, 0.0, 0.0)),  # D = 32
+        (2, 130, 128, 48, 2, (0.1, 0.2, 0.3)),  # D = 64, dropout everywhere
+        (3, 33, 64, 40, 2, (0.0, 0.0, 0.3)))],  # D = 32, dropout on p
+    pytest.param(12, 517, 768, 768, 12, (0.1, 0.1, 0.1), torch.bfloat16, marks=_ON_GPU),
+])
+def test_rowscale_backward_matches_the_one_hot_epilogue(monkeypatch, L, N, H, K, J, dropout,
+                                                        dtype):
+    """bwd_values with ROWSCALE (the tile one head whole: dp a row sum, dv = p~ dc row-scaled)
+    against the one-hot head maps of the default config: all seven gradients, equal to fp32
+    rounding; in fp16 within the same rounding as the default (fp32 sums of the same
+    products)."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    ts = make_inputs(L, N, H, K, J, dtype=dtype, device=DEVICE, seed=L * N)
+    _, p = kernels.layer_attention_fwd(*ts, J, dropout, 9)
+    dc = torch.randn(N, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    tiles, warps, stages = kernels._FIXED["bwd_values"]
+    grads = {}
+    for rowscale in (False, True):
+        t = {**tiles, "BLOCK_N": 128, "BLOCK_O": H // J, "ROWSCALE": True} if rowscale else tiles
+        monkeypatch.setitem(kernels._FIXED, "bwd_values", (t, warps, stages))
+        grads[rowscale] = kernels.layer_attention_bwd(dc, None, *ts, p, J, dropout, 9)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
+    for name, a, b in zip(("dh", *NAMES[1:]), grads[True], grads[False]):
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale, msg=name)
+
+
 def test_rowscale_configs_keep_to_one_head_per_tile():
     """The keep rule admits ROWSCALE only where BLOCK_O divides D (the tile's columns in one
     head), as wide as the head up to 64, and where the accumulator and the weighted h tile fit
     (BERT-base: D = 64; MiniLM: D = 32)."""
     import mhmla_fast.kernels.layer_attention as kernels
 
+    def kept(name, H, J):  # what layer_attention_configs gives on a GPU
+        return [(t, w) for t, w, s in kernels._candidates(name) if t["ROWSCALE"]
+                and kernels._keep(name, {**kernels._shape_constexprs(H, J), **t,
+                                         "DROP_K": False, "HEAD_DIM": H // J}, w, s)]
+
     def rowscale_tiles(H, J):
-        return {(t["BLOCK_N"], t["BLOCK_O"], t["BLOCK_I"], w)
-                for t, w, s in kernels._candidates("fwd_values") if t["ROWSCALE"]
-                and kernels._keep("fwd_values", {**kernels._shape_constexprs(H, J), **t,
-                                                 "DROP_K": False, "HEAD_DIM": H // J}, w, s)}
+        return {(t["BLOCK_N"], t["BLOCK_O"], t["BLOCK_I"], w) for t, w in kept("fwd_values", H, J)}
 
     bert, minilm, odd = rowscale_tiles(768, 12), rowscale_tiles(384, 12), rowscale_tiles(120, 3)
     assert {o for _, o, _, _ in bert} == {64} and {o for _, o, _, _ in minilm} == {32}
     assert not odd  # D = 40: no power-of-two column tile within a head
     assert (256, 64, 64, 8) in bert and (256, 64, 64, 4) not in bert  # 16-32 bytes spilled
     assert (256, 32, 128, 8) in minilm and (256, 32, 128, 4) not in minilm  # 88-152 bytes
+
+    def backward_tiles(H, J):
+        return {(t["BLOCK_N"], t["BLOCK_O"], w) for t, w in kept("bwd_values", H, J)}
+
+    assert {o for _, o, _ in backward_tiles(768, 12)} == {64}  # exactly one head per tile
+    assert {o for _, o, _ in backward_tiles(384, 12)} == {32} and not backward_tiles(120, 3)
+    assert (256, 64, 4) not in backward_tiles(768, 12)  # spills 40-80 bytes
 
 
 @needs_triton
