@@ -645,25 +645,31 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
 
 
 def _candidates(name: str) -> list[tuple[dict, int, int]]:
-    """(tiles, num_warps, num_stages) to autotune over for kernel ``name``, before ``_keep``."""
-    if name == "fwd_scores":
-        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64, FLAT=f)
-                for n in (128, 256) for k in (64, 128, 256) for f in (False, True)]
-    elif name == "fwd_values":
+    """(tiles, num_warps, num_stages) to autotune over for kernel ``name``, before ``_keep``.
+
+    The value kernels' ROWSCALE forms come with their warps tied to the token tile (128 rows
+    on 4 warps, 256 on 8: a warp group per 64 rows), which keeps the autotuner's compiles on a
+    fresh machine at about 8 more per kernel and shape."""
+    rowscale = []
+    if name == "fwd_values":
         grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64, FLAT=f, ROWSCALE=False)
                 for n in (64, 128, 256) for o in (64, 128, 256) for f in (False, True)]
-        grid += [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=i, FLAT=True, ROWSCALE=True)
-                 for n in (128, 256) for o in (32, 64) for i in (64, 128)]
+        rowscale = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=i, FLAT=True, ROWSCALE=True)
+                    for n in (128, 256) for o in (32, 64) for i in (64, 128)]
     elif name == "bwd_values":
         grid = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=64, ROWSCALE=False)
                 for n in (64, 128) for o in (64, 128)]
-        grid += [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=i, ROWSCALE=True)
-                 for n in (128, 256) for o in (32, 64) for i in (64, 128)]
+        rowscale = [dict(BLOCK_N=n, BLOCK_O=o, BLOCK_I=i, ROWSCALE=True)
+                    for n in (128, 256) for o in (32, 64) for i in (64, 128)]
+    elif name == "fwd_scores":
+        grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64, FLAT=f)
+                for n in (128, 256) for k in (64, 128, 256) for f in (False, True)]
     elif name == "bwd_keys":
         grid = [dict(BLOCK_N=n, BLOCK_K=k, BLOCK_I=64) for n in (64, 128) for k in (64, 128, 256)]
     else:
         raise ValueError(f"no candidates for kernel {name!r}")
-    return [(t, w, s) for t in grid for w in (4, 8) for s in (3, 4)]
+    return ([(t, w, s) for t in grid for w in (4, 8) for s in (3, 4)]
+            + [(t, t["BLOCK_N"] // 32, s) for t in rowscale for s in (3, 4)])
 
 
 # The fixed config per kernel: the interpreter's and the tests', and the autotuner's fallback.
