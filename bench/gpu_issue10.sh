@@ -12,6 +12,7 @@
 #   bash bench/gpu_issue10.sh session      # one call: headline, tests, N sweep, profile (time-boxed)
 #   bash bench/gpu_issue10.sh rerun        # shorter: headline without torch.compile, bf16 sweep, profile, tests
 #   bash bench/gpu_issue10.sh next-a       # tests + full headline, one tarball back; next-b: the bf16/fp16 N sweep + profile
+#   bash bench/gpu_issue10.sh rowscale-ab  # the value kernels' ROWSCALE forms against the others, fused only, one tarball
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
 # the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
@@ -140,6 +141,21 @@ PY
       done; done
       OUT="$raw" timeout 40 bash "$0" profile > /dev/null 2>&1 || true
     fi
+    tar czf "$OUT/$stage.tgz" -C "$raw" . && rm -rf "$raw" ;;
+  rowscale-ab)  # (run 'setup' first) one call of about 4 minutes: the fused op at both shapes,
+    # bf16, N = 1024 and 4096, autotuned over the value kernels' ROWSCALE forms only, over the
+    # others only, and over both (what users get); the autotuner's picks are in the logs
+    raw="$OUT/raw_$stage"; mkdir -p "$raw"
+    for choice in rowscale no-rowscale both; do
+      env_choice=$choice; [ "$choice" = both ] && env_choice=
+      for shape in bert-base minilm; do
+        MHMLA_TRITON_CONFIGS=$env_choice TRITON_PRINT_AUTOTUNING=1 timeout 75 python \
+          bench/benchmark_layer_attention.py --shapes $shape --dtypes bf16 --n 1024 4096 \
+          --providers fused --modes forward full --out "$raw/${choice}_${shape}.json" \
+          > "$raw/${choice}_${shape}.log" 2>&1 || true
+        grep -E "^$shape +bf16 .*fused +(forward|full)" "$raw/${choice}_${shape}.log" | sed "s/^/$choice /" || true
+      done
+    done
     tar czf "$OUT/$stage.tgz" -C "$raw" . && rm -rf "$raw" ;;
   probe)  # the open 16-bit fault (13 70 120 72 3 in fp16): neighbouring shapes, one process each
     export CUDA_LAUNCH_BLOCKING=1 MHMLA_TRITON_CONFIGS=fixed

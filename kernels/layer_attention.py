@@ -697,22 +697,44 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_CONFIG_CHOICES = ("", "fixed", "rowscale", "no-rowscale")
+
+
+def _config_choice() -> str:
+    """``$MHMLA_TRITON_CONFIGS``: "" (autotune over every kept config), "fixed" (the fixed
+    configs: GPU test runs, no autotuning per test shape), "rowscale" or "no-rowscale" (the
+    value kernels autotuned over their ROWSCALE forms only, or without them: an A/B of the
+    forms on a GPU)."""
+    choice = os.environ.get("MHMLA_TRITON_CONFIGS", "")
+    if choice not in _CONFIG_CHOICES:
+        raise ValueError(f"MHMLA_TRITON_CONFIGS: expected one of {_CONFIG_CHOICES[1:]} or unset, "
+                         f"got {choice!r}")
+    return choice
+
+
 def _fixed_configs() -> bool:
     """The fixed configs instead of autotuning: under the interpreter, or with
-    MHMLA_TRITON_CONFIGS=fixed (GPU test runs: no autotuning per test shape)."""
-    return _interpreting() or os.environ.get("MHMLA_TRITON_CONFIGS", "") == "fixed"
+    MHMLA_TRITON_CONFIGS=fixed."""
+    return _interpreting() or _config_choice() == "fixed"
 
 
 def layer_attention_configs(name: str, H: int = 768, J: int = 12,
                             dropout_k: bool = False) -> list[tuple[dict, int, int]]:
     """The configs kernel ``name`` can launch at hidden size H with J heads (BERT-base by
     default), with key dropout on or off: the fixed one under the interpreter, else every
-    candidate ``_keep`` admits (the fixed one if none is)."""
+    candidate ``_keep`` admits (the fixed one if none is), or with MHMLA_TRITON_CONFIGS=rowscale
+    (no-rowscale) only the value kernels' ROWSCALE forms (only the others)."""
     if _interpreting():
         tiles, w, s = _FIXED[name]
         return [(dict(tiles), w, s)]
     shape = {**_shape_constexprs(H, J), "DROP_K": dropout_k, "HEAD_DIM": H // J}
     kept = [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**shape, **t}, w, s)]
+    choice = _config_choice()
+    if choice in ("rowscale", "no-rowscale") and name in ("fwd_values", "bwd_values"):
+        kept = [c for c in kept if c[0]["ROWSCALE"] == (choice == "rowscale")]
+        if not kept:
+            raise ValueError(f"MHMLA_TRITON_CONFIGS={choice}: {name} has no such config at "
+                             f"H = {H}, J = {J} (ROWSCALE needs D = H / J of 32 or 64)")
     return kept or [_FIXED[name]]
 
 

@@ -743,6 +743,30 @@ def test_rowscale_configs_keep_to_one_head_per_tile():
     assert not keeps("fwd_values", 256, 64, 128, 8, stages=4)  # 320 KB of shared memory
 
 
+def test_config_choice_restricts_the_value_kernels_to_one_form(monkeypatch):
+    """MHMLA_TRITON_CONFIGS=rowscale / no-rowscale (an A/B of the value kernels' forms on a
+    GPU) keeps only those forms of fwd_values and bwd_values, leaves the other kernels alone,
+    and refuses a shape without ROWSCALE forms or an unknown value."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)  # the GPU's lists
+    every = {n: kernels.layer_attention_configs(n) for n in kernels._KERNELS}
+    for choice, flag in (("rowscale", True), ("no-rowscale", False)):
+        monkeypatch.setenv("MHMLA_TRITON_CONFIGS", choice)
+        for name, configs in every.items():
+            got = kernels.layer_attention_configs(name)
+            if name in ("fwd_values", "bwd_values"):
+                assert got and got == [c for c in configs if c[0]["ROWSCALE"] == flag]
+            else:
+                assert got == configs
+    monkeypatch.setenv("MHMLA_TRITON_CONFIGS", "rowscale")
+    with pytest.raises(ValueError, match="no such config at H = 120, J = 3"):
+        kernels.layer_attention_configs("fwd_values", 120, 3)
+    monkeypatch.setenv("MHMLA_TRITON_CONFIGS", "fast")
+    with pytest.raises(ValueError, match="MHMLA_TRITON_CONFIGS"):
+        kernels.layer_attention_configs("fwd_values")
+
+
 @needs_triton
 def test_direct_calls_and_the_custom_ops_give_the_same_bits(monkeypatch):
     """Outside torch.compile the autograd Function calls the launchers directly; through the
