@@ -766,9 +766,10 @@ def _tuned(name: str):
 def _autotune_bench(kernel_call, quantiles):
     """The autotuner's timing of one config: Triton's ``do_bench`` on a 5 ms warm-up and 25 ms
     of repetitions instead of its default 25 and 100 (a kernel here runs for 20-500 us, so
-    that is still 50 repetitions or more). With about 60 configs over the four kernels, each
-    new (shape, dtype, N bucket) key costs a process about 2 s of timing instead of 8 (an
-    estimate from those budgets; compiles come on top, once per dtype)."""
+    that is still 50 repetitions or more). With about 74 configs over the four kernels at
+    BERT-base shape, each new (shape, dtype, N bucket) key costs a process about 2.5 s of
+    timing instead of 9 (an estimate from those budgets; compiles come on top, once per
+    dtype)."""
     from triton.testing import do_bench
 
     return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
