@@ -28,7 +28,9 @@ case "$stage" in
   setup)
     pip install -q --no-deps --no-build-isolation --no-index -e . ;;
   tests)
-    MHMLA_TRITON_CONFIGS=fixed python -m pytest -q -rs tests/test_layer_attention.py tests/test_layer_attention_module.py \
+    # unbuffered, so that a run cut by a stage's timeout still leaves its lines in the log
+    MHMLA_TRITON_CONFIGS=fixed python -u -m pytest -q -rs --durations=10 \
+      tests/test_layer_attention.py tests/test_layer_attention_module.py \
       2>&1 | tee "$OUT/tests_gpu.log" ;;  # (the compile gate runs in CI, on the CPU)
   quick)
     python bench/benchmark_layer_attention.py --quick --out "$OUT/" 2>&1 | tee "$OUT/quick.log" ;;
@@ -127,7 +129,7 @@ PY
     raw="$OUT/raw_$stage"; mkdir -p "$raw"
     if [ "$stage" = next-a ]; then
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$raw/nvidia_smi.txt"
-      OUT="$raw" timeout 100 bash "$0" tests > /dev/null 2>&1 || true
+      OUT="$raw" timeout 150 bash "$0" tests > /dev/null 2>&1 || true
       grep -E "passed|failed|^FAILED|^ERROR" "$raw/tests_gpu.log" | tail -12 || true
       TRITON_PRINT_AUTOTUNING=1 timeout 170 python bench/benchmark_layer_attention.py --quick \
         --modes inference forward full --out "$raw/headline.json" > "$raw/headline.log" 2>&1 || true
