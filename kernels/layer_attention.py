@@ -734,7 +734,8 @@ def layer_attention_configs(name: str, H: int = 768, J: int = 12,
         kept = [c for c in kept if c[0]["ROWSCALE"] == (choice == "rowscale")]
         if not kept:
             raise ValueError(f"MHMLA_TRITON_CONFIGS={choice}: {name} has no such config at "
-                             f"H = {H}, J = {J} (ROWSCALE needs D = H / J of 32 or 64)")
+                             f"H = {H}, J = {J} (ROWSCALE needs D = H / J a multiple of 32 in the "
+                             "forward, 32 or 64 in the backward)")
     return kept or [_FIXED[name]]
 
 
