@@ -605,7 +605,7 @@ _TILE_PER_THREAD = {"fwd_scores": 64, "fwd_values": 32, "bwd_values": 64, "bwd_k
 # fwd_values with ROWSCALE holds one [BLOCK_N, BLOCK_O] accumulator and the weighted h tile
 # [BLOCK_N, BLOCK_I] in fp32: at most 192 elements of both per thread. At BERT-base shape the
 # next larger ones spill with dropout (256 x 64 x 64 on 4 warps: 16-32 bytes, 256 x 32 x 128 on
-# 4 warps: 88-152), the kept ones compile at 63-248 registers without spilling.
+# 4 warps: 88-152), the kept ones compile at 112-247 registers without spilling.
 _ROWSCALE_PER_THREAD = 192
 _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "BLOCK_O"),
               "bwd_values": ("BLOCK_N", "BLOCK_O"), "bwd_keys": ("BLOCK_N", "BLOCK_K")}
@@ -620,7 +620,7 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     smem = stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"] <= _SMEM_BYTES
     if name == "bwd_values" and tiles.get("ROWSCALE"):
         # the tile is one head whole; at most 64 elements of the [BLOCK_N, D] tile per thread
-        # (BERT-base: 256 x 64 on 4 warps spills 40-80 bytes; the kept ones take 56-206
+        # (BERT-base: 256 x 64 on 4 warps spills 40-80 bytes; the kept ones take 86-204
         # registers)
         fits = tiles["BLOCK_N"] * tiles["BLOCK_O"] <= 64 * 32 * warps
         return tiles["HEAD_DIM"] == tiles["BLOCK_O"] and fits and smem
