@@ -3,6 +3,8 @@
 # editable install (a .pth naming the repo root) cannot map it, and neither can running from
 # the repo root. Then this runs from a symlinked copy of the tree in which mhmla_fast/kernels
 # points at kernels/ (OUT made absolute first).
+# unbuffered output: a step cut by its timeout still leaves its lines in its log
+export PYTHONUNBUFFERED=1
 importable() { (cd /tmp && python3 -c "import mhmla_fast.kernels.layer_attention") 2>/dev/null \
   && python3 -c "import mhmla_fast.kernels.layer_attention" 2>/dev/null; }
 if ! importable; then
