@@ -479,6 +479,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+HOST_REPS = 20
+
+
+def host_ms(call: Callable[[], Any], device: str, reps: int = HOST_REPS) -> float:
+    """Median host time of one call in ms: the device synchronised before each call, so the
+    time is what Python, autograd and the launches cost the CPU to enqueue the call's work.
+    A provider whose host time nears its device time (``ms_p50``) is bound by the host, and
+    gains nothing from faster kernels until launches are fewer or captured in a CUDA graph."""
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        res = call()
+        times.append((time.perf_counter() - t0) * 1e3)
+        del res
+    _sync(device)
+    return quantiles(times, (0.5,))[0]
+
+
 def _warm(call: Callable[[], Any], device: str, times: int = 2) -> None:
     for _ in range(times):
         res = call()
@@ -531,6 +550,7 @@ def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, devic
         _warm(call, device)
         res["peak_extra_bytes"] = peak_probe(call) if peak_probe else None
         res["ms"] = timer.bench(call)
+        res["host_ms"] = host_ms(call, device)
         return res
     if mode != "backward":
         raise ValueError(f"mode: expected one of {ALL_MODES}, got {mode!r}")
@@ -543,6 +563,7 @@ def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, devic
         _warm(call, device)
         res["peak_extra_bytes"] = peak_probe(call) if peak_probe else None
         res["ms"] = timer.bench(call)
+        res["host_ms"] = host_ms(call, device)
         res["backward_timing"] = "retain_graph"
         return res
     del out
@@ -557,6 +578,7 @@ def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, devic
     res["peak_extra_bytes"] = peak_probe(lambda: run(state)) if peak_probe else None
     del state
     res["ms"] = timer.bench_with_setup(setup, run)
+    res["host_ms"] = None  # the rebuilt forward would be timed with it
     res["backward_timing"] = "rebuild"
     res["backward_timing_note"] = f"retain_graph unusable: {why}"
     return res
@@ -627,7 +649,7 @@ def _row(base: dict, provider: str, mode: str, **fields: Any) -> dict:
            "ratio_to_matmul_ceiling": None, "min_bytes": None, "gbps": None, "peak_extra_mem_mb": None,
            "max_abs_diff": None, "max_abs_err_fp64": None,
            "grad_max_abs_diff": None, "grad_max_abs_err_fp64": None, "check_note": None,
-           "backward_timing": None, "backward_timing_note": None,
+           "host_ms_p50": None, "backward_timing": None, "backward_timing_note": None,
            "weight_grads_deterministic": None, "weight_grads_max_abs_diff": None, "determinism_note": None,
            "error": None}
     row.update(fields)
@@ -684,7 +706,8 @@ def _measured_row(base: dict, provider: Provider, mode: str, shape: Shape, n: in
         ratio_to_matmul_ceiling=(tflops / ceiling_tflops) if ceiling_tflops else None,
         min_bytes=nbytes, gbps=nbytes / (p50 * 1e-3) / 1e9,
         peak_extra_mem_mb=(peak / 2**20) if peak is not None else None,
-        backward_timing=res["backward_timing"], backward_timing_note=res["backward_timing_note"], **fields,
+        host_ms_p50=res.get("host_ms"), backward_timing=res["backward_timing"],
+        backward_timing_note=res["backward_timing_note"], **fields,
     )
 
 
@@ -733,7 +756,8 @@ def _run_group(cfg: BenchConfig, op: Callable, shape: Shape, dtype: Any, n: int,
             row = _measured_row(base, prov, mode, shape, n, elem_bytes, res, ceiling_tflops, **fields)
             rows.append(row)
             log(f"{tag} {name:11s} {mode:9s} {row['ms_p50']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s"
-                + (f"  {row['peak_extra_mem_mb']:9.1f} MiB" if row["peak_extra_mem_mb"] is not None else ""))
+                + (f"  {row['peak_extra_mem_mb']:9.1f} MiB" if row["peak_extra_mem_mb"] is not None else "")
+                + (f"  host {row['host_ms_p50']:.3f} ms" if row["host_ms_p50"] is not None else ""))
             _free_memory(device)
         del prov, wrt, incoming
         _free_memory(device)

@@ -275,12 +275,15 @@ def _layer_attention_fwd_values_kernel(
     if ROWSCALE:
         j = (pid_o * BLOCK_O) // D  # the tile's head
         steps = tl.cdiv(H, BLOCK_I)
+        # the row weights are recomputed at every step: computed once per layer (under
+        # `if i0 == 0`, carried across steps) they took 10-70 more registers on the sm_90
+        # compile report and spilled 8-32 bytes at 128 x 64 x 128 on 4 warps
         for it in range(0, L * steps):
             layer = it // steps
             i0 = (it - layer * steps) * BLOCK_I
             l = tl.cast(layer, tl.int64)
             w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype,
-                                  ACC)
+                               ACC)
             h = (_load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I).to(ACC) * w_l[:, None])
             ii = i0 + tl.arange(0, BLOCK_I)
             w = tl.load(WV_ptr + l * H * H + ii[:, None] * H + oo[None, :],
@@ -289,7 +292,7 @@ def _layer_attention_fwd_values_kernel(
         for layer in range(0, L):  # sum_l p~^{l,j} b_v^l: a rank-L update
             l = tl.cast(layer, tl.int64)
             w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype,
-                                  ACC)
+                               ACC)
             b = tl.load(BV_ptr + l * H + oo, mask=oo < H, other=0.0).to(ACC)
             acc += w_l[:, None] * b[None, :]
         tl.store(
@@ -414,41 +417,37 @@ def _layer_attention_bwd_values_kernel(
         w = _row_weights(P_ptr, l, rows, pid_o, N, J, seed_p, rate_p, scale_p, DROP_P, dtype,
                          ACC)
         dv = (w[:, None] * dc.to(ACC)).to(dtype)
-        tl.store(DV_ptr + g * N * H + rows[:, None] * H + oo[None, :], dv, mask=ok)
-        slot = pid_n * (BLOCK_N // 64)
-        _store_slots(DBV_ptr, slot * SLOT_STRIDE + l * H + oo, tl.sum(dv.to(ACC), axis=0),
-                     col_ok, slot, T, SLOT_STRIDE, BLOCK_N // 64)
-        return
-    # one-hot head maps: p [N, J] @ head_of spreads each head's weight over its columns, and
-    # (dc v) @ head_of' sums each head's columns, both in the accumulator's own layout
-    head = oo // D
-    head_of = ((head[None, :] == jj[:, None]) & col_ok[None, :]).to(dtype)  # [BLOCK_J, BLOCK_O]
-    head_of_t = ((head[:, None] == jj[None, :]) & col_ok[:, None]).to(dtype)  # [BLOCK_O, BLOCK_J]
-    offs_p = l * N * J + rows[:, None] * J + jj[None, :]  # (l, n, j) in [L, N, J]
-    p_ok = row_ok[:, None] & (jj[None, :] < J)
-    prod = dc.to(ACC) * v  # v dies here: the epilogue holds one fp32 tile at a time
-    if dtype == tl.float32 or ACC == tl.float64:
-        dp = tl.dot(prod.to(dtype), head_of_t, input_precision="ieee", out_dtype=ACC)
-    else:  # 16-bit inputs: the fp32 products as hi + lo in the input dtype, summed in fp32
-        hi = prod.to(dtype)
-        dp = tl.dot(hi, head_of_t, out_dtype=ACC)
-        dp = tl.dot((prod - hi.to(ACC)).to(dtype), head_of_t, dp, out_dtype=ACC)
-    p = _dropout(tl.load(P_ptr + offs_p, mask=p_ok, other=0.0), seed_p, offs_p, rate_p, scale_p,
-                 DROP_P)
-    dp = _dropout(dp, seed_p, offs_p, rate_p, scale_p, DROP_P)
-    # p~ in the input dtype, as eager multiplies it (exact: one term per column)
-    pw = tl.dot(p.to(dtype), head_of, input_precision="ieee" if dtype == tl.float32 else PREC,
-                out_dtype=ACC)
-    dv = (pw * dc.to(ACC)).to(dtype)
-    tl.store(DV_ptr + g * N * H + rows[:, None] * H + oo[None, :], dv, mask=ok)
-    if WHOLE_HEADS:  # D divides 64: this tile holds its heads whole, their dp is complete
-        mine = (jj * D >= pid_o * BLOCK_O) & (jj * D < pid_o * BLOCK_O + BLOCK_O)
-        tl.store(DPP_ptr + g * N * J + rows[:, None] * J + jj[None, :], dp,
-                 mask=p_ok & mine[None, :])
     else:
-        slot = pid_o * (BLOCK_O // 64)
-        _store_slots(DPP_ptr, (slot * G + g) * N * J + rows[:, None] * J + jj[None, :], dp, p_ok,
-                     slot, S, G * N * J, BLOCK_O // 64)
+        # one-hot head maps: p [N, J] @ head_of spreads each head's weight over its columns,
+        # and (dc v) @ head_of' sums each head's columns, both in the accumulator's own layout
+        head = oo // D
+        head_of = ((head[None, :] == jj[:, None]) & col_ok[None, :]).to(dtype)  # [J', O]
+        head_of_t = ((head[:, None] == jj[None, :]) & col_ok[:, None]).to(dtype)  # [O, J']
+        offs_p = l * N * J + rows[:, None] * J + jj[None, :]  # (l, n, j) in [L, N, J]
+        p_ok = row_ok[:, None] & (jj[None, :] < J)
+        prod = dc.to(ACC) * v  # v dies here: the epilogue holds one fp32 tile at a time
+        if dtype == tl.float32 or ACC == tl.float64:
+            dp = tl.dot(prod.to(dtype), head_of_t, input_precision="ieee", out_dtype=ACC)
+        else:  # 16-bit inputs: the fp32 products as hi + lo in the input dtype, summed in fp32
+            hi = prod.to(dtype)
+            dp = tl.dot(hi, head_of_t, out_dtype=ACC)
+            dp = tl.dot((prod - hi.to(ACC)).to(dtype), head_of_t, dp, out_dtype=ACC)
+        p = _dropout(tl.load(P_ptr + offs_p, mask=p_ok, other=0.0), seed_p, offs_p, rate_p,
+                     scale_p, DROP_P)
+        dp = _dropout(dp, seed_p, offs_p, rate_p, scale_p, DROP_P)
+        # p~ in the input dtype, as eager multiplies it (exact: one term per column)
+        pw = tl.dot(p.to(dtype), head_of, input_precision="ieee" if dtype == tl.float32 else PREC,
+                    out_dtype=ACC)
+        dv = (pw * dc.to(ACC)).to(dtype)
+        if WHOLE_HEADS:  # D divides 64: this tile holds its heads whole, their dp is complete
+            mine = (jj * D >= pid_o * BLOCK_O) & (jj * D < pid_o * BLOCK_O + BLOCK_O)
+            tl.store(DPP_ptr + g * N * J + rows[:, None] * J + jj[None, :], dp,
+                     mask=p_ok & mine[None, :])
+        else:
+            slot = pid_o * (BLOCK_O // 64)
+            _store_slots(DPP_ptr, (slot * G + g) * N * J + rows[:, None] * J + jj[None, :], dp,
+                         p_ok, slot, S, G * N * J, BLOCK_O // 64)
+    tl.store(DV_ptr + g * N * H + rows[:, None] * H + oo[None, :], dv, mask=ok)
     slot = pid_n * (BLOCK_N // 64)
     _store_slots(DBV_ptr, slot * SLOT_STRIDE + l * H + oo, tl.sum(dv.to(ACC), axis=0), col_ok,
                  slot, T, SLOT_STRIDE, BLOCK_N // 64)

@@ -260,6 +260,9 @@ def test_sweep_rows_checks_and_errors():
     assert backward["eager"]["backward_timing"] == "retain_graph"
     assert backward["fused"]["backward_timing"] == "rebuild"
     assert "graph already consumed" in backward["fused"]["backward_timing_note"]
+    # host time: measured wherever the call can be repeated alone, never for a rebuilt graph
+    assert backward["fused"]["host_ms_p50"] is None
+    assert all(r["host_ms_p50"] > 0 for r in rows if r is not backward["fused"])
 
     speedups = bench.summarize_speedups(rows)
     assert len(speedups) == 3
