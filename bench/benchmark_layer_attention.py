@@ -963,14 +963,16 @@ def _fmt(x: Any, spec: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'shape':9s} {'dtype':5s} {'N':>6s} {'provider':11s} {'mode':9s} {'p50 ms':>9s} "
-            f"{'p20-p80 ms':>17s} {'TFLOP/s':>8s} {'ceil':>5s} {'mem MiB':>9s} {'diff':>8s} {'err64':>8s}  error")
+            f"{'p20-p80 ms':>17s} {'host ms':>8s} {'TFLOP/s':>8s} {'ceil':>5s} {'mem MiB':>9s} {'diff':>8s} "
+            f"{'err64':>8s}  error")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = (f"{r['ms_p20']:.3f}-{r['ms_p80']:.3f}" if r["ms_p20"] is not None else "-")
         ratio = r["ratio_to_matmul_ceiling"]
         lines.append(
             f"{r['shape']:9s} {r['dtype']:5s} {r['N']:6d} {r['provider']:11s} {r['mode']:9s} "
-            f"{_fmt(r['ms_p50'], '.3f'):>9s} {spread:>17s} {_fmt(r['tflops'], '.1f'):>8s} "
+            f"{_fmt(r['ms_p50'], '.3f'):>9s} {spread:>17s} {_fmt(r.get('host_ms_p50'), '.3f'):>8s} "
+            f"{_fmt(r['tflops'], '.1f'):>8s} "
             f"{(_fmt(100 * ratio, '.0f') + '%') if ratio is not None else '-':>5s} "
             f"{_fmt(r['peak_extra_mem_mb'], '.1f'):>9s} {_fmt(r['max_abs_diff'], '.1e'):>8s} "
             f"{_fmt(r['max_abs_err_fp64'], '.1e'):>8s}  {(r['error'] or '')[:80]}"
