@@ -108,6 +108,14 @@ def _load_hidden(
 
 
 @triton.jit
+def _load_weights(W_ptr, l, i0, cols, H, C, BLOCK_I: tl.constexpr):
+    """The [BLOCK_I, len(cols)] tile of W^l ([L, H, C]) at rows i0 .. i0 + BLOCK_I."""
+    ii = i0 + tl.arange(0, BLOCK_I)
+    return tl.load(W_ptr + l * H * C + ii[:, None] * C + cols[None, :],
+                   mask=(ii[:, None] < H) & (cols[None, :] < C), other=0.0)
+
+
+@triton.jit
 def _hidden_times_weights(
     acc, H_ptr, W_ptr,  # accumulator; hidden states; weights [L, H, C]
     hl, l, rows, i0, cols, N, H, C,
@@ -116,9 +124,7 @@ def _hidden_times_weights(
     """acc + h[rows, i0 .. i0 + BLOCK_I] W^l[i0 .. i0 + BLOCK_I, cols]: one reduction step of a
     GEMM tile over H, h from layer ``hl`` of ``H_ptr`` (see :func:`_load_hidden`)."""
     h = _load_hidden(H_ptr, hl, rows, i0, N, H, BLOCK_I)
-    ii = i0 + tl.arange(0, BLOCK_I)
-    w = tl.load(W_ptr + l * H * C + ii[:, None] * C + cols[None, :],
-                mask=(ii[:, None] < H) & (cols[None, :] < C), other=0.0)
+    w = _load_weights(W_ptr, l, i0, cols, H, C, BLOCK_I)
     return tl.dot(h, w, acc, input_precision=PREC, out_dtype=ACC)
 
 
@@ -272,6 +278,9 @@ def _layer_attention_fwd_values_kernel(
     oo = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     jj = tl.arange(0, BLOCK_J)
     acc = tl.zeros((BLOCK_N, BLOCK_O), ACC)
+    # head_of[j, o] = 1 where column o belongs to head j: p [N, J] @ head_of spreads each head's
+    # weight over its D columns, in the accumulator's own layout (no gather; unused by ROWSCALE)
+    head_of = (((oo[None, :] // D) == jj[:, None]) & (oo[None, :] < H)).to(dtype)
     if ROWSCALE:
         j = (pid_o * BLOCK_O) // D  # the tile's head
         steps = tl.cdiv(H, BLOCK_I)
@@ -285,9 +294,7 @@ def _layer_attention_fwd_values_kernel(
             w_l = _row_weights(P_ptr, l, rows, j, N, J, seed_p, rate_p, scale_p, DROP_P, dtype,
                                ACC)
             h = (_load_hidden(H_ptr, l, rows, i0, N, H, BLOCK_I).to(ACC) * w_l[:, None])
-            ii = i0 + tl.arange(0, BLOCK_I)
-            w = tl.load(WV_ptr + l * H * H + ii[:, None] * H + oo[None, :],
-                        mask=(ii[:, None] < H) & (oo[None, :] < H), other=0.0)
+            w = _load_weights(WV_ptr, l, i0, oo, H, H, BLOCK_I)
             acc = tl.dot(h.to(dtype), w, acc, input_precision=PREC, out_dtype=ACC)
         for layer in range(0, L):  # sum_l p~^{l,j} b_v^l: a rank-L update
             l = tl.cast(layer, tl.int64)
@@ -295,15 +302,7 @@ def _layer_attention_fwd_values_kernel(
                                ACC)
             b = tl.load(BV_ptr + l * H + oo, mask=oo < H, other=0.0).to(ACC)
             acc += w_l[:, None] * b[None, :]
-        tl.store(
-            C_ptr + rows[:, None] * H + oo[None, :], acc.to(C_ptr.dtype.element_ty),
-            mask=(rows[:, None] < N) & (oo[None, :] < H),
-        )
-        return
-    # head_of[j, o] = 1 where column o belongs to head j: p [N, J] @ head_of spreads each head's
-    # weight over its D columns, in the accumulator's own layout (no gather)
-    head_of = (((oo[None, :] // D) == jj[:, None]) & (oo[None, :] < H)).to(dtype)
-    if FLAT:
+    elif FLAT:
         steps = tl.cdiv(H, BLOCK_I)
         v = tl.zeros((BLOCK_N, BLOCK_O), ACC)
         for it in range(0, L * steps):
