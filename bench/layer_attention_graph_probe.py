@@ -1,0 +1,127 @@
+"""How much of one layer-attention forward + backward is host time: the call as users make it
+against the same work replayed from a CUDA graph (GPU only).
+
+    python bench/layer_attention_graph_probe.py --out DIR      # DIR/graph_probe.json + a table
+
+For eager (``backend="torch"``) and fused (``backend="triton"``), at the shapes below, three
+median figures per forward + backward (``torch.autograd.grad`` of c for every input, as the
+benchmark's ``full`` mode):
+
+    ms        the call timed with CUDA events, synchronised before each call
+    host_ms   the CPU time of the call (the device idle before it): Python, autograd, launches
+    graph_ms  the same forward + backward captured once in a CUDA graph and replayed: the GPU
+              time of its kernels with no host in the way, the floor that fewer launches or
+              a captured call could reach
+
+``ms`` near ``host_ms`` and well above ``graph_ms`` says the call is bound by its host. A
+cProfile of the fused call at the first shape follows the table (top 25 by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmark_layer_attention import SHAPES, git_commit, host_ms, make_inputs  # noqa: E402
+
+CASES = (("bert-base", 4096), ("minilm", 1024), ("minilm", 4096))
+REPS = 30
+
+
+def _events_ms(fn, reps: int = REPS) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def measure(shape_name: str, n: int, backend: str, dtype) -> dict:
+    import torch
+
+    from mhmla_fast import layer_attention
+
+    inputs, dc = make_inputs(SHAPES[shape_name], n, dtype, "cuda", seed=0)
+    J = SHAPES[shape_name].J
+
+    def step():
+        return torch.autograd.grad(layer_attention(*inputs, J, backend=backend), inputs, dc)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles, autotunes) off the default stream
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    row = {"shape": shape_name, "n": n, "backend": backend, "dtype": str(dtype).split(".")[-1],
+           "ms": _events_ms(step), "host_ms": host_ms(step, "cuda")}
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        row["graph_ms"] = _events_ms(graph.replay)
+    except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+        row["graph_ms"], row["graph_error"] = None, f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for graph_probe.json")
+    args = parser.parse_args()
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure", file=sys.stderr)
+        return
+    rows = []
+    for shape_name, n in CASES:
+        for backend in ("torch", "triton"):
+            rows.append(measure(shape_name, n, backend, torch.bfloat16))
+            r = rows[-1]
+            graph = f"{r['graph_ms']:.3f}" if r["graph_ms"] is not None else r["graph_error"]
+            print(f"{shape_name:9s} N={n:5d} {backend:6s} bf16 fwd+bwd: {r['ms']:.3f} ms, "
+                  f"host {r['host_ms']:.3f} ms, graph replay {graph}", flush=True)
+    from mhmla_fast import layer_attention
+
+    inputs, dc = make_inputs(SHAPES[CASES[0][0]], CASES[0][1], torch.bfloat16, "cuda", seed=0)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.autograd.grad(layer_attention(*inputs, SHAPES[CASES[0][0]].J, backend="triton"),
+                            inputs, dc)
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(f"cProfile, 20 fused calls at {CASES[0]}: {time.perf_counter() - t0:.3f} s")
+    print(text.getvalue())
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "commit": git_commit(),
+            "command": "python bench/layer_attention_graph_probe.py --out DIR"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "graph_probe.json").write_text(json.dumps(
+        {"header": meta, "rows": rows, "cprofile_fused": text.getvalue()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
