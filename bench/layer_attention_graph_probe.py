@@ -14,7 +14,8 @@ benchmark's ``full`` mode):
               a captured call could reach
 
 ``ms`` near ``host_ms`` and well above ``graph_ms`` says the call is bound by its host. A
-cProfile of the fused call at the first shape follows the table (top 25 by own time).
+cProfile of the fused call at the first shape comes first (top 25 by own time), and the JSON
+is rewritten after every step, so a run cut by its time box keeps what it measured.
 """
 
 from __future__ import annotations
@@ -82,6 +83,36 @@ def measure(shape_name: str, n: int, backend: str, dtype) -> dict:
     return row
 
 
+def profile_fused(shape_name: str, n: int, calls: int = 20) -> str:
+    """cProfile of ``calls`` fused forward + backward calls (after a warm-up): top 25 by own time."""
+    import torch
+
+    from mhmla_fast import layer_attention
+
+    inputs, dc = make_inputs(SHAPES[shape_name], n, torch.bfloat16, "cuda", seed=0)
+    J = SHAPES[shape_name].J
+
+    def step():
+        return torch.autograd.grad(layer_attention(*inputs, J, backend="triton"), inputs, dc)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return (f"cProfile of {calls} fused forward + backward calls, {shape_name} bf16 N = {n}: "
+            f"{host * 1e3 / calls:.3f} ms of host time per call under the profiler\n"
+            + text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for graph_probe.json")
@@ -92,35 +123,27 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return
-    rows = []
-    for shape_name, n in CASES:
-        for backend in ("torch", "triton"):
-            rows.append(measure(shape_name, n, backend, torch.bfloat16))
-            r = rows[-1]
-            graph = f"{r['graph_ms']:.3f}" if r["graph_ms"] is not None else r["graph_error"]
-            print(f"{shape_name:9s} N={n:5d} {backend:6s} bf16 fwd+bwd: {r['ms']:.3f} ms, "
-                  f"host {r['host_ms']:.3f} ms, graph replay {graph}", flush=True)
-    from mhmla_fast import layer_attention
-
-    inputs, dc = make_inputs(SHAPES[CASES[0][0]], CASES[0][1], torch.bfloat16, "cuda", seed=0)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        torch.autograd.grad(layer_attention(*inputs, SHAPES[CASES[0][0]].J, backend="triton"),
-                            inputs, dc)
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    print(f"cProfile, 20 fused calls at {CASES[0]}: {time.perf_counter() - t0:.3f} s")
-    print(text.getvalue())
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "commit": git_commit(),
             "command": "python bench/layer_attention_graph_probe.py --out DIR"}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "graph_probe.json").write_text(json.dumps(
-        {"header": meta, "rows": rows, "cprofile_fused": text.getvalue()}, indent=1))
+    result = {"header": meta, "rows": [], "cprofile_fused": None}
+
+    def save():  # after every step: a run cut by a time box keeps what it measured
+        (args.out / "graph_probe.json").write_text(json.dumps(result, indent=1))
+
+    # the profile first: the cheapest, and what says where the host time goes
+    result["cprofile_fused"] = profile_fused(*CASES[0])
+    print(result["cprofile_fused"], flush=True)
+    save()
+    for shape_name, n in CASES:
+        for backend in ("triton", "torch"):
+            r = measure(shape_name, n, backend, torch.bfloat16)
+            result["rows"].append(r)
+            save()
+            graph = f"{r['graph_ms']:.3f}" if r["graph_ms"] is not None else r["graph_error"]
+            print(f"{shape_name:9s} N={n:5d} {backend:6s} bf16 fwd+bwd: {r['ms']:.3f} ms, "
+                  f"host {r['host_ms']:.3f} ms, graph replay {graph}", flush=True)
 
 
 if __name__ == "__main__":
