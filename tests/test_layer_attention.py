@@ -780,6 +780,74 @@ def test_config_choice_restricts_the_value_kernels_to_one_form(monkeypatch):
         kernels.layer_attention_configs("fwd_values")
 
 
+def test_autotuned_launches_reuse_the_pick_of_their_key(monkeypatch):
+    """On a GPU the autotuner takes the first launch of each key (its key arguments, the
+    tensors' dtypes, and the config choice); later launches of that key go to the kernel
+    itself with the autotuner's pick, and a new key goes back to the autotuner. Fakes stand in
+    for Triton's autotuner and kernel, so this runs on any CPU."""
+    import triton
+
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    calls = []
+
+    class FakeKernel:  # the @triton.jit kernel: kernel[grid](*args, **kwargs)
+        arg_names = kernels._KERNELS["fwd_scores"].arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(("kernel", grid, args, kwargs))
+
+    class FakeAutotuner:
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(("autotuner", grid, args, kwargs))
+                FakeAutotuner.best_config = triton.Config(
+                    {"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)
+            return run
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.delenv("MHMLA_TRITON_CONFIGS", raising=False)
+    monkeypatch.setitem(kernels._KERNELS, "fwd_scores", FakeKernel())
+    monkeypatch.setattr(kernels, "_tuned", lambda name: FakeAutotuner())
+    monkeypatch.setattr(kernels, "_PICKS", {})
+    kernels._key_positions.cache_clear()
+    h16, h32, out = torch.zeros(2, dtype=torch.float16), torch.zeros(2), torch.zeros(2)
+
+    def grid(meta):
+        return (meta["BLOCK_N"],)
+
+    def launch(hidden, H=768, n_bucket=4096):
+        # the positional arguments of fwd_scores up to H, K, J (the key's H, K, J among them)
+        args = (hidden, hidden, hidden, hidden, hidden, out, 4096, H, 768, 12, 0, 0.0, 1.0)
+        kernels._launch("fwd_scores", grid, *args, DROP_K=False, N_BUCKET=n_bucket)
+
+    launch(h16)
+    launch(h16)
+    assert [c[0] for c in calls] == ["autotuner", "kernel"]
+    assert calls[0][1] is grid and calls[1][1] is grid and calls[1][2] == calls[0][2]
+    assert calls[1][3] == {"DROP_K": False, "N_BUCKET": 4096, "BLOCK_N": 128, "BLOCK_K": 64,
+                           "num_warps": 8, "num_ctas": 1, "num_stages": 3}
+    for new_key in (lambda: launch(h32), lambda: launch(h16, H=384),
+                    lambda: launch(h16, n_bucket=8192)):
+        calls.clear()
+        new_key()
+        new_key()
+        assert [c[0] for c in calls] == ["autotuner", "kernel"]
+    calls.clear()
+    monkeypatch.setenv("MHMLA_TRITON_CONFIGS", "rowscale")  # prunes differently: a new key
+    launch(h16)
+    monkeypatch.setenv("MHMLA_TRITON_CONFIGS", "fixed")  # the fixed config, no autotuner
+    launch(h16)
+    assert [c[0] for c in calls] == ["autotuner", "kernel"]
+    tiles, warps, stages = kernels._FIXED["fwd_scores"]
+    assert calls[1][1] == grid(tiles)
+    assert calls[1][3] == {"DROP_K": False, "N_BUCKET": 4096, **tiles, "num_warps": warps,
+                           "num_stages": stages}
+    kernels._key_positions.cache_clear()
+
+
 @needs_triton
 def test_direct_calls_and_the_custom_ops_give_the_same_bits(monkeypatch):
     """Outside torch.compile the autograd Function calls the launchers directly; through the
