@@ -13,7 +13,7 @@
 #   bash bench/gpu_issue10.sh rerun        # shorter: headline without torch.compile, bf16 sweep, profile, tests
 #   bash bench/gpu_issue10.sh next-a       # tests + full headline, one tarball back; next-b: the bf16/fp16 N sweep + profile
 #   bash bench/gpu_issue10.sh rowscale-ab  # the value kernels' ROWSCALE forms against the others, fused only, one tarball
-#   bash bench/gpu_issue10.sh host-probe   # the GPU kernel tests from the 31st on + event/host/CUDA-graph times, one tarball
+#   bash bench/gpu_issue10.sh host-probe   # event/host/CUDA-graph times + cProfile, then the GPU kernel tests from the 31st on, one tarball
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
 # the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
@@ -160,18 +160,19 @@ PY
       done
     done
     tar czf "$OUT/$stage.tgz" -C "$raw" . && rm -rf "$raw" ;;
-  host-probe)  # (run 'setup' first) one call of about 4 minutes, one tarball: the GPU kernel
-    # tests from the 31st on (the 'tests' stage reached only 31 in 150 s: a compile per shape),
-    # then bench/layer_attention_graph_probe.py (eager and fused forward + backward: event time,
-    # host time and CUDA-graph replay time; a cProfile of the fused call)
+  host-probe)  # (run 'setup' first) one call of about 6 minutes, one tarball:
+    # bench/layer_attention_graph_probe.py first (a cProfile of the fused call, then eager and
+    # fused forward + backward: event time, host time and CUDA-graph replay time; autotuning at
+    # BERT-base takes about a minute of it), then the GPU kernel tests from the 31st on (the
+    # 'tests' stage reached only 31 in 150 s: each new shape compiles for seconds)
     raw="$OUT/raw_$stage"; mkdir -p "$raw"
+    timeout 200 python bench/layer_attention_graph_probe.py --out "$raw" > "$raw/graph_probe.log" 2>&1 || true
+    grep -E "fwd\+bwd|cProfile of" "$raw/graph_probe.log" || tail -5 "$raw/graph_probe.log"
     files="tests/test_layer_attention.py tests/test_layer_attention_module.py"
     mapfile -t rest < <(python -m pytest --collect-only -q $files 2>/dev/null | grep '::' | sed -n '31,$p')
     MHMLA_TRITON_CONFIGS=fixed timeout 150 python -u -m pytest -q -rfs "${rest[@]}" \
       > "$raw/tests_gpu_from31.log" 2>&1 || true
     grep -E "passed|failed|^FAILED|^ERROR" "$raw/tests_gpu_from31.log" | tail -12 || true
-    timeout 90 python bench/layer_attention_graph_probe.py --out "$raw" > "$raw/graph_probe.log" 2>&1 || true
-    grep -E "fwd\+bwd|cProfile" "$raw/graph_probe.log" || tail -5 "$raw/graph_probe.log"
     tar czf "$OUT/$stage.tgz" -C "$raw" . && rm -rf "$raw" ;;
   probe)  # the open 16-bit fault (13 70 120 72 3 in fp16): neighbouring shapes, one process each
     export CUDA_LAUNCH_BLOCKING=1 MHMLA_TRITON_CONFIGS=fixed
