@@ -28,7 +28,11 @@ CUDA, as measured on an NVIDIA H100 80GB HBM3 (torch 2.11, triton 3.6, commit 07
   1.846). So auto runs the fused pair only from L N H (H + K) = 2^37 = 1.4e11 up (BERT-base
   from about N = 9,700 tokens), in fp16 and bf16 (fp32 was not measured); below it, when a
   gradient is needed, eager end to end (an eager backward behind a fused forward would
-  recompute the eager forward).
+  recompute the eager forward). Re-measured later that day (``gpu_2026-11-26-c/``, commit
+  b8ba9e9, ``bench/layer_attention_graph_probe.py``): at BERT-base N = 4096 the fused pair's
+  kernels take 1.072 ms replayed from a CUDA graph against eager's 1.656, but as called it is
+  bound by 1.845 ms of host time (2.149 ms against eager's 1.841), so the rule stands until
+  the host path is cheaper.
 - 16-bit inputs whose H or K is not a multiple of 16 run eager (:func:`fused_unsupported`).
 
 Devices without Triton (CPU without ``TRITON_INTERPRET=1``) always run eager.
