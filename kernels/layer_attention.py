@@ -1007,14 +1007,19 @@ def layer_attention_bwd(
     sections = (L * H, L * K * J, L * K, L * J)  # db_v, dW_a, db_k, db_a
     stride = sum(sections)
     slots = torch.empty((T, stride), device=dev, dtype=acc)
-    dbv_slots, dwa_slots, dbk_slots, dba_slots = slots.split(sections, dim=1)
+    dbv_slots, dwa_slots, dbk_slots, dba_slots = slots.split_with_sizes(sections, dim=1)
+
+    def layers(t: Tensor, l0: int, l1: int) -> Tensor:
+        """Layers l0 .. l1 of an [L, ...] tensor: itself when that is all of them (one group,
+        the usual case; a slice is a dispatcher call, and the host bounds this op on a GPU)."""
+        return t if l1 - l0 == L else t[l0:l1]
 
     def group_hidden(l0: int, l1: int) -> Tensor:
         """h~ of layers l0 .. l1: the forward's dropped-out input."""
         if not drop_h:
-            return hidden[l0:l1]
-        return _dropout_layers(hidden[l0:l1], h_buf[: l1 - l0], l0, r["seed_h"], r["rate_h"],
-                               r["scale_h"])
+            return layers(hidden, l0, l1)
+        return _dropout_layers(layers(hidden, l0, l1), h_buf[: l1 - l0], l0, r["seed_h"],
+                               r["rate_h"], r["scale_h"])
 
     dh = torch.empty_like(hidden)
     dw_v, dw_k = torch.empty_like(w_v), torch.empty_like(w_k)
@@ -1024,7 +1029,7 @@ def layer_attention_bwd(
         G = l1 - l0
         h = group_hidden(l0, l1)
         dv = scratch[: G * N * H].view(G, N, H)
-        dpp = dp_all[l0:l1] if whole_heads else dpp_buf[: S * G * N * J].view(S, G, N, J)
+        dpp = layers(dp_all, l0, l1) if whole_heads else dpp_buf[: S * G * N * J].view(S, G, N, J)
         _launch(
             "bwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), _cdiv(N, m["BLOCK_N"]), G),
             h, w_v, b_v, dc, p, dv, dpp, dbv_slots, G, N, H, J, D, l0, S, T, stride,
@@ -1032,9 +1037,9 @@ def layer_attention_bwd(
             BLOCK_J=shape["BLOCK_J"], **common,
         )
         if not whole_heads:
-            torch.sum(dpp, 0, out=dp_all[l0:l1])
-        torch.bmm(h.mT, dv, out=dw_v[l0:l1])
-        torch.bmm(dv, w_v[l0:l1].mT, out=dh[l0:l1])
+            torch.sum(dpp, 0, out=layers(dp_all, l0, l1))
+        torch.bmm(h.mT, dv, out=layers(dw_v, l0, l1))
+        torch.bmm(dv, layers(w_v, l0, l1).mT, out=layers(dh, l0, l1))
     if dp is not None:  # a gradient flowing into the returned layer weights
         dp_all += dp
     da = torch.empty_like(dp_all)
@@ -1052,12 +1057,12 @@ def layer_attention_bwd(
             r["seed_k"], r["rate_k"], r["scale_k"], DROP_K=drop_k, BLOCK_J=shape["BLOCK_J"],
             **common,
         )
-        dh_g = dh[l0:l1].baddbmm_(dz, w_k[l0:l1].mT)
+        dh_g = layers(dh, l0, l1).baddbmm_(dz, layers(w_k, l0, l1).mT)
         if drop_h:
             _dropout_layers(dh_g, dh_g, l0, r["seed_h"], r["rate_h"], r["scale_h"])
-        torch.bmm(h.mT, dz, out=dw_k[l0:l1])
+        torch.bmm(h.mT, dz, out=layers(dw_k, l0, l1))
     # the slots summed in order, rounded once to the input dtype
-    db_v, dw_a, db_k, db_a = slots.sum(0).to(dtype).split(sections)
+    db_v, dw_a, db_k, db_a = slots.sum(0).to(dtype).split_with_sizes(sections)
     return (dh, dw_v, db_v.view(L, H), dw_k, db_k.view(L, K), dw_a.view(L, K, J),
             db_a.view(L, J))
 
@@ -1212,6 +1217,13 @@ class LayerAttentionFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
+@functools.cache
+def _no_dropout_seed() -> Tensor:
+    """The seed tensor of every call without dropout, made once (never written to: saved for
+    the backward as is)."""
+    return torch.zeros((), dtype=torch.int64)
+
+
 def layer_attention_triton(
     hidden: Tensor, w_v: Tensor, b_v: Tensor, w_k: Tensor, b_k: Tensor, w_a: Tensor,
     b_a: Tensor, num_heads: int, *, dropout: tuple[float, float, float] = (0.0, 0.0, 0.0),
@@ -1230,10 +1242,11 @@ def layer_attention_triton(
     if len(kernels) != 2 or any(k not in IMPLEMENTATIONS for k in kernels):
         raise ValueError(f"kernels: expected (forward, backward) from {IMPLEMENTATIONS}, got {kernels!r}")
     if not any(rate > 0 for rate in dropout):
-        seed_t = torch.zeros((), dtype=torch.int64)  # no dropout: draw nothing from the RNG
+        seed_t = _no_dropout_seed()  # no dropout: draw nothing from the RNG
     elif seed is None:
         seed_t = torch.randint(0, 2**31 - _SEED_STREAMS, (), dtype=torch.int64)
     else:
         seed_t = torch.tensor(int(seed), dtype=torch.int64)
-    args = [t.contiguous() for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a)]
+    # (is_contiguous is a plain attribute read; contiguous() a dispatcher call even when a no-op)
+    args = [t if t.is_contiguous() else t.contiguous() for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a)]
     return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t, kernels)

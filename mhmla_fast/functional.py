@@ -69,25 +69,26 @@ def _check(
         raise ValueError(f"w_k: block-diagonal scoring needs K = {K} divisible by J = {J}")
     Ka = K // J if block_diagonal else K
     expected = {
-        "w_v": [L, H, H], "b_v": [L, H], "w_k": [L, H, K], "b_k": [L, K],
-        "w_a": [L, Ka, J], "b_a": [L, J],
+        "w_v": (L, H, H), "b_v": (L, H), "w_k": (L, H, K), "b_k": (L, K),
+        "w_a": (L, Ka, J), "b_a": (L, J),
     }
-    letters = {
-        "w_v": "[L, H, H]", "b_v": "[L, H]", "w_k": "[L, H, K]", "b_k": "[L, K]",
-        "w_a": "[L, K/J, J]" if block_diagonal else "[L, K, J]", "b_a": "[L, J]",
-    }
+    dtype, device = hidden.dtype, hidden.device
     for name, t in params.items():
         if not isinstance(t, Tensor):
             raise ValueError(f"{name}: expected a tensor, got {type(t)!r}")
-        if _shape(t) != expected[name]:
+        if t.shape != expected[name]:  # torch.Size against a tuple: no lists on the hot path
+            letters = {
+                "w_v": "[L, H, H]", "b_v": "[L, H]", "w_k": "[L, H, K]", "b_k": "[L, K]",
+                "w_a": "[L, K/J, J]" if block_diagonal else "[L, K, J]", "b_a": "[L, J]",
+            }
             raise ValueError(
-                f"{name}: expected shape {letters[name]} = {expected[name]} for hidden "
+                f"{name}: expected shape {letters[name]} = {list(expected[name])} for hidden "
                 f"{_shape(hidden)} and J = {J}, got {_shape(t)}"
             )
-        if t.dtype != hidden.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} differs from hidden's {hidden.dtype}")
-        if t.device != hidden.device:
-            raise ValueError(f"{name}: device {t.device} differs from hidden's {hidden.device}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from hidden's {dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}: device {t.device} differs from hidden's {device}")
     for name, rate in rates.items():
         if not 0.0 <= float(rate) < 1.0:
             raise ValueError(f"{name}: expected a rate in [0, 1), got {rate!r}")

@@ -11,13 +11,14 @@ import sys
 from bench_scripts import BENCH
 
 
-def test_launch_cost_script_times_the_three_launch_paths(tmp_path):
+def test_launch_cost_script_times_the_launch_paths_and_the_op(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "launch.json"
     subprocess.run([sys.executable, str(BENCH / "triton_launch_host_cpu.py"), "--out", str(out)],
                    check=True, env=env, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
-    assert set(result["rows"]) == {"fixed", "autotuner", "picks", "torch.empty"}
+    assert set(result["rows"]) == {"fixed", "autotuner", "picks", "torch.empty",
+                                   "fused_forward_backward", "eager_forward_backward"}
     assert all(v > 0 for v in result["rows"].values())
     assert "mocked" in result["header"]["device"] and result["header"]["commit"]
 
