@@ -21,7 +21,8 @@ A torch op of negligible work (``torch.empty``) is timed for scale. The C launch
 Then the whole op as users call it, ``torch.autograd.grad`` of ``layer_attention`` for all
 inputs, fused (``backend="triton"``, its 5 launches through the mocked driver) and eager
 (``backend="torch"``), on tiny fp32 CPU tensors (L = 2, N = 16, H = K = 32, J = 4) whose
-arithmetic is negligible: microseconds per forward + backward.
+arithmetic is negligible: microseconds per forward + backward, the minimum over 15 rounds of
+100 calls, fused and eager rounds interleaved.
 """
 
 from __future__ import annotations
@@ -114,9 +115,17 @@ def measure(launches: int = 300, rounds: int = 5) -> dict:
         fixed = us(launch)
         os.environ["MHMLA_TRITON_CONFIGS"] = ""
         rows = {"fixed": fixed, "autotuner": us(autotuner), "picks": us(launch),
-                "torch.empty": us(lambda: torch.empty((L, N, J))),
-                "fused_forward_backward": us(op("triton")),
-                "eager_forward_backward": us(op("torch"))}
+                "torch.empty": us(lambda: torch.empty((L, N, J)))}
+        # the op: fused and eager rounds interleaved, the minimum of each over 15 rounds of
+        # 100 calls (on a shared machine a burst of load then hits both, not one)
+        calls = {"fused_forward_backward": op("triton"), "eager_forward_backward": op("torch")}
+        best = {name: float("inf") for name in calls}
+        for fn in calls.values():
+            fn()
+        for _ in range(15):
+            for name, fn in calls.items():
+                best[name] = min(best[name], timeit.timeit(fn, number=100) / 100 * 1e6)
+        rows.update({name: round(v, 2) for name, v in best.items()})
     finally:
         if previous is None:
             os.environ.pop("MHMLA_TRITON_CONFIGS", None)
