@@ -9,11 +9,14 @@ any CPU: the driver is replaced by a stand-in that reports an sm_90 target, the 
 the binary load are no-ops. Three ways to launch it, in microseconds per launch (the minimum
 over 5 rounds of the mean over 300 launches, one CPU thread):
 
-    fixed       the fixed config through ``_launch`` (MHMLA_TRITON_CONFIGS=fixed): Triton's JIT
-                dispatch alone (argument binding and specialisation, cache key, launch)
+    jit         the fixed config through Triton's JIT (``kernel[grid](...)``): argument
+                binding and specialisation, cache key, launch
+    fixed       the fixed config through ``_launch`` (MHMLA_TRITON_CONFIGS=fixed): the compiled
+                kernel launched directly (``_run``), as every launch after a key's first
     autotuner   ``_tuned(name)[grid](...)``, the autotuner's dispatch on a cached key (what
                 ``_launch`` did for every launch before it kept the picks)
-    picks       ``_launch`` autotuned: the autotuner's pick for the key reused, straight to JIT
+    picks       ``_launch`` autotuned: the autotuner's pick for the key reused, and the
+                compiled kernel launched directly
 
 A torch op of negligible work (``torch.empty``) is timed for scale. The C launcher's own cost
 (unpacking the arguments, cuLaunchKernel) is not counted.
@@ -92,6 +95,12 @@ def measure(launches: int = 300, rounds: int = 5) -> dict:
     def launch():
         kernels._launch("fwd_scores", grid, *args, **kwargs)
 
+    tiles, warps, stages = kernels._FIXED["fwd_scores"]
+
+    def jit():
+        kernels._KERNELS["fwd_scores"][grid(tiles)](*args, **kwargs, **tiles, num_warps=warps,
+                                                    num_stages=stages)
+
     def autotuner():
         kernels._tuned("fwd_scores")[grid](*args, **kwargs)
 
@@ -114,7 +123,7 @@ def measure(launches: int = 300, rounds: int = 5) -> dict:
         os.environ["MHMLA_TRITON_CONFIGS"] = "fixed"
         fixed = us(launch)
         os.environ["MHMLA_TRITON_CONFIGS"] = ""
-        rows = {"fixed": fixed, "autotuner": us(autotuner), "picks": us(launch),
+        rows = {"jit": us(jit), "fixed": fixed, "autotuner": us(autotuner), "picks": us(launch),
                 "torch.empty": us(lambda: torch.empty((L, N, J)))}
         # the op: fused and eager rounds interleaved, the minimum of each over 15 rounds of
         # 100 calls (on a shared machine a burst of load then hits both, not one)

@@ -59,6 +59,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 from mhmla_fast.dispatch import fused_unsupported
 
@@ -771,6 +774,10 @@ def _autotune_bench(kernel_call, quantiles):
 # (kernel, $MHMLA_TRITON_CONFIGS, autotuning key values, first argument's dtype) -> the
 # autotuner's pick for that key, as launch keyword arguments (tiles, num_warps, num_stages, ...)
 _PICKS: dict[tuple, dict] = {}
+# (launch key, device, argument classes) -> (the compiled kernel's launcher, its function
+# handle, its packed metadata, the kernel's arguments after the positional ones): see _run
+_COMPILED: dict[tuple, tuple] = {}
+_INT32, _INT64 = range(-(2**31), 2**31), range(-(2**63), 2**63)
 
 
 @functools.cache
@@ -790,30 +797,88 @@ def _pick_key(name: str, choice: str, args: tuple, kwargs: dict) -> tuple:
     return (name, choice, values, args[0].dtype)
 
 
+def _fixed_config(name: str) -> dict:
+    """Kernel ``name``'s fixed config as launch keyword arguments (read at each launch: tests
+    swap fixed configs)."""
+    tiles, warps, stages = _FIXED[name]
+    return dict(tiles, num_warps=warps, num_stages=stages)
+
+
 def _launch(name: str, grid, *args, **kwargs) -> None:
     """Launch kernel ``name``: its fixed config under the interpreter (or with
     MHMLA_TRITON_CONFIGS=fixed), else the config the autotuner picks for this launch's key.
 
     ``grid`` maps the config's tiles to the launch grid. The autotuner runs the first launch
     of each key (timing every candidate); later launches of that key go to the kernel itself
-    with the pick (``_PICKS``), skipping the autotuner's dispatch, which builds dicts of every
-    argument and their dtypes' names at each call: on the H100 the op's launches made it
-    host-bound (issue 10). ``bench/triton_launch_host_cpu.py`` times the Python of a launch
-    with the CUDA driver mocked (``bench/results/triton_launch_host_cpu.json``).
+    with the pick (``_PICKS``) through ``_run``, skipping the autotuner's dispatch, which
+    builds dicts of every argument and their dtypes' names at each call: on the H100 the op's
+    launches made it host-bound (issue 10). ``bench/triton_launch_host_cpu.py`` times the
+    Python of a launch with the CUDA driver mocked (``bench/results/triton_launch_host_cpu.json``).
     """
     choice = _config_choice()
     if choice == "fixed" or _interpreting():
-        tiles, warps, stages = _FIXED[name]
-        _KERNELS[name][grid(tiles)](*args, **kwargs, **tiles, num_warps=warps, num_stages=stages)
+        config = _fixed_config(name)
+        key = (name, "fixed")
+    else:
+        key = _pick_key(name, choice, args, kwargs)
+        config = _PICKS.get(key)
+        if config is None:
+            tuned = _tuned(name)
+            tuned[grid](*args, **kwargs)
+            _PICKS[key] = tuned.best_config.all_kwargs()
+            return
+    _run(_KERNELS[name], grid(config), args, {**kwargs, **config}, (key, *kwargs.values()))
+
+
+def _arg_classes(args: tuple) -> tuple:
+    """What Triton's JIT specialises a compiled kernel on, per positional argument: a tensor's
+    dtype and whether its address is 16-byte aligned; an int's being 1, its divisibility by 16
+    and its width (32 or 64 bits, signed or not); anything else its type (floats and bools
+    are not specialised on their values). Equal classes, equal compiled kernel
+    (``tests/test_layer_attention_launch.py`` checks this against Triton's own binder)."""
+    return tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor)
+                  else (a == 1, a % 16 == 0, a in _INT32, a in _INT64) if type(a) is int
+                  else type(a) for a in args])
+
+
+def _launch_hooks() -> bool:
+    """Whether Triton's launch hooks (``knobs.runtime.launch_enter_hook``/``exit_hook``: hook
+    chains, which profilers fill) have anything to call."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple) -> None:
+    """kernel[grid](*args, **kwargs), the compiled kernel launched directly after its first use.
+
+    ``key`` must determine ``kwargs`` (the constexprs and config); the positional arguments'
+    ``_arg_classes`` and the device complete it. The first launch of a key goes through
+    Triton's JIT (compiling if need be) and keeps the compiled kernel it ran; later ones call
+    that kernel's launcher with the current stream, skipping the JIT's argument binding,
+    specialisation and cache-key work: 14 us of Python per launch against 5 on the CPU this was
+    measured on (``bench/triton_launch_host_cpu.py``). Under the interpreter, or with Triton's
+    launch hooks set (profilers), every launch goes through the JIT.
+    """
+    if not isinstance(kernel, JITFunction) or _launch_hooks():  # interpreted, or profiled
+        kernel[grid](*args, **kwargs)
         return
-    key = _pick_key(name, choice, args, kwargs)
-    pick = _PICKS.get(key)
-    if pick is not None:
-        _KERNELS[name][grid](*args, **kwargs, **pick)
+    device = driver.active.get_current_device()
+    full_key = (key, device, _arg_classes(args))
+    entry = _COMPILED.get(full_key)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):  # compiled asynchronously
+            compiled = compiled.result()
+        params = kernel.signature.parameters
+        tail = tuple(kwargs[n] if n in kwargs else params[n].default
+                     for n in kernel.arg_names[len(args):])
+        _COMPILED[full_key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
         return
-    tuned = _tuned(name)
-    tuned[grid](*args, **kwargs)
-    _PICKS[key] = tuned.best_config.all_kwargs()
+    launcher, function, metadata, tail = entry
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    launcher(grid[0], g1, g2, driver.active.get_current_stream(device), function, metadata,
+             None, None, None, *args, *tail)
 
 
 def _n_bucket(n: int) -> int:
@@ -956,10 +1021,10 @@ def _dropout_layers(x: Tensor, out: Tensor, l0: int, seed: int, rate: float,
     """out = x keep / (1 - rate) for layers l0 .. l0 + G ([G, N, W], contiguous) of an
     [L, N, W] tensor, the keep mask drawn at the whole tensor's flat offsets."""
     G, N, W = x.shape
-    _layer_attention_dropout_layers_kernel[(_cdiv(N * W, _DROPOUT_BLOCK), G)](
-        x, out, N * W, l0, seed, rate, scale, ACC=_ACC.get(x.dtype, tl.float32),
-        BLOCK=_DROPOUT_BLOCK,
-    )
+    acc = _ACC.get(x.dtype, tl.float32)
+    _run(_layer_attention_dropout_layers_kernel, (_cdiv(N * W, _DROPOUT_BLOCK), G),
+         (x, out, N * W, l0, seed, rate, scale), dict(ACC=acc, BLOCK=_DROPOUT_BLOCK),
+         ("dropout_layers", acc))
     return out
 
 
@@ -1043,9 +1108,8 @@ def layer_attention_bwd(
     if dp is not None:  # a gradient flowing into the returned layer weights
         dp_all += dp
     da = torch.empty_like(dp_all)
-    _layer_attention_bwd_softmax_kernel[(T,)](
-        dp_all, p, da, dba_slots, L, N, J, stride, BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SLOT,
-    )
+    _run(_layer_attention_bwd_softmax_kernel, (T,), (dp_all, p, da, dba_slots, L, N, J, stride),
+         dict(BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SLOT), ("bwd_softmax", shape["BLOCK_J"]))
     # pass 2: dz (z recomputed on chip) -> dW_a, db_k; dh += dz W_k' and dW_k = h~' dz
     for l0, l1 in groups:
         G = l1 - l0

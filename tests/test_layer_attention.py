@@ -826,7 +826,7 @@ def test_autotuned_launches_reuse_the_pick_of_their_key(monkeypatch):
     launch(h16)
     launch(h16)
     assert [c[0] for c in calls] == ["autotuner", "kernel"]
-    assert calls[0][1] is grid and calls[1][1] is grid and calls[1][2] == calls[0][2]
+    assert calls[0][1] is grid and calls[1][1] == (128,) and calls[1][2] == calls[0][2]
     assert calls[1][3] == {"DROP_K": False, "N_BUCKET": 4096, "BLOCK_N": 128, "BLOCK_K": 64,
                            "num_warps": 8, "num_ctas": 1, "num_stages": 3}
     for new_key in (lambda: launch(h32), lambda: launch(h16, H=384),

@@ -1,0 +1,141 @@
+"""The fused kernels' launch path on a GPU (``_launch``, ``_run``), run on any CPU: each test is a
+subprocess in which ``bench/triton_launch_host_cpu.py``'s stand-in for the CUDA driver reports
+an sm_90 target (kernels compile for real, the final C launcher is replaced), since the stand-in
+replaces Triton's driver process-wide."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from bench_scripts import BENCH
+
+
+def _run_script(script: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "MHMLA_TRITON_CONFIGS")}
+    res = subprocess.run([sys.executable, "-c", script, str(BENCH)], env=env, timeout=600,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.split()
+
+
+_CLASSES_DECIDE = r'''
+import itertools, sys
+sys.path.insert(0, sys.argv[1])
+from triton_launch_host_cpu import _mock_driver
+_mock_driver()
+import torch
+import mhmla_fast.kernels.layer_attention as K
+
+kernel = K._layer_attention_bwd_softmax_kernel
+binder = kernel.create_binder()[-1]
+base = torch.zeros(64)
+tensors = [base, base[1:], base[4:], base.half(), base.half()[8:], base.double()[2:]]
+ints = [0, 1, 2, 15, 16, 17, 32, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
+        2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16, -1, -16, -(2**31), -(2**31) - 16]
+seen = {}
+cases = 0
+for ts in itertools.product(tensors, repeat=2):
+    for n in ints:
+        for args in ((*ts, ts[0], ts[1], n, 7, 12, 16), (*ts, ts[1], ts[0], 3, n, n, 1)):
+            _, spec, _ = binder(*args, BLOCK_J=16, BLOCK_N=64)
+            classes = K._arg_classes(args)
+            assert seen.setdefault(classes, spec) == spec, (args, classes, spec, seen[classes])
+            cases += 1
+print("cases", cases, "classes", len(seen))
+'''
+
+
+def test_argument_classes_decide_the_jit_specialisation():
+    """Equal ``_arg_classes``, equal specialisation by Triton's own binder (tensors of three
+    dtypes at aligned and unaligned addresses; ints around 1, multiples of 16 and the 32- and
+    64-bit limits, signed and not): the compiled kernel a launch reuses is the one the JIT
+    would pick for its arguments."""
+    out = _run_script(_CLASSES_DECIDE)
+    assert out[0] == "cases" and int(out[1]) == 6 * 6 * 21 * 2
+    assert int(out[3]) > 50  # the classes do tell the specialisations apart
+
+
+_SAME_LAUNCHES = r'''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from triton_launch_host_cpu import _mock_driver
+_mock_driver()
+import torch
+from triton.compiler.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction
+import mhmla_fast.kernels.layer_attention as K
+
+launches = []
+
+
+def record(kernel):
+    def run(g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args):
+        launches.append((id(kernel), (g0, g1, g2), tuple(
+            (tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a
+            for a in args)))
+    return run
+
+
+jit_runs = []
+jit_run = JITFunction.run
+
+
+def counted(self, *args, **kwargs):
+    jit_runs.append(self)
+    return jit_run(self, *args, **kwargs)
+
+
+CompiledKernel.run = property(record)
+JITFunction.run = counted
+K._check_launchable = lambda t: None
+L, N, H, Kd, J = 3, 40, 64, 48, 4
+g = torch.Generator().manual_seed(0)
+ts = [torch.randn(s, generator=g).half() for s in
+      [(L, N, H), (L, H, H), (L, H), (L, H, Kd), (L, Kd), (L, Kd, J), (L, J)]]
+dc = torch.randn(N, H, generator=g).half()
+dropout = [(0.1, 0.1, 0.1), (0.0, 0.0, 0.0)][int(sys.argv[2])]
+seed = [5]
+
+
+def step():
+    c, p = K.layer_attention_fwd(*ts, J, dropout, seed[0])
+    K.layer_attention_bwd(dc, None, *ts, p, J, dropout, seed[0])
+    out = list(launches)
+    launches.clear()
+    jit = len(jit_runs)
+    jit_runs.clear()
+    return out, jit
+
+
+through_autotuner, _ = step()
+with_picks, _ = step()
+direct, jit = step()
+assert len(K._PICKS) == 4, K._PICKS
+assert with_picks == through_autotuner, (with_picks, through_autotuner)
+assert direct == through_autotuner, (direct, through_autotuner)
+assert jit == 0, jit
+seed[0] = 16 * 7  # another seed, divisible by 16: new argument classes, through the JIT once
+other, jit = step()
+assert jit > 0 and len(other) == len(direct)
+print("same", len(direct))
+'''
+
+
+def test_picks_and_direct_launches_launch_what_the_autotuner_launched():
+    """A fused forward + backward (fp16, dropout on) three times: through the autotuner (first
+    call of each key), with its picks through Triton's JIT, then with every kernel launched
+    directly from the compiled kernel the JIT ran (no JIT call at all): the same compiled
+    kernels, grids and arguments each time (tensors by shape, dtype and strides). A
+    seed of another argument class goes through the JIT again."""
+    assert _run_script(_SAME_LAUNCHES.replace("sys.argv[2]", "0")) == ["same", "8"]
+
+
+def test_direct_launches_without_dropout():
+    """The same without dropout (no dropout kernels: 5 launches per forward + backward); a
+    token count divisible by 16 goes through the JIT again."""
+    out = _run_script(_SAME_LAUNCHES.replace("sys.argv[2]", "1")
+                      .replace("seed[0] = 16 * 7", "ts[0], dc = ts[0][:, :32].contiguous(), dc[:32]  # N = 32"))
+    assert out == ["same", "5"]
