@@ -1305,12 +1305,18 @@ def layer_attention_triton(
     kernels = tuple(kernels)
     if len(kernels) != 2 or any(k not in IMPLEMENTATIONS for k in kernels):
         raise ValueError(f"kernels: expected (forward, backward) from {IMPLEMENTATIONS}, got {kernels!r}")
-    if not any(rate > 0 for rate in dropout):
+    # (is_contiguous is a plain attribute read; contiguous() a dispatcher call even when a no-op)
+    args = [t if t.is_contiguous() else t.contiguous() for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a)]
+    dropped = any(rate > 0 for rate in dropout)
+    if (kernels[0] == "triton" and not dropped and _direct(hidden)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in args))):
+        # inference: the launchers without the autograd Function (its context and saved
+        # tensors cost host time, which bounds the fused op on a GPU)
+        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0), 0)
+    if not dropped:
         seed_t = _no_dropout_seed()  # no dropout: draw nothing from the RNG
     elif seed is None:
         seed_t = torch.randint(0, 2**31 - _SEED_STREAMS, (), dtype=torch.int64)
     else:
         seed_t = torch.tensor(int(seed), dtype=torch.int64)
-    # (is_contiguous is a plain attribute read; contiguous() a dispatcher call even when a no-op)
-    args = [t if t.is_contiguous() else t.contiguous() for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a)]
     return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t, kernels)

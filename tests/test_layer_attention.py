@@ -868,6 +868,34 @@ def test_direct_calls_and_the_custom_ops_give_the_same_bits(monkeypatch):
         assert torch.equal(a, b)
 
 
+@needs_triton
+def test_inference_skips_the_autograd_function_with_the_same_bits(monkeypatch):
+    """Without a gradient to compute (no_grad, or no input requiring one) and without dropout,
+    the fused forward runs its launchers without the autograd Function: the same bits as
+    through it."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    L, N, H, K, J = 3, 21, 24, 16, 4
+    ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE, seed=4))
+    c_grad, p_grad = kernels.layer_attention_triton(*ts, J)
+    assert c_grad.requires_grad
+    applied = []
+    apply = kernels.LayerAttentionFunction.apply
+    monkeypatch.setattr(kernels.LayerAttentionFunction, "apply",
+                        lambda *a: applied.append(1) or apply(*a))
+    with torch.no_grad():
+        c, p = kernels.layer_attention_triton(*ts, J)
+    c2, p2 = kernels.layer_attention_triton(*(t.detach() for t in ts), J)
+    assert not applied and not c.requires_grad
+    for a in (c, c2):
+        assert torch.equal(a, c_grad.detach())
+    for a in (p, p2):
+        assert torch.equal(a, p_grad.detach())
+    with torch.no_grad():  # dropout still goes through the Function (its seed and masks)
+        kernels.layer_attention_triton(*ts, J, dropout=(0.1, 0.0, 0.0), seed=3)
+    assert applied
+
+
 # ------------------------------------------------------------------------- bad input
 
 
