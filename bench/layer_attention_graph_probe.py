@@ -16,6 +16,12 @@ benchmark's ``full`` mode):
 ``ms`` near ``host_ms`` and well above ``graph_ms`` says the call is bound by its host. A
 cProfile of the fused call at the first shape comes first (top 25 by own time), and the JSON
 is rewritten after every step, so a run cut by its time box keeps what it measured.
+
+Fused rows come twice: as shipped (``launches: direct``, every launch after a key's first one
+straight to the compiled kernel) and with every launch through Triton's JIT (``launches: jit``,
+what the launchers did before 2026-11-27), the A/B of the direct launches on this host. At the
+first shape the forward alone, without a gradient (``mode: forward``, the inference path),
+follows for fused and eager.
 """
 
 from __future__ import annotations
@@ -53,16 +59,39 @@ def _events_ms(fn, reps: int = REPS) -> float:
     return median(times)
 
 
-def measure(shape_name: str, n: int, backend: str, dtype) -> dict:
+def measure(shape_name: str, n: int, backend: str, dtype, mode: str = "full",
+            launches: str = "direct") -> dict:
+    """One row: ``mode`` "full" (forward + backward) or "forward" (no gradient); ``launches``
+    "jit" sends the fused kernels' launches through Triton's JIT (as with launch hooks set)."""
     import torch
 
+    import mhmla_fast.kernels.layer_attention as kernels
     from mhmla_fast import layer_attention
 
     inputs, dc = make_inputs(SHAPES[shape_name], n, dtype, "cuda", seed=0)
     J = SHAPES[shape_name].J
 
-    def step():
+    def full():
         return torch.autograd.grad(layer_attention(*inputs, J, backend=backend), inputs, dc)
+
+    def forward():
+        with torch.no_grad():
+            return layer_attention(*inputs, J, backend=backend)
+
+    step = full if mode == "full" else forward
+    hooks = kernels._launch_hooks
+    if launches == "jit":
+        kernels._launch_hooks = lambda: True
+    try:
+        return _timed(step, {"shape": shape_name, "n": n, "backend": backend,
+                             "dtype": str(dtype).split(".")[-1], "mode": mode,
+                             "launches": launches if backend == "triton" else None})
+    finally:
+        kernels._launch_hooks = hooks
+
+
+def _timed(step, row: dict) -> dict:
+    import torch
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -70,8 +99,7 @@ def measure(shape_name: str, n: int, backend: str, dtype) -> dict:
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    row = {"shape": shape_name, "n": n, "backend": backend, "dtype": str(dtype).split(".")[-1],
-           "ms": _events_ms(step), "host_ms": host_ms(step, "cuda")}
+    row.update(ms=_events_ms(step), host_ms=host_ms(step, "cuda"))
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -136,14 +164,18 @@ def main() -> None:
     result["cprofile_fused"] = profile_fused(*CASES[0])
     print(result["cprofile_fused"], flush=True)
     save()
-    for shape_name, n in CASES:
-        for backend in ("triton", "torch"):
-            r = measure(shape_name, n, backend, torch.bfloat16)
-            result["rows"].append(r)
-            save()
-            graph = f"{r['graph_ms']:.3f}" if r["graph_ms"] is not None else r["graph_error"]
-            print(f"{shape_name:9s} N={n:5d} {backend:6s} bf16 fwd+bwd: {r['ms']:.3f} ms, "
-                  f"host {r['host_ms']:.3f} ms, graph replay {graph}", flush=True)
+    runs = [(shape_name, n, backend, "full", launches) for shape_name, n in CASES
+             for backend, launches in (("triton", "direct"), ("triton", "jit"), ("torch", None))]
+    runs[3:3] = [(*CASES[0], "triton", "forward", "direct"), (*CASES[0], "torch", "forward", None)]
+    for shape_name, n, backend, mode, launches in runs:
+        r = measure(shape_name, n, backend, torch.bfloat16, mode, launches or "direct")
+        result["rows"].append(r)
+        save()
+        graph = f"{r['graph_ms']:.3f}" if r["graph_ms"] is not None else r["graph_error"]
+        name = backend + (f" ({launches})" if launches else "")
+        what = "fwd+bwd" if mode == "full" else "fwd    "
+        print(f"{shape_name:9s} N={n:5d} {name:15s} bf16 {what}: {r['ms']:.3f} ms, "
+              f"host {r['host_ms']:.3f} ms, graph replay {graph}", flush=True)
 
 
 if __name__ == "__main__":
