@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                   "date": datetime.date.today().isoformat(), "shapes": {s: SHAPES[s] for s in args.shapes},
                   "specialisation": "as Triton's JIT specialises a launch at these shapes: every "
                                     "pointer 16-byte aligned, H, K, D = H / J, J, L divisible by "
-                                    "16 where they are; N, layer offsets and seeds not",
+                                    "16 where they are; N and layer offsets not",
                   "gate": "fails on any spill_bytes > 0 or any dot not lowered to wgmma"}
         out.write_text(json.dumps({"report": "layer_attention_compile", "header": header, "rows": rows},
                                   indent=1) + "\n")

@@ -44,7 +44,9 @@ under the interpreter (``TRITON_INTERPRET=1``) each kernel runs one fixed, teste
 
 Dropout masks are never stored: each is regenerated with ``tl.rand(seed, offset)`` from
 the element's flat offset in its [L, N, H], [L, N, K] or [L, N, J] tensor, identically in
-forward and backward. Accumulation is fp32 (fp64 for fp64 inputs).
+forward and backward. The kernels read the seed from an int64 scalar tensor on the device
+(seed + 0, 1, 2 for the h, k and p streams) when they run: no host read of it, and a CUDA
+graph's replays take the tensor's current value rather than the one at capture. Accumulation is fp32 (fp64 for fp64 inputs).
 
 This module registers the torch custom ops ``mhmla_fast::layer_attention_fwd`` and
 ``mhmla_fast::layer_attention_bwd`` when imported; import it only when the Triton
@@ -177,7 +179,8 @@ def _layer_attention_fwd_scores_kernel(
     BA_ptr,  # [L, J] scorer biases
     S_ptr,  # [L, N, J] scores a (out, ACC)
     N, H, K, J,
-    seed_k, rate_k, scale_k,
+    SEED_ptr,  # the dropout seed: an int64 scalar on the device, read at launch
+    rate_k, scale_k,
     DROP_K: tl.constexpr,
     N_BUCKET,  # autotuning key only: N rounded to a power of two
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
@@ -188,6 +191,7 @@ def _layer_attention_fwd_scores_kernel(
     key tile accumulates over H in BLOCK_I steps, one BLOCK_K block of key columns at a time
     (FLAT: in one loop over all K / BLOCK_K x H / BLOCK_I steps, each block's scores taken at
     its last step); only the scores are written."""
+    seed_k = tl.load(SEED_ptr) + 1  # the k stream of the seed
     pid_n = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -256,7 +260,8 @@ def _layer_attention_fwd_values_kernel(
     P_ptr,  # [L, N, J] layer weights p (ACC)
     C_ptr,  # [N, H] output c
     L, N, H, J, D,
-    seed_p, rate_p, scale_p,
+    SEED_ptr,  # the dropout seed: an int64 scalar on the device, read at launch
+    rate_p, scale_p,
     DROP_P: tl.constexpr,
     N_BUCKET,  # autotuning key only: N rounded to a power of two
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
@@ -274,6 +279,7 @@ def _layer_attention_fwd_values_kernel(
     (the weighted h tile enters the dot rounded to the input dtype, as eager rounds v)."""
     # column tiles vary fastest: the H / BLOCK_O programs that read the same [L, BLOCK_N, H]
     # rows of h run together and share them through L2 (W_v, 2 L H^2 bytes, stays in L2)
+    seed_p = tl.load(SEED_ptr) + 2  # the p stream of the seed
     pid_o = tl.program_id(0)
     pid_n = tl.program_id(1)
     dtype = H_ptr.dtype.element_ty
@@ -375,7 +381,8 @@ def _layer_attention_bwd_values_kernel(
     DBV_ptr,  # db_v partials: dv summed over tokens 64 t .. 64 t + 63, slot t, (l, o) at
     #           t * SLOT_STRIDE + l * H + o (out, ACC; slots written as DPP's)
     G, N, H, J, D, l0, S, T, SLOT_STRIDE,
-    seed_p, rate_p, scale_p,
+    SEED_ptr,  # the dropout seed: an int64 scalar on the device, read at launch
+    rate_p, scale_p,
     DROP_P: tl.constexpr,
     WHOLE_HEADS: tl.constexpr,  # D divides 64: dp needs no partial slots
     N_BUCKET,  # autotuning key only: N rounded to a power of two
@@ -394,6 +401,7 @@ def _layer_attention_bwd_values_kernel(
     ROWSCALE (the tile's columns are head j whole, BLOCK_O == D, so WHOLE_HEADS): p~_j is one
     weight per row and dp_j a row sum, with no one-hot head maps and their dots.
     """
+    seed_p = tl.load(SEED_ptr) + 2  # the p stream of the seed
     pid_o = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)  # layer within the group
@@ -496,7 +504,8 @@ def _layer_attention_bwd_keys_kernel(
     #           slots writes its sum to the first, zeros to the rest)
     DBK_ptr,  # db_k partials: dz summed likewise, (l, k) at t * SLOT_STRIDE + l * K + k
     G, N, H, K, J, l0, T, SLOT_STRIDE,
-    seed_k, rate_k, scale_k,
+    SEED_ptr,  # the dropout seed: an int64 scalar on the device, read at launch
+    rate_k, scale_k,
     DROP_K: tl.constexpr,
     N_BUCKET,  # autotuning key only: N rounded to a power of two
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
@@ -505,6 +514,7 @@ def _layer_attention_bwd_keys_kernel(
     """For a [BLOCK_N] tile of tokens, key columns kk and layer l: z = h~ W_k + b_k on chip,
     k~ = dropout(relu(z)), dz = (da W_a') [k~ > 0] / (1 - r_k), and the tile's k~' da and
     column sums of dz."""
+    seed_k = tl.load(SEED_ptr) + 1  # the k stream of the seed
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)  # layer within the group
@@ -543,10 +553,12 @@ def _layer_attention_dropout_layers_kernel(
     X_ptr,  # [G, N, W] layers l0 .. l0 + G of an [L, N, W] tensor
     Y_ptr,  # [G, N, W] output (may be X itself)
     NW, l0,  # NW = N * W elements per layer
-    seed, rate, scale,
+    SEED_ptr, rate, scale,  # SEED_ptr: the dropout seed, an int64 scalar on the device
+    STREAM: tl.constexpr,  # the seed's stream (h 0, k 1, p 2)
     ACC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """y = x keep / (1 - rate), keep drawn at the element's offset in the whole [L, N, W]."""
+    seed = tl.load(SEED_ptr) + STREAM
     g = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < NW
@@ -558,11 +570,12 @@ def _layer_attention_dropout_layers_kernel(
 @triton.jit
 def _layer_attention_dropout_masks_kernel(
     KEEP_ptr,  # [numel] int8 keep mask (out)
-    numel, seed, rate,
+    numel, SEED_ptr, rate,  # SEED_ptr: the dropout seed, an int64 scalar on the device
+    STREAM: tl.constexpr,  # the seed's stream (h 0, k 1, p 2)
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = tl.rand(seed, offs) >= rate
+    keep = tl.rand(tl.load(SEED_ptr) + STREAM, offs) >= rate
     tl.store(KEEP_ptr + offs, keep.to(tl.int8), mask=offs < numel)
 
 
@@ -897,8 +910,8 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     "constexpr"); ``constexprs`` gives the constexpr values; ``aligned`` names the arguments
     a launch at this shape passes 16-divisible, as Triton's JIT specialises them: every
     pointer (torch's allocations are 16-byte aligned) and the sizes H, K, D = H / J, J and L
-    where they are multiples of 16. N, the layer offsets and the seeds vary between launches
-    and count as unaligned. For ``bench/compile_report.py``.
+    where they are multiples of 16. N and the layer offsets vary between launches and count
+    as unaligned. For ``bench/compile_report.py``.
     """
     elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWA_ptr", "DBK_ptr"}
@@ -917,6 +930,8 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
             for a in fn.arg_names:
                 if a in consts:
                     signature[a] = "constexpr"
+                elif a == "SEED_ptr":
+                    signature[a] = "*i64"
                 elif a.endswith("_ptr"):
                     signature[a] = "*fp32" if a in acc_ptrs else f"*{elem}"
                 elif a.startswith(("rate", "scale")):
@@ -953,14 +968,36 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def _rates(dropout: tuple[float, float, float], seed: int) -> dict:
-    """Kernel arguments for the three dropout streams (seed, seed + 1, seed + 2)."""
+def _rates(dropout: tuple[float, float, float]) -> dict:
+    """Kernel arguments for the three dropout streams h, k, p (whose seeds the kernels take as
+    seed + 0, 1, 2 from the seed tensor)."""
     out = {}
-    for i, (name, rate) in enumerate(zip("hkp", dropout)):
-        out[f"seed_{name}"] = seed + i
+    for name, rate in zip("hkp", dropout):
         out[f"rate_{name}"] = float(rate)
         out[f"scale_{name}"] = 1.0 / (1.0 - rate) if rate > 0 else 1.0
     return out
+
+
+_STREAM = {"h": 0, "k": 1, "p": 2}  # the dropout streams' offsets from the seed
+
+
+@functools.cache
+def _no_dropout_seed(device: torch.device) -> Tensor:
+    """The seed tensor of every call without dropout on ``device``, made once (never written
+    to: saved for the backward as is)."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _seed_tensor(seed: Tensor | int, device: torch.device) -> Tensor:
+    """The dropout seed as the kernels take it: an int64 scalar tensor on the launch's device,
+    which they read when they run (no host read: a CUDA graph's replays use the tensor's
+    value at replay, where a seed passed as a kernel argument would be frozen at capture)."""
+    if isinstance(seed, Tensor):
+        if seed.dtype != torch.int64 or seed.dim() != 0:
+            raise ValueError(f"seed: expected an int64 scalar tensor, got {seed.dtype} "
+                             f"{list(seed.shape)}")
+        return seed if seed.device == device else seed.to(device)
+    return torch.tensor(int(seed), dtype=torch.int64, device=device)
 
 
 def _check_launchable(t: Tensor) -> None:
@@ -974,13 +1011,14 @@ def _check_launchable(t: Tensor) -> None:
 
 def layer_attention_fwd(
     hidden: Tensor, w_v: Tensor, b_v: Tensor, w_k: Tensor, b_k: Tensor, w_a: Tensor,
-    b_a: Tensor, num_heads: int, dropout: tuple[float, float, float], seed: int,
+    b_a: Tensor, num_heads: int, dropout: tuple[float, float, float], seed: Tensor | int,
 ) -> tuple[Tensor, Tensor]:
     """Fused forward on validated, contiguous inputs.
 
     Args: hidden [L, N, H]; w_v [L, H, H]; b_v [L, H]; w_k [L, H, K]; b_k [L, K];
     w_a [L, K, J]; b_a [L, J]; ``dropout`` the (h, k, p) rates (0 in eval); ``seed`` the
-    dropout seed. Returns c [N, H] (input dtype) and p [L, N, J] (fp32; fp64 for fp64).
+    dropout seed (an int64 scalar tensor, on the device or copied there, see ``_seed_tensor``;
+    or an int). Returns c [N, H] (input dtype) and p [L, N, J] (fp32; fp64 for fp64).
     """
     _check_launchable(hidden)
     L, N, H = hidden.shape
@@ -988,22 +1026,23 @@ def layer_attention_fwd(
     acc = _acc_dtype(hidden.dtype)
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(hidden.dtype), ACC=_ACC.get(hidden.dtype, tl.float32))
-    r = _rates(dropout, seed)
+    r = _rates(dropout)
+    seed = _seed_tensor(seed, hidden.device)
     drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
     if drop_h:  # h~ once (as eager does), not regenerated inside every GEMM tile
-        hidden = _dropout_layers(hidden, torch.empty_like(hidden), 0, r["seed_h"], r["rate_h"],
+        hidden = _dropout_layers(hidden, torch.empty_like(hidden), 0, seed, r["rate_h"],
                                  r["scale_h"])
     scores = torch.empty((L, N, J), device=hidden.device, dtype=acc)
     _launch(
         "fwd_scores", lambda m: (_cdiv(N, m["BLOCK_N"]), L),
-        hidden, w_k, b_k, w_a, b_a, scores, N, H, K, J, r["seed_k"], r["rate_k"], r["scale_k"],
+        hidden, w_k, b_k, w_a, b_a, scores, N, H, K, J, seed, r["rate_k"], r["scale_k"],
         DROP_K=drop_k, N_BUCKET=_n_bucket(N), BLOCK_J=shape["BLOCK_J"], **common,
     )
     p = torch.softmax(scores, dim=0)
     c = torch.empty((N, H), device=hidden.device, dtype=hidden.dtype)
     _launch(
         "fwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), _cdiv(N, m["BLOCK_N"])),
-        hidden, w_v, b_v, p, c, L, N, H, J, H // J, r["seed_p"], r["rate_p"], r["scale_p"],
+        hidden, w_v, b_v, p, c, L, N, H, J, H // J, seed, r["rate_p"], r["scale_p"],
         DROP_P=drop_p, N_BUCKET=_n_bucket(N), BLOCK_J=shape["BLOCK_J"], **common,
     )
     return c, p
@@ -1016,22 +1055,23 @@ def _bwd_layer_groups(L: int, N: int, H: int, K: int) -> list[tuple[int, int]]:
     return [(l0, min(L, l0 + size)) for l0 in range(0, L, size)]
 
 
-def _dropout_layers(x: Tensor, out: Tensor, l0: int, seed: int, rate: float,
+def _dropout_layers(x: Tensor, out: Tensor, l0: int, seed: Tensor, rate: float,
                     scale: float) -> Tensor:
     """out = x keep / (1 - rate) for layers l0 .. l0 + G ([G, N, W], contiguous) of an
-    [L, N, W] tensor, the keep mask drawn at the whole tensor's flat offsets."""
+    [L, N, W] tensor, the keep mask drawn at the whole tensor's flat offsets from the h stream
+    of ``seed`` (an int64 scalar tensor on the device)."""
     G, N, W = x.shape
     acc = _ACC.get(x.dtype, tl.float32)
     _run(_layer_attention_dropout_layers_kernel, (_cdiv(N * W, _DROPOUT_BLOCK), G),
-         (x, out, N * W, l0, seed, rate, scale), dict(ACC=acc, BLOCK=_DROPOUT_BLOCK),
-         ("dropout_layers", acc))
+         (x, out, N * W, l0, seed, rate, scale),
+         dict(STREAM=_STREAM["h"], ACC=acc, BLOCK=_DROPOUT_BLOCK), ("dropout_layers", acc))
     return out
 
 
 def layer_attention_bwd(
     dc: Tensor, dp: Optional[Tensor], hidden: Tensor, w_v: Tensor, b_v: Tensor, w_k: Tensor,
     b_k: Tensor, w_a: Tensor, b_a: Tensor, p: Tensor, num_heads: int,
-    dropout: tuple[float, float, float], seed: int,
+    dropout: tuple[float, float, float], seed: Tensor | int,
 ) -> tuple[Tensor, ...]:
     """Fused backward: (dh [L, N, H], dw_v, db_v, dw_k, db_k, dw_a, db_a).
 
@@ -1057,9 +1097,10 @@ def layer_attention_bwd(
     acc = _acc_dtype(dtype)
     shape = _shape_constexprs(H, J)
     common = dict(ACC=_ACC.get(dtype, tl.float32), PREC=_precision(dtype), N_BUCKET=_n_bucket(N))
-    r = _rates(dropout, seed)
+    r = _rates(dropout)
+    seed = _seed_tensor(seed, dev)
     drop_h, drop_k, drop_p = (rate > 0 for rate in dropout)
-    dc = dc.contiguous()
+    dc = dc if dc.is_contiguous() else dc.contiguous()
     groups = _bwd_layer_groups(L, N, H, K)
     most = max(l1 - l0 for l0, l1 in groups)
     T, S = _cdiv(N, _BWD_SLOT), _cdiv(H, _BWD_SLOT)  # token slots, column slots
@@ -1083,7 +1124,7 @@ def layer_attention_bwd(
         """h~ of layers l0 .. l1: the forward's dropped-out input."""
         if not drop_h:
             return layers(hidden, l0, l1)
-        return _dropout_layers(layers(hidden, l0, l1), h_buf[: l1 - l0], l0, r["seed_h"],
+        return _dropout_layers(layers(hidden, l0, l1), h_buf[: l1 - l0], l0, seed,
                                r["rate_h"], r["scale_h"])
 
     dh = torch.empty_like(hidden)
@@ -1098,7 +1139,7 @@ def layer_attention_bwd(
         _launch(
             "bwd_values", lambda m: (_cdiv(H, m["BLOCK_O"]), _cdiv(N, m["BLOCK_N"]), G),
             h, w_v, b_v, dc, p, dv, dpp, dbv_slots, G, N, H, J, D, l0, S, T, stride,
-            r["seed_p"], r["rate_p"], r["scale_p"], DROP_P=drop_p, WHOLE_HEADS=whole_heads,
+            seed, r["rate_p"], r["scale_p"], DROP_P=drop_p, WHOLE_HEADS=whole_heads,
             BLOCK_J=shape["BLOCK_J"], **common,
         )
         if not whole_heads:
@@ -1118,12 +1159,12 @@ def layer_attention_bwd(
         _launch(
             "bwd_keys", lambda m: (_cdiv(N, m["BLOCK_N"]), _cdiv(K, m["BLOCK_K"]), G),
             h, w_k, b_k, w_a, da, dz, dwa_slots, dbk_slots, G, N, H, K, J, l0, T, stride,
-            r["seed_k"], r["rate_k"], r["scale_k"], DROP_K=drop_k, BLOCK_J=shape["BLOCK_J"],
+            seed, r["rate_k"], r["scale_k"], DROP_K=drop_k, BLOCK_J=shape["BLOCK_J"],
             **common,
         )
         dh_g = layers(dh, l0, l1).baddbmm_(dz, layers(w_k, l0, l1).mT)
         if drop_h:
-            _dropout_layers(dh_g, dh_g, l0, r["seed_h"], r["rate_h"], r["scale_h"])
+            _dropout_layers(dh_g, dh_g, l0, seed, r["rate_h"], r["scale_h"])
         torch.bmm(h.mT, dz, out=layers(dw_k, l0, l1))
     # the slots summed in order, rounded once to the input dtype
     db_v, dw_a, db_k, db_a = slots.sum(0).to(dtype).split_with_sizes(sections)
@@ -1133,21 +1174,24 @@ def layer_attention_bwd(
 
 def layer_attention_dropout_masks(
     shape_h: tuple[int, int, int], shape_k: tuple[int, int, int], shape_p: tuple[int, int, int],
-    dropout: tuple[float, float, float], seed: int, device: torch.device | str = "cpu",
+    dropout: tuple[float, float, float], seed: Tensor | int,
+    device: torch.device | str = "cpu",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The keep masks (int8, 1 = kept) the kernels use for ``seed``: [L,N,H], [L,N,K], [L,N,J].
+    """The keep masks (int8, 1 = kept) the kernels use for ``seed`` (an int, or an int64 scalar
+    tensor): [L,N,H], [L,N,K], [L,N,J].
 
     For tests, debugging and the eager backward of ``backend="auto"``: the fused kernels
     themselves never materialise them.
     """
-    r = _rates(dropout, seed)
+    r = _rates(dropout)
     out = []
     for name, shape in zip("hkp", (shape_h, shape_k, shape_p)):
         keep = torch.empty(shape, dtype=torch.int8, device=device)
         _check_launchable(keep)
         numel = keep.numel()
         _layer_attention_dropout_masks_kernel[(_cdiv(numel, _DROPOUT_BLOCK),)](
-            keep, numel, r[f"seed_{name}"], r[f"rate_{name}"], BLOCK=_DROPOUT_BLOCK,
+            keep, numel, _seed_tensor(seed, keep.device), r[f"rate_{name}"],
+            STREAM=_STREAM[name], BLOCK=_DROPOUT_BLOCK,
         )
         out.append(keep)
     return tuple(out)
@@ -1163,8 +1207,7 @@ def _layer_attention_fwd_op(
     seed: Tensor,
 ) -> tuple[Tensor, Tensor]:
     return layer_attention_fwd(
-        hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads,
-        (dropout_h, dropout_k, dropout_p), int(seed.item()),
+        hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, (dropout_h, dropout_k, dropout_p), seed,
     )
 
 
@@ -1184,7 +1227,7 @@ def _layer_attention_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = layer_attention_bwd(
         dc, dp, hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, num_heads,
-        (dropout_h, dropout_k, dropout_p), int(seed.item()),
+        (dropout_h, dropout_k, dropout_p), seed,
     )
     # a custom op's outputs may not alias each other: the small gradients share one buffer
     dh, dw_v, db_v, dw_k, db_k, dw_a, db_a = grads
@@ -1240,14 +1283,14 @@ class LayerAttentionFunction(torch.autograd.Function):
         dropout = (dropout_h, dropout_k, dropout_p)
         if kernels[0] == "triton" and _direct(hidden):
             c, p = layer_attention_fwd(hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout,
-                                       int(seed.item()))
+                                       seed)
         elif kernels[0] == "triton":
             c, p = torch.ops.mhmla_fast.layer_attention_fwd(
                 hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, *dropout, seed,
             )
         else:
             c, p = _reference_replaying_masks((hidden, w_v, b_v, w_k, b_k, w_a, b_a),
-                                              num_heads, dropout, int(seed.item()))
+                                              num_heads, dropout, seed)
         ctx.save_for_backward(hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed)
         ctx.c_shape = c.shape
         ctx.config = (num_heads, *dropout)
@@ -1263,15 +1306,14 @@ class LayerAttentionFunction(torch.autograd.Function):
             dc = hidden.new_zeros(ctx.c_shape)
         if ctx.backward_kernels == "triton" and _direct(dc):
             num_heads, *dropout = ctx.config
-            grads = layer_attention_bwd(dc, dp, *inputs, p, num_heads, tuple(dropout),
-                                        int(seed.item()))
+            grads = layer_attention_bwd(dc, dp, *inputs, p, num_heads, tuple(dropout), seed)
         elif ctx.backward_kernels == "triton":
             grads = torch.ops.mhmla_fast.layer_attention_bwd(dc, dp, *inputs, p, *ctx.config, seed)
         else:
             num_heads, *dropout = ctx.config
             with torch.enable_grad():
                 leaves = [t.detach().requires_grad_() for t in inputs]
-                c, p_ref = _reference_replaying_masks(leaves, num_heads, dropout, int(seed.item()))
+                c, p_ref = _reference_replaying_masks(leaves, num_heads, dropout, seed)
                 outs, douts = [c], [dc]
                 if dp is not None:
                     outs.append(p_ref)
@@ -1279,13 +1321,6 @@ class LayerAttentionFunction(torch.autograd.Function):
                 grads = torch.autograd.grad(outs, leaves, douts, allow_unused=True)
             grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
         return (*grads, None, None, None, None, None, None)
-
-
-@functools.cache
-def _no_dropout_seed() -> Tensor:
-    """The seed tensor of every call without dropout, made once (never written to: saved for
-    the backward as is)."""
-    return torch.zeros((), dtype=torch.int64)
 
 
 def layer_attention_triton(
@@ -1312,11 +1347,12 @@ def layer_attention_triton(
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in args))):
         # inference: the launchers without the autograd Function (its context and saved
         # tensors cost host time, which bounds the fused op on a GPU)
-        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0), 0)
+        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0), _no_dropout_seed(hidden.device))
     if not dropped:
-        seed_t = _no_dropout_seed()  # no dropout: draw nothing from the RNG
-    elif seed is None:
-        seed_t = torch.randint(0, 2**31 - _SEED_STREAMS, (), dtype=torch.int64)
+        seed_t = _no_dropout_seed(hidden.device)  # no dropout: draw nothing from the RNG
+    elif seed is None:  # drawn on the device: no host round trip, and new at each graph replay
+        seed_t = torch.randint(0, 2**31 - _SEED_STREAMS, (), dtype=torch.int64,
+                               device=hidden.device)
     else:
-        seed_t = torch.tensor(int(seed), dtype=torch.int64)
+        seed_t = torch.tensor(int(seed), dtype=torch.int64, device=hidden.device)
     return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t, kernels)

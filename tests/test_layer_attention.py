@@ -896,6 +896,37 @@ def test_inference_skips_the_autograd_function_with_the_same_bits(monkeypatch):
     assert applied
 
 
+@needs_triton
+def test_the_kernels_read_the_dropout_seed_from_its_tensor_when_they_run(monkeypatch):
+    """The seed is an int64 scalar tensor the kernels read at launch, never read on the host
+    (a CUDA graph's replays then take its current value, not the one at capture): a forward +
+    backward with dropout, seed drawn or given, makes no ``Tensor.item`` call; writing another
+    value into the seed tensor gives that seed's results."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    L, N, H, K, J = 3, 21, 24, 16, 4
+    ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE, seed=4))
+    dropout = (0.2, 0.2, 0.2)
+
+    def refuse(self):
+        raise AssertionError("the seed was read on the host")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "item", refuse)
+        for seed in (None, 5):
+            c, p = kernels.layer_attention_triton(*ts, J, dropout=dropout, seed=seed)
+            torch.autograd.grad((c.sum(), p.sum()), ts)
+    plain = [t.detach() for t in ts]
+    seed = torch.tensor(5, device=DEVICE)
+    first = kernels.layer_attention_fwd(*plain, J, dropout, seed)
+    seed.fill_(6)
+    second = kernels.layer_attention_fwd(*plain, J, dropout, seed)
+    for a, b, c in zip(first, second, kernels.layer_attention_fwd(*plain, J, dropout, 6)):
+        assert not torch.equal(a, b) and torch.equal(b, c)
+    with pytest.raises(ValueError, match="int64 scalar"):
+        kernels.layer_attention_fwd(*plain, J, dropout, torch.tensor([5]))
+
+
 # ------------------------------------------------------------------------- bad input
 
 
