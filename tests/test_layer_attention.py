@@ -927,6 +927,45 @@ def test_the_kernels_read_the_dropout_seed_from_its_tensor_when_they_run(monkeyp
         kernels.layer_attention_fwd(*plain, J, dropout, torch.tensor([5]))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_draw_new_dropout_masks():
+    """A fused forward + backward with dropout captured in a CUDA graph: each replay draws a
+    new seed on the device, so its outputs differ from the previous replay's, and one replay
+    equals an uncaptured call with the seed it drew."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    L, N, H, K, J = 3, 64, 64, 48, 4
+    ts = leaves(make_inputs(L, N, H, K, J, dtype=torch.float16, device="cuda", seed=4))
+    dropout = (0.2, 0.2, 0.2)
+    seeds = []
+
+    def step():
+        seed = torch.randint(0, 2**31 - 3, (), dtype=torch.int64, device="cuda")
+        seeds.append(seed)
+        c, p = kernels.LayerAttentionFunction.apply(*ts, J, *dropout, seed, ("triton", "triton"))
+        return (c, *torch.autograd.grad(c.float().sum(), ts))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    graph.replay()
+    first = [t.clone() for t in outs]
+    graph.replay()
+    second = [t.clone() for t in outs]
+    torch.cuda.synchronize()
+    assert not torch.equal(first[0], second[0])
+    seed = seeds[-1].clone()  # the graph's seed tensor holds the last replay's draw
+    c, p = kernels.LayerAttentionFunction.apply(*ts, J, *dropout, seed, ("triton", "triton"))
+    again = (c, *torch.autograd.grad(c.float().sum(), ts))
+    for a, b in zip(second, again):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------- bad input
 
 
