@@ -85,7 +85,8 @@ def measure(launches: int = 300, rounds: int = 5) -> dict:
     w_k, b_k = torch.empty((L, H, K), dtype=dt), torch.empty((L, K), dtype=dt)
     w_a, b_a = torch.empty((L, K, J), dtype=dt), torch.empty((L, J), dtype=dt)
     scores = torch.empty((L, N, J), dtype=torch.float32)
-    args = (hidden, w_k, b_k, w_a, b_a, scores, N, H, K, J, 0, 0.0, 1.0)
+    seed = torch.zeros((), dtype=torch.int64)
+    args = (hidden, w_k, b_k, w_a, b_a, scores, N, H, K, J, seed, 0.0, 1.0)
     kwargs = dict(DROP_K=False, N_BUCKET=kernels._n_bucket(N),
                   BLOCK_J=kernels._shape_constexprs(H, J)["BLOCK_J"], PREC="tf32", ACC=tl.float32)
 
