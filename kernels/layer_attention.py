@@ -981,11 +981,11 @@ def _rates(dropout: tuple[float, float, float]) -> dict:
 _STREAM = {"h": 0, "k": 1, "p": 2}  # the dropout streams' offsets from the seed
 
 
-@functools.cache
-def _no_dropout_seed(device: torch.device) -> Tensor:
-    """The seed tensor of every call without dropout on ``device``, made once (never written
-    to: saved for the backward as is)."""
-    return torch.zeros((), dtype=torch.int64, device=device)
+@functools.lru_cache(maxsize=256)
+def _constant_seed(seed: int, device: torch.device) -> Tensor:
+    """An int seed as the kernels take it, made once per (seed, device) and never written to
+    (0 is the seed of every call without dropout, saved for the backward as is)."""
+    return torch.tensor(seed, dtype=torch.int64, device=device)
 
 
 def _seed_tensor(seed: Tensor | int, device: torch.device) -> Tensor:
@@ -997,7 +997,9 @@ def _seed_tensor(seed: Tensor | int, device: torch.device) -> Tensor:
             raise ValueError(f"seed: expected an int64 scalar tensor, got {seed.dtype} "
                              f"{list(seed.shape)}")
         return seed if seed.device == device else seed.to(device)
-    return torch.tensor(int(seed), dtype=torch.int64, device=device)
+    if torch.compiler.is_compiling():  # a constant of the traced graph (Dynamo skips caches)
+        return torch.tensor(int(seed), dtype=torch.int64, device=device)
+    return _constant_seed(int(seed), device)
 
 
 def _check_launchable(t: Tensor) -> None:
@@ -1347,12 +1349,12 @@ def layer_attention_triton(
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in args))):
         # inference: the launchers without the autograd Function (its context and saved
         # tensors cost host time, which bounds the fused op on a GPU)
-        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0), _no_dropout_seed(hidden.device))
+        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0), _seed_tensor(0, hidden.device))
     if not dropped:
-        seed_t = _no_dropout_seed(hidden.device)  # no dropout: draw nothing from the RNG
+        seed_t = _seed_tensor(0, hidden.device)  # no dropout: draw nothing from the RNG
     elif seed is None:  # drawn on the device: no host round trip, and new at each graph replay
         seed_t = torch.randint(0, 2**31 - _SEED_STREAMS, (), dtype=torch.int64,
                                device=hidden.device)
     else:
-        seed_t = torch.tensor(int(seed), dtype=torch.int64, device=hidden.device)
+        seed_t = _seed_tensor(int(seed), hidden.device)
     return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t, kernels)
