@@ -13,7 +13,7 @@
 #   bash bench/gpu_issue10.sh rerun        # shorter: headline without torch.compile, bf16 sweep, profile, tests
 #   bash bench/gpu_issue10.sh next-a       # tests + full headline, one tarball back; next-b: the bf16/fp16 N sweep + profile
 #   bash bench/gpu_issue10.sh rowscale-ab  # the value kernels' ROWSCALE forms against the others, fused only, one tarball
-#   bash bench/gpu_issue10.sh host-probe   # event/host/CUDA-graph times + cProfile, then the GPU kernel tests from the 31st on, one tarball
+#   bash bench/gpu_issue10.sh setup && bash bench/gpu_issue10.sh host-probe   # event/host/CUDA-graph times + cProfile, the new GPU tests, then the kernel tests from the 31st on, one tarball (one call, <= 8 min)
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
 # the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
@@ -160,17 +160,25 @@ PY
       done
     done
     tar czf "$OUT/$stage.tgz" -C "$raw" . && rm -rf "$raw" ;;
-  host-probe)  # (run 'setup' first) one call of about 6 minutes, one tarball:
+  host-probe)  # (after 'setup', in the same call) at most 7.5 minutes, one tarball:
     # bench/layer_attention_graph_probe.py first (a cProfile of the fused call, then eager and
-    # fused forward + backward: event time, host time and CUDA-graph replay time; autotuning at
-    # BERT-base takes about a minute of it), then the GPU kernel tests from the 31st on (the
-    # 'tests' stage reached only 31 in 150 s: each new shape compiles for seconds)
+    # fused forward + backward: event time, host time and CUDA-graph replay time, the fused
+    # rows with direct and with JIT launches; autotuning at BERT-base takes about a minute of
+    # it), then the new GPU tests, then the GPU kernel tests from the 31st on (the 'tests'
+    # stage reached only 31 in 150 s: each new shape compiles for seconds)
     raw="$OUT/raw_$stage"; mkdir -p "$raw"
     timeout 240 python bench/layer_attention_graph_probe.py --out "$raw" > "$raw/graph_probe.log" 2>&1 || true
     grep -E "fwd|cProfile of" "$raw/graph_probe.log" || tail -5 "$raw/graph_probe.log"
     files="tests/test_layer_attention.py tests/test_layer_attention_module.py"
-    mapfile -t rest < <(python -m pytest --collect-only -q $files 2>/dev/null | grep '::' | sed -n '31,$p')
-    MHMLA_TRITON_CONFIGS=fixed timeout 150 python -u -m pytest -q -rfs "${rest[@]}" \
+    # first the tests of 2026-11-27's changes (CUDA-graph replays with dropout, the seed read
+    # on the device, the inference forward), then the rest from the 31st on
+    new="cuda_graph_replays or read_the_dropout_seed or inference_skips"
+    mapfile -t rest < <(python -m pytest --collect-only -q $files -k "not ($new)" 2>/dev/null \
+      | grep '::' | sed -n '31,$p')
+    MHMLA_TRITON_CONFIGS=fixed timeout 90 python -u -m pytest -q -rfs \
+      tests/test_layer_attention.py -k "$new" > "$raw/tests_gpu_new.log" 2>&1 || true
+    grep -E "passed|failed|^FAILED|^ERROR" "$raw/tests_gpu_new.log" | tail -5 || true
+    MHMLA_TRITON_CONFIGS=fixed timeout 120 python -u -m pytest -q -rfs "${rest[@]}" \
       > "$raw/tests_gpu_from31.log" 2>&1 || true
     grep -E "passed|failed|^FAILED|^ERROR" "$raw/tests_gpu_from31.log" | tail -12 || true
     tar czf "$OUT/$stage.tgz" -C "$raw" . && rm -rf "$raw" ;;
