@@ -831,7 +831,7 @@ def _launch(name: str, grid, *args, **kwargs) -> None:
     choice = _config_choice()
     if choice == "fixed" or _interpreting():
         config = _fixed_config(name)
-        key = (name, "fixed")
+        key = (name, "fixed", *config.items())  # the config itself: tests swap fixed configs
     else:
         key = _pick_key(name, choice, args, kwargs)
         config = _PICKS.get(key)

@@ -140,3 +140,44 @@ def test_direct_launches_without_dropout():
     out = _run_script(_SAME_LAUNCHES.replace("sys.argv[2]", "1").replace("JIT_AGAIN", "True")
                       .replace("seed[0] = 16 * 7", "ts[0], dc = ts[0][:, :32].contiguous(), dc[:32]  # N = 32"))
     assert out == ["same", "5"]
+
+
+_SWAPPED_FIXED = r'''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+os.environ["MHMLA_TRITON_CONFIGS"] = "fixed"
+from triton_launch_host_cpu import _mock_driver
+_mock_driver()
+import torch
+from triton.compiler.compiler import CompiledKernel
+import mhmla_fast.kernels.layer_attention as K
+
+launches = []
+CompiledKernel.run = property(lambda self: (lambda g0, g1, g2, *rest: launches.append(
+    (self.src.fn.__name__, self.hash, (g0, g1, g2)))))
+K._check_launchable = lambda t: None
+L, N, H, Kd, J = 3, 200, 64, 48, 4
+ts = [torch.randn(s).half() for s in [(L, N, H), (L, H, H), (L, H), (L, H, Kd), (L, Kd), (L, Kd, J), (L, J)]]
+
+
+def scores_launch():
+    launches.clear()
+    K.layer_attention_fwd(*ts, J, (0.0, 0.0, 0.0), 0)
+    return [x for x in launches if "scores" in x[0]][0]
+
+
+first, again = scores_launch(), scores_launch()
+tiles, warps, stages = K._FIXED["fwd_scores"]
+K._FIXED["fwd_scores"] = (dict(tiles, BLOCK_N=128, FLAT=True), warps, stages)
+swapped = scores_launch()
+assert first == again, (first, again)
+assert swapped[1] != first[1] and swapped[2] == (2, L, 1), (first, swapped)
+print("swapped")
+'''
+
+
+def test_a_swapped_fixed_config_launches_its_own_kernel():
+    """With MHMLA_TRITON_CONFIGS=fixed, a fixed config swapped after launches (as tests do)
+    launches the kernel compiled for the new config, with its grid, not the one kept for the
+    old config."""
+    assert _run_script(_SWAPPED_FIXED) == ["swapped"]
