@@ -1064,9 +1064,9 @@ def _dropout_layers(x: Tensor, out: Tensor, l0: int, seed: Tensor, rate: float,
     of ``seed`` (an int64 scalar tensor on the device)."""
     G, N, W = x.shape
     acc = _ACC.get(x.dtype, tl.float32)
+    kwargs = dict(STREAM=_STREAM["h"], ACC=acc, BLOCK=_DROPOUT_BLOCK)
     _run(_layer_attention_dropout_layers_kernel, (_cdiv(N * W, _DROPOUT_BLOCK), G),
-         (x, out, N * W, l0, seed, rate, scale),
-         dict(STREAM=_STREAM["h"], ACC=acc, BLOCK=_DROPOUT_BLOCK), ("dropout_layers", acc))
+         (x, out, N * W, l0, seed, rate, scale), kwargs, ("dropout_layers", *kwargs.values()))
     return out
 
 
@@ -1151,8 +1151,9 @@ def layer_attention_bwd(
     if dp is not None:  # a gradient flowing into the returned layer weights
         dp_all += dp
     da = torch.empty_like(dp_all)
+    softmax = dict(BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SLOT)
     _run(_layer_attention_bwd_softmax_kernel, (T,), (dp_all, p, da, dba_slots, L, N, J, stride),
-         dict(BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SLOT), ("bwd_softmax", shape["BLOCK_J"]))
+         softmax, ("bwd_softmax", *softmax.values()))
     # pass 2: dz (z recomputed on chip) -> dW_a, db_k; dh += dz W_k' and dW_k = h~' dz
     for l0, l1 in groups:
         G = l1 - l0
