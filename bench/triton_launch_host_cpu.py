@@ -25,7 +25,8 @@ Then the whole op as users call it, ``torch.autograd.grad`` of ``layer_attention
 inputs, fused (``backend="triton"``, its 5 launches through the mocked driver) and eager
 (``backend="torch"``), on tiny fp32 CPU tensors (L = 2, N = 16, H = K = 32, J = 4) whose
 arithmetic is negligible: microseconds per forward + backward, the minimum over 15 rounds of
-100 calls, fused and eager rounds interleaved.
+100 calls, fused and eager rounds interleaved; and the forward alone on inputs that need no
+gradient (inference: ``*_forward`` rows).
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ def measure(launches: int = 300, rounds: int = 5) -> dict:
 
     from mhmla_fast import layer_attention
 
-    def op(backend):
+    def op(backend, grad=True):
         Ls, Ns, Hs, Ks, Js = 2, 16, 32, 32, 4
         g = torch.Generator().manual_seed(0)
-        ts = [torch.randn(s, generator=g).requires_grad_() for s in
+        ts = [torch.randn(s, generator=g).requires_grad_(grad) for s in
               ((Ls, Ns, Hs), (Ls, Hs, Hs), (Ls, Hs), (Ls, Hs, Ks), (Ls, Ks), (Ls, Ks, Js), (Ls, Js))]
         dc = torch.randn(Ns, Hs, generator=g)
+        if not grad:  # inference: the forward alone, no input requiring a gradient
+            return lambda: layer_attention(*ts, Js, backend=backend)
         return lambda: torch.autograd.grad(layer_attention(*ts, Js, backend=backend), ts, dc)
 
     previous = os.environ.get("MHMLA_TRITON_CONFIGS")
@@ -128,7 +131,8 @@ def measure(launches: int = 300, rounds: int = 5) -> dict:
                 "torch.empty": us(lambda: torch.empty((L, N, J)))}
         # the op: fused and eager rounds interleaved, the minimum of each over 15 rounds of
         # 100 calls (on a shared machine a burst of load then hits both, not one)
-        calls = {"fused_forward_backward": op("triton"), "eager_forward_backward": op("torch")}
+        calls = {"fused_forward_backward": op("triton"), "eager_forward_backward": op("torch"),
+                 "fused_forward": op("triton", False), "eager_forward": op("torch", False)}
         best = {name: float("inf") for name in calls}
         for fn in calls.values():
             fn()
@@ -163,7 +167,7 @@ def main() -> None:
               "load_1min": os.getloadavg()[0], "command": "python bench/triton_launch_host_cpu.py",
               "kernel": "fwd_scores, BERT-base shape, bf16",
               "op_shape": "L=2, N=16, H=K=32, J=4, fp32",
-              "unit": "us per launch (per forward + backward for the *_forward_backward rows)"}
+              "unit": "us per launch (per call of the op: *_forward_backward, *_forward rows)"}
     args.out.write_text(json.dumps({"benchmark": "triton_launch_host_cpu", "header": header,
                                     "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")

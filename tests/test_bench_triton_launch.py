@@ -18,6 +18,7 @@ def test_launch_cost_script_times_the_launch_paths_and_the_op(tmp_path):
                    check=True, env=env, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"jit", "fixed", "autotuner", "picks", "torch.empty",
-                                   "fused_forward_backward", "eager_forward_backward"}
+                                   "fused_forward_backward", "eager_forward_backward",
+                                   "fused_forward", "eager_forward"}
     assert all(v > 0 for v in result["rows"].values())
     assert "mocked" in result["header"]["device"] and result["header"]["commit"]
