@@ -46,7 +46,8 @@ Dropout masks are never stored: each is regenerated with ``tl.rand(seed, offset)
 the element's flat offset in its [L, N, H], [L, N, K] or [L, N, J] tensor, identically in
 forward and backward. The kernels read the seed from an int64 scalar tensor on the device
 (seed + 0, 1, 2 for the h, k and p streams) when they run: no host read of it, and a CUDA
-graph's replays take the tensor's current value rather than the one at capture. Accumulation is fp32 (fp64 for fp64 inputs).
+graph's replays take the tensor's current value rather than the one at capture.
+Accumulation is fp32 (fp64 for fp64 inputs).
 
 This module registers the torch custom ops ``mhmla_fast::layer_attention_fwd`` and
 ``mhmla_fast::layer_attention_bwd`` when imported; import it only when the Triton
@@ -1350,7 +1351,8 @@ def layer_attention_triton(
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in args))):
         # inference: the launchers without the autograd Function (its context and saved
         # tensors cost host time, which bounds the fused op on a GPU)
-        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0), _seed_tensor(0, hidden.device))
+        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0),
+                                   _seed_tensor(0, hidden.device))
     if not dropped:
         seed_t = _seed_tensor(0, hidden.device)  # no dropout: draw nothing from the RNG
     elif seed is None:  # drawn on the device: no host round trip, and new at each graph replay

@@ -138,7 +138,8 @@ def test_direct_launches_without_dropout():
     """The same without dropout (no dropout kernels: 5 launches per forward + backward); a
     token count divisible by 16 goes through the JIT again."""
     out = _run_script(_SAME_LAUNCHES.replace("sys.argv[2]", "1").replace("JIT_AGAIN", "True")
-                      .replace("seed[0] = 16 * 7", "ts[0], dc = ts[0][:, :32].contiguous(), dc[:32]  # N = 32"))
+                      .replace("seed[0] = 16 * 7",
+                               "ts[0], dc = ts[0][:, :32].contiguous(), dc[:32]  # N = 32"))
     assert out == ["same", "5"]
 
 
@@ -157,7 +158,8 @@ CompiledKernel.run = property(lambda self: (lambda g0, g1, g2, *rest: launches.a
     (self.src.fn.__name__, self.hash, (g0, g1, g2)))))
 K._check_launchable = lambda t: None
 L, N, H, Kd, J = 3, 200, 64, 48, 4
-ts = [torch.randn(s).half() for s in [(L, N, H), (L, H, H), (L, H), (L, H, Kd), (L, Kd), (L, Kd, J), (L, J)]]
+ts = [torch.randn(s).half()
+      for s in [(L, N, H), (L, H, H), (L, H), (L, H, Kd), (L, Kd), (L, Kd, J), (L, J)]]
 
 
 def scores_launch():
