@@ -591,7 +591,7 @@ def _layer_attention_dropout_masks_kernel(
 # The compile gate (``tests/test_compile_report.py``) fails if a kept config spills.
 
 _ACC = {torch.float64: tl.float64}
-_SEED_STREAMS = 3  # h, k, p
+_STREAM = {"h": 0, "k": 1, "p": 2}  # the dropout streams' offsets from the seed
 _SMEM_BYTES = 227 * 1024  # per block on sm_90
 _DROPOUT_BLOCK = 1024
 # The backward's per-tile partial sums come in slots of 64 tokens (db_v, dW_a, db_k, db_a) or
@@ -869,8 +869,9 @@ def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple) -> None:
     ``_arg_classes`` and the device complete it. The first launch of a key goes through
     Triton's JIT (compiling if need be) and keeps the compiled kernel it ran; later ones call
     that kernel's launcher with the current stream, skipping the JIT's argument binding,
-    specialisation and cache-key work: 14 us of Python per launch against 5 on the CPU this was
-    measured on (``bench/triton_launch_host_cpu.py``). Under the interpreter, or with Triton's
+    specialisation and cache-key work: 10.5 us of Python per launch against 16.3 through the JIT
+    on the CPU this was measured on (``bench/results/triton_launch_host_cpu.json``, rows
+    ``fixed`` and ``jit``). Under the interpreter, or with Triton's
     launch hooks set (profilers), every launch goes through the JIT.
     """
     if not isinstance(kernel, JITFunction) or _launch_hooks():  # interpreted, or profiled
@@ -977,9 +978,6 @@ def _rates(dropout: tuple[float, float, float]) -> dict:
         out[f"rate_{name}"] = float(rate)
         out[f"scale_{name}"] = 1.0 / (1.0 - rate) if rate > 0 else 1.0
     return out
-
-
-_STREAM = {"h": 0, "k": 1, "p": 2}  # the dropout streams' offsets from the seed
 
 
 @functools.lru_cache(maxsize=256)
@@ -1347,16 +1345,15 @@ def layer_attention_triton(
     # (is_contiguous is a plain attribute read; contiguous() a dispatcher call even when a no-op)
     args = [t if t.is_contiguous() else t.contiguous() for t in (hidden, w_v, b_v, w_k, b_k, w_a, b_a)]
     dropped = any(rate > 0 for rate in dropout)
-    if (kernels[0] == "triton" and not dropped and _direct(hidden)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in args))):
-        # inference: the launchers without the autograd Function (its context and saved
-        # tensors cost host time, which bounds the fused op on a GPU)
-        return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0),
-                                   _seed_tensor(0, hidden.device))
     if not dropped:
         seed_t = _seed_tensor(0, hidden.device)  # no dropout: draw nothing from the RNG
+        if (kernels[0] == "triton" and _direct(hidden)
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in args))):
+            # inference: the launchers without the autograd Function (its context and saved
+            # tensors cost host time, which bounds the fused op on a GPU)
+            return layer_attention_fwd(*args, num_heads, (0.0, 0.0, 0.0), seed_t)
     elif seed is None:  # drawn on the device: no host round trip, and new at each graph replay
-        seed_t = torch.randint(0, 2**31 - _SEED_STREAMS, (), dtype=torch.int64,
+        seed_t = torch.randint(0, 2**31 - len(_STREAM), (), dtype=torch.int64,
                                device=hidden.device)
     else:
         seed_t = _seed_tensor(int(seed), hidden.device)
