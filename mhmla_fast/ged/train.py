@@ -3,8 +3,10 @@
 Recipe (Kaneko & Komachi 2019): Adam, lr 5e-5, batch 32, 5 epochs, max length 128 word
 pieces, dropout 0.3 in the layer attention, cross-entropy on each word's first piece,
 the best epoch chosen by F0.5 on the dev set. Options beyond the paper: a linear warm-up and
-decay of the learning rate, layer-wise learning rates (lower for lower encoder layers), and the
-steps' precision (bf16 autocast on CUDA by default, opt-in on the CPU). Batches are
+decay of the learning rate, layer-wise learning rates (lower for lower encoder layers),
+artificial errors (corrupted copies of the error-free training sentences,
+:mod:`mhmla_fast.ged.synthetic`), and the steps' precision (bf16 autocast on CUDA by default,
+opt-in on the CPU). Batches are
 length-bucketed (sentences of similar length together, batch order shuffled). The run writes into ``out``:
 
 * ``checkpoint.json`` + ``checkpoint-<step>.safetensors``: model, optimizer and RNG
@@ -44,6 +46,7 @@ from ..distributed import check_resume_world, rank_from_env, shard, training_dev
 from ..encoder import max_input_length
 from .data import Sentence, read_ged, sentences_digest
 from .metrics import best_threshold, ged_scores
+from .synthetic import with_synthetic_errors
 from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
                     load_tokenizer)
 
@@ -114,6 +117,12 @@ class TrainConfig:
         "training-step precision: auto (bf16 autocast on CUDA, float32 on the CPU), fp32, or "
         "bf16 (autocast on CUDA or the CPU, where it pays on CPUs with AMX bf16 units)",
         choices=TRAIN_PRECISIONS))
+    # artificial errors (mhmla_fast.ged.synthetic): corrupted copies of the error-free
+    # training sentences, trained on beside the real ones
+    synthetic_errors: float = field(default=0.0, metadata=_help(
+        "artificial errors: every error-free training sentence is also trained on as a copy "
+        "with this many rule-made errors per word (at least one; see mhmla_fast.ged.synthetic); "
+        "0 (the paper): none"))
     extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
@@ -132,6 +141,9 @@ class TrainConfig:
             raise ValueError("warmup_ratio: needs lr_schedule='linear' (the constant schedule has no warm-up)")
         if not 0.0 < self.layer_lr_decay <= 1.0:
             raise ValueError(f"layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay!r}")
+        if not 0.0 <= self.synthetic_errors < 1.0:
+            raise ValueError(f"synthetic_errors: expected an edit rate per word in [0, 1), got "
+                             f"{self.synthetic_errors!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
@@ -280,6 +292,13 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     for name, data in (("train", train_set), ("dev", dev_set)):
         if not data:
             raise ValueError(f"{getattr(cfg, name)}: no sentences to {name} on")
+    # the sentences as read (after max_train_sentences), and the artificial ones made from them:
+    # a resume on edited files, or with other artificial errors, is refused
+    data = {"train": sentences_digest(train_set), "dev": sentences_digest(dev_set)}
+    if cfg.synthetic_errors:
+        n_real = len(train_set)
+        train_set = with_synthetic_errors(train_set, cfg.synthetic_errors, cfg.seed)
+        data["train_synthetic"] = sentences_digest(train_set[n_real:])
     if not any(1 in s.labels for s in dev_set):
         raise ValueError(f"{cfg.dev}: no word is labelled as an error (i), so F0.5 is 0 in "
                          "every epoch and cannot select a model or a threshold")
@@ -321,8 +340,6 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         check_resume_world(meta, dist_ctx, out)
         check_same_inputs(meta, precision, data, out)
 
-    # the sentences as read (after max_train_sentences): a resume on edited files is refused
-    data = {"train": sentences_digest(train_set), "dev": sentences_digest(dev_set)}
     precision = applied_precision(cfg.precision, device)
     meta = load_checkpoint(out, model, optimizer, check=same_run)
     if meta is not None:
