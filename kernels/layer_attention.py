@@ -81,6 +81,12 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- helpers
 
+# The dropout streams: the masks of h, k and p are drawn from seed + their stream, so that one
+# seed gives three independent masks. Globals that kernels read must be constexprs.
+_H_STREAM = tl.constexpr(0)
+_K_STREAM = tl.constexpr(1)
+_P_STREAM = tl.constexpr(2)
+
 
 @triton.jit
 def _dropout(x, seed, offsets, rate, scale, DROP: tl.constexpr):
@@ -192,7 +198,7 @@ def _layer_attention_fwd_scores_kernel(
     key tile accumulates over H in BLOCK_I steps, one BLOCK_K block of key columns at a time
     (FLAT: in one loop over all K / BLOCK_K x H / BLOCK_I steps, each block's scores taken at
     its last step); only the scores are written."""
-    seed_k = tl.load(SEED_ptr) + 1  # the k stream of the seed
+    seed_k = tl.load(SEED_ptr) + _K_STREAM
     pid_n = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -280,7 +286,7 @@ def _layer_attention_fwd_values_kernel(
     (the weighted h tile enters the dot rounded to the input dtype, as eager rounds v)."""
     # column tiles vary fastest: the H / BLOCK_O programs that read the same [L, BLOCK_N, H]
     # rows of h run together and share them through L2 (W_v, 2 L H^2 bytes, stays in L2)
-    seed_p = tl.load(SEED_ptr) + 2  # the p stream of the seed
+    seed_p = tl.load(SEED_ptr) + _P_STREAM
     pid_o = tl.program_id(0)
     pid_n = tl.program_id(1)
     dtype = H_ptr.dtype.element_ty
@@ -402,7 +408,7 @@ def _layer_attention_bwd_values_kernel(
     ROWSCALE (the tile's columns are head j whole, BLOCK_O == D, so WHOLE_HEADS): p~_j is one
     weight per row and dp_j a row sum, with no one-hot head maps and their dots.
     """
-    seed_p = tl.load(SEED_ptr) + 2  # the p stream of the seed
+    seed_p = tl.load(SEED_ptr) + _P_STREAM
     pid_o = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)  # layer within the group
@@ -515,7 +521,7 @@ def _layer_attention_bwd_keys_kernel(
     """For a [BLOCK_N] tile of tokens, key columns kk and layer l: z = h~ W_k + b_k on chip,
     k~ = dropout(relu(z)), dz = (da W_a') [k~ > 0] / (1 - r_k), and the tile's k~' da and
     column sums of dz."""
-    seed_k = tl.load(SEED_ptr) + 1  # the k stream of the seed
+    seed_k = tl.load(SEED_ptr) + _K_STREAM
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)  # layer within the group
@@ -591,7 +597,7 @@ def _layer_attention_dropout_masks_kernel(
 # The compile gate (``tests/test_compile_report.py``) fails if a kept config spills.
 
 _ACC = {torch.float64: tl.float64}
-_STREAM = {"h": 0, "k": 1, "p": 2}  # the dropout streams' offsets from the seed
+_STREAM = {"h": _H_STREAM.value, "k": _K_STREAM.value, "p": _P_STREAM.value}
 _SMEM_BYTES = 227 * 1024  # per block on sm_90
 _DROPOUT_BLOCK = 1024
 # The backward's per-tile partial sums come in slots of 64 tokens (db_v, dW_a, db_k, db_a) or
@@ -1191,10 +1197,10 @@ def layer_attention_dropout_masks(
         keep = torch.empty(shape, dtype=torch.int8, device=device)
         _check_launchable(keep)
         numel = keep.numel()
-        _layer_attention_dropout_masks_kernel[(_cdiv(numel, _DROPOUT_BLOCK),)](
-            keep, numel, _seed_tensor(seed, keep.device), r[f"rate_{name}"],
-            STREAM=_STREAM[name], BLOCK=_DROPOUT_BLOCK,
-        )
+        kwargs = dict(STREAM=_STREAM[name], BLOCK=_DROPOUT_BLOCK)
+        _run(_layer_attention_dropout_masks_kernel, (_cdiv(numel, _DROPOUT_BLOCK),),
+             (keep, numel, _seed_tensor(seed, keep.device), r[f"rate_{name}"]), kwargs,
+             ("dropout_masks", *kwargs.values()))
         out.append(keep)
     return tuple(out)
 

@@ -103,6 +103,7 @@ seed = [5]
 def step():
     c, p = K.layer_attention_fwd(*ts, J, dropout, seed[0])
     K.layer_attention_bwd(dc, None, *ts, p, J, dropout, seed[0])
+    K.layer_attention_dropout_masks((L, N, H), (L, N, Kd), (L, N, J), dropout, seed[0])
     out = list(launches)
     launches.clear()
     jit = len(jit_runs)
@@ -125,22 +126,24 @@ print("same", len(direct))
 
 
 def test_picks_and_direct_launches_launch_what_the_autotuner_launched():
-    """A fused forward + backward (fp16, dropout on) three times: through the autotuner (first
+    """A fused forward + backward (fp16, dropout on) and the three dropout masks, three times:
+    through the autotuner (first
     call of each key), with its picks through Triton's JIT, then with every kernel launched
     directly from the compiled kernel the JIT ran (no JIT call at all): the same compiled
     kernels, grids and arguments each time (tensors by shape, dtype and strides). Another
     seed launches the same compiled kernels directly: the kernels read it from a tensor."""
     script = _SAME_LAUNCHES.replace("sys.argv[2]", "0").replace("JIT_AGAIN", "False")
-    assert _run_script(script) == ["same", "8"]
+    assert _run_script(script) == ["same", "11"]
 
 
 def test_direct_launches_without_dropout():
-    """The same without dropout (no dropout kernels: 5 launches per forward + backward); a
+    """The same without dropout (no dropout kernels: 5 launches per forward + backward, and
+    the 3 masks); a
     token count divisible by 16 goes through the JIT again."""
     out = _run_script(_SAME_LAUNCHES.replace("sys.argv[2]", "1").replace("JIT_AGAIN", "True")
                       .replace("seed[0] = 16 * 7",
                                "ts[0], dc = ts[0][:, :32].contiguous(), dc[:32]  # N = 32"))
-    assert out == ["same", "5"]
+    assert out == ["same", "8"]
 
 
 _SWAPPED_FIXED = r'''
