@@ -1,7 +1,7 @@
 """Artificial errors for GED training: error-free sentences copied with rule-made errors.
 
 ``with_synthetic_errors(sentences, rate, seed)`` returns ``sentences`` followed by one corrupted
-copy of every error-free sentence among them (no word labelled 1). A copy of ``n`` words takes
+copy of every error-free sentence of two words or more among them (no word labelled 1). A copy of ``n`` words takes
 ``max(1, Binomial(n, rate))`` edits, each at a word still labelled 0, of one kind drawn with
 the weights of :data:`EDIT_WEIGHTS` (a kind that does not apply at the drawn word is drawn
 again):
@@ -153,8 +153,8 @@ def corrupt(sentence: Sentence, rate: float, rng: random.Random, *, tries: int =
 
 
 def with_synthetic_errors(sentences: Sequence[Sentence], rate: float, seed: int) -> list[Sentence]:
-    """``sentences`` plus a corrupted copy of each error-free one (``rate``: edits per word,
-    at least one per copy); ``rate == 0`` returns them unchanged."""
+    """``sentences`` plus a corrupted copy of each error-free one of two words or more
+    (``rate``: edits per word, at least one per copy); ``rate == 0`` returns them unchanged."""
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"synthetic_errors: expected an edit rate in [0, 1), got {rate!r}")
     out = list(sentences)
