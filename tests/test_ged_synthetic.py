@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -89,7 +90,7 @@ def test_copies_of_error_free_sentences_only_each_with_an_error_and_reproducible
     assert set(EDIT_WEIGHTS) == {"spelling", "confusion", "inflection", "delete", "insert",
                                  "swap", "comma"}
     assert with_synthetic_errors(data, 0.0, seed=4) == data
-    with pytest.raises(ValueError, match=r"synthetic_errors: expected an edit rate in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"synthetic_errors: expected an edit rate per word in \[0, 1\)"):
         with_synthetic_errors(data, 1.0, seed=4)
 
 
@@ -104,17 +105,18 @@ def test_a_run_trains_on_the_copies_and_resumes_only_with_the_same_ones(tmp_path
         config(tmp_path, tiny_encoder, tmp_path / "bad", synthetic_errors=-0.1)
     plain = config(tmp_path, tiny_encoder, tmp_path / "plain", epochs=1)
     cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, synthetic_errors=0.15)
-    train(plain)
-    train(cfg, stop_after_steps=2)
-    meta = json.loads((tmp_path / "run" / "checkpoint.json").read_text())
-    assert set(meta["data"]) == {"train", "dev", "train_synthetic"}
-    # more sentences, so more steps per epoch than the plain run's
+    # a whole epoch: the run steps through the real sentences and the copies
     from mhmla_fast.ged.data import read_ged
     real = read_ged(cfg.train)
     n_copies = sum(1 for s in real if not s.has_error and len(s) >= 2)
     assert n_copies > 0
-    steps = len(length_bucketed_batches([1] * (len(real) + n_copies), cfg.batch_size, 0, 0))
-    assert steps > len(length_bucketed_batches([1] * len(real), cfg.batch_size, 0, 0))
+    steps = [len(length_bucketed_batches([1] * n, 8, 3, 0)) for n in (len(real), len(real) + n_copies)]
+    assert steps[1] > steps[0]
+    for run, n_steps in zip((plain, cfg), steps):
+        train(run)
+        meta = json.loads((Path(run.out) / "checkpoint.json").read_text())
+        assert meta["global_step"] == n_steps, run.out
+    assert set(meta["data"]) == {"train", "dev", "train_synthetic"}
     # other artificial errors (the generator changed between kill and resume) are refused
     meta["data"]["train_synthetic"] = "0" * 64
     (tmp_path / "run" / "checkpoint.json").write_text(json.dumps(meta))

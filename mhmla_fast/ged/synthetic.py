@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from .data import Sentence
 
-__all__ = ["with_synthetic_errors", "corrupt", "EDIT_WEIGHTS", "CONFUSIONS", "FUNCTION_WORDS"]
+__all__ = ["with_synthetic_errors", "corrupt", "check_rate", "EDIT_WEIGHTS", "CONFUSIONS", "FUNCTION_WORDS"]
 
 EDIT_WEIGHTS: dict[str, float] = {
     "spelling": 0.20, "confusion": 0.30, "inflection": 0.15, "delete": 0.13,
@@ -114,8 +114,8 @@ def _edit(tokens: list[str], labels: list[int], k: int, kind: str, rng: random.R
         if not (word.isalpha() and len(word) >= 3 and low not in CONFUSIONS):
             return False
         tokens[k], labels[k] = _same_case(rng.choice(_inflections(word)), word), 1
-    elif kind == "delete" or kind == "comma" and word == ",":
-        if kind == "delete" and low not in FUNCTION_WORDS or not nxt or labels[k + 1]:
+    elif kind == "delete" or (kind == "comma" and word == ","):
+        if (kind == "delete" and low not in FUNCTION_WORDS) or not nxt or labels[k + 1]:
             return False
         del tokens[k], labels[k]
         labels[k] = 1  # the word after the gap
@@ -152,11 +152,16 @@ def corrupt(sentence: Sentence, rate: float, rng: random.Random, *, tries: int =
     return Sentence(tuple(tokens), tuple(labels), f"{sentence.source} (synthetic)", sentence.line)
 
 
+def check_rate(rate: float) -> None:
+    """Refuse an edit rate per word outside [0, 1) (``TrainConfig.synthetic_errors``)."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"synthetic_errors: expected an edit rate per word in [0, 1), got {rate!r}")
+
+
 def with_synthetic_errors(sentences: Sequence[Sentence], rate: float, seed: int) -> list[Sentence]:
     """``sentences`` plus a corrupted copy of each error-free one of two words or more
     (``rate``: edits per word, at least one per copy); ``rate == 0`` returns them unchanged."""
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"synthetic_errors: expected an edit rate in [0, 1), got {rate!r}")
+    check_rate(rate)
     out = list(sentences)
     if rate == 0:
         return out

@@ -46,7 +46,7 @@ from ..distributed import check_resume_world, rank_from_env, shard, training_dev
 from ..encoder import max_input_length
 from .data import Sentence, read_ged, sentences_digest
 from .metrics import best_threshold, ged_scores
-from .synthetic import with_synthetic_errors
+from .synthetic import check_rate as check_synthetic_rate, with_synthetic_errors
 from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
                     load_tokenizer)
 
@@ -141,9 +141,7 @@ class TrainConfig:
             raise ValueError("warmup_ratio: needs lr_schedule='linear' (the constant schedule has no warm-up)")
         if not 0.0 < self.layer_lr_decay <= 1.0:
             raise ValueError(f"layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay!r}")
-        if not 0.0 <= self.synthetic_errors < 1.0:
-            raise ValueError(f"synthetic_errors: expected an edit rate per word in [0, 1), got "
-                             f"{self.synthetic_errors!r}")
+        check_synthetic_rate(self.synthetic_errors)
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
 
