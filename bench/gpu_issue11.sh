@@ -16,6 +16,7 @@
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh http         # 64 clients, 1 and 8 sentences per request, 20 s each
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train        # mhmla-train ged, 8,192 sentences x 2 epochs, --compile off and reduce-overhead
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-full   # a whole FCE epoch, twice (warm second), both --compile modes
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-tag    # one call (<= 8 min): train off, the engine (short), train reduce-overhead
 # Back here:
 #   python bench/benchmark_serve.py --merge <the fetched *.json> --out bench/results/
 #
@@ -38,7 +39,7 @@
 #   installed here; the http stage installs them into /tmp/site.
 set -euo pipefail  # pipefail: a failed or timed-out benchmark fails the stage despite tee
 cd "$(dirname "$0")/.."
-stage=${1:?stage: pack, pack-wheels, check, tag-engine, tag-hf, score, cli, http, train, train-full}
+stage=${1:?stage: pack, pack-wheels, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
 NOTE="gpu_issue11.sh: tagger word embeddings fp16-rounded; scorer and training use the tagger's encoder layers in place of MiniLM's (speed only)"
@@ -170,5 +171,20 @@ PY
     prepare
     bench --tasks train --train-sentences 28731 --train-epochs 2 --train-compile off reduce-overhead \
       --out "$OUT/train_full.json" 2>&1 | tee "$OUT/train_full.log" ;;
+  train-tag)  # one call of at most 8 minutes, each step its own file and time box, so what
+    # finished comes back: training with --compile off (8,192 sentences x 2 epochs), the engine
+    # at the issue's size in short form (one repeat, overlap on, 0 and 8 host workers), then
+    # training with --compile reduce-overhead (its CUDA-graph capture may not fit)
+    prepare
+    STAGE_TIMEOUT=${T_OFF:-150} bench --tasks train --train-sentences 8192 --train-epochs 2 \
+      --train-compile off --out "$OUT/train_off.json" > "$OUT/train_off.log" 2>&1 || true
+    grep -E "^  train" "$OUT/train_off.log" || tail -3 "$OUT/train_off.log"
+    STAGE_TIMEOUT=${T_TAG:-130} bench --tasks tag --tag-paths engine --repeat-to 98840 --repeats 1 \
+      --chunks 0 --budgets 65536 --host-workers 0 8 --overlap on \
+      --out "$OUT/tag_engine.json" > "$OUT/tag_engine.log" 2>&1 || true
+    grep -E "^  tag" "$OUT/tag_engine.log" || tail -3 "$OUT/tag_engine.log"
+    STAGE_TIMEOUT=${T_RO:-180} bench --tasks train --train-sentences 8192 --train-epochs 2 \
+      --train-compile reduce-overhead --out "$OUT/train_ro.json" > "$OUT/train_ro.log" 2>&1 || true
+    grep -E "^  train" "$OUT/train_ro.log" || tail -3 "$OUT/train_ro.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
