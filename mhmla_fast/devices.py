@@ -15,6 +15,7 @@ import sys
 __all__ = [
     "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores", "default_threads",
     "TRAIN_PRECISIONS", "applied_precision", "check_train_precision", "training_autocast",
+    "TRAIN_COMPILE_MODES", "applied_compile",
 ]
 
 # Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
@@ -96,6 +97,26 @@ def training_autocast(precision: str, device):
     if bf16 and device.type not in ("cuda", "cpu"):
         raise ValueError(f"precision: bf16 autocast is supported on cuda and cpu, not {device.type}")
     return torch.autocast(device.type if bf16 else "cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
+# How training steps run their forward and backward: "auto" is "reduce-overhead" (torch.compile
+# with CUDA graphs) on CUDA in one process, where it measured 3.3x eager (issue 11), and "off"
+# elsewhere (inductor is slower than eager on a 2-core CPU; CUDA graphs are one process only)
+TRAIN_COMPILE_MODES = ("auto", "off", "default", "reduce-overhead", "max-autotune")
+
+
+def applied_compile(mode: str, device, distributed: bool = False) -> str:
+    """What a training ``--compile`` mode means on ``device`` (a ``torch.device``): under "auto",
+    "reduce-overhead" on CUDA in one process and "off" otherwise; any other mode as given,
+    except that a compiled mode under torchrun (``distributed``) is refused."""
+    if mode not in TRAIN_COMPILE_MODES:
+        raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "reduce-overhead" if device.type == "cuda" and not distributed else "off"
+    if mode != "off" and distributed:
+        raise ValueError(f"compile: {mode!r} is not supported under torchrun (one process only); "
+                         "pass --compile off")
+    return mode
 
 
 def default_threads() -> int:

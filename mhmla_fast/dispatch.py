@@ -32,9 +32,10 @@ CUDA, as measured on an NVIDIA H100 80GB HBM3 (torch 2.11, triton 3.6, commit 07
   b8ba9e9, ``bench/layer_attention_graph_probe.py``): at BERT-base N = 4096 the fused pair's
   kernels take 1.072 ms replayed from a CUDA graph against eager's 1.656, but as called it is
   bound by 1.845 ms of host time (2.149 ms against eager's 1.841), so the rule stands until
-  the host path is cheaper (its launches since go straight to the compiled kernels: fused /
-  eager host time 1.82 → 1.39-1.49 on a CPU with the driver mocked; not yet re-measured on a
-  GPU).
+  the host path is cheaper. With the launches going straight to the compiled kernels
+  (``gpu_2026-11-27/run1_graph_probe.json``, commit 2b4c0d0) it is a tie there: 1.784 ms as
+  called against eager's 1.827 (host 1.639 against 1.275 ms); MiniLM still loses at N = 1024
+  and 4096 (1.524 against 1.219, 1.536 against 1.475 ms). The rule stands.
 - 16-bit inputs whose H or K is not a multiple of 16 run eager (:func:`fused_unsupported`).
 
 Devices without Triton (CPU without ``TRITON_INTERPRET=1``) always run eager.

@@ -219,6 +219,40 @@ def test_resume_refuses_another_compile_mode(tmp_path, tiny_encoder):
         train(other)
 
 
+def test_compile_auto_means_cuda_graphs_on_cuda_in_one_process_only():
+    from mhmla_fast.devices import applied_compile
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert applied_compile("auto", cuda) == "reduce-overhead"
+    assert applied_compile("auto", cpu) == "off"
+    assert applied_compile("auto", cuda, distributed=True) == "off"
+    assert applied_compile("default", cpu) == "default"
+    assert applied_compile("off", cuda, distributed=True) == "off"
+    with pytest.raises(ValueError, match="'reduce-overhead' is not supported under torchrun"):
+        applied_compile("reduce-overhead", cuda, distributed=True)
+    with pytest.raises(ValueError, match="compile: expected one of"):
+        applied_compile("fast", cpu)
+    assert TrainConfig(train="t", dev="d", out="o").compile == "auto"
+
+
+def test_resume_compares_the_compile_mode_as_applied(tmp_path, tiny_encoder):
+    """A CPU run begun with --compile off goes on under the default auto (off on the CPU), also
+    from a checkpoint older than the record of the applied mode; under default it is refused,
+    with the mode to pass."""
+    run = tmp_path / "run"
+    train(config(tmp_path, tiny_encoder, run, epochs=1, compile="off"), stop_after_steps=1)
+    meta_path = run / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["compile_applied"] == "off"
+    del meta["compile_applied"]  # as a checkpoint written before the record
+    meta_path.write_text(json.dumps(meta))
+    train(config(tmp_path, tiny_encoder, run, epochs=1), stop_after_steps=2)
+    assert json.loads(meta_path.read_text())["global_step"] == 3  # 1 + 2: it went on
+    with pytest.raises(ValueError, match="ran with --compile off, this run's would run with "
+                                         "default.*pass --compile off"):
+        train(config(tmp_path, tiny_encoder, run, epochs=1, compile="default"))
+
+
 @pytest.mark.parametrize("field", ["epochs", "batch_size", "eval_batch_size", "checkpoint_every",
                                    "max_train_sentences"])
 def test_counts_below_one_are_refused_up_front(tmp_path, tiny_encoder, field):

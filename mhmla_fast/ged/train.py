@@ -40,8 +40,8 @@ from ..checkpoint import (CheckpointWriter, check_same_inputs,
 from ..durable import atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
                        same_file)
-from ..devices import (TRAIN_PRECISIONS, applied_precision, check_train_precision,
-                       training_autocast)
+from ..devices import (TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, applied_compile, applied_precision,
+                       check_train_precision, training_autocast)
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
 from .data import Sentence, read_ged, sentences_digest
@@ -106,12 +106,13 @@ class TrainConfig:
         "encoder layer i of L trains at lr * decay^(L - i), embeddings at decay^(L + 1); the "
         "head at lr (default 1: one learning rate)"))
     # torch.compile of the training step's forward (and, through AOTAutograd, its backward)
-    compile: str = field(default="off", metadata=_help(
+    compile: str = field(default="auto", metadata=_help(
         "torch.compile the tagger for training steps: 'reduce-overhead' (CUDA) replays each "
         "step's forward and backward as CUDA graphs, so the host stops launching every kernel "
         f"one by one; batches are then padded to {COMPILE_PAD_TO}-piece multiples and to the "
-        "batch size, so that a few shapes repeat (one process only, not under torchrun)",
-        choices=("off", "default", "reduce-overhead", "max-autotune")))
+        "batch size, so that a few shapes repeat (one process only, not under torchrun). "
+        "auto (default): reduce-overhead on CUDA in one process, off on the CPU and under torchrun",
+        choices=TRAIN_COMPILE_MODES))
     # bf16 autocast of the training steps (evaluation stays float32)
     precision: str = field(default="auto", metadata=_help(
         "training-step precision: auto (bf16 autocast on CUDA, float32 on the CPU), fp32, or "
@@ -142,14 +143,27 @@ class TrainConfig:
         if not 0.0 < self.layer_lr_decay <= 1.0:
             raise ValueError(f"layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay!r}")
         check_synthetic_rate(self.synthetic_errors)
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.compile not in TRAIN_COMPILE_MODES:
+            raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
 
 
 LR_SCHEDULES = ("constant", "linear")
 # fields naming files: on resume, two spellings of one path are the same run
 PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path")
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+
+
+def check_same_compile(meta: dict, applied: str, out) -> None:
+    """Refuse to go on under another ``--compile`` mode: ``applied`` is what this run's steps
+    would run under (:func:`mhmla_fast.devices.applied_compile`), and the checkpoint's is its
+    record ``compile_applied``, else its config's mode as spelled ("off" before the option
+    existed). A compiled run pads its batches to fixed shapes, which draws other dropout masks,
+    so a resume under another mode would match neither uninterrupted run."""
+    saved = meta.get("compile_applied") or meta["config"].get("compile", "off")
+    if saved != applied:
+        raise ValueError(f"{out}: a checkpoint of a different run exists (its steps ran with "
+                         f"--compile {saved}, this run's would run with {applied}; --compile auto "
+                         f"means reduce-overhead on CUDA and off on the CPU); pass --compile "
+                         f"{saved} to go on as the run started, or use another --out")
 
 
 LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
@@ -323,10 +337,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             # e's batches depend only on (seed, e), so a shorter run is a prefix of a longer
             # one; a field a checkpoint predates has its default, and a checkpoint in the
             # flat layout of before is read into the groups
-            # (not --compile: its padded batches draw other dropout masks from the stream)
             # nor do the run folder's name (a moved run), how often it checkpoints, or how a
-            # path to the same file is spelled
-            free = ("progress", "out", "checkpoint_every") + (
+            # path to the same file is spelled; --compile is compared as the mode it means,
+            # below ("auto" on the CPU is "off")
+            free = ("progress", "out", "checkpoint_every", "compile") + (
                 ("epochs",) if cfg.lr_schedule == "constant" else ()) + (
                 # compared as the arithmetic it means, below ("auto" on the CPU is "fp32")
                 ("precision",) if precision_recorded(meta) else ())
@@ -336,9 +350,11 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
         check_resume_world(meta, dist_ctx, out)
+        check_same_compile(meta, compile_mode, out)
         check_same_inputs(meta, precision, data, out)
 
     precision = applied_precision(cfg.precision, device)
+    compile_mode = applied_compile(cfg.compile, device, distributed=dist_ctx is not None)
     meta = load_checkpoint(out, model, optimizer, check=same_run)
     if meta is not None:
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
@@ -348,9 +364,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
 
     autocast = training_autocast(cfg.precision, device)
     step_model, static = model, {}
-    if cfg.compile != "off":
-        if dist_ctx is not None:
-            raise ValueError("compile: not supported under torchrun (one process only)")
+    if compile_mode != "off":  # (applied_compile refused a compiled mode under torchrun)
         # one eager call first: a model's lazy set-up on its first call (transformers installs
         # output hooks under a lock, which dynamo cannot trace) stays out of the graph; in eval
         # mode, so that it draws no dropout masks from the run's random stream
@@ -359,7 +373,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             model(torch.full((1, 2), tokenizer.pad_token_id, device=device),
                   torch.ones((1, 2), dtype=torch.long, device=device))
         # the same module and parameters; evaluation keeps the eager model (other shapes)
-        step_model = torch.compile(model, mode=None if cfg.compile == "default" else cfg.compile)
+        step_model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
         static = {"rows": cfg.batch_size}
     steps_this_call = 0
 
@@ -370,7 +384,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
             "log": log, "best": best, "config": asdict(cfg),
             "world_size": dist_ctx.world_size if dist_ctx else 1, "data": data,
-            "precision_applied": precision,
+            "precision_applied": precision, "compile_applied": compile_mode,
         }, global_step)
 
     if epoch > cfg.epochs:
