@@ -762,7 +762,14 @@ def _shape_constexprs(H: int, J: int) -> dict:
 
 @functools.cache
 def _tuned(name: str):
-    """Kernel ``name`` autotuned over its candidates, pruned at each launch's shape (GPU only)."""
+    """Kernel ``name`` autotuned over its candidates, pruned at each launch's shape (GPU only).
+
+    The timings are kept on disk in Triton's cache (``cache_results``; ``$TRITON_CACHE_DIR``,
+    default ``~/.triton/cache``), keyed by Triton's version, the GPU target, the kernel's
+    source, the pruned candidates and the autotuning key: a later process on the machine takes
+    the pick without timing anything (and its compiled kernels from the same cache), so only a
+    machine's first process pays the autotuning of a (shape, dtype, N bucket). Delete the cache
+    folder to tune afresh."""
     by_tiles = {}
     for t, w, s in _candidates(name) + [_FIXED[name]]:
         by_tiles[(tuple(sorted(t.items())), w, s)] = triton.Config(t, num_warps=w, num_stages=s)
@@ -776,7 +783,7 @@ def _tuned(name: str):
 
     return triton.autotune(configs=list(by_tiles.values()), key=_AUTOTUNE_KEY[name],
                            prune_configs_by={"early_config_prune": prune},
-                           do_bench=_autotune_bench)(_KERNELS[name])
+                           do_bench=_autotune_bench, cache_results=True)(_KERNELS[name])
 
 
 def _autotune_bench(kernel_call, quantiles):

@@ -12,9 +12,10 @@ import sys
 from bench_scripts import BENCH
 
 
-def _run_script(script: str) -> list[str]:
+def _run_script(script: str, **extra_env: str) -> list[str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "MHMLA_TRITON_CONFIGS")}
+    env.update(extra_env)
     res = subprocess.run([sys.executable, "-c", script, str(BENCH)], env=env, timeout=600,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -186,3 +187,43 @@ def test_a_swapped_fixed_config_launches_its_own_kernel():
     launches the kernel compiled for the new config, with its grid, not the one kept for the
     old config."""
     assert _run_script(_SWAPPED_FIXED) == ["swapped"]
+
+
+_TUNE_ONCE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from triton_launch_host_cpu import _mock_driver
+_mock_driver()
+import torch
+from triton.runtime.autotuner import Autotuner
+import mhmla_fast.kernels.layer_attention as K
+
+timed = []
+
+
+def bench(self, *args, config, **kwargs):  # a made-up timing that depends on the config alone
+    timed.append(config)
+    t = float(sum(map(ord, str(config))) % 97)
+    return [t, t, t]
+
+
+Autotuner._bench = bench
+K._check_launchable = lambda t: None
+L, N, H, Kd, J = 3, 40, 64, 48, 4
+ts = [torch.randn(s).half() for s in
+      [(L, N, H), (L, H, H), (L, H), (L, H, Kd), (L, Kd), (L, Kd, J), (L, J)]]
+K.layer_attention_fwd(*ts, J, (0.0, 0.0, 0.0), 0)
+picks = sorted(f"{k[0]}:{sorted(v.items())}".replace(" ", "") for k, v in K._PICKS.items())
+print(len(timed), *picks)
+"""
+
+
+def test_autotuning_is_kept_on_disk_for_the_next_process(tmp_path):
+    """A forward's two kernels are autotuned (the candidates timed) in a machine's first
+    process; a second process with the same Triton cache folder takes the same picks from
+    disk and times nothing."""
+    first = _run_script(_TUNE_ONCE, TRITON_CACHE_DIR=str(tmp_path))
+    second = _run_script(_TUNE_ONCE, TRITON_CACHE_DIR=str(tmp_path))
+    assert int(first[0]) > 2 and len(first) == 3, first  # several candidates, two kernels
+    assert second == ["0", *first[1:]], (first, second)
+    assert list(tmp_path.rglob("*.autotune.json")), "no autotuning record in the cache folder"
