@@ -22,6 +22,12 @@ straight to the compiled kernel) and with every launch through Triton's JIT (``l
 what the launchers did before 2026-11-27), the A/B of the direct launches on this host. At the
 first shape the forward alone, without a gradient (``mode: forward``, the inference path),
 follows for fused and eager.
+
+``--compiled`` measures instead what training with ``--compile reduce-overhead`` (the default
+on CUDA) runs: the head in training mode (dropout 0.3) through ``torch.compile(mode=
+"reduce-overhead")``, eager (inductor-compiled) against fused (the custom op captured), at
+MiniLM N = 2048 and 4096 and BERT-base N = 4096, into ``compiled_probe.json``: whether
+``backend="auto"`` should take the fused pair inside a compiled training step.
 """
 
 from __future__ import annotations
@@ -111,6 +117,43 @@ def _timed(step, row: dict) -> dict:
     return row
 
 
+COMPILED_CASES = (("minilm", 2048), ("minilm", 4096), ("bert-base", 4096))
+TRAINING_DROPOUT = 0.3  # the GED tagger's head dropout (on h, k and p), as in training
+
+
+def measure_compiled(shape_name: str, n: int, backend: str, dtype) -> dict:
+    """One row of the head as ``mhmla-train --compile reduce-overhead`` runs it: forward +
+    backward in training mode (dropout 0.3 on h, k and p) through
+    ``torch.compile(mode="reduce-overhead")``, which captures it in CUDA graphs (eager: the
+    reference's ops compiled by inductor; fused: the custom op's kernels captured)."""
+    import torch
+
+    from mhmla_fast import layer_attention
+
+    inputs, dc = make_inputs(SHAPES[shape_name], n, dtype, "cuda", seed=0)
+    J = SHAPES[shape_name].J
+
+    def head(*ts):
+        return layer_attention(*ts, J, dropout_h=TRAINING_DROPOUT, dropout_k=TRAINING_DROPOUT,
+                               dropout_p=TRAINING_DROPOUT, training=True, backend=backend)
+
+    compiled = torch.compile(head, mode="reduce-overhead", dynamic=False)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        return torch.autograd.grad(compiled(*inputs), inputs, dc)
+
+    row = {"shape": shape_name, "n": n, "backend": backend, "dtype": str(dtype).split(".")[-1],
+           "mode": "full, training, torch.compile reduce-overhead", "launches": None}
+    t0 = time.perf_counter()
+    for _ in range(5):  # compile, autotune, warm-up and capture
+        step()
+    torch.cuda.synchronize()
+    row["warmup_s"] = round(time.perf_counter() - t0, 2)
+    row.update(ms=_events_ms(step), host_ms=host_ms(step, "cuda"), graph_ms=None)
+    return row
+
+
 def profile_fused(shape_name: str, n: int, calls: int = 20) -> str:
     """cProfile of ``calls`` fused forward + backward calls (after a warm-up): top 25 by own time."""
     import torch
@@ -144,6 +187,9 @@ def profile_fused(shape_name: str, n: int, calls: int = 20) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for graph_probe.json")
+    parser.add_argument("--compiled", action="store_true",
+                        help="instead: the head in training mode under torch.compile "
+                             "reduce-overhead, eager against fused (compiled_probe.json)")
     args = parser.parse_args()
     import torch
     import triton
@@ -155,6 +201,22 @@ def main() -> None:
             "triton": triton.__version__, "commit": git_commit(),
             "command": "python bench/layer_attention_graph_probe.py --out DIR"}
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compiled:
+        meta["command"] += " --compiled"
+        compiled = {"header": meta, "rows": []}
+        for shape_name, n in COMPILED_CASES:
+            for backend in ("torch", "triton"):
+                try:
+                    r = measure_compiled(shape_name, n, backend, torch.bfloat16)
+                except Exception as e:  # noqa: BLE001 - reported, the other rows still run
+                    r = {"shape": shape_name, "n": n, "backend": backend,
+                         "error": f"{type(e).__name__}: {e}"[:500]}
+                compiled["rows"].append(r)
+                (args.out / "compiled_probe.json").write_text(json.dumps(compiled, indent=1))
+                print(f"{shape_name:9s} N={n:5d} {backend:6s} bf16 compiled fwd+bwd: "
+                      + (f"{r['ms']:.3f} ms, host {r['host_ms']:.3f} ms (warm-up {r['warmup_s']} s)"
+                         if "ms" in r else r["error"]), flush=True)
+        return
     result = {"header": meta, "rows": [], "cprofile_fused": None}
 
     def save():  # after every step: a run cut by a time box keeps what it measured

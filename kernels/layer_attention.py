@@ -863,9 +863,28 @@ def _arg_classes(args: tuple) -> tuple:
     and its width (32 or 64 bits, signed or not); anything else its type (floats and bools
     are not specialised on their values). Equal classes, equal compiled kernel
     (``tests/test_layer_attention_launch.py`` checks this against Triton's own binder)."""
-    return tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor)
-                  else (a == 1, a % 16 == 0, a in _INT32, a in _INT64) if type(a) is int
-                  else type(a) for a in args])
+    return _launch_args(args)[0]
+
+
+def _launch_args(args: tuple) -> tuple[tuple, list]:
+    """(``_arg_classes(args)``, ``args`` as a compiled kernel's launcher takes them, each tensor
+    as its address). Given a tensor, Triton's launcher calls its ``data_ptr()`` and asks the
+    driver whether the address is a device pointer (``cuPointerGetAttribute``), per pointer
+    argument and launch; given the address it uses it as is. The launchers check devices
+    before any launch (``_check_launchable``)."""
+    classes, values = [], []
+    for a in args:
+        if isinstance(a, Tensor):
+            ptr = a.data_ptr()
+            classes.append((a.dtype, ptr % 16 == 0))
+            values.append(ptr)
+        elif type(a) is int:
+            classes.append((a == 1, a % 16 == 0, a in _INT32, a in _INT64))
+            values.append(a)
+        else:
+            classes.append(type(a))
+            values.append(a)
+    return tuple(classes), values
 
 
 def _launch_hooks() -> bool:
@@ -884,14 +903,17 @@ def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple) -> None:
     that kernel's launcher with the current stream, skipping the JIT's argument binding,
     specialisation and cache-key work: 10.5 us of Python per launch against 16.3 through the JIT
     on the CPU this was measured on (``bench/results/triton_launch_host_cpu.json``, rows
-    ``fixed`` and ``jit``). Under the interpreter, or with Triton's
-    launch hooks set (profilers), every launch goes through the JIT.
+    ``fixed`` and ``jit``). Tensors go to the launcher as their addresses (``_launch_args``),
+    which spares it a ``data_ptr()`` call and a driver query per pointer. Under the
+    interpreter, or with Triton's launch hooks set (profilers), every launch goes through the
+    JIT.
     """
     if not isinstance(kernel, JITFunction) or _launch_hooks():  # interpreted, or profiled
         kernel[grid](*args, **kwargs)
         return
     device = driver.active.get_current_device()
-    full_key = (key, device, _arg_classes(args))
+    classes, values = _launch_args(args)
+    full_key = (key, device, classes)
     entry = _COMPILED.get(full_key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
@@ -906,7 +928,7 @@ def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple) -> None:
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     launcher(grid[0], g1, g2, driver.active.get_current_stream(device), function, metadata,
-             None, None, None, *args, *tail)
+             None, None, None, *values, *tail)
 
 
 def _n_bucket(n: int) -> int:

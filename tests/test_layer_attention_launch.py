@@ -74,10 +74,27 @@ launches = []
 
 def record(kernel):
     def run(g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args):
+        given = passed.pop() if passed else None
+        if not any(isinstance(a, torch.Tensor) for a in args):
+            # a direct launch: each tensor as its address; recorded as the tensor it came from
+            assert all(a == t.data_ptr() if isinstance(t, torch.Tensor) else a == t
+                       for t, a in zip(given, args)), (given, args)
+            args = (*given, *args[len(given):])
+            addressed.append(kernel)
         launches.append((id(kernel), (g0, g1, g2), tuple(
             (tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a
             for a in args)))
     return run
+
+
+passed = []  # the positional arguments of a direct launch, before their conversion
+addressed = []  # launches whose tensors came as addresses
+launch_args = K._launch_args
+
+
+def converted(args):
+    passed[:] = [args]
+    return launch_args(args)
 
 
 jit_runs = []
@@ -91,6 +108,7 @@ def counted(self, *args, **kwargs):
 
 CompiledKernel.run = property(record)
 JITFunction.run = counted
+K._launch_args = converted
 K._check_launchable = lambda t: None
 L, N, H, Kd, J = 3, 40, 64, 48, 4
 g = torch.Generator().manual_seed(0)
@@ -114,7 +132,9 @@ def step():
 
 through_autotuner, _ = step()
 with_picks, _ = step()
+addressed.clear()
 direct, jit = step()
+assert len(addressed) == len(direct), (len(addressed), len(direct))
 assert len(K._PICKS) == 4, K._PICKS
 assert with_picks == through_autotuner, (with_picks, through_autotuner)
 assert direct == through_autotuner, (direct, through_autotuner)
