@@ -224,6 +224,10 @@ PY
     export PYTHONPATH=/tmp/mhmla_real${PYTHONPATH:+:$PYTHONPATH} MHMLA_SHARED_DATA=/tmp/mhmla_real/data
     export PYTHONUNBUFFERED=1 MHMLA_COMMIT=${MHMLA_COMMIT:-unknown}
     export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (gpu_site.py), upcast to fp32"
+    # the GPU's utilisation every 200 ms while training: near 100% says GPU-bound, well below
+    # says the host (the loop, collation, launches) is the limit
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 200 \
+      > "$OUT/gpu_util_train.csv" 2>/dev/null & util=$!
     for seed in 0 1; do
       run=/tmp/mhmla_runs/ged-minilm-mhmla-seed$seed
       t0=$SECONDS
@@ -235,6 +239,7 @@ PY
       python3 -c "import json,sys; [print(f\"  epoch {e['epoch']}: {e['seconds']:.1f} s, {e['sentences_per_s']:.0f} sentences/s, dev F0.5 {e['dev']['f05']:.4f}\") for e in json.load(open(sys.argv[1]))]" \
         "$OUT/train_real_seed${seed}_log.json" 2>/dev/null || tail -3 "$OUT/train_real_seed$seed.log"
     done
+    kill "$util" 2>/dev/null || true
     STAGE_TIMEOUT=${T_TAG:-200} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
       --repeat-to 98840 --repeats 1 --chunks 0 --budgets 65536 --host-workers 0 8 --overlap on \
       --out "$OUT/tag_engine_real.json" > "$OUT/tag_engine_real.log" 2>&1 || true

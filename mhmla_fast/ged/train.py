@@ -363,7 +363,14 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         epoch, step_in_epoch, global_step, log, best = 0, 0, 0, [], {"f05": -1.0, "epoch": None}
 
     autocast = training_autocast(cfg.precision, device)
-    step_model, static = model, {}
+
+    def tagging_loss(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross-entropy of the labelled pieces: the step's forward, compiled whole
+        (loss included) under --compile."""
+        logits = model(input_ids, attention_mask)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+
+    step_loss_fn, static = tagging_loss, {}
     if compile_mode != "off":  # (applied_compile refused a compiled mode under torchrun)
         # one eager call first: a model's lazy set-up on its first call (transformers installs
         # output hooks under a lock, which dynamo cannot trace) stays out of the graph; in eval
@@ -373,7 +380,8 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             model(torch.full((1, 2), tokenizer.pad_token_id, device=device),
                   torch.ones((1, 2), dtype=torch.long, device=device))
         # the same module and parameters; evaluation keeps the eager model (other shapes)
-        step_model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
+        step_loss_fn = torch.compile(tagging_loss,
+                                     mode=None if compile_mode == "default" else compile_mode)
         static = {"rows": cfg.batch_size}
     steps_this_call = 0
 
@@ -423,10 +431,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                     static["length"] = min(max_length, -(-longest // COMPILE_PAD_TO) * COMPILE_PAD_TO)
                 batch = _to_device(collate([encoded[i] for i in idx], tokenizer.pad_token_id,
                                            [labels[i] for i in idx], **static), device)
-                with autocast:
-                    logits = step_model(batch["input_ids"], batch["attention_mask"])
-                loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                       batch["labels"].flatten(), ignore_index=IGNORE)
+                with autocast:  # (the loss takes float32 logits either way)
+                    loss = step_loss_fn(batch["input_ids"], batch["attention_mask"],
+                                        batch["labels"])
                 loss.backward()
                 step_loss = loss.detach()
             else:
@@ -534,8 +541,16 @@ def _distributed_step(net, ctx, idx, encoded, labels, lengths, pad_id, device, a
     return (totals[0] / totals[1].clamp_min(1)).detach()
 
 
-def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    """The batch's tensors on ``device``; to CUDA from pinned memory without blocking the host."""
-    if device.type != "cuda":
-        return {k: v.to(device) for k, v in batch.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+STEP_INPUTS = ("input_ids", "attention_mask", "labels")  # what a training step reads of a batch
+
+
+def _to_device(batch: dict[str, Tensor], device: torch.device,
+               keys: tuple[str, ...] = STEP_INPUTS) -> dict[str, Tensor]:
+    """The batch's [B, T] int64 tensors named by ``keys`` on ``device``, in one copy (of their
+    [len(keys), B, T] stack); to CUDA from pinned memory without blocking the host."""
+    stacked = torch.stack([batch[k] for k in keys])
+    if device.type == "cuda":
+        stacked = stacked.pin_memory().to(device, non_blocking=True)
+    else:
+        stacked = stacked.to(device)
+    return dict(zip(keys, stacked.unbind(0)))
