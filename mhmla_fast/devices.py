@@ -15,7 +15,7 @@ import sys
 __all__ = [
     "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores", "default_threads",
     "TRAIN_PRECISIONS", "applied_precision", "check_train_precision", "training_autocast",
-    "TRAIN_COMPILE_MODES", "applied_compile",
+    "TRAIN_COMPILE_MODES", "applied_compile", "cuda_compilable",
 ]
 
 # Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
@@ -105,18 +105,36 @@ def training_autocast(precision: str, device):
 TRAIN_COMPILE_MODES = ("auto", "off", "default", "reduce-overhead", "max-autotune")
 
 
-def applied_compile(mode: str, device, distributed: bool = False) -> str:
+def applied_compile(mode: str, device, distributed: bool = False,
+                    compilable: bool | None = None) -> str:
     """What a training ``--compile`` mode means on ``device`` (a ``torch.device``): under "auto",
-    "reduce-overhead" on CUDA in one process and "off" otherwise; any other mode as given,
-    except that a compiled mode under torchrun (``distributed``) is refused."""
+    "reduce-overhead" on CUDA in one process where torch.compile can generate GPU code
+    (``compilable``, default :func:`cuda_compilable`), and "off" otherwise; any other mode as
+    given, except that a compiled mode under torchrun (``distributed``) is refused."""
     if mode not in TRAIN_COMPILE_MODES:
         raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {mode!r}")
     if mode == "auto":
-        return "reduce-overhead" if device.type == "cuda" and not distributed else "off"
+        if device.type != "cuda" or distributed:
+            return "off"
+        return "reduce-overhead" if (cuda_compilable(device) if compilable is None
+                                     else compilable) else "off"
     if mode != "off" and distributed:
         raise ValueError(f"compile: {mode!r} is not supported under torchrun (one process only); "
                          "pass --compile off")
     return mode
+
+
+def cuda_compilable(device) -> bool:
+    """Whether torch.compile's inductor can generate code for CUDA ``device``: Triton is
+    installed and the GPU has compute capability 7.0 or more (what inductor's Triton backend
+    needs); "auto" modes stay eager elsewhere."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (7, 0)
 
 
 def default_threads() -> int:

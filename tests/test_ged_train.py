@@ -223,9 +223,13 @@ def test_compile_auto_means_cuda_graphs_on_cuda_in_one_process_only():
     from mhmla_fast.devices import applied_compile
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert applied_compile("auto", cuda) == "reduce-overhead"
+    assert applied_compile("auto", cuda, compilable=True) == "reduce-overhead"
+    # a GPU that inductor cannot generate code for (no Triton, capability below 7.0) runs eager
+    assert applied_compile("auto", cuda, compilable=False) == "off"
     assert applied_compile("auto", cpu) == "off"
     assert applied_compile("auto", cuda, distributed=True) == "off"
+    if not torch.cuda.is_available():
+        assert applied_compile("auto", cuda) == "off"  # no GPU to generate code for
     assert applied_compile("default", cpu) == "default"
     assert applied_compile("off", cuda, distributed=True) == "off"
     with pytest.raises(ValueError, match="'reduce-overhead' is not supported under torchrun"):
