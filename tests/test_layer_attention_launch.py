@@ -247,3 +247,52 @@ def test_autotuning_is_kept_on_disk_for_the_next_process(tmp_path):
     assert int(first[0]) > 2 and len(first) == 3, first  # several candidates, two kernels
     assert second == ["0", *first[1:]], (first, second)
     assert list(tmp_path.rglob("*.autotune.json")), "no autotuning record in the cache folder"
+
+
+_PRECOMPILE = r"""
+import os, sys, threading
+sys.path.insert(0, sys.argv[1])
+from triton.runtime.autotuner import Autotuner
+tritons_bench = Autotuner._bench
+from triton_launch_host_cpu import _mock_driver
+_mock_driver()
+Autotuner._bench = tritons_bench  # Triton's own, which calls the do_bench below per candidate
+import torch
+import triton.compiler
+import triton.testing
+import mhmla_fast.kernels.layer_attention as K
+
+compiled_in = []
+tritons_compile = triton.compiler.compile
+
+
+def counted(*args, **kwargs):  # what each JIT function's binder takes as its compiler
+    compiled_in.append(threading.current_thread().name)
+    return tritons_compile(*args, **kwargs)
+
+
+triton.compiler.compile = counted
+# a timing that launches the candidate once (compiling it if need be) and measures nothing
+triton.testing.do_bench = lambda fn, warmup, rep, quantiles: (fn(), [1.0, 1.0, 1.0])[1]
+K._check_launchable = lambda t: None
+L, N, H, Kd, J = 3, 40, 64, 48, 4
+ts = [torch.randn(s).half() for s in
+      [(L, N, H), (L, H, H), (L, H), (L, H, Kd), (L, Kd), (L, Kd, J), (L, J)]]
+K.layer_attention_fwd(*ts, J, (0.0, 0.0, 0.0), 0)
+pooled = sum(name.startswith("mhmla-compile") for name in compiled_in)
+candidates = sum(len(K.layer_attention_configs(k, H, J)) for k in ("fwd_scores", "fwd_values"))
+print(os.cpu_count() or 1, candidates, pooled, len(compiled_in) - pooled)
+"""
+
+
+def test_a_tuning_compiles_its_candidates_in_a_thread_pool(tmp_path):
+    """The first launch of a key, with nothing on disk, compiles every candidate the autotuner
+    keeps in a pool of threads before the timings, which then compile nothing more; with one
+    CPU there is no pool and the autotuner compiles them itself."""
+    cpus, candidates, pooled, elsewhere = map(int, _run_script(_PRECOMPILE,
+                                                               TRITON_CACHE_DIR=str(tmp_path)))
+    assert candidates > 10
+    if cpus >= 2:
+        assert (pooled, elsewhere) == (candidates, 0)
+    else:
+        assert (pooled, elsewhere) == (0, candidates)
