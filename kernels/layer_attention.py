@@ -804,6 +804,7 @@ def _autotune_bench(kernel_call, quantiles):
     return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
+_COMPILE_THREADS = 16
 # the launch whose candidates the autotuner is about to time (set by _launch, per thread): the
 # autotuner times only where its disk cache has no pick, and only then are they compiled
 _TUNING = threading.local()
@@ -811,9 +812,10 @@ _TUNING = threading.local()
 
 def _precompile(name: str, args: tuple, kwargs: dict) -> None:
     """Compile every candidate config of kernel ``name`` that the autotuner keeps for this
-    launch, in a pool of threads (Triton's compiler and ptxas release the GIL): on a fresh
-    machine a tuning's compiles took most of its time (about 0.6 s per config on a 2-core
-    CPU, 41 configs for an inference forward). Compile errors are left for the autotuner to
+    launch, in a pool of threads, one per usable CPU up to ``_COMPILE_THREADS`` (Triton's
+    compiler and ptxas release the GIL): on a fresh machine a tuning's compiles take most of
+    its time (about 0.5 s per config on a 2-core CPU, 41 configs for an inference forward:
+    ``bench/results/triton_tuning_cpu.json``). Compile errors are left for the autotuner to
     meet again and handle as it does (a config that cannot compile is timed as infinite)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -823,7 +825,9 @@ def _precompile(name: str, args: tuple, kwargs: dict) -> None:
     named = dict(zip(kernel.arg_names, args))
     configs = layer_attention_configs(name, named["H"], named["J"],
                                       bool(kwargs.get("DROP_K", False)))
-    workers = min(len(configs), os.cpu_count() or 1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # at most 16 compiles at a time: each holds its own LLVM module in memory
+    workers = min(len(configs), cpus or 1, _COMPILE_THREADS)
     if workers < 2:
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="mhmla-compile") as pool, \

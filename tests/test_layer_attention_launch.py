@@ -281,7 +281,7 @@ ts = [torch.randn(s).half() for s in
 K.layer_attention_fwd(*ts, J, (0.0, 0.0, 0.0), 0)
 pooled = sum(name.startswith("mhmla-compile") for name in compiled_in)
 candidates = sum(len(K.layer_attention_configs(k, H, J)) for k in ("fwd_scores", "fwd_values"))
-print(os.cpu_count() or 1, candidates, pooled, len(compiled_in) - pooled)
+print(len(os.sched_getaffinity(0)), candidates, pooled, len(compiled_in) - pooled)
 """
 
 
