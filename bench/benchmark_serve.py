@@ -1245,6 +1245,8 @@ def run_train(run: Run) -> list[dict]:
         log = json.loads((out / "log.json").read_text())
         row["epochs"] = [{"epoch": e.get("epoch"), "seconds": e.get("seconds"),
                           "sentences_per_s": e.get("sentences_per_s"),
+                          "train_seconds": e.get("train_seconds"),
+                          "train_sentences_per_s": e.get("train_sentences_per_s"),
                           "train_loss": e.get("train_loss"),
                           "dev_f05": (e.get("dev") or {}).get("f05")} for e in log]
         row.update(train_epoch_summary(row["epochs"]))
@@ -1254,14 +1256,19 @@ def run_train(run: Run) -> list[dict]:
 
 def train_epoch_summary(epochs: Sequence[dict]) -> dict[str, Any]:
     """The last epoch's sentences/s (later epochs are warm: compilation and autotuning are in
-    the first) and the seconds a whole FCE epoch would take at that speed."""
+    the first) and the seconds a whole FCE epoch would take at that speed, with the dev
+    evaluation (the target's figure) and without it (the steps alone)."""
     if not epochs:
-        return {"sentences_per_s": None, "fce_epoch_s_estimate": None}
+        return {"sentences_per_s": None, "fce_epoch_s_estimate": None,
+                "fce_epoch_steps_s_estimate": None}
     sps = epochs[-1]["sentences_per_s"]
+    steps_sps = epochs[-1].get("train_sentences_per_s")  # (logs from before 2026-11-27 lack it)
     return {"sentences_per_s": sps,
             "fce_epoch_s_estimate": FCE_TRAIN_SENTENCES / sps if sps else None,
-            "note": "per epoch from log.json: the training steps and the evaluation of the "
-                    "short dev file; start-up, loading and checkpoints are outside it"}
+            "fce_epoch_steps_s_estimate": FCE_TRAIN_SENTENCES / steps_sps if steps_sps else None,
+            "note": "per epoch from log.json: sentences_per_s and fce_epoch_s_estimate count the "
+                    "training steps and the evaluation of the short dev file, the steps_ "
+                    "estimate the steps alone; start-up and loading are outside both"}
 
 
 # --------------------------------------------------------------------------------- main

@@ -236,7 +236,7 @@ PY
         --freeze word_embeddings --seed $seed --no-progress > "$OUT/train_real_seed$seed.log" 2>&1 || true
       echo "seed $seed: $(( SECONDS - t0 )) s" | tee -a "$OUT/train_real_seed$seed.log"
       cp "$run/log.json" "$OUT/train_real_seed${seed}_log.json" 2>/dev/null || true
-      python3 -c "import json,sys; [print(f\"  epoch {e['epoch']}: {e['seconds']:.1f} s, {e['sentences_per_s']:.0f} sentences/s, dev F0.5 {e['dev']['f05']:.4f}\") for e in json.load(open(sys.argv[1]))]" \
+      python3 -c "import json,sys; [print(f\"  epoch {e['epoch']}: {e['seconds']:.1f} s ({e.get('train_seconds') or 0:.1f} s of steps), {e['sentences_per_s']:.0f} sentences/s, dev F0.5 {e['dev']['f05']:.4f}\") for e in json.load(open(sys.argv[1]))]" \
         "$OUT/train_real_seed${seed}_log.json" 2>/dev/null || tail -3 "$OUT/train_real_seed$seed.log"
     done
     kill "$util" 2>/dev/null || true

@@ -103,6 +103,10 @@ def test_train_epoch_summary_reads_the_last_epoch(bench):
     s = bench.train_epoch_summary([{"sentences_per_s": 100.0}, {"sentences_per_s": 5746.2}])
     assert s["sentences_per_s"] == 5746.2
     assert s["fce_epoch_s_estimate"] == pytest.approx(bench.FCE_TRAIN_SENTENCES / 5746.2)
+    assert s["fce_epoch_steps_s_estimate"] is None  # a log from before the steps' own time
+    s = bench.train_epoch_summary([{"sentences_per_s": 4000.0, "train_sentences_per_s": 6000.0}])
+    assert s["fce_epoch_steps_s_estimate"] == pytest.approx(bench.FCE_TRAIN_SENTENCES / 6000.0)
+    assert s["fce_epoch_s_estimate"] == pytest.approx(bench.FCE_TRAIN_SENTENCES / 4000.0)
     assert bench.train_epoch_summary([])["fce_epoch_s_estimate"] is None
 
 

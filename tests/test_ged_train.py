@@ -116,8 +116,14 @@ def test_training_learns_and_resume_equals_uninterrupted(tmp_path, tiny_encoder)
     # speed covers a process's own steps: a resumed epoch says where it resumed, and one
     # resumed after its last step has no speed (it used to log 0 sentences/s)
     assert all("resumed_at_step" not in r and r["sentences_per_s"] > 0 for r in log)
+    # the epoch's time splits into its steps and the dev evaluation (plus a checkpoint hand-off)
+    for r in log:
+        assert 0 < r["train_seconds"] and 0 < r["dev_seconds"], r
+        assert r["train_seconds"] + r["dev_seconds"] <= r["seconds"], r
+        assert r["train_sentences_per_s"] > r["sentences_per_s"], r
     assert [r.get("resumed_at_step") for r in rlog] == [7, 16, None]
     assert rlog[1]["sentences_per_s"] is None and rlog[0]["sentences_per_s"] > 0
+    assert rlog[1]["train_sentences_per_s"] is None
     ca = json.loads((full / "config.json").read_text())
     cb = json.loads((resumed / "config.json").read_text())
     assert ca["threshold"] == cb["threshold"] and 0 < ca["threshold"] < 1

@@ -461,6 +461,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 bar.close()
                 return out / "best"
         bar.close()
+        steps_seconds = time.perf_counter() - t0  # (the last step's loss read waited for the GPU)
         if step_in_epoch > first_step and global_step % cfg.checkpoint_every:
             # the epoch's last steps are kept before dev evaluation: a crash there (or a kill)
             # loses no training (a resumed run goes straight to the evaluation)
@@ -470,14 +471,18 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             epoch += 1
             step_in_epoch = 0
             continue
+        t_dev = time.perf_counter()
         dev_scores, _ = evaluate(model, tokenizer, dev_set, batch_size=cfg.eval_batch_size,
                                  device=device)
         record = log[-1]
         record.update({
             "train_loss": loss_sum / max(1, len(batches)), "dev": dev_scores,
+            # the epoch's whole time (steps, checkpoint hand-off, dev evaluation) and its parts
             "seconds": time.perf_counter() - t0,
+            "train_seconds": steps_seconds, "dev_seconds": time.perf_counter() - t_dev,
             # of this process's steps (None when it resumed the epoch after its last step)
             "sentences_per_s": n_sent / max(1e-9, time.perf_counter() - t0) if n_sent else None,
+            "train_sentences_per_s": n_sent / max(1e-9, steps_seconds) if n_sent else None,
         })
         if first_step:
             record["resumed_at_step"] = first_step  # seconds and speed cover the rest only
