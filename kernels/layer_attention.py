@@ -761,6 +761,13 @@ def _shape_constexprs(H: int, J: int) -> dict:
     return dict(BLOCK_J=max(16, _pow2(J)), WHOLE_HEADS=_BWD_SLOT % (H // J) == 0)
 
 
+def _kept(name: str, named_args: dict, kwargs: dict) -> list[tuple[dict, int, int]]:
+    """The candidates kernel ``name`` is tuned over at a launch with these arguments (by name)
+    and keyword arguments: what the autotuner's pruning keeps and ``_precompile`` compiles."""
+    return layer_attention_configs(name, named_args["H"], named_args["J"],
+                                   bool(kwargs.get("DROP_K", False)))
+
+
 @functools.cache
 def _tuned(name: str):
     """Kernel ``name`` autotuned over its candidates, pruned at each launch's shape (GPU only).
@@ -776,9 +783,7 @@ def _tuned(name: str):
         by_tiles[(tuple(sorted(t.items())), w, s)] = triton.Config(t, num_warps=w, num_stages=s)
 
     def prune(configs, named_args, **kwargs):
-        kept = {(tuple(sorted(t.items())), w, s)
-                for t, w, s in layer_attention_configs(name, named_args["H"], named_args["J"],
-                                                       bool(kwargs.get("DROP_K", False)))}
+        kept = {(tuple(sorted(t.items())), w, s) for t, w, s in _kept(name, named_args, kwargs)}
         return [c for c in configs
                 if (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) in kept]
 
@@ -821,13 +826,12 @@ def _precompile(name: str, args: tuple, kwargs: dict) -> None:
 
     from triton.runtime._async_compile import AsyncCompileMode
 
+    from mhmla_fast.devices import usable_cpus
+
     kernel = _KERNELS[name]
-    named = dict(zip(kernel.arg_names, args))
-    configs = layer_attention_configs(name, named["H"], named["J"],
-                                      bool(kwargs.get("DROP_K", False)))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    configs = _kept(name, dict(zip(kernel.arg_names, args)), kwargs)
     # at most 16 compiles at a time: each holds its own LLVM module in memory
-    workers = min(len(configs), cpus or 1, _COMPILE_THREADS)
+    workers = min(len(configs), usable_cpus(), _COMPILE_THREADS)
     if workers < 2:
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="mhmla-compile") as pool, \

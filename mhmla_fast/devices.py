@@ -15,7 +15,7 @@ import sys
 __all__ = [
     "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores", "default_threads",
     "TRAIN_PRECISIONS", "applied_precision", "check_train_precision", "training_autocast",
-    "TRAIN_COMPILE_MODES", "applied_compile", "cuda_compilable",
+    "TRAIN_COMPILE_MODES", "applied_compile", "cuda_compilable", "usable_cpus",
 ]
 
 # Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
@@ -147,12 +147,17 @@ def default_threads() -> int:
     return n if n > 0 else physical_cores()
 
 
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def physical_cores() -> int:
     """Physical CPU cores usable by this process (hyper-threads not counted)."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count() or 1
+    usable = usable_cpus()
     cores = set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

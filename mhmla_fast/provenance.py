@@ -31,7 +31,7 @@ def git_commit() -> str:
 
 def cpu_info() -> dict:
     """CPU model name (from /proc/cpuinfo), logical and physical cores, usable cores."""
-    from .devices import physical_cores
+    from .devices import physical_cores, usable_cpus
 
     model = None
     try:
@@ -43,13 +43,9 @@ def cpu_info() -> dict:
                     break
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
     return {"cpu": model or platform.processor() or platform.machine(),
             "logical_cores": os.cpu_count(), "physical_cores": physical_cores(),
-            "usable_cores": usable}
+            "usable_cores": usable_cpus()}
 
 
 def load_average() -> list[float] | None:
