@@ -153,6 +153,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="engine rows with passes pipelined one deep (on: the engine's own "
                         "behaviour) and/or with the runner called synchronously (off: its "
                         "submit hidden), the A/B of the host-device overlap")
+    g.add_argument("--cuda-graphs", nargs="+", choices=["on", "off"], default=["off"],
+                   help="engine rows with the torch runner's passes replayed from CUDA graphs "
+                        "(on; cuda only) and/or run eagerly (off, the default)")
     g.add_argument("--pipeline-dtypes", nargs="+", default=None,
                    help="HF pipeline dtypes (cpu: float32; cuda: float32 float16)")
     g.add_argument("--pipeline-batch-sizes", type=int, nargs="+", default=None,
@@ -613,16 +616,19 @@ def run_tag(run: Run) -> list[dict]:
 
     settings = [(b, c, w, o) for b in args.budgets for c in args.chunks for w in args.host_workers
                 for o in args.overlap]
-    for dtype in args.dtypes if "engine" in args.tag_paths else []:
+    engines = [(d, g) for d in args.dtypes for g in args.cuda_graphs]
+    for dtype, graphs in engines if "engine" in args.tag_paths else []:
         try:
             engine, error = Engine.load(run.model_dir, backend="torch", device=device,
-                                        dtype=dtype, kernels=args.kernels), None
+                                        dtype=dtype, kernels=args.kernels,
+                                        cuda_graphs=graphs == "on"), None
         except Exception as e:  # noqa: BLE001
             engine, error = None, f"{type(e).__name__}: {e}"
         for budget, chunk, workers, overlap in settings:
             base = {"path": "engine", "backend": "torch", "dtype": dtype, "kernels": args.kernels,
                     "setting": {"token_budget": budget, "max_batch": args.max_batch,
-                                "chunk": chunk, "host_workers": workers, "overlap": overlap}}
+                                "chunk": chunk, "host_workers": workers, "overlap": overlap,
+                                "cuda_graphs": graphs}}
             if engine is None:
                 finish(tagbench.error_row(base, error), None)
                 continue
@@ -630,6 +636,9 @@ def run_tag(run: Run) -> list[dict]:
             if overlap == "off":
                 budgeted.runner = Synchronous(engine.runner)
             row, _ = measure(base, tagbench.engine_tagger(budgeted, chunk))
+            captured = getattr(engine.runner, "captured", None)
+            if captured is not None:
+                row["graph_captures"] = captured.captures  # of this engine's rows so far
             budgeted.close()
             if dtype == "float32":
                 vs = row.get("vs_reference")

@@ -228,3 +228,179 @@ def test_word_cache_equals_the_tokenizer_on_every_sentence(hf_tokenizer):
     whole = WordCache(pieces.pieces, pieces.unk).encode(batch)
     assert all(np.array_equal(g[0], w[0]) and np.array_equal(g[1], w[1])
                for g, w in zip(whole, want))
+
+
+# ------------------------------------------------------------------ CUDA-graph passes
+
+
+def test_graph_shapes_bucket_rows_and_pieces():
+    from mhmla_fast.serve.runners import GRAPH_PIECES, GRAPH_ROWS, graph_shape
+
+    assert graph_shape(1, 1) == (GRAPH_ROWS[0], GRAPH_PIECES)
+    assert graph_shape(9, 17) == (16, 32)
+    assert graph_shape(256, 128) == (256, 128)
+    assert graph_shape(257, 129) == (512, 144)  # past the last row bucket: its multiples
+    for rows in range(1, 600, 7):
+        for pieces in range(1, 520, 11):
+            B, T = graph_shape(rows, pieces)
+            assert B >= rows and T >= pieces and T % GRAPH_PIECES == 0 and T - pieces < GRAPH_PIECES
+            assert B in GRAPH_ROWS or B % GRAPH_ROWS[-1] == 0
+    with pytest.raises(ValueError, match="non-empty"):
+        graph_shape(0, 5)
+
+
+def test_padding_to_a_graph_shape_leaves_the_real_positions_unchanged(tiny_tagger_dir):
+    """The premise of CUDA-graph passes, on the CPU in float32: the padded pass's probabilities
+    at the real positions are the unpadded pass's (masked columns and filler rows change
+    nothing there)."""
+    import torch
+
+    from mhmla_fast.serve.runners import TorchRunner, graph_shape, pad_to_shape
+
+    runner = TorchRunner(tiny_tagger_dir, device="cpu", kernels="torch", fold=False)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(1000, 2000, size=(5, 11)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[2, 7:] = 0
+    mask[4, 3:] = 0
+    shape = graph_shape(*ids.shape)
+    ids_p, mask_p = pad_to_shape(ids, mask, shape)
+    assert ids_p.shape == mask_p.shape == shape == (8, 16)
+    assert (mask_p[5:, 0] == 1).all() and mask_p[5:, 1:].sum() == 0 and mask_p[:5, 11:].sum() == 0
+    with torch.inference_mode():
+        want = runner._probs(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+        got = runner._probs(torch.from_numpy(ids_p), torch.from_numpy(mask_p)).numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[:5, :11][real], want[real], rtol=0, atol=2e-6)
+
+
+def _fake_cuda(monkeypatch):
+    """CUDA's graph API stood in for on the CPU: a "graph" records the function called while it
+    captures and its replay calls it again on the static inputs, writing into the captured
+    output (as a replay does); uploads and downloads are plain copies."""
+    import contextlib
+
+    import torch
+
+    from mhmla_fast.serve import runners
+
+    capturing: list = []
+
+    class Graph:
+        def __init__(self):
+            self.fn = self.args = self.out = None
+
+        def replay(self):
+            self.out.copy_(self.fn(*self.args))
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        capturing.append(g)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    class Stream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(runners, "upload", lambda a, device, dtype=None: torch.from_numpy(a))
+    monkeypatch.setattr(runners, "download",
+                        lambda t: runners.Pending(t.detach().clone().numpy()))
+    return capturing
+
+
+def test_captured_passes_replay_one_graph_per_shape_with_the_eager_results(monkeypatch,
+                                                                           tiny_tagger_dir):
+    """CapturedForward with the CUDA graph API stood in for: one capture per padded shape, each
+    preceded by one uncaptured warm-up call; every later pass of that shape replays it; the
+    results are the eager pass's at the real positions, however passes of one shape follow
+    each other (a replay overwrites the static output only after the earlier pass's copy)."""
+    import torch
+
+    from mhmla_fast.serve.runners import CapturedForward, TorchRunner
+
+    capturing = _fake_cuda(monkeypatch)
+    runner = TorchRunner(tiny_tagger_dir, device="cpu", kernels="torch", fold=False)
+    calls = []
+
+    def fn(ids, mask):
+        calls.append(("captured" if capturing else "eager", tuple(ids.shape)))
+        out = runner._probs(ids, mask)
+        if capturing:
+            capturing[-1].fn, capturing[-1].args, capturing[-1].out = runner._probs, (ids, mask), out
+        return out
+
+    captured = CapturedForward(fn, "cpu")
+    rng = np.random.default_rng(5)
+    shapes = [(3, 9), (5, 14), (3, 16), (12, 9), (2, 5), (16, 30)]
+    with torch.inference_mode():
+        jobs, wants = [], []
+        for B, T in shapes:
+            ids = rng.integers(1000, 2000, size=(B, T)).astype(np.int64)
+            mask = (np.arange(T) < rng.integers(1, T + 1, size=B)[:, None]).astype(np.int64)
+            jobs.append((captured.submit(ids, mask), mask))
+            wants.append(runner._probs(torch.from_numpy(ids), torch.from_numpy(mask)).numpy())
+    for (job, mask), want in zip(jobs, wants):
+        got = job.result()
+        assert got.shape == want.shape
+        real = mask.astype(bool)
+        np.testing.assert_allclose(got[real], want[real], rtol=0, atol=2e-6)
+    # (3, 9), (5, 14), (3, 16) share (8, 16); (12, 9) and (16, 30) pad to (16, 16) and (16, 32)
+    assert captured.captures == 3
+    assert [c for c in calls if c[0] == "captured"] == [("captured", (8, 16)), ("captured", (16, 16)),
+                                                         ("captured", (16, 32))]
+    assert len([c for c in calls if c[0] == "eager"]) == 3  # one warm-up per capture
+
+
+def test_a_failed_capture_names_the_option(monkeypatch):
+    from mhmla_fast.serve.runners import CapturedForward
+
+    capturing = _fake_cuda(monkeypatch)
+
+    def fn(ids, mask):
+        if capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return ids.float()
+
+    with pytest.raises(RuntimeError, match=r"cuda_graphs: .* could not be captured .* "
+                                           r"operation not permitted"):
+        CapturedForward(fn, "cpu").submit(np.ones((2, 3), np.int64), np.ones((2, 3), np.int64))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                    reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_cuda_graph_passes_tag_as_the_eager_passes_do(tiny_tagger_dir, kernels):
+    """On a GPU: the engine with its passes replayed from CUDA graphs gives the eager engine's
+    word probabilities (float32; other kernels may run at the padded shapes), over calls of
+    many lengths, and captures each padded shape once."""
+    from mhmla_fast.serve.engine import Engine
+
+    rng = np.random.default_rng(11)
+    words = ["the", "cat", "sat", "on", "a", "mat", "unbelievably", "xylophones", ","]
+    sentences = [[words[k] for k in rng.integers(0, len(words), size=n)]
+                 for n in rng.integers(1, 40, size=300)]
+    eager = Engine.load(tiny_tagger_dir, backend="torch", device="cuda", dtype="float32",
+                        kernels=kernels, token_budget=2048, max_batch=64)
+    graphs = Engine.load(tiny_tagger_dir, backend="torch", device="cuda", dtype="float32",
+                         kernels=kernels, token_budget=2048, max_batch=64, cuda_graphs=True)
+    want = eager.word_probs(sentences)
+    for _ in range(2):  # the second call replays only
+        got = graphs.word_probs(sentences)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+    first = graphs.runner.captured.captures
+    assert 0 < first <= 4 * 4  # rows 8..64 x pieces 16..64 (the tiny encoder's 64 positions)
+    graphs.word_probs(sentences)
+    assert graphs.runner.captured.captures == first

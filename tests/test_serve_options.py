@@ -126,10 +126,18 @@ def test_kernels_match_the_heads_backends():
     (dict(backend="onnx", device="cpu", kernels="triton"), r"^kernels: the onnx backend"),
     (dict(backend="tensorrt", device="cpu"), r"^device: the tensorrt backend runs on CUDA"),
     (dict(backend="tensorrt", dtype="int8"), r"^dtype: the tensorrt backend"),
+    (dict(cuda_graphs=True), r"^cuda_graphs: .* the torch backend on a CUDA device"),
+    (dict(backend="torch", device="cpu", cuda_graphs=True), r"^cuda_graphs: .*'torch' on 'cpu'"),
+    (dict(backend="onnx", device="cpu", cuda_graphs=True), r"^cuda_graphs: .*'onnx'"),
 ])
 def test_options_a_backend_cannot_honour_are_errors(no_gpu, kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         resolve_options(**kw)
+
+
+def test_cuda_graphs_are_honoured_by_torch_on_cuda(gpu):
+    assert resolve_options(cuda_graphs=True) == resolve_options("torch", "cuda")
+    assert resolve_options("torch", "cuda:1", "float16", cuda_graphs=True).device == "cuda:1"
 
 
 def test_triton_kernels_on_the_cpu_need_the_interpreter(no_gpu, monkeypatch):
@@ -231,6 +239,9 @@ def test_the_cli_refuses_what_a_backend_cannot_honour(tmp_path, tiny_tagger_dir,
         (["score", str(src), "--backend", "onnx", "--model", str(tiny_scorer_dir)],
          "--backend: the essay scorer runs on 'auto' or 'torch'"),
         (["http", "--backend", "onnx", "--device", "cuda"], "--device: 'cuda' with the onnx"),
+        (["tag", str(src), "--cuda-graphs"], "--cuda-graphs: replaying passes from CUDA graphs"),
+        (["tag", str(src), "--cuda-graphs", "--ray"], "--cuda-graphs is not available with --ray"),
+        (["http", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs: replaying passes"),
     ]
     for argv, message in cases:
         if argv[0] != "http":
@@ -266,7 +277,7 @@ def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagg
                      "--threads", "1", "--no-progress"]) == 0
     assert seen["engine"] == dict(backend="auto", device="cpu", dtype=None, kernels="torch",
                                   threads=1, threshold=None, token_budget=None, host_workers=0,
-                                  cache=None)
+                                  cuda_graphs=False, cache=None)
     essays = tmp_path / "essays.jsonl"
     essays.write_text('{"text": "a b c", "prompt": 1}\n')
     assert cli.main(["score", str(essays), "-o", str(tmp_path / "s.jsonl"), "--model",

@@ -174,11 +174,14 @@ def check_options(args: argparse.Namespace, *, scorer: bool = False):
     from ..serve.options import resolve_options
     from ..serve.score import scorer_options
 
-    check = scorer_options if scorer else resolve_options
     try:
-        return check(args.backend, args.device, args.dtype, args.kernels)
-    except ValueError as err:
-        raise UsageError(f"--{err}") from err
+        if scorer:
+            return scorer_options(args.backend, args.device, args.dtype, args.kernels)
+        return resolve_options(args.backend, args.device, args.dtype, args.kernels,
+                               cuda_graphs=getattr(args, "cuda_graphs", False))
+    except ValueError as err:  # "<option>: why", the option as the API spells it
+        name, _, why = str(err).partition(":")
+        raise UsageError(f"--{name.replace('_', '-')}:{why}") from err
 
 
 def load_engine(args: argparse.Namespace):
@@ -193,6 +196,7 @@ def load_engine(args: argparse.Namespace):
                              kernels=args.kernels, threads=args.threads,
                              threshold=args.threshold, token_budget=args.token_budget,
                              host_workers=getattr(args, "host_workers", 0),
+                             cuda_graphs=getattr(args, "cuda_graphs", False),
                              cache=False if getattr(args, "no_cache", False) else None)
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the model from {path} ({args.backend}): "
@@ -285,6 +289,14 @@ def _add_compute_options(g) -> None:
     g.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads of the runtime (torch or ONNX Runtime intra-op; default: "
                    "the runtime's choice; fewer on a shared machine)")
+
+
+def _add_cuda_graphs_option(p: argparse.ArgumentParser) -> None:
+    """``--cuda-graphs`` of ``tag`` and ``http`` (the tagger's torch backend on CUDA)."""
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="torch on cuda only: pad each forward pass to one of a few shapes and "
+                   "replay it from a CUDA graph captured at its first use (less host time per "
+                   "pass; default off)")
 
 
 def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> None:
@@ -533,6 +545,9 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
     single-process command, computed by :func:`mhmla_fast.serve.ray.run_job` on a Ray
     cluster (``--ray ADDRESS``) or a local Ray (``--ray`` alone) with ``--ray-workers``
     actors, in shards of ``--shard-size`` records."""
+    if getattr(args, "cuda_graphs", False):
+        raise UsageError("--cuda-graphs is not available with --ray (the Ray workers load the "
+                         "model without it); run without --ray, or without --cuda-graphs")
     if getattr(args, "host_workers", 0):
         raise UsageError("--host-workers applies to one process; with --ray, --ray-workers "
                          "sets the parallelism")
@@ -782,6 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes that word-tokenise and word-piece each engine call in "
                    "parallel (default 0: this process; for a GPU that outruns one CPU core; "
                    "not with --ray)")
+    _add_cuda_graphs_option(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_model_options(p)
     _add_ray_options(p, "tag")
@@ -823,6 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-tokens", type=_positive, default=8192,
                    help="estimated word pieces per engine batch (default 8192)")
+    _add_cuda_graphs_option(p)
     p.add_argument("--max-wait-ms", type=_non_negative_float, default=5.0,
                    help="how long a batch waits for more requests (default 5)")
     p.add_argument("--max-queue", type=_positive, default=1024,

@@ -312,7 +312,7 @@ class Engine:
     def load(cls, model_dir: str | os.PathLike | None = None, *, backend: str = "auto",
              device: str | None = None, dtype: str | None = None, kernels: str = "auto",
              threads: int | None = None, threshold: float | None = None,
-             cache: bool | None = None, **kw) -> Engine:
+             cache: bool | None = None, cuda_graphs: bool = False, **kw) -> Engine:
         """An engine on a tagger directory (default: the shipped model) and a runtime.
 
         The one load contract of serving (:mod:`.options`): ``backend`` "auto" (default: torch
@@ -324,19 +324,21 @@ class Engine:
         ``device`` (default: CUDA when the backend can use it), ``dtype`` (default: bfloat16
         for torch on CUDA, else float32), ``kernels`` (the head: "auto", "torch", "triton"),
         ``threads`` (CPU threads of the runtime), ``cache`` (auto's export cache; None: on
-        unless ``$MHMLA_NO_CACHE`` is set). An option the backend cannot honour raises
+        unless ``$MHMLA_NO_CACHE`` is set), ``cuda_graphs`` (torch on CUDA: passes replayed
+        from CUDA graphs at a few padded shapes, :class:`.runners.CapturedForward`; default
+        off). An option the backend cannot honour raises
         ValueError naming it, before anything is loaded. Other keywords go to
         :class:`Engine`."""
         from . import runners
         from .options import resolve_options
 
-        opts = resolve_options(backend, device, dtype, kernels)
+        opts = resolve_options(backend, device, dtype, kernels, cuda_graphs=cuda_graphs)
         path = Path(model_dir) if model_dir else default_tagger_path()
         config = read_tagger_config(path)
         tokenizer = WordPieces.from_dir(path) or load_tokenizer(path)
         runner = runners.make_runner(path, backend=opts.backend, device=opts.device,
                                      dtype=opts.dtype, kernels=opts.kernels, threads=threads,
-                                     cache=cache)
+                                     cache=cache, cuda_graphs=cuda_graphs)
         if threshold is None:
             threshold = config.get("threshold")
             threshold = 0.5 if threshold is None else threshold

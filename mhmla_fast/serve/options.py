@@ -14,6 +14,9 @@ resolves them here, once:
     kernels   the layer-attention head's implementation: "auto" (per device and direction the
               one measured faster, ``mhmla_fast.dispatch``), "torch" (eager), "triton" (fused)
 
+and, for tagging with torch on CUDA only, ``cuda_graphs`` (default off): each forward pass is
+padded to one of a few shapes and replayed from a CUDA graph (``runners.CapturedForward``).
+
 Beside them, the token budget (padded word pieces per forward pass) of tagging and scoring
 defaults per device (:func:`default_token_budget`): 1024 on the CPU, 8192 on a GPU.
 
@@ -104,7 +107,8 @@ def onnx_importable() -> bool:
 
 
 def resolve_options(backend: str = "auto", device: str | None = None,
-                    dtype: str | None = None, kernels: str | None = "auto") -> ServeOptions:
+                    dtype: str | None = None, kernels: str | None = "auto", *,
+                    cuda_graphs: bool = False) -> ServeOptions:
     """Check ``backend``/``device``/``dtype``/``kernels`` and fill in the defaults.
 
     ``backend="auto"`` resolves to "torch" where torch is the only runtime that honours the
@@ -114,7 +118,16 @@ def resolve_options(backend: str = "auto", device: str | None = None,
     dtype "int8" with auto; ONNX on CUDA without onnxruntime's CUDA provider (or on any other
     device); ONNX with ``kernels="triton"`` (the exported graph holds the eager head); TensorRT
     off CUDA; ``kernels="triton"`` on a CPU device (the Triton kernels need a GPU, or
-    ``TRITON_INTERPRET=1``)."""
+    ``TRITON_INTERPRET=1``); ``cuda_graphs`` anywhere but the torch backend on a CUDA device."""
+    opts = _resolve(backend, device, dtype, kernels)
+    if cuda_graphs and (opts.backend != "torch" or _device_type(opts.device) != "cuda"):
+        raise ValueError(f"cuda_graphs: replaying passes from CUDA graphs needs the torch backend "
+                         f"on a CUDA device, got backend {opts.backend!r} on {opts.device!r}")
+    return opts
+
+
+def _resolve(backend: str, device: str | None, dtype: str | None, kernels: str | None
+             ) -> ServeOptions:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     kernels = kernels or "auto"

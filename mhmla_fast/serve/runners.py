@@ -14,8 +14,15 @@ import numpy as np
 
 from .options import BACKENDS, resolve_options
 
-__all__ = ["TorchRunner", "Pending", "submit", "upload", "download", "make_runner", "set_torch_threads",
-           "BACKENDS"]
+__all__ = ["TorchRunner", "CapturedForward", "Pending", "submit", "upload", "download",
+           "make_runner", "set_torch_threads", "graph_shape", "pad_to_shape", "BACKENDS"]
+
+# The padded shapes of a forward pass replayed from a CUDA graph (TorchRunner(cuda_graphs=True)):
+# rows up to the next of GRAPH_ROWS (past the last, a multiple of it), pieces up to a multiple of
+# GRAPH_PIECES. The engine's passes on FCE-like text (max_batch 256, at most 128 pieces) then
+# take at most 6 x 8 shapes, each captured once.
+GRAPH_ROWS = (8, 16, 32, 64, 128, 256)
+GRAPH_PIECES = 16
 
 
 def set_torch_threads(threads: int | None) -> None:
@@ -26,11 +33,97 @@ def set_torch_threads(threads: int | None) -> None:
         torch.set_num_threads(int(threads))
 
 
+def graph_shape(rows: int, pieces: int) -> tuple[int, int]:
+    """The padded [B, T] a pass of ``rows`` x ``pieces`` is replayed at: B the first of
+    :data:`GRAPH_ROWS` that holds ``rows`` (past the last, ``rows`` rounded up to a multiple of
+    it), T ``pieces`` rounded up to a multiple of :data:`GRAPH_PIECES`."""
+    if rows < 1 or pieces < 1:
+        raise ValueError(f"graph_shape: expected a non-empty pass, got {rows} x {pieces}")
+    top = GRAPH_ROWS[-1]
+    B = next((b for b in GRAPH_ROWS if b >= rows), -(-rows // top) * top)
+    return B, -(-pieces // GRAPH_PIECES) * GRAPH_PIECES
+
+
+def pad_to_shape(input_ids: np.ndarray, attention_mask: np.ndarray, shape: tuple[int, int]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``input_ids`` and ``attention_mask`` [B, T] padded to ``shape`` [B', T'] (int64): the new
+    columns are masked out (id 0: masked keys change no real position's output), and each new
+    row attends to its first position alone (so that its attention stays defined)."""
+    B, T = input_ids.shape
+    ids = np.zeros(shape, dtype=np.int64)
+    mask = np.zeros(shape, dtype=np.int64)
+    ids[:B, :T] = input_ids
+    mask[:B, :T] = attention_mask
+    mask[B:, 0] = 1
+    return ids, mask
+
+
+class CapturedForward:
+    """``fn(input_ids, attention_mask) -> [B, T]`` on CUDA, replayed from CUDA graphs: one graph
+    per padded shape (:func:`graph_shape`), captured at the first pass of that shape after an
+    uncaptured warm-up pass (lazy initialisation, the Triton autotuner's timings) on a side
+    stream; all graphs share one memory pool. A pass copies its padded batch into the graph's
+    static inputs, replays it and queues the copy of its output's [B, T] corner to the host, all
+    on the current stream and under a lock, so the next pass cannot overwrite an output before
+    its copy (:func:`download`) is queued. ``captures`` counts the graphs made."""
+
+    def __init__(self, fn, device) -> None:
+        import threading
+
+        import torch
+
+        self.torch, self.fn, self.device = torch, fn, torch.device(device)
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._pool = None
+        self._lock = threading.Lock()
+        self.captures = 0
+
+    def _capture(self, shape: tuple[int, int]) -> tuple:
+        torch = self.torch
+        ids = torch.zeros(shape, dtype=torch.long, device=self.device)
+        mask = torch.ones(shape, dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.fn(ids, mask)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.fn(ids, mask)
+        except Exception as e:
+            raise RuntimeError(f"cuda_graphs: the forward pass at shape {shape} could not be "
+                               f"captured in a CUDA graph ({type(e).__name__}: {e}); run with "
+                               "cuda_graphs off") from e
+        self.captures += 1
+        return graph, ids, mask, out
+
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+        B, T = input_ids.shape
+        shape = graph_shape(B, T)
+        ids_h, mask_h = pad_to_shape(input_ids, attention_mask, shape)
+        with self._lock:
+            entry = self._graphs.get(shape)
+            if entry is None:
+                entry = self._graphs[shape] = self._capture(shape)
+            graph, ids, mask, out = entry
+            ids.copy_(upload(ids_h, self.device), non_blocking=True)
+            mask.copy_(upload(mask_h, self.device), non_blocking=True)
+            graph.replay()
+            return download(out[:B, :T])
+
+
 class TorchRunner:
     """Eager PyTorch: CPU (fp32) or CUDA (bf16 by default, SDPA attention); ``kernels`` is the
     head's implementation ("auto": what ``mhmla_fast.dispatch`` measured faster, the fused
     Triton forward for large batches on CUDA, else eager; "torch"; "triton").
-    Device and dtype defaults: :func:`.options.resolve_options`.
+    Device and dtype defaults: :func:`.options.resolve_options`. ``cuda_graphs`` (CUDA only):
+    each pass is padded to one of a few shapes and replayed from a CUDA graph
+    (:class:`CapturedForward`), which takes the host's per-kernel cost off the pass; the
+    probabilities of the real positions are the same function (other kernels may be picked at
+    the padded size, so equal up to rounding).
 
     Where the head runs eager ("torch", or "auto" off CUDA) it runs folded with the classifier
     (:meth:`GedTagger.folded`: the same logits up to rounding, about half the head's work);
@@ -40,8 +133,8 @@ class TorchRunner:
 
     def __init__(self, model_dir: str | os.PathLike, *, device: str | None = None,
                  dtype: str | None = None, kernels: str = "auto", threads: int | None = None,
-                 fold: bool = True):
-        opts = resolve_options("torch", device, dtype, kernels)
+                 fold: bool = True, cuda_graphs: bool = False):
+        opts = resolve_options("torch", device, dtype, kernels, cuda_graphs=cuda_graphs)
         import torch
 
         from ..ged.model import GedTagger
@@ -56,6 +149,12 @@ class TorchRunner:
         eager = opts.kernels == "torch" or (opts.kernels == "auto" and self.device.type != "cuda")
         self.folded = fold and eager
         self.net = self.model.folded() if self.folded else self.model
+        self.cuda_graphs = bool(cuda_graphs)
+        self.captured = CapturedForward(self._probs, self.device) if cuda_graphs else None
+
+    def _probs(self, ids, mask):
+        """P(error) [B, T] of a batch on the device (float32)."""
+        return self.torch.softmax(self.net(ids, mask).float(), -1)[..., 1]
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         return self.submit(input_ids, attention_mask).result()
@@ -72,8 +171,10 @@ class TorchRunner:
             if self.device.type != "cuda":
                 ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
                 return Pending(torch.softmax(self.net(ids, mask).float(), -1)[..., 1].numpy())
+            if self.captured is not None:
+                return self.captured.submit(input_ids, attention_mask)
             ids, mask = (upload(a, self.device) for a in (input_ids, attention_mask))
-            return download(torch.softmax(self.net(ids, mask).float(), -1)[..., 1])
+            return download(self._probs(ids, mask))
 
 
 def upload(array: np.ndarray, device, dtype=None):
@@ -126,21 +227,22 @@ def submit(runner, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending
 
 def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
                 device: str | None = None, dtype: str | None = None, kernels: str = "auto",
-                threads: int | None = None, cache: bool | None = None):
+                threads: int | None = None, cache: bool | None = None,
+                cuda_graphs: bool = False):
     """The runner for ``backend`` on a tagger directory (or an export of one).
 
-    ``device``/``dtype``/``kernels``: see :mod:`.options`; ``threads``: CPU threads (torch's
+    ``device``/``dtype``/``kernels``/``cuda_graphs``: see :mod:`.options`; ``threads``: CPU threads (torch's
     intra-op threads; ONNX Runtime's intra-op threads; TensorRT: torch's, for the host side);
     ``cache``: the export cache of ``backend="auto"`` (:mod:`.export_cache`). Raises
     ValueError naming the option when ``backend`` cannot honour one."""
-    opts = resolve_options(backend, device, dtype, kernels)
+    opts = resolve_options(backend, device, dtype, kernels, cuda_graphs=cuda_graphs)
     if opts.backend == "auto":
         from .export_cache import auto_runner
 
         return auto_runner(model_dir, threads=threads, kernels=opts.kernels, cache=cache)
     if opts.backend == "torch":
         return TorchRunner(model_dir, device=opts.device, dtype=opts.dtype, kernels=opts.kernels,
-                           threads=threads)
+                           threads=threads, cuda_graphs=cuda_graphs)
     if backend == "onnx":
         from .onnx_export import OnnxRunner
 
