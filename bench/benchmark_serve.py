@@ -153,6 +153,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="engine rows with passes pipelined one deep (on: the engine's own "
                         "behaviour) and/or with the runner called synchronously (off: its "
                         "submit hidden), the A/B of the host-device overlap")
+    g.add_argument("--profile", action="store_true",
+                   help="after each engine row's timed passes, one more pass under cProfile: "
+                        "its top functions by own and by cumulative time go into the row")
     g.add_argument("--cuda-graphs", nargs="+", choices=["on", "off"], default=["off"],
                    help="engine rows with the torch runner's passes replayed from CUDA graphs "
                         "(on; cuda only) and/or run eagerly (off, the default)")
@@ -635,7 +638,11 @@ def run_tag(run: Run) -> list[dict]:
             budgeted = tagbench.with_budget(engine, budget, args.max_batch, workers)
             if overlap == "off":
                 budgeted.runner = Synchronous(engine.runner)
-            row, _ = measure(base, tagbench.engine_tagger(budgeted, chunk))
+            tag = tagbench.engine_tagger(budgeted, chunk)
+            row, _ = measure(base, tag)
+            if args.profile and row.get("error") is None:  # (where the host's time goes)
+                row["profile"] = {sort: tagbench.profile_text(tag, sentences, top=30, sort=sort)
+                                  .splitlines() for sort in ("tottime", "cumulative")}
             captured = getattr(engine.runner, "captured", None)
             if captured is not None:
                 row["graph_captures"] = captured.captures  # of this engine's rows so far

@@ -345,6 +345,20 @@ def measured_row(base: dict, tag: Callable[[list[list[str]]], WordProbs],
     return row, probs
 
 
+def profile_text(fn: Callable, *args, top: int = 25, sort: str = "tottime") -> str:
+    """``fn(*args)`` run under ``cProfile``: its ``top`` functions by ``sort``, as pstats prints
+    them (cProfile slows Python-heavy code more than the rest: shares, not times)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn, *args)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
+    return buf.getvalue()
+
+
 def error_row(base: dict, message: str) -> dict:
     """A row for a path that could not run."""
     return dict(base, error=message)

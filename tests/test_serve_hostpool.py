@@ -72,3 +72,24 @@ def test_cli_passes_host_workers_and_refuses_them_with_ray(tiny_tagger_dir, tmp_
     assert serve.main(base + ["--output", str(tmp_path / "r.jsonl"), "--host-workers", "2",
                               "--ray"]) == 2
     assert "--host-workers applies to one process" in capsys.readouterr().err
+
+
+def test_a_pool_whose_workers_cannot_start_fails_instead_of_hanging(monkeypatch):
+    """HostPool returns once every worker has started (each reports when ready); workers that
+    cannot build their tokenizer never report, and the pool gives up after READY_TIMEOUT."""
+    monkeypatch.setattr(hostpool, "READY_TIMEOUT", 5.0)
+    with pytest.raises(RuntimeError, match=r"host_workers: 2 worker processes did not start"):
+        hostpool.HostPool(2, "{not a tokenizer", "[UNK]")
+
+
+def test_a_pool_starts_all_its_workers_before_it_returns(tiny_engine):
+    pool = hostpool.HostPool(3, tiny_engine.pieces.to_str(), tiny_engine._unk)
+    try:
+        workers = pool._pool._pool  # multiprocessing.Pool's processes
+        assert len(workers) == 3 and all(w.is_alive() for w in workers)
+        sentences = [["a", "cat"], ["the", "well-known", "café"]] * 3
+        for (ids, first), (want_ids, want_first) in zip(pool.tokens(sentences),
+                                                        tiny_engine._encode(sentences), strict=True):
+            assert ids.tolist() == want_ids.tolist() and first.tolist() == want_first.tolist()
+    finally:
+        pool.close()

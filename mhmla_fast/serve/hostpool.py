@@ -19,8 +19,9 @@ import the script's main module); ``mhmla-serve`` does.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import queue
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,15 +33,20 @@ CHUNK = 128  # inputs per task
 _STATE: dict[str, Any] = {}  # in a worker: the word-piece tokenizer and the unknown token
 
 
-def _init(tokenizer_json: str, unk: str) -> None:
+READY_TIMEOUT = 300.0  # seconds HostPool waits for its workers to start
+
+
+def _init(tokenizer_json: str, unk: str, ready) -> None:
     from tokenizers import Tokenizer
 
     pieces = Tokenizer.from_str(tokenizer_json)
     pieces.no_truncation()
     pieces.no_padding()
+    from .engine import word_tokenize_texts  # noqa: F401 - imported now, not in the first task
     from .pieces import WordCache
 
     _STATE.update(words=WordCache(pieces, unk))
+    ready.put(os.getpid())
 
 
 def _pack(encoded: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
@@ -74,15 +80,28 @@ def _tokens_task(sentences: Sequence[Sequence[str]]):
 
 
 class HostPool:
-    """``workers`` spawned processes that tokenise and word-piece chunks of inputs, in order."""
+    """``workers`` spawned processes that tokenise and word-piece chunks of inputs, in order.
+
+    All workers start at once and the pool returns when every one has imported what it runs
+    and built its tokenizer (a pool that spawned on demand, like ``ProcessPoolExecutor``
+    under spawn, starts most of its workers inside the first large call, which then waits for
+    their imports)."""
 
     def __init__(self, workers: int, tokenizer_json: str, unk: str) -> None:
         if workers < 1:
             raise ValueError(f"host_workers: expected >= 1, got {workers}")
         self.workers = int(workers)
-        self._pool = ProcessPoolExecutor(self.workers,
-                                         mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_init, initargs=(tokenizer_json, unk))
+        ctx = multiprocessing.get_context("spawn")
+        ready = ctx.Queue()
+        self._pool = ctx.Pool(self.workers, initializer=_init,
+                              initargs=(tokenizer_json, unk, ready))
+        try:
+            for _ in range(self.workers):
+                ready.get(timeout=READY_TIMEOUT)
+        except queue.Empty:
+            self.close()
+            raise RuntimeError(f"host_workers: {self.workers} worker processes did not start "
+                               f"within {READY_TIMEOUT:.0f} s") from None
 
     def texts(self, texts: Sequence[str]
               ) -> tuple[list[list[str]], list[list[tuple[int, int]]], list[tuple[np.ndarray, np.ndarray]]]:
@@ -91,7 +110,7 @@ class HostPool:
         offsets: list[list[tuple[int, int]]] = []
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
-        for w, n_tokens, offs, packed in self._pool.map(_texts_task, chunks):
+        for w, n_tokens, offs, packed in self._pool.imap(_texts_task, chunks):
             words.extend(w)
             pairs = list(zip(offs[:, 0].tolist(), offs[:, 1].tolist()))
             a = 0
@@ -105,9 +124,10 @@ class HostPool:
         """The word-piece encoding of each pre-tokenised sentence, in input order."""
         chunks = [list(sentences[a:a + CHUNK]) for a in range(0, len(sentences), CHUNK)]
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
-        for packed in self._pool.map(_tokens_task, chunks):
+        for packed in self._pool.imap(_tokens_task, chunks):
             encoded.extend(_unpack(*packed))
         return encoded
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.terminate()  # the workers hold no state worth a clean exit
+        self._pool.join()
