@@ -408,9 +408,10 @@ def evaluate_targets(rows: Sequence[dict], device: str, gpu_name: str | None = N
 
 
 def versions() -> dict[str, str | None]:
-    """The CPU script's versions plus triton, fastapi and uvicorn (None: not installed)."""
+    """The CPU script's versions plus triton, fastapi, uvicorn and the HTTP parser and event
+    loop uvicorn picks when installed, httptools and uvloop (None: not installed)."""
     out = tagbench.versions()
-    for name in ("triton", "fastapi", "uvicorn"):
+    for name in ("triton", "fastapi", "uvicorn", "httptools", "uvloop"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - any import failure means "not usable"

@@ -135,8 +135,8 @@ PY
     pkgs=$(python - <<'PY'
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in ("fastapi", "starlette", "pydantic", "pydantic-core",
-                                               "uvicorn", "annotated-types", "typing-inspection",
-                                               "typing-extensions")))
+                                               "uvicorn", "httptools", "uvloop", "annotated-types",
+                                               "typing-inspection", "typing-extensions")))
 PY
 )
     for pkg in $pkgs; do
