@@ -421,3 +421,44 @@ def test_a_dead_worker_fails_its_requests_and_reports_unhealthy():
             batcher.submit("texts", ["c"])
 
     asyncio.run(run())
+
+
+def test_valid_tag_requests_take_the_fast_path_and_answer_as_the_route_does(monkeypatch):
+    """TagFastPath answers every POST /v1/tag whose body parses and validates (413s included)
+    and hands everything else to FastAPI; with the fast path switched off, the app answers every
+    request of the set with the same status and the same JSON."""
+    from mhmla_fast.serve import http as http_mod
+
+    handled = []
+    init = http_mod.TagFastPath.__init__
+
+    def spying_init(self, app, handle):
+        async def spy(body, request):
+            handled.append(body)
+            return await handle(body, request)
+        init(self, app, spy)
+
+    monkeypatch.setattr(http_mod.TagFastPath, "__init__", spying_init)
+    bodies = [{"texts": ["a b", "c"]}, {"sentences": [["He", "go"], ["x"]]}, {"texts": []},
+              {"texts": ["x"] * 5},  # valid, over max_texts_per_request: 413 from the fast path
+              {}, {"texts": [1]}, {"texts": ["a"], "other": 1}, {"sentences": [["a", " "]]}]
+    raws = [b'{"texts": ["\\ud800 lone"]}', b'{"texts": [', b"[" * 100_000]
+
+    def answers() -> list[tuple[int, object]]:
+        app = create_app(StubEngine(), max_texts_per_request=4, max_queue=64)
+        with serving(app) as (url, _):
+            out = [httpx.post(url + "/v1/tag", json=b, timeout=30) for b in bodies]
+            out += [httpx.post(url + "/v1/tag", content=r, timeout=30,
+                               headers={"content-type": "application/json"}) for r in raws]
+            return [(r.status_code, r.json()) for r in out]
+
+    fast = answers()
+    assert len(handled) == 4  # the four valid bodies; none of the invalid ones
+    assert [s for s, _ in fast] == [200, 200, 200, 413] + [422] * 7
+
+    async def passthrough(self, scope, receive, send):
+        await self.app(scope, receive, send)
+
+    monkeypatch.setattr(http_mod.TagFastPath, "__call__", passthrough)
+    handled.clear()
+    assert answers() == fast and handled == []
