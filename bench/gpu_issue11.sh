@@ -138,6 +138,7 @@ PY
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in ("fastapi", "starlette", "pydantic", "pydantic-core",
                                                "uvicorn", "httptools", "uvloop", "annotated-types",
+                                               "annotated-doc", "opentelemetry-api",
                                                "typing-inspection", "typing-extensions")))
 PY
 )
