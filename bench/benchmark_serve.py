@@ -193,6 +193,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="HF pipeline whole-process batch sizes (default: --pipeline-batch-sizes)")
     g = p.add_argument_group("http")
     g.add_argument("--http-clients", type=int, default=64)
+    g.add_argument("--http-server-args", default="",
+                   help="more options of the served `mhmla-serve http`, one string (e.g. "
+                        "\"--cuda-graphs\" or \"--otel\")")
     g.add_argument("--http-procs", type=int, default=None,
                    help="load-generating processes (cpu 1, cuda 4)")
     g.add_argument("--http-per-request", type=int, nargs="+", default=[1],
@@ -996,7 +999,7 @@ def http_command(run: Run, port: int) -> list[str]:
            "--threshold", str(run.threshold), *_threads_flag(run.args)]
     if run.args.http_dtype:
         cmd += ["--dtype", run.args.http_dtype]
-    return cmd
+    return cmd + shlex.split(run.args.http_server_args)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:

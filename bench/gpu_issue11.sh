@@ -175,8 +175,10 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/site
+    # HTTP_SERVER_ARGS: more options of the served mhmla-serve http (e.g. "--cuda-graphs")
     bench --tasks http --http-per-request 1 8 --http-duration 20 --http-procs 6 \
-      --out "$OUT/http.json" 2>&1 | tee "$OUT/http.log" ;;
+      "--http-server-args=${HTTP_SERVER_ARGS:-}" \
+      --out "$OUT/http${HTTP_TAG:-}.json" 2>&1 | tee "$OUT/http${HTTP_TAG:-}.log" ;;
   train)
     prepare
     bench --tasks train --train-sentences 8192 --train-epochs 2 --train-compile off reduce-overhead \

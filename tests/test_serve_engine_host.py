@@ -277,7 +277,7 @@ def test_padding_to_a_graph_shape_leaves_the_real_positions_unchanged(tiny_tagge
 def _fake_cuda(monkeypatch):
     """CUDA's graph API stood in for on the CPU: a "graph" records the function called while it
     captures and its replay calls it again on the static inputs, writing into the captured
-    output (as a replay does); uploads and downloads are plain copies."""
+    output (as a replay does); pinned buffers and downloads are plain copies."""
     import contextlib
 
     import torch
@@ -314,7 +314,7 @@ def _fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(runners, "upload", lambda a, device, dtype=None: torch.from_numpy(a))
+    monkeypatch.setattr(runners, "pinned", lambda a: torch.from_numpy(a))
     monkeypatch.setattr(runners, "download",
                         lambda t: runners.Pending(t.detach().clone().numpy()))
     return capturing

@@ -14,7 +14,7 @@ import numpy as np
 
 from .options import BACKENDS, resolve_options
 
-__all__ = ["TorchRunner", "CapturedForward", "Pending", "submit", "upload", "download",
+__all__ = ["TorchRunner", "CapturedForward", "Pending", "submit", "pinned", "upload", "download",
            "make_runner", "set_torch_threads", "graph_shape", "pad_to_shape", "BACKENDS"]
 
 # The padded shapes of a forward pass replayed from a CUDA graph (TorchRunner(cuda_graphs=True)):
@@ -109,8 +109,8 @@ class CapturedForward:
             if entry is None:
                 entry = self._graphs[shape] = self._capture(shape)
             graph, ids, mask, out = entry
-            ids.copy_(upload(ids_h, self.device), non_blocking=True)
-            mask.copy_(upload(mask_h, self.device), non_blocking=True)
+            ids.copy_(pinned(ids_h), non_blocking=True)  # straight into the static inputs
+            mask.copy_(pinned(mask_h), non_blocking=True)
             graph.replay()
             return download(out[:B, :T])
 
@@ -177,13 +177,18 @@ class TorchRunner:
             return download(self._probs(ids, mask))
 
 
+def pinned(array: np.ndarray):
+    """``array`` as a CPU tensor in pinned memory (the source of a copy to the GPU that does
+    not wait: torch keeps the buffer until the copy is done)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
+
+
 def upload(array: np.ndarray, device, dtype=None):
     """``array`` on CUDA ``device`` (as ``dtype``, if given), copied from pinned memory without
     waiting: the copy is queued on the current stream."""
-    import torch
-
-    pinned = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
-    out = pinned.to(device, non_blocking=True)
+    out = pinned(array).to(device, non_blocking=True)
     return out if dtype is None else out.to(dtype)
 
 
