@@ -1,0 +1,57 @@
+"""bench/weight_parts.py: a model's weights split into bounded fp16 parts and merged back give
+the original rounded to fp16, exactly; a missing part is an error naming the count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench_scripts import load_bench_script
+
+
+def test_split_then_merge_gives_the_fp16_rounded_weights(tmp_path):
+    wp = load_bench_script("weight_parts")
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    state = {"embeddings.word": torch.randn(1000, 48),  # 96 KB in fp16: cut into row blocks
+             "layer.0.weight": torch.randn(48, 48), "layer.0.bias": torch.randn(48),
+             "position_ids": torch.arange(64).unsqueeze(0), "scalar": torch.tensor(0.5)}
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file(state, str(src / "model.safetensors"))
+    (src / "config.json").write_text('{"model_type": "bert"}')
+    (src / "pytorch_model.bin").write_bytes(b"not copied")
+    limit_mb = 40_000 / 2**20
+    folders = wp.split(src, tmp_path / "parts", limit_mb)
+    assert len(folders) > 2
+    for f in folders:  # every part within the limit
+        assert (f / f"part-{f.name}.safetensors").stat().st_size <= 40_000 + 2_000  # + header
+    names = [n for f in folders for n in load_file(str(f / f"part-{f.name}.safetensors"))]
+    assert sum(n.startswith("embeddings.word@") for n in names) > 1
+    first = tmp_path / "parts" / "1"
+    assert json.loads((first / "parts.json").read_text()) == {"parts": len(folders), "tensors": 5}
+    assert sorted(p.name for p in (first / "model").iterdir()) == ["config.json"]
+
+    root = tmp_path / "device"
+    (root / "model").mkdir(parents=True)
+    (root / "parts.json").write_text((first / "parts.json").read_text())
+    for f in folders[:-1]:
+        (root / f"part-{f.name}.safetensors").write_bytes((f / f"part-{f.name}.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=f"{len(folders) - 1} of {len(folders)} parts"):
+        wp.merge(root)
+    last = folders[-1]
+    (root / f"part-{last.name}.safetensors").write_bytes((last / f"part-{last.name}.safetensors").read_bytes())
+    merged = load_file(str(wp.merge(root)))
+    assert merged.keys() == state.keys() and not list(root.glob("part-*"))
+    for k, v in state.items():
+        want = v.half().float() if v.is_floating_point() else v
+        assert merged[k].dtype == want.dtype and torch.equal(merged[k], want), k
+
+
+def test_merge_refuses_a_wrong_tensor_count():
+    wp = load_bench_script("weight_parts")
+    with pytest.raises(ValueError, match="1 tensors rebuilt, 2 expected"):
+        wp.merge_state([{"a": torch.zeros(2)}], expected=2)
