@@ -84,6 +84,7 @@ before it runs the lifespan exit, so in-flight requests complete.)
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -737,12 +738,18 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # what is loaded by now (torch, the models, the app) into the collector's permanent
+        # generation: a full collection while serving then walks only what serving allocated,
+        # not the whole heap, and stalls the event loop for less
+        gc.collect()
+        gc.freeze()
         batcher.start()
         try:
             yield
         finally:
             batcher.close()
             await asyncio.to_thread(batcher.join)
+            gc.unfreeze()
 
     if scorer is None:
         title, description = "mhmla-fast GED tagger", (
