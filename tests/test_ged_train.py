@@ -7,6 +7,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -544,3 +545,27 @@ def test_a_crash_in_dev_evaluation_loses_no_training(tmp_path, tiny_encoder, mon
     assert all(torch.equal(a[k], b[k]) for k in a)
     log = json.loads((tmp_path / "crashed" / "log.json").read_text())
     assert log[0]["resumed_at_step"] == 16 and log[0]["sentences_per_s"] is None
+
+
+def test_the_dev_set_is_word_pieced_once_for_every_epochs_evaluation(tmp_path, tiny_encoder,
+                                                                     monkeypatch):
+    """Training word-pieces the dev set once for its epochs' evaluations (and once more for the
+    best model's threshold); predict_word_probs on a given encoding equals its own."""
+    from mhmla_fast.ged import train as train_mod
+
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "run")
+    dev_tokens = [s.tokens for s in train_mod.read_ged(cfg.dev)]
+    calls = []
+    original = train_mod.encode_sentences
+    monkeypatch.setattr(train_mod, "encode_sentences",
+                        lambda tok, sentences, n: calls.append(list(sentences)) or original(tok, sentences, n))
+    best = train(cfg)
+    assert sum(1 for c in calls if c == dev_tokens) == 2  # 3 epochs + the threshold, before: 4
+    model = train_mod.GedTagger.load(best)
+    tokenizer = load_tokenizer(best)
+    encoded = original(tokenizer, dev_tokens, 64)
+    own = train_mod.predict_word_probs(model, tokenizer, dev_tokens)
+    given = train_mod.predict_word_probs(model, tokenizer, dev_tokens, encoded=encoded)
+    assert all(np.array_equal(a, b) for a, b in zip(own, given, strict=True))
+    with pytest.raises(ValueError, match="encoded: 3 sentences"):
+        train_mod.predict_word_probs(model, tokenizer, dev_tokens, encoded=encoded[:3])

@@ -227,16 +227,23 @@ def length_bucketed_batches(lengths: Sequence[int], batch_size: int, seed: int,
 @torch.no_grad()
 def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence[str]],
                        *, batch_size: int = 64, max_length: int | None = None,
-                       device: str | torch.device = "cpu") -> list[np.ndarray]:
+                       device: str | torch.device = "cpu",
+                       encoded: Sequence[tuple[list[int], list[int]]] | None = None
+                       ) -> list[np.ndarray]:
     """Error probability of every word (at its first piece), batched by length.
 
     Words cut off past ``max_length`` pieces (default: as many as the encoder has positions,
-    at most 512) get probability 0 (predicted correct).
+    at most 512) get probability 0 (predicted correct). ``encoded``: the sentences'
+    :func:`encode_sentences` at that ``max_length``, when the caller keeps it (training
+    evaluates the same dev set every epoch).
     """
     model.eval()
     if max_length is None:
         max_length = min(512, max_input_length(model.encoder.config))
-    encoded = encode_sentences(tokenizer, sentences, max_length)
+    if encoded is None:
+        encoded = encode_sentences(tokenizer, sentences, max_length)
+    elif len(encoded) != len(sentences):
+        raise ValueError(f"encoded: {len(encoded)} sentences, {len(sentences)} given")
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
     out: list[np.ndarray | None] = [None] * len(encoded)
     for k in range(0, len(order), batch_size):
@@ -398,6 +405,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if epoch > cfg.epochs:
         raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already (epoch {epoch})")
 
+    # the dev set's word pieces, made once for every epoch's evaluation (predict_word_probs'
+    # default max_length)
+    dev_encoded = encode_sentences(tokenizer, [s.tokens for s in dev_set],
+                                   min(512, max_input_length(model.encoder.config)))
     # every epoch has the same number of batches (a function of the lengths and batch size)
     total_steps = cfg.epochs * len(length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, 0))
     while epoch < cfg.epochs:
@@ -473,7 +484,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             continue
         t_dev = time.perf_counter()
         dev_scores, _ = evaluate(model, tokenizer, dev_set, batch_size=cfg.eval_batch_size,
-                                 device=device)
+                                 device=device, encoded=dev_encoded)
         record = log[-1]
         record.update({
             "train_loss": loss_sum / max(1, len(batches)), "dev": dev_scores,
