@@ -65,7 +65,13 @@ class CapturedForward:
     stream; all graphs share one memory pool. A pass copies its padded batch into the graph's
     static inputs, replays it and queues the copy of its output's [B, T] corner to the host, all
     on the current stream and under a lock, so the next pass cannot overwrite an output before
-    its copy (:func:`download`) is queued. ``captures`` counts the graphs made."""
+    its copy (:func:`download`) is queued. ``captures`` counts the graphs made.
+
+    Sharing the pool is safe in any replay order here: the static inputs live outside it; a
+    graph's output is live from its capture on, so no later capture is given its memory; and
+    a graph that reuses an earlier graph's freed intermediates for its own output can only
+    overwrite that output on a later pass, after the output's copy to the host, which was
+    queued before on the same stream."""
 
     def __init__(self, fn, device) -> None:
         import threading
