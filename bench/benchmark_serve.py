@@ -1294,7 +1294,17 @@ def train_epoch_summary(epochs: Sequence[dict]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------- main
 
 
+# main() sets it: the header and the output path of a run in progress, whose rows so far
+# _progress writes to <out>.partial.json after each one (a run cut by a time box keeps them)
+_PARTIAL: dict[str, Any] = {}
+
+
 def _progress(row: dict) -> None:
+    if _PARTIAL:
+        _PARTIAL["rows"].append(row)
+        _PARTIAL["path"].write_text(json.dumps(
+            {"header": _PARTIAL["header"], "rows": _PARTIAL["rows"], "partial": True},
+            indent=2, default=tagbench._json_default) + "\n")
     rate = next(((k, row[k]) for k in ("sentences_per_s", "essays_per_s", "requests_per_s")
                  if row.get(k)), None)
     what = f"{rate[1]:.1f} {rate[0].replace('_per_s', '')}/s" if rate else \
@@ -1428,6 +1438,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"benchmark_serve on {args.device} ({where}), tasks {' '.join(args.tasks)}", flush=True)
 
     rows: list[dict] = []
+    out = resolve_out_path(args.out, args.device,
+                           datetime.datetime.now(datetime.timezone.utc).date())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.stem + ".partial.json")
+    _PARTIAL.update(path=partial, header=header, rows=[])
     with tempfile.TemporaryDirectory(prefix="benchmark-serve-") as tmp:
         run = Run(args, Path(tmp), model_dir, threads, corpus,
                   0.5 if threshold is None else float(threshold),
@@ -1452,10 +1467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                "values": target_values(rows)}
     targets = evaluate_targets(rows, args.device, header["device"].get("gpu"))
     result = {"header": header, "rows": rows, "summary": summary, "targets": targets}
-    out = resolve_out_path(args.out, args.device,
-                           datetime.datetime.now(datetime.timezone.utc).date())
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=tagbench._json_default) + "\n")
+    _PARTIAL.clear()
+    partial.unlink(missing_ok=True)
     print()
     print(format_report(rows, targets))
     print(f"\nwrote {out}")

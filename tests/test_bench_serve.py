@@ -405,3 +405,15 @@ def test_first_result_script_times_score_too(tiny_scorer_dir, tmp_path, monkeypa
     assert isinstance(result["score"], int) and json.loads(result["header"]["input"])["prompt"] == 1
     with pytest.raises(SystemExit):
         first.parse_args(["--command", "score", "--variants", "onnx"])
+
+
+def test_each_row_is_kept_in_a_partial_file_while_the_run_goes_on(bench, tmp_path, monkeypatch):
+    """A run cut by a time box keeps the rows it measured: _progress rewrites
+    <out>.partial.json (the header and every row so far) after each row."""
+    partial = tmp_path / "out.partial.json"
+    monkeypatch.setattr(bench, "_PARTIAL", {"path": partial, "header": {"device": "x"}, "rows": []})
+    bench._progress({"task": "tag", "path": "engine", "sentences_per_s": 10.0})
+    bench._progress({"task": "tag", "path": "plain_torch", "error": "boom"})
+    kept = json.loads(partial.read_text())
+    assert kept["partial"] is True and kept["header"] == {"device": "x"}
+    assert [r["path"] for r in kept["rows"]] == ["engine", "plain_torch"]
