@@ -78,7 +78,7 @@ PIPELINE_BATCH_SIZES = (1, 8, 32, 64)
 TOKEN_BUDGETS = (4096, 8192, 16384)
 ENGINE_CHUNKS = (512, 0)  # sentences per engine call: the CLI's default, and all at once
 
-WordProbs = list[np.ndarray]
+WordProbs = list  # per sentence, its words' P(error): an array, or (engine rows) a list of floats
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -220,10 +220,11 @@ def pipeline_tagger(pipe, batch_size: int) -> Callable[[list[list[str]]], WordPr
 
 def engine_tagger(engine, chunk: int = 0) -> Callable[[list[list[str]]], WordProbs]:
     """``Engine.tag_tokens`` (the public call) on ``chunk`` sentences per call (0: all in one
-    call), probabilities from its results."""
+    call), the probabilities of its results as they come (lists of floats: what is timed is
+    the call, not a conversion of its results that the scoring here does later)."""
     def tag(sentences: list[list[str]]) -> WordProbs:
         step = chunk or max(1, len(sentences))
-        return [np.asarray(r.probs, dtype=np.float64) for k in range(0, len(sentences), step)
+        return [r.probs for k in range(0, len(sentences), step)
                 for r in engine.tag_tokens(sentences[k:k + step])]
 
     return tag
