@@ -15,10 +15,7 @@ by own time) is kept in the result. The result (CPU, versions, commit) goes to
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import shlex
 import sys
 import time
@@ -29,6 +26,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from benchmark_serve_cpu import profile_text  # noqa: E402 - the sibling script, by file name
 
 from mhmla_fast.provenance import (  # noqa: E402
     cpu_info, dated_results_path, git_commit, load_average)
@@ -97,16 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "seconds": round(cold, 3), "sentences_per_s": round(len(data) / cold, 1)})
         print(f"{name} (first call, empty word cache): {len(data) / cold:,.0f} sentences/s")
     engine = Engine(FreeRunner(), tokenizer, token_budget=65536, max_batch=256)
-    prof = cProfile.Profile()
-    prof.runcall(engine.tag_texts, texts)
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+    profile = profile_text(engine.tag_texts, texts, top=15)
     result = {
         "benchmark": "host_path", "commit": git_commit(), "command": shlex.join(sys.argv),
         "device": {**cpu_info(), "load_average_start": load_average()},
         "python": sys.version.split()[0], "data": [Path(f).name for f in args.data],
         "repeat": args.repeat, "rows": rows,
-        "profile_tag_texts": [line for line in buf.getvalue().splitlines() if line.strip()][:40],
+        "profile_tag_texts": [line for line in profile.splitlines() if line.strip()][:40],
         "note": "no model runs (a constant-probability runner): the host path's ceiling; "
                 "best of --runs runs, one process, one thread of Python, after a warm-up call "
                 "(the word cache then holds the data's words); rows with cache 'cold': one call "

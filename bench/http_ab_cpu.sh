@@ -6,7 +6,7 @@
 #       it uninstalls httptools and uvloop from the active environment for the h11 runs and
 #       installs them again (the versions found at the start) after each: use a development venv
 #   bash bench/http_ab_cpu.sh args OUT_DIR "ARGS A" "ARGS B"   # two sets of server options
-#       (benchmark_serve.py --http-server-args), e.g. "" and "--otel"
+#       (benchmark_serve.py --http-server-args), e.g. "" and "--max-wait-ms 2"
 #
 # The tagger is a tiny random 2-layer encoder (hidden 32; made here), so the forward passes
 # cost next to nothing and the figure is the service's ceiling: one sentence per request, 64

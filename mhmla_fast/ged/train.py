@@ -224,6 +224,12 @@ def length_bucketed_batches(lengths: Sequence[int], batch_size: int, seed: int,
     return [batches[i] for i in order]
 
 
+def eval_max_length(model: GedTagger) -> int:
+    """Word pieces per sentence when evaluating: as many as the encoder has positions, at most
+    512."""
+    return min(512, max_input_length(model.encoder.config))
+
+
 @torch.no_grad()
 def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence[str]],
                        *, batch_size: int = 64, max_length: int | None = None,
@@ -239,7 +245,7 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
     """
     model.eval()
     if max_length is None:
-        max_length = min(512, max_input_length(model.encoder.config))
+        max_length = eval_max_length(model)
     if encoded is None:
         encoded = encode_sentences(tokenizer, sentences, max_length)
     elif len(encoded) != len(sentences):
@@ -405,10 +411,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if epoch > cfg.epochs:
         raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already (epoch {epoch})")
 
-    # the dev set's word pieces, made once for every epoch's evaluation (predict_word_probs'
-    # default max_length)
+    # the dev set's word pieces, made once for every epoch's evaluation (rank 0's alone)
     dev_encoded = encode_sentences(tokenizer, [s.tokens for s in dev_set],
-                                   min(512, max_input_length(model.encoder.config)))
+                                   eval_max_length(model)) if main_rank else None
     # every epoch has the same number of batches (a function of the lengths and batch size)
     total_steps = cfg.epochs * len(length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, 0))
     while epoch < cfg.epochs:
@@ -562,11 +567,9 @@ STEP_INPUTS = ("input_ids", "attention_mask", "labels")  # what a training step 
 
 def _to_device(batch: dict[str, Tensor], device: torch.device,
                keys: tuple[str, ...] = STEP_INPUTS) -> dict[str, Tensor]:
-    """The batch's [B, T] int64 tensors named by ``keys`` on ``device``, in one copy (of their
-    [len(keys), B, T] stack); to CUDA from pinned memory without blocking the host."""
-    stacked = torch.stack([batch[k] for k in keys])
-    if device.type == "cuda":
-        stacked = stacked.pin_memory().to(device, non_blocking=True)
-    else:
-        stacked = stacked.to(device)
+    """The batch's [B, T] int64 tensors named by ``keys`` on ``device``: to CUDA in one copy (of
+    their [len(keys), B, T] stack) from pinned memory, without blocking the host."""
+    if device.type != "cuda":  # no copy to make
+        return {k: batch[k].to(device) for k in keys}
+    stacked = torch.stack([batch[k] for k in keys]).pin_memory().to(device, non_blocking=True)
     return dict(zip(keys, stacked.unbind(0)))

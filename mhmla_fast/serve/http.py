@@ -275,6 +275,16 @@ async def _send_json(send: Send, status: int, body: dict,
     await send({"type": "http.response.body", "body": data})
 
 
+def _replaying(first: Message, receive: Receive) -> Receive:
+    """``receive`` that gives ``first`` (a message already read) once, then the connection's."""
+    pending = [first]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
 def _is_json(content_type: bytes) -> bool:
     """``application/json`` or ``*/*+json``, with no charset or a UTF-8 one."""
     mime, _, params = content_type.decode("latin-1").partition(";")
@@ -364,18 +374,10 @@ class BodyLimit:
                 chunks.append(body)
                 if not message.get("more_body", False):
                     break
-            replayed = False
-
-            async def replay() -> Message:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    data = b"".join(chunks)
-                    chunks.clear()
-                    return {"type": "http.request", "body": data, "more_body": False}
-                return await receive()
-
-            await self.app(scope, replay, send)
+            data = b"".join(chunks)
+            chunks.clear()
+            await self.app(scope, _replaying({"type": "http.request", "body": data,
+                                              "more_body": False}, receive), send)
         finally:
             self.held -= size
 
@@ -436,15 +438,7 @@ class TagFastPath:
             await self.app(scope, receive, send)
             return
         message = await receive()
-        replayed = False
-
-        async def replay() -> Message:  # the message read here, then the connection's own
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return message
-            return await receive()
-
+        replay = _replaying(message, receive)  # the message read here, then the connection's
         body = None
         if message["type"] == "http.request" and not message.get("more_body", False):
             try:

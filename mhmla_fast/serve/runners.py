@@ -155,7 +155,6 @@ class TorchRunner:
         eager = opts.kernels == "torch" or (opts.kernels == "auto" and self.device.type != "cuda")
         self.folded = fold and eager
         self.net = self.model.folded() if self.folded else self.model
-        self.cuda_graphs = bool(cuda_graphs)
         self.captured = CapturedForward(self._probs, self.device) if cuda_graphs else None
 
     def _probs(self, ids, mask):
@@ -176,7 +175,7 @@ class TorchRunner:
         with torch.inference_mode():
             if self.device.type != "cuda":
                 ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
-                return Pending(torch.softmax(self.net(ids, mask).float(), -1)[..., 1].numpy())
+                return Pending(self._probs(ids, mask).numpy())
             if self.captured is not None:
                 return self.captured.submit(input_ids, attention_mask)
             ids, mask = (upload(a, self.device) for a in (input_ids, attention_mask))
