@@ -1003,15 +1003,17 @@ def http_command(run: Run, port: int) -> list[str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
-    """Seconds until ``url/healthz`` answers 200; RuntimeError when the server exits first or
-    ``timeout`` passes."""
+    """Seconds until ``url/healthz`` answers 200 (with ``--workers N``: from a server whose N
+    workers all serve, so that the load's connections spread over them); RuntimeError when the
+    server exits first or ``timeout`` passes."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with status {proc.returncode} before serving")
         try:
             with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
-                if r.status == 200:
+                health = json.loads(r.read())
+                if r.status == 200 and health.get("workers_ready", 1) >= health.get("workers", 1):
                     return time.perf_counter() - t0
         except (urllib.error.URLError, OSError):
             pass

@@ -13,7 +13,7 @@
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh tag-hf       # plain torch + HF pipeline fp32/fp16 at 32..256 (+ ONNX if CUDA EP)
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh score        # predict_scores bf16/fp32, 2,000 essays
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh cli          # whole processes: tag, HF pipeline, score (2 alternating runs)
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh http         # 64 clients, 1 and 8 sentences per request, 20 s each
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh http         # 64 clients, 1 and 8 sentences per request, 20 s each, 1 and 6 server workers
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train        # mhmla-train ged, 8,192 sentences x 2 epochs, --compile off and reduce-overhead
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-full   # a whole FCE epoch, twice (warm second), both --compile modes
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-tag    # one call (<= 8 min): train off, the engine (short), train reduce-overhead
@@ -194,10 +194,14 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/site
-    # HTTP_SERVER_ARGS: more options of the served mhmla-serve http (e.g. "--cuda-graphs")
-    bench --tasks http --http-per-request 1 8 --http-duration 20 --http-procs 6 \
-      "--http-server-args=${HTTP_SERVER_ARGS:-}" \
-      --out "$OUT/http${HTTP_TAG:-}.json" 2>&1 | tee "$OUT/http${HTTP_TAG:-}.log" ;;
+    # HTTP_WORKERS: the server's --workers, one run each (default "1 6": one process, then six
+    # on the one port); HTTP_SERVER_ARGS: more options of the served mhmla-serve http (e.g.
+    # "--cuda-graphs")
+    for w in ${HTTP_WORKERS:-1 6}; do
+      bench --tasks http --http-per-request 1 8 --http-duration 20 --http-procs 6 \
+        "--http-server-args=--workers $w ${HTTP_SERVER_ARGS:-}" \
+        --out "$OUT/http_w$w${HTTP_TAG:-}.json" 2>&1 | tee "$OUT/http_w$w${HTTP_TAG:-}.log"
+    done ;;
   train)
     prepare
     bench --tasks train --train-sentences 8192 --train-epochs 2 --train-compile off reduce-overhead \

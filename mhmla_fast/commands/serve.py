@@ -4,8 +4,8 @@
                     [--ray [ADDRESS] [--ray-workers N] [--shard-size N]]
     mhmla-serve score [FILE ...|-] [--output FILE [--resume]] [--model DIR] [--batch-essays N]
                       [--ray [ADDRESS] [--ray-workers N] [--shard-size N]]
-    mhmla-serve http [--host 127.0.0.1] [--port 8000] [model/engine options] [batching limits]
-                     [--scorer DIR | --no-scorer]
+    mhmla-serve http [--host 127.0.0.1] [--port 8000] [--workers N] [model/engine options]
+                     [batching limits] [--scorer DIR | --no-scorer]
     mhmla-serve export (--onnx DIR [--int8] | --tensorrt DIR) [--model DIR]
 
 ``tag``
@@ -59,7 +59,9 @@
     Serves :func:`mhmla_fast.serve.http.create_app` with uvicorn (``POST /v1/tag``, ``POST
     /v1/score``, ``GET /healthz``, ``GET /metrics``, docs at ``/docs``); localhost only unless
     ``--host`` says otherwise. One process, one worker thread for the tagger and the scorer: the
-    app batches concurrent requests itself. The scorer is ``--scorer DIR``, else the shipped one
+    app batches concurrent requests itself. ``--workers N`` runs N such processes on the one
+    port (:mod:`mhmla_fast.serve.http_workers`): each loads the models and batches its own
+    requests, ``/metrics`` sums them all, ``/healthz`` says how many serve. The scorer is ``--scorer DIR``, else the shipped one
     when it is installed; ``--no-scorer`` (or no scorer installed) serves tagging only, and
     ``/v1/score`` then answers 404.
 
@@ -84,7 +86,7 @@ error (exit 2) naming it.
 
 Exit status: 0 all went well; 1 ``tag``/``score`` found malformed input lines (each has its
 error record) or an export failed; 2 usage error, missing or unloadable model, unusable input or
-output file; 3 ``tag``/``score`` stopped on an unexpected error (the output so far is kept;
+output file, an ``http`` worker that failed to start; 3 ``tag``/``score`` stopped on an unexpected error (the output so far is kept;
 ``--resume`` continues);
 130 interrupted (likewise resumable); 141 the reader of standard output went away.
 """
@@ -669,36 +671,105 @@ def run_score(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- http
 
 
+HTTP_ARGS_ENV = "MHMLA_HTTP_ARGS"  # the parsed options, for the workers of ``http --workers``
+
+
 def run_http(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from ..serve.http import create_app
+        from ..serve.http import create_app  # noqa: F401
     except ImportError as err:
         raise UsageError(f"the HTTP server needs fastapi, uvicorn and prometheus-client "
                          f"(pip install 'mhmla-fast[serve]' prometheus-client): {err}") from err
+    server = dict(host=args.host, port=args.port, log_level=args.log_level,
+                  access_log=not args.no_access_log,
+                  timeout_graceful_shutdown=args.graceful_timeout,
+                  limit_concurrency=args.limit_concurrency or None)
+    if args.workers == 1:
+        import uvicorn
+
+        uvicorn.run(build_http_app(args), **server)
+        return EXIT_OK
+    return run_http_workers(args, server)
+
+
+def run_http_workers(args: argparse.Namespace, server: dict[str, Any]) -> int:
+    """``http --workers N``: the options checked here, then N worker processes that each load
+    the models and serve (:mod:`mhmla_fast.serve.http_workers`); ``--threads`` defaults to the
+    physical cores shared out among the workers."""
+    import json
+
+    from ..devices import physical_cores
+    from ..serve.http_workers import serve_workers
+
+    check_options(args)
+    resolve_model_dir(args.model)
+    if args.scorer:
+        resolve_scorer_dir(args.scorer, "--scorer")
+    if args.threads is None:
+        args.threads = max(1, physical_cores() // args.workers)
+    options = {k: v for k, v in vars(args).items() if k != "run"}
+    try:
+        started = serve_workers(f"{__name__}:http_worker_app", args.workers,
+                                env={HTTP_ARGS_ENV: json.dumps(options)}, **server)
+    except RuntimeError as err:  # an uvicorn too old for workers
+        raise UsageError(f"--workers: {err}") from err
+    if not started:
+        print(f"{PROG} http: a worker failed to start (its error is above); stopped",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def http_worker_app():
+    """The app of one worker of ``http --workers N``, built from the options the parent parsed
+    (``MHMLA_HTTP_ARGS``); uvicorn calls it once in each worker process. A worker that cannot
+    build it exits with uvicorn's start-up failure status (3), which stops the server."""
+    import json
+    import traceback
+
+    from uvicorn.config import STARTUP_FAILURE
+
+    from ..serve.http_workers import WorkerGroup
+
+    try:
+        args = argparse.Namespace(**json.loads(os.environ[HTTP_ARGS_ENV]))
+        return build_http_app(args, group=WorkerGroup.from_env())
+    except UsageError as err:
+        print(f"{PROG} http: worker {os.getpid()}: {err}", file=sys.stderr)
+    except Exception:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # at once: the supervisor notices a dead worker within half a second, but it waits out its
+    # health-check timeout for one still tearing down its interpreter
+    os._exit(STARTUP_FAILURE)
+
+
+def build_http_app(args: argparse.Namespace, group: Any = None):
+    """The HTTP app for ``args``: the tagger (:func:`load_engine`), the scorer
+    (:func:`load_http_scorer`) and the batching limits; ``group``: the worker group of
+    ``--workers`` (:func:`mhmla_fast.serve.http.create_app`)."""
+    from ..serve.http import create_app
+
     path, engine = load_engine(args)
     scorer_path, scorer = load_http_scorer(args)
     try:
-        app = create_app(engine, max_batch_tokens=args.max_batch_tokens,
-                         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                         max_request_bytes=args.max_request_bytes,
-                         max_texts_per_request=args.max_texts_per_request,
-                         model_name=path.name, scorer=scorer,
-                         scorer_name=scorer_path.name if scorer_path else None,
-                         max_essays_per_request=args.max_essays_per_request,
-                         score_token_budget=args.token_budget,
-                         max_text_chars=args.max_text_chars or None,
-                         max_queue_pieces=args.max_queue_pieces,
-                         request_timeout_s=args.request_timeout or None,
-                         max_buffered_bytes=args.max_buffered_bytes or None)
+        return create_app(engine, max_batch_tokens=args.max_batch_tokens,
+                          max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                          max_request_bytes=args.max_request_bytes,
+                          max_texts_per_request=args.max_texts_per_request,
+                          model_name=path.name, scorer=scorer,
+                          scorer_name=scorer_path.name if scorer_path else None,
+                          max_essays_per_request=args.max_essays_per_request,
+                          score_token_budget=args.token_budget,
+                          max_text_chars=args.max_text_chars or None,
+                          max_queue_pieces=args.max_queue_pieces,
+                          request_timeout_s=args.request_timeout or None,
+                          max_buffered_bytes=args.max_buffered_bytes or None, group=group)
     except ValueError as err:
         raise UsageError(str(err)) from err
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=not args.no_access_log,
-                timeout_graceful_shutdown=args.graceful_timeout,
-                limit_concurrency=args.limit_concurrency or None)
-    return EXIT_OK
 
 
 def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
@@ -837,6 +908,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "/metrics with dynamic micro-batching across concurrent requests.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=_positive, default=1,
+                   help="server processes on the one port, each with its own copy of the models "
+                   "and its own batching and limits (default 1; more when one process's HTTP "
+                   "handling is the bound; needs uvicorn >= 0.50; --threads defaults to the "
+                   "physical cores shared out among them)")
     p.add_argument("--max-batch-tokens", type=_positive, default=8192,
                    help="estimated word pieces per engine batch (default 8192)")
     _add_cuda_graphs_option(p)

@@ -86,6 +86,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
@@ -100,6 +101,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, ValidationInfo,
     field_validator, model_validator,
@@ -108,6 +110,7 @@ from pydantic import (
 from .scheduler import (
     EngineFailure, MicroBatcher, QueueFull, TooCostly, Unavailable, estimate_pieces,
 )
+from .http_workers import WorkerGroup
 from .score import essay_pieces_check, unsupported_prompt
 
 __all__ = ["create_app", "MicroBatcher", "QueueFull", "TooCostly", "Unavailable",
@@ -474,7 +477,9 @@ class _Metrics:
     dropped: Counter
 
     @classmethod
-    def create(cls) -> _Metrics:
+    def create(cls, *, multiprocess: bool = False) -> _Metrics:
+        """The app's metrics in a registry of its own; ``multiprocess``: one of several worker
+        processes (:mod:`.http_workers`), where the queue-depth gauge sums the live workers."""
         reg = CollectorRegistry()
         sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
         times = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -494,7 +499,7 @@ class _Metrics:
             failures=Counter("mhmla_engine_failures", "Requests failed by the engine",
                              registry=reg),
             queue=Gauge("mhmla_queue_depth", "Texts and essays waiting in the batching queue",
-                        registry=reg),
+                        registry=reg, multiprocess_mode="livesum" if multiprocess else "all"),
             score_latency=Histogram("mhmla_score_request_seconds", "Latency of POST /v1/score",
                                     buckets=times, registry=reg),
             essays=Counter("mhmla_essays_scored", "Essays scored", registry=reg),
@@ -521,6 +526,17 @@ class _Metrics:
         self.score_batch_essays.observe(essays)
         self.score_batch_requests.observe(requests)
         self.score_batch_seconds.observe(seconds)
+
+
+GAUGE_REFRESH_S = 0.5
+
+
+async def _refresh_gauge(gauge: Gauge, value: Callable[[], float]) -> None:
+    """Set ``gauge`` to ``value()`` every ``GAUGE_REFRESH_S`` seconds until cancelled (a
+    worker group's gauges are files that other workers read)."""
+    while True:
+        gauge.set(value())
+        await asyncio.sleep(GAUGE_REFRESH_S)
 
 
 def _unavailable(detail: str) -> JSONResponse:
@@ -678,7 +694,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
                max_text_chars: int | None = 500_000, max_queue_pieces: int = 1_000_000,
                request_timeout_s: float | None = 60.0,
                max_buffered_bytes: int | None = 64_000_000,
-               split_pieces: int | None = None) -> FastAPI:
+               split_pieces: int | None = None, group: WorkerGroup | None = None) -> FastAPI:
     """The tagging (and, with ``scorer``, essay-scoring) app over ``engine`` (endpoints, limits
     and batching: module docstring).
 
@@ -690,6 +706,11 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     sentences and essays estimated above it are tagged (scored) window by window, interleaved
     with other requests (default: a quarter of ``max_batch_tokens``; essays only with a scorer
     that has ``plan_essay``, as :class:`~mhmla_fast.aes.model.EssayScorer` does).
+
+    ``group``: the :class:`~mhmla_fast.serve.http_workers.WorkerGroup` this process is a worker
+    of (``mhmla-serve http --workers N``), or None for a server of one process: with a group,
+    ``/metrics`` gives the sums over the group's workers, ``/healthz`` adds ``pid``,
+    ``workers`` and ``workers_ready``, and the worker marks itself ready once started.
 
     ``scorer`` is an :class:`~mhmla_fast.aes.model.EssayScorer` (or anything with
     ``predict_scores(texts, prompts, token_budget=...)`` and ``config.prompts``) or None, which
@@ -717,14 +738,15 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
                          f"max_request_bytes ({max_request_bytes})")
     name = model_name or getattr(engine, "name", None) or type(engine).__name__
     scorer_name = (scorer_name or type(scorer).__name__) if scorer is not None else None
-    metrics = _Metrics.create()
+    metrics = _Metrics.create(multiprocess=group is not None)
     batcher = MicroBatcher(engine, scorer=scorer, score_token_budget=score_token_budget,
                            max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                            max_queue=max_queue, max_queue_pieces=max_queue_pieces,
                            split_pieces=split_pieces, on_batch=metrics.on_batch,
                            on_score_batch=metrics.on_score_batch,
                            on_failure=metrics.failures.inc)
-    metrics.queue.set_function(lambda: batcher.depth)
+    if group is None:  # read at each scrape; a group's workers refresh theirs (lifespan)
+        metrics.queue.set_function(lambda: batcher.depth)
 
     async def wait(kind: str, inputs: Sequence[Any], request: Request) -> list[dict] | Response:
         return await _await_results(batcher, kind, inputs, request, request_timeout_s,
@@ -738,9 +760,16 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         gc.collect()
         gc.freeze()
         batcher.start()
+        refresh = None
+        if group is not None:
+            refresh = asyncio.ensure_future(_refresh_gauge(metrics.queue, lambda: batcher.depth))
+            group.mark_ready()
         try:
             yield
         finally:
+            if group is not None:
+                refresh.cancel()
+                group.mark_stopped()
             batcher.close()
             await asyncio.to_thread(batcher.join)
             gc.unfreeze()
@@ -817,15 +846,22 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         if scorer_name is not None:
             body["scorer"] = scorer_name
         body["queue_depth"] = batcher.depth
+        if group is not None:
+            body.update(pid=os.getpid(), workers=group.size, workers_ready=group.ready())
         if batcher.accepting:
             return JSONResponse(body)
         body["status"] = "worker stopped" if batcher.error is not None else "shutting down"
         return JSONResponse(body, status_code=503)
 
+    exposed = metrics.registry
+    if group is not None:  # every worker's values, from the group's files
+        exposed = CollectorRegistry()
+        MultiProcessCollector(exposed, path=str(group.metrics_dir))
+
     @app.get("/metrics")
     async def prometheus() -> Response:
-        """Prometheus text exposition of the app's metrics."""
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus text exposition of the app's metrics (a worker group's: summed)."""
+        return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(TagFastPath, handle=answer_tag)
     app.add_middleware(BodyLimit, limit=max_request_bytes, max_buffered=max_buffered_bytes)
