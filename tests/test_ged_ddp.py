@@ -71,6 +71,7 @@ def _ddp_grads_worker(rank: int, port: int, encoder: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from mhmla_fast.distributed import init_distributed
+    from mhmla_fast.ged.model import PackedSentences
     from mhmla_fast.ged.train import _distributed_step
 
     _env(rank, port)
@@ -78,8 +79,9 @@ def _ddp_grads_worker(rank: int, port: int, encoder: str, out: str) -> None:
     model = _model(encoder, "triton")
     net = DistributedDataParallel(model)
     encoded, labels, lengths, tok = _batch_data(encoder)
-    loss = _distributed_step(net, ctx, list(range(7)), encoded, labels, lengths, tok.pad_token_id,
-                             torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    loss = _distributed_step(net, ctx, list(range(7)), PackedSentences(encoded, tok.pad_token_id,
+                                                                       labels),
+                             lengths, torch.device("cpu"), torch.autocast("cpu", enabled=False))
     if rank == 0:
         grads = {n: p.grad.contiguous() for n, p in model.named_parameters() if p.grad is not None}
         save_file({**grads, "_loss": torch.tensor([loss])}, out)

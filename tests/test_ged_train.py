@@ -82,6 +82,40 @@ def test_collate_puts_each_words_label_at_its_first_piece():
         assert all(v.dtype == torch.long for v in batch.values())
 
 
+def test_packed_sentences_collate_as_collate_does():
+    """PackedSentences.collate (a training step's batch from flat arrays) against collate of
+    the same rows: random sentences, random subsets in any order and repeats, with and without
+    labels, static rows and length; a labels list of another length is refused."""
+    from mhmla_fast.ged.model import PackedSentences, collate
+
+    rng = random.Random(1)
+    encoded, labels = [], []
+    for _ in range(60):
+        words = rng.randint(0, 9)
+        labels.append([rng.randint(0, 1) for _ in range(words)])
+        index = [-1]
+        for w in range(words):
+            index += [w] + [-1] * rng.randint(0, 2)
+        index.append(-1)
+        encoded.append(([rng.randrange(3, 1000) for _ in index], index))
+    packed, unlabelled = PackedSentences(encoded, 7, labels), PackedSentences(encoded, 7)
+    assert len(packed) == 60
+    for _ in range(200):
+        idx = [rng.randrange(60) for _ in range(rng.randint(1, 12))]
+        rows, length = rng.choice([(0, 0), (16, 0), (0, 48), (16, 48)])
+        want = collate([encoded[i] for i in idx], 7, [labels[i] for i in idx], rows=rows,
+                       length=length)
+        got = packed.collate(idx, rows=rows, length=length)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        plain = unlabelled.collate(idx, rows=rows, length=length)
+        assert "labels" not in plain
+        assert all(torch.equal(plain[k], want[k]) for k in plain)
+    with pytest.raises(ValueError, match="labels: 59 sentences, 60 encoded"):
+        PackedSentences(encoded, 7, labels[:-1])
+
+
 def test_length_bucketed_batches_cover_every_sentence_once():
     lengths = [random.Random(i).randint(3, 40) for i in range(1000)]
     batches = length_bucketed_batches(lengths, 32, seed=1, epoch=0)

@@ -35,7 +35,7 @@ from ..modules.layer_attention_linear import LayerAttentionLinear
 
 __all__ = [
     "TaggerConfig", "GedTagger", "FoldedTagger", "resolve_encoder", "EMBEDDED_ENCODER",
-    "encode_sentences", "collate", "encode_words", "load_tokenizer",
+    "encode_sentences", "collate", "PackedSentences", "encode_words", "load_tokenizer",
 ]
 
 LABELS = ("c", "i")
@@ -201,6 +201,70 @@ def encode_sentences(
             prev = w
         out.append((list(ids), index))
     return out
+
+
+class PackedSentences:
+    """Encoded sentences (:func:`encode_sentences`) and their word labels, stored flat once, so
+    that a batch is a few array operations: ``packed.collate(idx, rows=, length=)`` equals
+    ``collate([encoded[i] for i in idx], pad_id, [labels[i] for i in idx], rows=, length=)``
+    (without ``labels``, the batch has no ``"labels"``), without a Python pass over every
+    piece of the batch at every step (a training step's host time bounds it on a GPU).
+
+    Arrays: ``lengths`` [S] pieces per sentence; ``ids``, ``word_index`` and, with labels,
+    ``labels`` [total pieces] (each word's label at its first piece, IGNORE elsewhere), the
+    sentences one after another from ``starts`` [S]."""
+
+    def __init__(self, encoded: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
+                 labels: Sequence[Sequence[int]] | None = None) -> None:
+        n = len(encoded)
+        self.pad_id = pad_id
+        self.lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=n)
+        self.starts = np.cumsum(self.lengths) - self.lengths
+        total = int(self.lengths.sum())
+        self.ids = np.fromiter(chain.from_iterable(ids for ids, _ in encoded), dtype=np.int64,
+                               count=total)
+        self.word_index = np.fromiter(chain.from_iterable(ix for _, ix in encoded),
+                                      dtype=np.int64, count=total)
+        self.labels = None
+        if labels is not None:
+            if len(labels) != n:
+                raise ValueError(f"labels: {len(labels)} sentences, {n} encoded")
+            counts = np.fromiter(map(len, labels), dtype=np.int64, count=n)
+            words = np.fromiter(chain.from_iterable(labels), dtype=np.int64,
+                                count=int(counts.sum()))
+            sentence = np.repeat(np.arange(n), self.lengths)  # each piece's sentence
+            first = self.word_index >= 0
+            self.labels = np.full(total, IGNORE, dtype=np.int64)
+            self.labels[first] = words[(np.cumsum(counts) - counts)[sentence[first]]
+                                       + self.word_index[first]]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def collate(self, idx: Sequence[int], *, rows: int = 0, length: int = 0
+                ) -> dict[str, Tensor]:
+        """The padded batch of sentences ``idx`` (see :func:`collate`)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        n = len(idx)
+        lens = self.lengths[idx]
+        B, T = max(n, rows), max(length, int(lens.max()))
+        col = np.arange(T)
+        filled = col < lens[:, None]
+        src = np.where(filled, self.starts[idx][:, None] + col, 0)  # a valid index everywhere
+
+        def grid(flat: np.ndarray, fill: int) -> Tensor:
+            out = np.full((B, T), fill, dtype=np.int64)
+            out[:n] = np.where(filled, flat[src], fill)
+            return torch.from_numpy(out)
+
+        mask = np.zeros((B, T), dtype=np.int64)
+        mask[:n] = filled
+        mask[n:, 0] = 1
+        batch = {"input_ids": grid(self.ids, self.pad_id), "attention_mask": torch.from_numpy(mask),
+                 "word_index": grid(self.word_index, -1)}
+        if self.labels is not None:
+            batch["labels"] = grid(self.labels, IGNORE)
+        return batch
 
 
 def collate(

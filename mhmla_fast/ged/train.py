@@ -47,8 +47,8 @@ from ..encoder import max_input_length
 from .data import Sentence, read_ged, sentences_digest
 from .metrics import best_threshold, ged_scores
 from .synthetic import check_rate as check_synthetic_rate, with_synthetic_errors
-from .model import (IGNORE, GedTagger, TaggerConfig, _ged_encoder, collate, encode_sentences,
-                    load_tokenizer)
+from .model import (IGNORE, GedTagger, PackedSentences, TaggerConfig, _ged_encoder, collate,
+                    encode_sentences, load_tokenizer)
 
 __all__ = [
     "TrainConfig", "train", "predict_word_probs", "length_bucketed_batches", "lr_factor",
@@ -337,9 +337,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if max_length > positions:
         raise ValueError(f"max_length: {max_length} word pieces, but the encoder has {positions} "
                          "positions")
-    encoded = encode_sentences(tokenizer, [s.tokens for s in train_set], max_length)
-    labels = [s.labels for s in train_set]
-    lengths = [len(ids) for ids, _ in encoded]
+    # the training set's pieces and labels, flat: a step's batch is a few array operations
+    packed = PackedSentences(encode_sentences(tokenizer, [s.tokens for s in train_set], max_length),
+                             tokenizer.pad_token_id, [s.labels for s in train_set])
+    lengths = packed.lengths.tolist()
     optimizer = _make_optimizer(model, cfg, device)
     # layers left out of the selection get no gradient
     net = wrap(model, device, dist_ctx, find_unused=cfg.layer_attention.layers is not None)
@@ -443,10 +444,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             optimizer.zero_grad(set_to_none=True)
             if dist_ctx is None:
                 if static:
-                    longest = max(lengths[i] for i in idx)
+                    longest = int(packed.lengths[idx].max())
                     static["length"] = min(max_length, -(-longest // COMPILE_PAD_TO) * COMPILE_PAD_TO)
-                batch = _to_device(collate([encoded[i] for i in idx], tokenizer.pad_token_id,
-                                           [labels[i] for i in idx], **static), device)
+                batch = _to_device(packed.collate(idx, **static), device)
                 with autocast:  # (the loss takes float32 logits either way)
                     loss = step_loss_fn(batch["input_ids"], batch["attention_mask"],
                                         batch["labels"])
@@ -455,8 +455,8 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             else:
                 # dropout masks from (seed, step, rank) alone, so a resumed run draws the same
                 torch.manual_seed(cfg.seed * 1_000_003 + global_step * 64 + dist_ctx.rank)
-                step_loss = _distributed_step(net, dist_ctx, idx, encoded, labels, lengths,
-                                              tokenizer.pad_token_id, device, autocast)
+                step_loss = _distributed_step(net, dist_ctx, idx, packed, lengths, device,
+                                              autocast)
             factor = lr_factor(cfg, global_step, total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = group.setdefault("base_lr", cfg.lr) * factor
@@ -538,7 +538,8 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     return best_dir
 
 
-def _distributed_step(net, ctx, idx, encoded, labels, lengths, pad_id, device, autocast) -> Tensor:
+def _distributed_step(net, ctx, idx, packed: PackedSentences, lengths, device, autocast
+                      ) -> Tensor:
     """Forward and backward of this rank's shard of the global batch ``idx`` under DDP; returns
     the global batch's mean loss (for the log; a 0-dim tensor on ``device``).
 
@@ -550,8 +551,7 @@ def _distributed_step(net, ctx, idx, encoded, labels, lengths, pad_id, device, a
     mine = shard(idx, lengths, ctx.rank, ctx.world_size)
     weight = 1.0 if mine else 0.0
     mine = mine or [idx[0]]
-    batch = _to_device(collate([encoded[i] for i in mine], pad_id, [labels[i] for i in mine]),
-                       device)
+    batch = _to_device(packed.collate(mine), device)
     with autocast:
         logits = net(batch["input_ids"], batch["attention_mask"])
     gold = batch["labels"].flatten()
