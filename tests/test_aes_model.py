@@ -330,3 +330,73 @@ def test_aes_precision_flag_needs_finetune(tmp_path, capsys):
 
     assert mhmla_train(["aes", "--precision", "bf16", "--out", str(tmp_path / "x")]) == 2
     assert "--precision: --finetune only" in capsys.readouterr().err
+
+
+def _shuffled_batches(window_prompts, batch_size, seed, epoch):
+    """The fine-tuning batches before ``lengths``: windows shuffled within each prompt."""
+    rng = np.random.default_rng([seed, epoch])
+    batches = []
+    for p in np.unique(window_prompts):
+        idx = np.flatnonzero(window_prompts == p)
+        rng.shuffle(idx)
+        batches += [idx[k:k + batch_size] for k in range(0, len(idx), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def test_epoch_batches_of_similar_lengths_cover_every_window_once_and_pad_little():
+    from mhmla_fast.aes.heads import _epoch_batches
+
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, 4, size=1000)
+    lengths = rng.integers(20, 513, size=1000)
+    # without lengths: the batches of before, exactly
+    plain = _epoch_batches(prompts, 8, seed=3, epoch=1)
+    assert [b.tolist() for b in plain] == [b.tolist() for b in _shuffled_batches(prompts, 8, 3, 1)]
+    sorted_ = _epoch_batches(prompts, 8, seed=3, epoch=1, lengths=lengths, pool_batches=10)
+    assert sorted(np.concatenate(sorted_).tolist()) == list(range(1000))
+    assert all(len(set(prompts[b].tolist())) == 1 for b in sorted_)  # one prompt per batch
+    assert all(1 <= len(b) <= 8 for b in sorted_)
+    again = _epoch_batches(prompts, 8, seed=3, epoch=1, lengths=lengths, pool_batches=10)
+    assert [b.tolist() for b in again] == [b.tolist() for b in sorted_]  # resumable
+    other = _epoch_batches(prompts, 8, seed=3, epoch=2, lengths=lengths, pool_batches=10)
+    assert [b.tolist() for b in other] != [b.tolist() for b in sorted_]
+
+    def padded(batches):
+        return sum(len(b) * int(lengths[b].max()) for b in batches) / lengths.sum()
+
+    assert padded(sorted_) < 1.1 < 1.3 < padded(plain)
+
+
+def test_finetune_batching_is_checked_and_named(tmp_path, capsys):
+    from mhmla_fast.aes.finetune import FinetuneConfig, model_name
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    with pytest.raises(ValueError, match="batching: expected one of"):
+        FinetuneConfig(out=str(tmp_path), batching="sorted")
+    assert model_name(FinetuneConfig(out=str(tmp_path), prompts=(3,))) == "mhmla-cls-finetuned"
+    assert model_name(FinetuneConfig(out=str(tmp_path), prompts=(3,), batching="random", seed=2)) == \
+        "mhmla-cls-finetuned-random-batches-seed2"
+    assert mhmla_train(["aes", "--batching", "random", "--out", str(tmp_path / "x")]) == 2
+    assert "--batching: --finetune only" in capsys.readouterr().err
+
+
+def test_finetuning_from_before_batching_resumes_only_as_shuffled(tiny_encoder, tmp_path):
+    """A checkpoint written before ``batching`` (its batches were shuffled only) is refused by
+    the new default, naming the option, and resumes with ``batching="random"``."""
+    from mhmla_fast.aes.train import FinetuneConfig, finetune
+
+    rng = random.Random(8)
+    train = [Essay(i, 3, " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))),
+                   i % 4, i % 4, i % 4, i + 1) for i in range(12)]
+    base = dict(prompts=(3,), encoder=tiny_encoder, num_heads=4, batch_size=4, lr=1e-3,
+                head_lr=3e-3, backend="torch", out=str(tmp_path / "run"))
+    finetune(FinetuneConfig(epochs=1, batching="random", **base), train, train[:4], log=None)
+    meta_file = tmp_path / "run" / "checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["config"]["batching"]  # the layout of before
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="batching"):
+        finetune(FinetuneConfig(epochs=2, **base), train, train[:4], log=None)
+    _, state = finetune(FinetuneConfig(epochs=2, batching="random", **base), train, train[:4],
+                        log=None)
+    assert state["epoch"] == 2

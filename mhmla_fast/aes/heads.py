@@ -51,15 +51,24 @@ class HeadTrainConfig:
                             decision=self.decision)
 
 
-def _epoch_batches(window_prompts: np.ndarray, batch_size: int, seed: int, epoch: int
+def _epoch_batches(window_prompts: np.ndarray, batch_size: int, seed: int, epoch: int,
+                   lengths: np.ndarray | None = None, pool_batches: int = 50
                    ) -> list[np.ndarray]:
     """Windows shuffled within each prompt, cut into batches, batch order shuffled;
-    deterministic in (seed, epoch)."""
+    deterministic in (seed, epoch). With ``lengths`` (pieces per window), each prompt's
+    shuffled windows are taken in pools of ``pool_batches`` batches, each pool sorted by
+    length before it is cut (as GED's batches are), so that a batch pads little: windows of
+    ASAP fold 0's training essays padded to their batch's longest come to 1.34x their pieces
+    in shuffled batches of 8, 1.005x sorted."""
     rng = np.random.default_rng([seed, epoch])
     batches: list[np.ndarray] = []
     for p in np.unique(window_prompts):
         idx = np.flatnonzero(window_prompts == p)
         rng.shuffle(idx)
+        if lengths is not None:  # (a pool is whole batches: cutting it cuts the prompt's)
+            pool = batch_size * pool_batches
+            idx = np.concatenate([c[np.argsort(lengths[c], kind="stable")]
+                                  for c in np.split(idx, range(pool, len(idx), pool))])
         batches += [idx[k:k + batch_size] for k in range(0, len(idx), batch_size)]
     return [batches[i] for i in rng.permutation(len(batches))]
 

@@ -106,6 +106,10 @@ def add_train_parser(sub) -> None:
                    help="--finetune: one scorer per fold for all --prompt prompts (one encoder "
                    "and head, an output layer per prompt, selected on their mean dev QWK) "
                    "instead of one per prompt")
+    p.add_argument("--batching", default=None, choices=("length", "random"),
+                   help="--finetune: length (default: each prompt's shuffled windows sorted by "
+                   "length in pools of 50 batches, so that batches pad little) or random "
+                   "(shuffled only, as fine-tuned cells before this option)")
     p.add_argument("--mode", default=None, choices=MODES,
                    help="--finetune: the head (default mhmla; the CPU protocol names its heads "
                    "in --models)")
@@ -211,8 +215,8 @@ def _check_mode_options(args) -> None:
     if args.export_shipped:
         refuse(("models", "members", "cache_only"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
-    refuse(("precision", "head_lr", "freeze"), "--finetune only (the other paths train heads on cached "
-           "float32 features with one lr)")
+    refuse(("precision", "head_lr", "freeze", "batching"), "--finetune only (the other paths "
+           "train heads on cached float32 features with one lr)")
     refuse(("mode", "num_heads"), "--finetune only (the CPU protocol names its heads in "
            "--models, the shipped scorer is MHMLA)")
     if args.objective is not None and not args.export_shipped:
@@ -256,7 +260,8 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                           objective=args.objective or "classification",
                           epochs=args.epochs or 10, batch_size=args.batch_size or 8,
                           lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
-                          precision=args.precision or "auto", backend=args.backend)
+                          precision=args.precision or "auto", backend=args.backend,
+                          batching=args.batching or "length")
     name = model_name(base)
     settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
                 if key not in ("out", "prompts", "fold")}
@@ -403,7 +408,11 @@ def _epoch_log(cell: Path, epochs: int) -> list[dict] | None:
 
 
 def _without_out(settings: dict | None) -> dict | None:
-    return None if settings is None else {k: v for k, v in settings.items() if k != "out"}
+    """A cell's settings for comparison: without its folder, and with the batching of a cell
+    made before the option (shuffled only: "random")."""
+    if settings is None:
+        return None
+    return {"batching": "random", **{k: v for k, v in settings.items() if k != "out"}}
 
 
 def _read_results(path: Path, header: dict) -> dict:
