@@ -1,0 +1,116 @@
+"""AES fine-tuning steps with batches of similar lengths against shuffled ones, on a CPU.
+
+    python bench/aes_batching_cpu.py              # bench/results/aes_batching_cpu_<date>.json
+    python bench/aes_batching_cpu.py --batches 8 --fold 0 --out /tmp/b.json
+
+``mhmla-train aes --finetune`` cuts each prompt's windows into batches of 8: shuffled only
+(``--batching random``, every fine-tuned cell before the option) or sorted by length in pools
+of 50 batches (``--batching length``, the default). For one epoch's batches of each (epoch 0,
+seed 0, fold ``--fold``'s training essays, all prompts) this reports the padded pieces over
+the real ones (exact, the whole epoch), and times ``--batches`` batches drawn at random from
+each epoch, interleaved, through the training step itself (``_window_loss``, backward, fused
+Adam; MiniLM, MHMLA J = 12, ``--precision``): windows/s of each and their ratio, the expected
+ratio of whole epochs' times. A sample, not an epoch: an epoch takes 15-20 minutes per
+prompt on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fold", type=int, default=0)
+    p.add_argument("--batches", type=int, default=12, help="timed batches per batching")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+    from mhmla_fast.aes.finetune import FinetuneConfig, _window_loss
+    from mhmla_fast.aes.heads import _epoch_batches
+    from mhmla_fast.aes.model import EssayScorer, ScorerConfig, encode_essay_windows
+    from mhmla_fast.aes.train import asap_files
+    from mhmla_fast.devices import training_autocast
+    from mhmla_fast.encoder import load_tokenizer
+    from mhmla_fast.provenance import cpu_info, dated_results_path, load_average, provenance
+
+    torch.set_num_threads(args.threads)
+    tsv, folds_dir = asap_files(None)
+    essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
+    train = [e for p in range(1, 9) for e in split_essays(essays, fold_ids, args.fold, prompt=p)["train"]]
+    cfg = FinetuneConfig(out="unused", precision=args.precision)
+    tokenizer = load_tokenizer(cfg.encoder_spec)
+    windows, index = encode_essay_windows(tokenizer, [e.text for e in train], 510)
+    prompts = np.array([train[i].prompt for i in index], dtype=np.int64)
+    scores = np.array([train[i].score for i in index], dtype=np.int64)
+    lengths = np.array([len(w) for w in windows], dtype=np.int64)
+    plans = {"random": _epoch_batches(prompts, cfg.batch_size, cfg.seed, 0),
+             "length": _epoch_batches(prompts, cfg.batch_size, cfg.seed, 0, lengths=lengths)}
+    padding = {k: float(sum(len(b) * lengths[b].max() for b in v) / lengths.sum())
+               for k, v in plans.items()}
+
+    torch.manual_seed(0)
+    scfg = ScorerConfig(encoder_spec=cfg.encoder_spec, layer_attention=cfg.layer_attention,
+                        pooling=cfg.pooling, objective=cfg.objective, prompts=tuple(cfg.prompts))
+    model = EssayScorer(scfg, backend="torch").train()
+    opt = torch.optim.Adam([{"params": [q for q in model.parameters() if q.requires_grad],
+                             "lr": cfg.lr}], fused=True)
+    autocast = training_autocast(args.precision, torch.device("cpu"))
+    rng = np.random.default_rng(1)
+    picks = {k: [v[i] for i in rng.choice(len(v), args.batches, replace=False)]
+             for k, v in plans.items()}
+    timing = {k: {"seconds": 0.0, "windows": 0, "pieces_padded": 0} for k in plans}
+
+    def step(rows) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = _window_loss(model, cfg, rows, int(prompts[rows[0]]), windows, scores,
+                            tokenizer.pad_token_id, torch.device("cpu"), autocast, "mean")
+        loss.backward()
+        opt.step()
+
+    step(plans["random"][0])  # warm-up (allocations, oneDNN kernels)
+    load_start = load_average()
+    for i in range(args.batches):  # interleaved: drift hits both sides
+        for k in plans:
+            rows = picks[k][i]
+            t = time.perf_counter()
+            step(rows)
+            timing[k]["seconds"] += time.perf_counter() - t
+            timing[k]["windows"] += len(rows)
+            timing[k]["pieces_padded"] += int(len(rows) * lengths[rows].max())
+    rows = {k: {**v, "windows_per_s": v["windows"] / v["seconds"],
+                "padded_over_real_epoch": padding[k], "epoch_batches": len(plans[k])}
+            for k, v in timing.items()}
+    result = {
+        "benchmark": "aes_batching_cpu",
+        "header": {**provenance(), "cpu": cpu_info(), "threads": args.threads,
+                   "load_average_start": load_start, "load_average_end": load_average(),
+                   "precision": args.precision, "fold": args.fold, "timed_batches": args.batches,
+                   "windows": len(windows), "note": __doc__.split("\n\n")[1]},
+        "rows": rows,
+        "length_over_random_windows_per_s": rows["length"]["windows_per_s"] / rows["random"]["windows_per_s"],
+    }
+    out = dated_results_path(args.out, "aes_batching_cpu", REPO / "bench" / "results")
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    for k, v in rows.items():
+        print(f"{k:7s} padded/real {v['padded_over_real_epoch']:.3f}  {v['windows_per_s']:.2f} windows/s")
+    print(f"length / random: {result['length_over_random_windows_per_s']:.2f}x; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
