@@ -19,6 +19,8 @@
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh train-tag    # one call (<= 8 min): train off, the engine (short), train reduce-overhead
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh engine-next  # one call (<= 9.5 min, carry .gpu/data and .gpu/minilm):
 #       the engine's GPU tests, the engine with CUDA graphs off/on (profiled), GED training under cProfile
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh aes-epoch    # carry .gpu/aes (`pack-aes` here): one joint AES
+#       fine-tuning epoch of fold 0, --batching length and random (the protocol's speed)
 # The real MiniLM (its fp16 weights, 44 MiB, travel in two calls while the machine stays warm,
 # which it does for 30 s after a call; `pack-minilm` here first):
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-a   # carry .gpu/a: shard 1 + FCE kept in /tmp; the tasks of
@@ -47,7 +49,7 @@
 #   installed here; the http stage installs them into /tmp/site.
 set -euo pipefail  # pipefail: a failed or timed-out benchmark fails the stage despite tee
 cd "$(dirname "$0")/.."
-stage=${1:?stage: pack, pack-wheels, pack-minilm, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, real-a, real-b}
+stage=${1:?stage: pack, pack-wheels, pack-minilm, pack-aes, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, aes-epoch, real-a, real-b}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
 NOTE="gpu_issue11.sh: tagger word embeddings fp16-rounded; scorer and training use the tagger's encoder layers in place of MiniLM's (speed only)"
@@ -228,6 +230,37 @@ PY
     T_PROFILE=${T_PROFILE:-180} train_profile --max-train-sentences 8192 \
       --train "$MHMLA_SHARED_DATA/fce/fce-public.train.original.tsv" \
       --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" ;;
+  pack-aes)  # here: the whole ASAP TSV (gzip, 5 MB) and the T&N folds in .gpu/aes, for aes-epoch
+    exclude "/.gpu/"
+    rm -rf .gpu/aes && mkdir -p .gpu/aes
+    gzip -9 -c "$SHARED/asap_aes/training_set_rel3.nea_utf8.tsv" > .gpu/aes/training_set_rel3.nea_utf8.tsv.gz
+    cp -r "$SHARED/asap_aes/nea_folds" .gpu/aes/
+    du -sh .gpu/aes ;;
+  aes-epoch)  # one call (<= 9 min; carry [".gpu/aes"]): the speed of AES fine-tuning, one joint
+    # epoch of fold 0 (all 8 prompts, 7,787 training essays), bf16, --batching length then random,
+    # on a MiniLM-shaped encoder with random weights (the speed is MiniLM's; the QWKs are not
+    # results). The protocol (5 folds x 10 epochs; goal <= 20 minutes) is about 50 such epochs
+    # plus the dev and test scoring each cell does
+    device_env
+    rm -rf /tmp/aes_data /tmp/aes_minilm && mkdir -p /tmp/aes_data
+    gunzip -c .gpu/aes/training_set_rel3.nea_utf8.tsv.gz > /tmp/aes_data/training_set_rel3.nea_utf8.tsv
+    cp -r .gpu/aes/nea_folds /tmp/aes_data/
+    python3 - <<'PY'
+import torch
+from transformers import AutoTokenizer, BertConfig, BertModel
+torch.manual_seed(0)  # all-MiniLM-L6-v2's shape, random weights
+BertModel(BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                     intermediate_size=1536, max_position_embeddings=512)).save_pretrained("/tmp/aes_minilm")
+AutoTokenizer.from_pretrained("mhmla_fast/models/aes-minilm-mhmla12").save_pretrained("/tmp/aes_minilm")
+PY
+    for b in ${AES_BATCHINGS:-length random}; do
+      rm -rf "/tmp/aes_ft_$b"
+      timeout "${T_AES:-250}" python3 -m mhmla_fast.commands.train aes --finetune --joint \
+        --prompt 1,2,3,4,5,6,7,8 --fold 0 --epochs 1 --batching "$b" --encoder /tmp/aes_minilm \
+        --data-dir /tmp/aes_data --out "/tmp/aes_ft_$b" --results "$OUT/aes_epoch_$b.json" \
+        > "$OUT/aes_epoch_$b.log" 2>&1 || true
+      tail -2 "$OUT/aes_epoch_$b.log"
+    done ;;
   pack-minilm)  # here: ../shared/tools/gpu_site.py's fp16 MiniLM in two shards, split over .gpu/a
     # (the package, shard 1, the index, FCE) and .gpu/b (shard 2); each ~22 MiB beside the tree
     exclude "/.gpu/"
