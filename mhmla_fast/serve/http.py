@@ -47,7 +47,8 @@ Endpoints (:func:`create_app`)
 
 ``GET /healthz``
     200 ``{"status": "ok", "model", "queue_depth"}`` (plus ``"scorer"``, its name, when the app
-    scores essays); 503 (``"status": "shutting down"`` or ``"worker stopped"``) once shutdown has
+    scores essays; plus ``"pid"``, ``"workers"`` and ``"workers_ready"`` in a worker of
+    ``mhmla-serve http --workers N``, :mod:`.http_workers`); 503 (``"status": "shutting down"`` or ``"worker stopped"``) once shutdown has
     begun or if the engine's worker thread died.
 
 ``GET /metrics``
@@ -58,7 +59,8 @@ Endpoints (:func:`create_app`)
     and scoring), ``mhmla_queue_depth`` (texts and essays); for scoring
     ``mhmla_score_request_seconds`` (``/v1/score`` latency), ``mhmla_essays_scored_total``,
     ``mhmla_score_batch_essays``, ``mhmla_score_batch_requests`` and ``mhmla_score_batch_seconds``;
-    ``mhmla_dropped_requests_total{reason}`` (``disconnected``, ``deadline``).
+    ``mhmla_dropped_requests_total{reason}`` (``disconnected``, ``deadline``). In a worker of
+    ``--workers N``: the sums over all workers (``mhmla_queue_depth``: the live ones).
 
 ``GET /openapi.json``: the OpenAPI description, from the pydantic models; it needs nothing else.
 ``GET /docs``: Swagger UI on it. Swagger UI's script and style come from cdn.jsdelivr.net (this
