@@ -61,8 +61,8 @@
     ``--host`` says otherwise. One process, one worker thread for the tagger and the scorer: the
     app batches concurrent requests itself. ``--workers N`` runs N such processes on the one
     port (:mod:`mhmla_fast.serve.http_workers`): each loads the models and batches its own
-    requests, ``/metrics`` sums them all, ``/healthz`` says how many serve. The scorer is ``--scorer DIR``, else the shipped one
-    when it is installed; ``--no-scorer`` (or no scorer installed) serves tagging only, and
+    requests, ``/metrics`` sums them all, ``/healthz`` says how many serve. The scorer is
+    ``--scorer DIR``, else the shipped one when it is installed; ``--no-scorer`` (or no scorer installed) serves tagging only, and
     ``/v1/score`` then answers 404.
 
 ``export``
@@ -86,8 +86,8 @@ error (exit 2) naming it.
 
 Exit status: 0 all went well; 1 ``tag``/``score`` found malformed input lines (each has its
 error record) or an export failed; 2 usage error, missing or unloadable model, unusable input or
-output file, an ``http`` worker that failed to start; 3 ``tag``/``score`` stopped on an unexpected error (the output so far is kept;
-``--resume`` continues);
+output file, an ``http`` worker that failed to start; 3 ``tag``/``score`` stopped on an
+unexpected error (the output so far is kept; ``--resume`` continues);
 130 interrupted (likewise resumable); 141 the reader of standard output went away.
 """
 
@@ -676,9 +676,9 @@ HTTP_ARGS_ENV = "MHMLA_HTTP_ARGS"  # the parsed options, for the workers of ``ht
 
 def run_http(args: argparse.Namespace) -> int:
     try:
-        import uvicorn  # noqa: F401
+        import uvicorn
 
-        from ..serve.http import create_app  # noqa: F401
+        from ..serve.http import create_app  # noqa: F401 - the dependencies, checked
     except ImportError as err:
         raise UsageError(f"the HTTP server needs fastapi, uvicorn and prometheus-client "
                          f"(pip install 'mhmla-fast[serve]' prometheus-client): {err}") from err
@@ -687,8 +687,6 @@ def run_http(args: argparse.Namespace) -> int:
                   timeout_graceful_shutdown=args.graceful_timeout,
                   limit_concurrency=args.limit_concurrency or None)
     if args.workers == 1:
-        import uvicorn
-
         uvicorn.run(build_http_app(args), **server)
         return EXIT_OK
     return run_http_workers(args, server)
@@ -705,8 +703,8 @@ def run_http_workers(args: argparse.Namespace, server: dict[str, Any]) -> int:
 
     check_options(args)
     resolve_model_dir(args.model)
-    if args.scorer:
-        resolve_scorer_dir(args.scorer, "--scorer")
+    scorer = http_scorer_dir(args)  # decided (and a missing scorer said) once, not per worker
+    args.scorer, args.no_scorer = (str(scorer), False) if scorer else (None, True)
     if args.threads is None:
         args.threads = max(1, physical_cores() // args.workers)
     options = {k: v for k, v in vars(args).items() if k != "run"}
@@ -781,16 +779,11 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
     for another, such as the ONNX tagger's int8, the scorer keeps its default and stderr says
     so); see :mod:`mhmla_fast.serve.options`."""
     from ..serve.options import resolve_dtype
-    from ..serve.score import DTYPES, default_scorer_path
+    from ..serve.score import DTYPES
 
-    if args.no_scorer:
+    path = http_scorer_dir(args)
+    if path is None:
         return None, None
-    if not args.scorer and not (default_scorer_path() / "config.json").is_file():
-        print(f"{PROG} http: no essay scorer installed at {default_scorer_path()}; serving "
-              "tagging only (POST /v1/score answers 404). Pass --scorer DIR to score essays.",
-              file=sys.stderr)
-        return None, None
-    path = resolve_scorer_dir(args.scorer, "--scorer")
     dtype = args.dtype
     if dtype and resolve_dtype(dtype, "cpu") not in DTYPES:
         print(f"{PROG} http: --dtype {dtype} is the tagger's; the essay scorer has no such "
@@ -798,6 +791,21 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
         dtype = None
     return path, load_scorer_dir(path, args, dtype=dtype,
                                  backend="torch" if args.backend == "torch" else "auto")
+
+
+def http_scorer_dir(args: argparse.Namespace) -> Path | None:
+    """The essay scorer ``http`` serves: ``--scorer DIR``, None with ``--no-scorer``, else the
+    shipped scorer, or None (and a note on stderr) when it is not installed."""
+    from ..serve.score import default_scorer_path
+
+    if args.no_scorer:
+        return None
+    if not args.scorer and not (default_scorer_path() / "config.json").is_file():
+        print(f"{PROG} http: no essay scorer installed at {default_scorer_path()}; serving "
+              "tagging only (POST /v1/score answers 404). Pass --scorer DIR to score essays.",
+              file=sys.stderr)
+        return None
+    return resolve_scorer_dir(args.scorer, "--scorer")
 
 
 # ----------------------------------------------------------------------------------- export
