@@ -1,8 +1,9 @@
 """Several HTTP worker processes on one socket: ``mhmla-serve http --workers N``.
 
 One Python process answers a few thousand requests per second at most: parsing, validation and
-JSON are Python and hold the interpreter lock (about 2,300 requests/s of one sentence each on
-one core of a 2-core EPYC with a tagger that costs nothing, ``bench/http_ab_cpu.sh``). With
+JSON are Python and hold the interpreter lock (3,830 requests/s of one sentence each on a
+2-core EPYC shared with the load generator, with a tagger that costs nothing; 4,730 with two
+workers: ``bench/results/http_workers_cpu_2026-11-27/``, ``bench/http_ab_cpu.sh``). With
 ``--workers N`` the parent binds the socket and uvicorn's supervisor
 (:class:`uvicorn.supervisors.Multiprocess`, uvicorn >= 0.50) starts N worker processes that
 accept from it, restarts a worker that dies, and stops them all when one fails to start (exit
