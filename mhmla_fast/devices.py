@@ -137,6 +137,16 @@ def cuda_compilable(device) -> bool:
     return torch.cuda.get_device_capability(device) >= (7, 0)
 
 
+def fused_optimizer(optimizer_class, groups, **kwargs):
+    """``optimizer_class(groups, fused=True, **kwargs)`` (torch's Adam, AdamW: one fused kernel
+    for every parameter, on the CPU and CUDA in recent torch), or the unfused form where this
+    torch or device has no fused one."""
+    try:
+        return optimizer_class(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError):
+        return optimizer_class(groups, **kwargs)
+
+
 def default_threads() -> int:
     """CPU threads for a runtime given none: ``$OMP_NUM_THREADS`` when it is a positive
     integer (as torch honours it), else :func:`physical_cores`."""

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from ..checkpoint import (check_same_inputs, load_checkpoint,
                           precision_recorded, recover_run_dir, run_lock, save_checkpoint)
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..devices import applied_precision, check_train_precision, training_autocast
+from ..devices import (applied_precision, check_train_precision, fused_optimizer,
+                       training_autocast)
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from ..progress import progress_bar
@@ -44,7 +45,8 @@ class FinetuneConfig:
 
     Meant for a GPU. Adam (fused where torch has it); ``lr`` for the encoder (study: 1e-5 or
     5e-6), ``head_lr`` for the randomly initialised head; batches of ``batch_size``
-    windows of one prompt (``batching``: of similar lengths, or shuffled only); best epoch by mean dev QWK; a checkpoint after every epoch
+    windows of one prompt (``batching``: of similar lengths, or shuffled only); best epoch by
+    mean dev QWK; a checkpoint after every epoch
     (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``) so a killed run resumes at
     the last finished epoch, with the same batches, dropout masks and weights as an
     uninterrupted run (a larger ``epochs`` may extend a finished run, and the run folder may
@@ -139,10 +141,7 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         {"params": [p for p in model.encoder.parameters() if p.requires_grad], "lr": cfg.lr},
         {"params": list(model.head.parameters()), "lr": cfg.head_lr},
     ]
-    try:  # one fused kernel for every parameter (CPU and CUDA in recent torch)
-        opt = torch.optim.Adam(groups, fused=True)
-    except (RuntimeError, TypeError):
-        opt = torch.optim.Adam(groups)
+    opt = fused_optimizer(torch.optim.Adam, groups)
     config = json.loads(json.dumps(asdict(cfg)))
     data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays)}
     precision = applied_precision(cfg.precision, device)

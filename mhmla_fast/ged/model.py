@@ -243,7 +243,8 @@ class PackedSentences:
 
     def collate(self, idx: Sequence[int], *, rows: int = 0, length: int = 0
                 ) -> dict[str, Tensor]:
-        """The padded batch of sentences ``idx`` (see :func:`collate`)."""
+        """The padded batch of sentences ``idx`` (in that order, repeats allowed), as
+        :func:`collate` describes it."""
         idx = np.asarray(idx, dtype=np.int64)
         n = len(idx)
         lens = self.lengths[idx]
@@ -278,35 +279,8 @@ def collate(
     B is at least ``rows`` and T at least ``length`` (for static shapes): each filler row is
     padding whose first piece alone is attended (so attention stays defined) and carries no
     label."""
-    n = len(encoded)
-    lens = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=n)
-    B, T = max(n, rows), max(length, int(lens.max()))
-    # one flat copy of every row's pieces, scattered row by row into the padded [n, T] grid
-    # (a boolean mask assigns in row-major order): no per-row tensor
-    filled = np.arange(T) < lens[:, None]
-    total = int(lens.sum())
-    input_ids = np.full((B, T), pad_id, dtype=np.int64)
-    input_ids[:n][filled] = np.fromiter(chain.from_iterable(ids for ids, _ in encoded),
-                                        dtype=np.int64, count=total)
-    word_index = np.full((B, T), -1, dtype=np.int64)
-    word_index[:n][filled] = np.fromiter(chain.from_iterable(ix for _, ix in encoded),
-                                         dtype=np.int64, count=total)
-    mask = np.zeros((B, T), dtype=np.int64)
-    mask[:n] = filled
-    mask[n:, 0] = 1
-    batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(mask),
-             "word_index": torch.from_numpy(word_index)}
-    if labels is not None:  # each word's label at its first piece
-        lab = np.full((B, T), IGNORE, dtype=np.int64)
-        first = word_index >= 0
-        if first.any():
-            counts = np.fromiter((len(labels[b]) for b in range(n)), dtype=np.int64, count=n)
-            words = np.fromiter(chain.from_iterable(labels[b] for b in range(n)),
-                                dtype=np.int64, count=int(counts.sum()))
-            starts = np.cumsum(counts) - counts  # each sentence's first word in ``words``
-            lab[first] = words[starts[first.nonzero()[0]] + word_index[first]]
-        batch["labels"] = torch.from_numpy(lab)
-    return batch
+    return PackedSentences(encoded, pad_id, labels).collate(range(len(encoded)), rows=rows,
+                                                             length=length)
 
 
 def encode_words(

@@ -41,13 +41,13 @@ from ..durable import atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
                        same_file)
 from ..devices import (TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, applied_compile, applied_precision,
-                       check_train_precision, training_autocast)
+                       check_train_precision, fused_optimizer, training_autocast)
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
 from .data import Sentence, read_ged, sentences_digest
 from .metrics import best_threshold, ged_scores
 from .synthetic import check_rate as check_synthetic_rate, with_synthetic_errors
-from .model import (IGNORE, GedTagger, PackedSentences, TaggerConfig, _ged_encoder, collate,
+from .model import (IGNORE, GedTagger, PackedSentences, TaggerConfig, _ged_encoder,
                     encode_sentences, load_tokenizer)
 
 __all__ = [
@@ -252,9 +252,10 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
         raise ValueError(f"encoded: {len(encoded)} sentences, {len(sentences)} given")
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
     out: list[np.ndarray | None] = [None] * len(encoded)
+    packed = PackedSentences(encoded, tokenizer.pad_token_id)
     for k in range(0, len(order), batch_size):
         idx = order[k:k + batch_size]
-        batch = collate([encoded[i] for i in idx], tokenizer.pad_token_id)
+        batch = packed.collate(idx)
         logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
         probs = torch.softmax(logits.float(), -1)[..., 1].cpu()
         for row, i in enumerate(idx):
@@ -277,12 +278,9 @@ def evaluate(model, tokenizer, sentences: Sequence[Sentence], **kw) -> tuple[dic
 
 
 def _make_optimizer(model, cfg: TrainConfig, device: torch.device):
-    groups = layer_lr_groups(model, cfg)
-    kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
-    try:  # fused AdamW (CPU and CUDA in recent torch); weight_decay 0 makes it the paper's Adam
-        return torch.optim.AdamW(groups, fused=True, **kw)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, **kw)
+    # AdamW; weight_decay 0 makes it the paper's Adam
+    return fused_optimizer(torch.optim.AdamW, layer_lr_groups(model, cfg), lr=cfg.lr,
+                           weight_decay=cfg.weight_decay)
 
 
 def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
