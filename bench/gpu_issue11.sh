@@ -237,10 +237,12 @@ PY
     cp -r "$SHARED/asap_aes/nea_folds" .gpu/aes/
     du -sh .gpu/aes ;;
   aes-epoch)  # one call (<= 9 min; carry [".gpu/aes"]): the speed of AES fine-tuning, one joint
-    # epoch of fold 0 (all 8 prompts, 7,787 training essays), bf16, --batching length then random,
-    # on a MiniLM-shaped encoder with random weights (the speed is MiniLM's; the QWKs are not
-    # results). The protocol (5 folds x 10 epochs; goal <= 20 minutes) is about 50 such epochs
-    # plus the dev and test scoring each cell does
+    # epoch of fold 0 (all 8 prompts, 7,787 training essays), bf16, --batching length, with the
+    # default --compile auto (reduce-overhead: CUDA graphs; its compiles included) and then
+    # --compile off (eager steps), on a MiniLM-shaped encoder with random weights (the speed is
+    # MiniLM's; the QWKs are not results). AES_RUNS lists batching:compile pairs. The protocol (5
+    # folds x 10 epochs; goal <= 20 minutes) is about 50 such epochs plus the dev and test
+    # scoring each cell does
     device_env
     rm -rf /tmp/aes_data /tmp/aes_minilm && mkdir -p /tmp/aes_data
     gunzip -c .gpu/aes/training_set_rel3.nea_utf8.tsv.gz > /tmp/aes_data/training_set_rel3.nea_utf8.tsv
@@ -253,13 +255,14 @@ BertModel(BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num
                      intermediate_size=1536, max_position_embeddings=512)).save_pretrained("/tmp/aes_minilm")
 AutoTokenizer.from_pretrained("mhmla_fast/models/aes-minilm-mhmla12").save_pretrained("/tmp/aes_minilm")
 PY
-    for b in ${AES_BATCHINGS:-length random}; do
-      rm -rf "/tmp/aes_ft_$b"
+    for run in ${AES_RUNS:-length:auto length:off}; do
+      b=${run%%:*} c=${run##*:}
+      rm -rf "/tmp/aes_ft_${b}_$c"
       timeout "${T_AES:-250}" python3 -m mhmla_fast.commands.train aes --finetune --joint \
-        --prompt 1,2,3,4,5,6,7,8 --fold 0 --epochs 1 --batching "$b" --encoder /tmp/aes_minilm \
-        --data-dir /tmp/aes_data --out "/tmp/aes_ft_$b" --results "$OUT/aes_epoch_$b.json" \
-        > "$OUT/aes_epoch_$b.log" 2>&1 || true
-      tail -2 "$OUT/aes_epoch_$b.log"
+        --prompt 1,2,3,4,5,6,7,8 --fold 0 --epochs 1 --batching "$b" --compile "$c" \
+        --encoder /tmp/aes_minilm --data-dir /tmp/aes_data --out "/tmp/aes_ft_${b}_$c" \
+        --results "$OUT/aes_epoch_${b}_$c.json" > "$OUT/aes_epoch_${b}_$c.log" 2>&1 || true
+      tail -2 "$OUT/aes_epoch_${b}_$c.log"
     done ;;
   pack-minilm)  # here: ../shared/tools/gpu_site.py's fp16 MiniLM in two shards, split over .gpu/a
     # (the package, shard 1, the index, FCE) and .gpu/b (shard 2); each ~22 MiB beside the tree

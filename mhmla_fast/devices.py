@@ -15,7 +15,8 @@ import sys
 __all__ = [
     "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores", "default_threads",
     "TRAIN_PRECISIONS", "applied_precision", "check_train_precision", "training_autocast",
-    "TRAIN_COMPILE_MODES", "applied_compile", "cuda_compilable", "usable_cpus",
+    "TRAIN_COMPILE_MODES", "COMPILE_PAD_TO", "applied_compile", "check_same_compile",
+    "compiled_step", "padded_length", "cuda_compilable", "usable_cpus",
 ]
 
 # Device nodes without which no GPU driver that torch.cuda uses can be reached on Linux: NVIDIA
@@ -122,6 +123,46 @@ def applied_compile(mode: str, device, distributed: bool = False,
         raise ValueError(f"compile: {mode!r} is not supported under torchrun (one process only); "
                          "pass --compile off")
     return mode
+
+
+# With a compiled mode, a training batch's piece count is padded up to a multiple of this (and
+# its rows to the batch size): a few shapes repeat, each compiled and captured once (GED: at most
+# 4 at 128 pieces; AES windows: at most 16 at 512)
+COMPILE_PAD_TO = 32
+
+
+def padded_length(longest: int, limit: int) -> int:
+    """A compiled step's piece count for a batch whose longest row has ``longest`` pieces: the
+    next multiple of :data:`COMPILE_PAD_TO`, at most ``limit`` (the encoder's window)."""
+    return min(limit, -(-longest // COMPILE_PAD_TO) * COMPILE_PAD_TO)
+
+
+def check_same_compile(meta: dict, applied: str, out) -> None:
+    """Refuse to go on under another ``--compile`` mode: ``applied`` is what this run's steps
+    would run under (:func:`applied_compile`), and the checkpoint's is its record
+    ``compile_applied``, else its config's mode as spelled ("off" before the option existed). A
+    compiled run pads its batches to fixed shapes, which draws other dropout masks, so a resume
+    under another mode would match neither uninterrupted run."""
+    saved = meta.get("compile_applied") or meta["config"].get("compile", "off")
+    if saved != applied:
+        raise ValueError(f"{out}: a checkpoint of a different run exists (its steps ran with "
+                         f"--compile {saved}, this run's would run with {applied}; --compile auto "
+                         f"means reduce-overhead on CUDA and off on the CPU); pass --compile "
+                         f"{saved} to go on as the run started, or use another --out")
+
+
+def compiled_step(fn, mode: str, model, warm_up):
+    """``torch.compile(fn)`` in a training ``mode`` other than "off" ("default" is
+    torch.compile's own default), after one eager call ``warm_up()`` of ``model`` in eval mode
+    without gradients: a model's lazy set-up on its first call (transformers installs output
+    hooks under a lock, which dynamo cannot trace) stays out of the graph, and the call draws no
+    dropout masks from the run's random stream. The caller puts ``model`` back in train mode."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        warm_up()
+    return torch.compile(fn, mode=None if mode == "default" else mode)
 
 
 def cuda_compilable(device) -> bool:

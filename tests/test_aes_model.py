@@ -400,3 +400,100 @@ def test_finetuning_from_before_batching_resumes_only_as_shuffled(tiny_encoder, 
     _, state = finetune(FinetuneConfig(epochs=2, batching="random", **base), train, train[:4],
                         log=None)
     assert state["epoch"] == 2
+
+
+def _essays(n: int, seed: int, words: int = 40) -> list[Essay]:
+    rng = random.Random(seed)
+    return [Essay(seed * 1000 + i, 3, " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, words))),
+                  i % 4, i % 4, i % 4, i + 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("objective", ["classification", "regression"])
+def test_finetune_fixed_shape_batches_leave_loss_and_gradients_unchanged(tiny_encoder, objective):
+    """A compiled step's batch is padded to batch_size windows of a multiple of 32 pieces: the
+    filler rows and pieces change neither the loss nor any gradient (dropout off)."""
+    from mhmla_fast.aes.finetune import FinetuneConfig, _window_loss
+    from mhmla_fast.aes.model import encode_essay_windows, load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = FinetuneConfig(out="unused", prompts=(3,), encoder=tiny_encoder, num_heads=4,
+                         objective=objective, backend="torch")
+    scorer = EssayScorer(ScorerConfig(encoder_spec=cfg.encoder_spec,
+                                      layer_attention=cfg.layer_attention, objective=objective,
+                                      prompts=(3,)), backend="torch").eval()
+    tok = load_tokenizer(cfg.encoder_spec)
+    es = _essays(5, 1, words=20)
+    windows, index = encode_essay_windows(tok, [e.text for e in es], scorer.config.window or 510)
+    scores = np.array([es[i].score for i in index], dtype=np.int64)
+    rows = list(range(len(windows)))
+    assert max(len(w) for w in windows) < 32  # so that the fixed length pads every window
+    off = torch.autocast("cpu", enabled=False)
+    grads = []
+    for static in ({}, {"rows": 8, "length": 32}):
+        scorer.zero_grad(set_to_none=True)
+        loss = _window_loss(scorer, cfg, rows, 3, windows, scores, tok.pad_token_id,
+                            torch.device("cpu"), off, reduction="mean", static=static)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in scorer.named_parameters()
+                                      if p.grad is not None}))
+    (plain, plain_grads), (fixed, fixed_grads) = grads
+    torch.testing.assert_close(fixed, plain, rtol=1e-5, atol=1e-6)
+    assert fixed_grads.keys() == plain_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        assert torch.isfinite(fixed_grads[name]).all(), name
+        torch.testing.assert_close(fixed_grads[name], grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    ids, mask = collate_windows([windows[0]], tok.pad_token_id, rows=3, length=32)
+    assert ids.shape == mask.shape == (3, 32)
+    assert mask[1:].tolist() == [[1] + [0] * 31] * 2  # filler rows: only their first piece seen
+
+
+def test_finetune_compiled_steps_run_fixed_shapes_and_resume_only_so(tiny_encoder, tmp_path,
+                                                                      monkeypatch):
+    """--compile default: the encoder and head of every step run compiled (dynamo on its eager
+    backend here, so no code is generated), on batch_size windows of a multiple of 32 pieces (at
+    most the window); the checkpoint records the applied mode, a resume under another is
+    refused naming it, and under "auto" a CPU run applies "off"."""
+    from mhmla_fast.aes.finetune import FinetuneConfig, finetune
+
+    real_compile, shapes, compiled = torch.compile, [], []
+
+    def eager_backend(fn, mode=None):
+        compiled.append(mode)
+        traced = real_compile(fn, backend="eager")
+
+        def step(ids, mask):
+            shapes.append(tuple(ids.shape))
+            return traced(ids, mask)
+        return step
+
+    monkeypatch.setattr(torch, "compile", eager_backend)
+    train, dev = _essays(10, 2), _essays(4, 3)
+    base = dict(prompts=(3,), encoder=tiny_encoder, num_heads=4, batch_size=4, lr=1e-3,
+                head_lr=3e-3, backend="torch", out=str(tmp_path / "run"))
+    _, state = finetune(FinetuneConfig(epochs=1, compile="default", **base), train, dev, log=None)
+    assert compiled == [None] and state["log"] and np.isfinite(state["log"][0]["loss"])
+    assert shapes and {b for b, _ in shapes} == {4}
+    assert all(t % 32 == 0 or t == 40 for _, t in shapes), shapes  # 40: the tiny window
+    assert {t for _, t in shapes} == {32, 40}  # essays of 3 to 40 words: both shapes
+    meta = json.loads((tmp_path / "run" / "checkpoint.json").read_text())
+    assert meta["compile_applied"] == "default"
+    with pytest.raises(ValueError, match="ran with --compile default, this run's would run "
+                                         "with off.*pass --compile default"):
+        finetune(FinetuneConfig(epochs=2, compile="off", **base), train, dev, log=None)
+    _, state = finetune(FinetuneConfig(epochs=2, compile="default", **base), train, dev, log=None)
+    assert state["epoch"] == 2
+    monkeypatch.setattr(torch, "compile", real_compile)
+    _, state = finetune(FinetuneConfig(epochs=1, **{**base, "out": str(tmp_path / "auto")}),
+                        train, dev, log=None)
+    assert state["compile_applied"] == "off"  # auto on the CPU
+
+
+def test_finetune_compile_is_checked_and_needs_finetune(tmp_path, capsys):
+    from mhmla_fast.aes.finetune import FinetuneConfig
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    with pytest.raises(ValueError, match="compile: expected one of"):
+        FinetuneConfig(out=str(tmp_path), compile="fast")
+    assert mhmla_train(["aes", "--compile", "off", "--out", str(tmp_path / "x")]) == 2
+    assert "--compile: --finetune only" in capsys.readouterr().err

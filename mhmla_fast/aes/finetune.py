@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from ..checkpoint import (check_same_inputs, load_checkpoint,
                           precision_recorded, recover_run_dir, run_lock, save_checkpoint)
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
-from ..devices import (applied_precision, check_train_precision, fused_optimizer,
-                       training_autocast)
+from ..devices import (TRAIN_COMPILE_MODES, applied_compile, applied_precision,
+                       check_same_compile, check_train_precision, compiled_step, fused_optimizer,
+                       padded_length, training_autocast)
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from ..progress import progress_bar
@@ -46,7 +47,8 @@ class FinetuneConfig:
     Meant for a GPU. Adam (fused where torch has it); ``lr`` for the encoder (study: 1e-5 or
     5e-6), ``head_lr`` for the randomly initialised head; batches of ``batch_size``
     windows of one prompt (``batching``: of similar lengths, or shuffled only); best epoch by
-    mean dev QWK; a checkpoint after every epoch
+    mean dev QWK; training steps compiled by ``compile`` (``devices.applied_compile``: under
+    "auto" CUDA graphs on CUDA in one process, eager elsewhere); a checkpoint after every epoch
     (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``) so a killed run resumes at
     the last finished epoch, with the same batches, dropout masks and weights as an
     uninterrupted run (a larger ``epochs`` may extend a finished run, and the run folder may
@@ -72,9 +74,16 @@ class FinetuneConfig:
     # they are cut (1.005x the pieces padded on ASAP, against 1.34x); "random": shuffled only
     # (every fine-tuned cell before this option)
     batching: str = "length"
+    # torch.compile of the steps' encoder and layer attention (devices.TRAIN_COMPILE_MODES):
+    # "auto" is "reduce-overhead" (each step's forward and backward replayed as CUDA graphs) on
+    # CUDA in one process and "off" on the CPU and under torchrun; a compiled run pads each
+    # batch to batch_size windows of a multiple of devices.COMPILE_PAD_TO pieces
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
+        if self.compile not in TRAIN_COMPILE_MODES:
+            raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
         if self.batching not in BATCHINGS:
             raise ValueError(f"batching: expected one of {BATCHINGS}, got {self.batching!r}")
         if self.encoder_spec.freeze == "all":
@@ -145,8 +154,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     config = json.loads(json.dumps(asdict(cfg)))
     data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays)}
     precision = applied_precision(cfg.precision, device)
+    compile_mode = applied_compile(cfg.compile, device, distributed=dist_ctx is not None)
     state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config,
-             "data": data, "precision_applied": precision}
+             "data": data, "precision_applied": precision, "compile_applied": compile_mode}
 
     def same_run(saved: dict) -> None:  # before the checkpoint's tensors are loaded
         stored = dict(saved["config"])
@@ -154,20 +164,22 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             stored["precision"] = "auto" if stored.pop("bf16") else "fp32"
         # a checkpoint from before `batching` shuffled its batches only: resumed only as such
         stored.setdefault("batching", "random")
-        # precision is compared as the arithmetic it means, below ("auto" on the CPU is "fp32");
-        # the run folder may have moved (as for GED)
-        free = ("epochs", "out") + (("precision",) if precision_recorded(saved) else ())
+        # precision and compile are compared as what they mean, below ("auto" on the CPU is
+        # "fp32" and "off"); the run folder may have moved (as for GED)
+        free = ("epochs", "out", "compile") + (("precision",) if precision_recorded(saved) else ())
         diff = config_diff(cfg, stored, free=free)  # old layouts read too
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                              "use another output folder or remove it")
         check_resume_world(saved, dist_ctx, out)
+        check_same_compile(saved, compile_mode, out)
         check_same_inputs(saved, precision, data, out)
 
     saved = load_checkpoint(out, model, opt, check=same_run)
     if saved is not None:
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
-        state.update(config=config, data=data, precision_applied=precision)
+        state.update(config=config, data=data, precision_applied=precision,
+                     compile_applied=compile_mode)
         if state["epoch"] > cfg.epochs:
             raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already "
                              f"(epoch {state['epoch']})")
@@ -175,6 +187,18 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     autocast = training_autocast(cfg.precision, device)
     # a batch is one prompt's: the other prompts' output layers get no gradient
     net = wrap(model, device, dist_ctx, find_unused=True)
+    pad_id, window_limit = tokenizer.pad_token_id, model.config.encoder_spec.max_length
+    # one process: the encoder and layer attention (compiled under --compile; the same for
+    # every prompt), then the batch's prompt's output layer, eager
+    pool, static = model.pooled_windows, {}
+    if compile_mode != "off":  # (applied_compile refused a compiled mode under torchrun)
+        pool = compiled_step(model.pooled_windows, compile_mode, model, lambda: model.pooled_windows(
+            torch.full((1, 2), pad_id, device=device),
+            torch.ones((1, 2), dtype=torch.long, device=device)))
+        static = {"rows": cfg.batch_size}
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor, prompt: int) -> torch.Tensor:
+        return model.head.output(pool(ids, mask), prompt)
     win_len = [len(w) for w in windows]
     win_lengths = np.asarray(win_len, dtype=np.int64)
     while state["epoch"] < cfg.epochs:
@@ -190,8 +214,10 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             p = int(win_prompt[rows[0]])
             opt.zero_grad(set_to_none=True)
             if dist_ctx is None:
-                loss = _window_loss(model, cfg, rows, p, windows, win_score, tokenizer.pad_token_id,
-                                    device, autocast, reduction="mean")
+                if static:
+                    static["length"] = padded_length(int(win_lengths[rows].max()), window_limit)
+                loss = _window_loss(forward, cfg, rows, p, windows, win_score, pad_id, device,
+                                    autocast, reduction="mean", static=static)
                 loss.backward()
                 total_t += loss.detach().double() * len(rows)
             else:
@@ -201,7 +227,7 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
                 mine = shard(list(rows), win_len, dist_ctx.rank, dist_ctx.world_size)
                 weight = 1.0 if mine else 0.0  # an empty share still joins the all-reduce
                 loss_sum = _window_loss(net, cfg, mine or [rows[0]], p, windows, win_score,
-                                        tokenizer.pad_token_id, device, autocast, reduction="sum")
+                                        pad_id, device, autocast, reduction="sum")
                 # DDP averages over ranks: sum * world / global count is the global mean's gradient
                 (loss_sum * weight * dist_ctx.world_size / len(rows)).backward()
                 total_t += loss_sum.detach().double() * weight
@@ -250,16 +276,20 @@ def _essays_digest(essays: Sequence[Essay]) -> str:
     return h.hexdigest()
 
 
-def _window_loss(net, cfg: FinetuneConfig, rows, prompt: int, windows, win_score, pad_id: int,
-                 device: torch.device, autocast, reduction: str) -> torch.Tensor:
+def _window_loss(forward, cfg: FinetuneConfig, rows, prompt: int, windows, win_score,
+                 pad_id: int, device: torch.device, autocast, reduction: str,
+                 static: dict | None = None) -> torch.Tensor:
     """The loss of windows ``rows`` (all of ``prompt``): cross-entropy over the score classes,
-    or the squared error of the score scaled to [0, 1], by ``reduction`` ("mean" or "sum")."""
+    or the squared error of the score scaled to [0, 1], by ``reduction`` ("mean" or "sum").
+    ``forward(ids, mask, prompt)`` gives the raw outputs of a batch (the scorer itself, or its
+    DDP wrapper); ``static``: ``collate_windows``' ``rows`` and ``length``, whose filler rows
+    are left out of the loss."""
     from .model import collate_windows
 
-    ids, mask = collate_windows([windows[j] for j in rows], pad_id)
+    ids, mask = collate_windows([windows[j] for j in rows], pad_id, **(static or {}))
     lo, hi = SCORE_RANGES[prompt]
     with autocast:
-        raw = net(ids.to(device), mask.to(device), prompt)
+        raw = forward(ids.to(device), mask.to(device), prompt)[: len(rows)]
     gold = win_score[rows]
     if cfg.objective == "classification":
         return F.cross_entropy(raw.float(), torch.as_tensor(gold - lo, device=device),

@@ -380,14 +380,19 @@ def encode_essay_windows(tokenizer, texts: Sequence[str], window: int = 510
     return piece_windows(pieces, window, tokenizer.cls_token_id, tokenizer.sep_token_id)
 
 
-def collate_windows(windows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Pad windows to ``input_ids``, ``attention_mask`` [B, T_max]."""
-    B, T = len(windows), max(len(w) for w in windows)
+def collate_windows(windows: Sequence[Sequence[int]], pad_id: int, *, rows: int = 0,
+                    length: int = 0) -> tuple[Tensor, Tensor]:
+    """Pad windows to ``input_ids``, ``attention_mask`` [B, T]: B = max(len(windows), rows),
+    T = max(longest window, length) (a compiled step's fixed shapes). A filler row past the
+    windows is all padding with its first position attended, so that no attention row is
+    empty (an empty one can give NaN, and 0 x NaN in the backward would reach the weights)."""
+    B, T = max(len(windows), rows), max(max(len(w) for w in windows), length)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.long)
     for b, w in enumerate(windows):
         ids[b, : len(w)] = torch.tensor(w, dtype=torch.long)
         mask[b, : len(w)] = 1
+    mask[len(windows):, 0] = 1
     return ids, mask
 
 

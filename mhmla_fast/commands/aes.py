@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..configs import MODES
-from ..devices import TRAIN_PRECISIONS
+from ..devices import TRAIN_COMPILE_MODES, TRAIN_PRECISIONS
 
 __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
            "export_shipped_scorer", "parse_prompts", "parse_folds"]
@@ -118,6 +118,11 @@ def add_train_parser(sub) -> None:
     p.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
                    help="--finetune: training-step precision (default auto: bf16 autocast on "
                    "CUDA, fp32 on the CPU; bf16 also on a CPU)")
+    p.add_argument("--compile", default=None, choices=TRAIN_COMPILE_MODES,
+                   help="--finetune: torch.compile of the training steps' encoder and head "
+                   "(default auto: reduce-overhead, the steps replayed as CUDA graphs, on CUDA "
+                   "in one process; off on the CPU and under torchrun); a compiled run pads "
+                   "batches to --batch-size windows of a multiple of 32 pieces")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
@@ -215,7 +220,7 @@ def _check_mode_options(args) -> None:
     if args.export_shipped:
         refuse(("models", "members", "cache_only"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
-    refuse(("precision", "head_lr", "freeze", "batching"), "--finetune only (the other paths "
+    refuse(("precision", "head_lr", "freeze", "batching", "compile"), "--finetune only (the other paths "
            "train heads on cached float32 features with one lr)")
     refuse(("mode", "num_heads"), "--finetune only (the CPU protocol names its heads in "
            "--models, the shipped scorer is MHMLA)")
@@ -261,7 +266,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                           epochs=args.epochs or 10, batch_size=args.batch_size or 8,
                           lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
                           precision=args.precision or "auto", backend=args.backend,
-                          batching=args.batching or "length")
+                          batching=args.batching or "length", compile=args.compile or "auto")
     name = model_name(base)
     settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
                 if key not in ("out", "prompts", "fold")}
@@ -408,11 +413,14 @@ def _epoch_log(cell: Path, epochs: int) -> list[dict] | None:
 
 
 def _without_out(settings: dict | None) -> dict | None:
-    """A cell's settings for comparison: without its folder, and with the batching of a cell
-    made before the option (shuffled only: "random")."""
+    """A cell's settings for comparison: without its folder and its compile mode (how its
+    steps ran, as the device: a finished cell is reused under any; one that trains on is
+    checked by ``finetune``, which resumes only under the mode it began with), and with the
+    batching of a cell made before the option (shuffled only: "random")."""
     if settings is None:
         return None
-    return {"batching": "random", **{k: v for k, v in settings.items() if k != "out"}}
+    return {"batching": "random",
+            **{k: v for k, v in settings.items() if k not in ("out", "compile")}}
 
 
 def _read_results(path: Path, header: dict) -> dict:

@@ -40,8 +40,9 @@ from ..checkpoint import (CheckpointWriter, check_same_inputs,
 from ..durable import atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
                        same_file)
-from ..devices import (TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, applied_compile, applied_precision,
-                       check_train_precision, fused_optimizer, training_autocast)
+from ..devices import (COMPILE_PAD_TO, TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, applied_compile,
+                       applied_precision, check_same_compile, check_train_precision,
+                       compiled_step, fused_optimizer, padded_length, training_autocast)
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
 from .data import Sentence, read_ged, sentences_digest
@@ -60,9 +61,6 @@ def _help(text: str, **more) -> dict:
     return {"help": text, **more}
 
 
-# With --compile, a batch's piece count is padded up to a multiple of this (and its rows to the
-# batch size): at most max_length / 32 shapes to compile and capture (4 at 128 pieces).
-COMPILE_PAD_TO = 32
 
 
 @accepts_flat_keywords
@@ -150,20 +148,6 @@ class TrainConfig:
 LR_SCHEDULES = ("constant", "linear")
 # fields naming files: on resume, two spellings of one path are the same run
 PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path")
-
-
-def check_same_compile(meta: dict, applied: str, out) -> None:
-    """Refuse to go on under another ``--compile`` mode: ``applied`` is what this run's steps
-    would run under (:func:`mhmla_fast.devices.applied_compile`), and the checkpoint's is its
-    record ``compile_applied``, else its config's mode as spelled ("off" before the option
-    existed). A compiled run pads its batches to fixed shapes, which draws other dropout masks,
-    so a resume under another mode would match neither uninterrupted run."""
-    saved = meta.get("compile_applied") or meta["config"].get("compile", "off")
-    if saved != applied:
-        raise ValueError(f"{out}: a checkpoint of a different run exists (its steps ran with "
-                         f"--compile {saved}, this run's would run with {applied}; --compile auto "
-                         f"means reduce-overhead on CUDA and off on the CPU); pass --compile "
-                         f"{saved} to go on as the run started, or use another --out")
 
 
 LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
@@ -384,16 +368,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
 
     step_loss_fn, static = tagging_loss, {}
     if compile_mode != "off":  # (applied_compile refused a compiled mode under torchrun)
-        # one eager call first: a model's lazy set-up on its first call (transformers installs
-        # output hooks under a lock, which dynamo cannot trace) stays out of the graph; in eval
-        # mode, so that it draws no dropout masks from the run's random stream
-        model.eval()
-        with torch.no_grad():
-            model(torch.full((1, 2), tokenizer.pad_token_id, device=device),
-                  torch.ones((1, 2), dtype=torch.long, device=device))
         # the same module and parameters; evaluation keeps the eager model (other shapes)
-        step_loss_fn = torch.compile(tagging_loss,
-                                     mode=None if compile_mode == "default" else compile_mode)
+        step_loss_fn = compiled_step(tagging_loss, compile_mode, model, lambda: model(
+            torch.full((1, 2), tokenizer.pad_token_id, device=device),
+            torch.ones((1, 2), dtype=torch.long, device=device)))
         static = {"rows": cfg.batch_size}
     steps_this_call = 0
 
@@ -442,8 +420,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             optimizer.zero_grad(set_to_none=True)
             if dist_ctx is None:
                 if static:
-                    longest = int(packed.lengths[idx].max())
-                    static["length"] = min(max_length, -(-longest // COMPILE_PAD_TO) * COMPILE_PAD_TO)
+                    static["length"] = padded_length(int(packed.lengths[idx].max()), max_length)
                 batch = _to_device(packed.collate(idx, **static), device)
                 with autocast:  # (the loss takes float32 logits either way)
                     loss = step_loss_fn(batch["input_ids"], batch["attention_mask"],
