@@ -453,7 +453,7 @@ def test_finetune_compiled_steps_run_fixed_shapes_and_resume_only_so(tiny_encode
     """--compile default: the encoder and head of every step run compiled (dynamo on its eager
     backend here, so no code is generated), on batch_size windows of a multiple of 32 pieces (at
     most the window); the checkpoint records the applied mode, a resume under another is
-    refused naming it, and under "auto" a CPU run applies "off"."""
+    refused naming it, and under "auto" a CPU run applies "off" (the default is "off")."""
     from mhmla_fast.aes.finetune import FinetuneConfig, finetune
 
     real_compile, shapes, compiled = torch.compile, [], []
@@ -484,9 +484,11 @@ def test_finetune_compiled_steps_run_fixed_shapes_and_resume_only_so(tiny_encode
     _, state = finetune(FinetuneConfig(epochs=2, compile="default", **base), train, dev, log=None)
     assert state["epoch"] == 2
     monkeypatch.setattr(torch, "compile", real_compile)
-    _, state = finetune(FinetuneConfig(epochs=1, **{**base, "out": str(tmp_path / "auto")}),
+    _, state = finetune(FinetuneConfig(epochs=1, compile="auto",
+                                       **{**base, "out": str(tmp_path / "auto")}),
                         train, dev, log=None)
     assert state["compile_applied"] == "off"  # auto on the CPU
+    assert FinetuneConfig(out="x").compile == "off"  # the default until a GPU has measured it
 
 
 def test_finetune_compile_is_checked_and_needs_finetune(tmp_path, capsys):

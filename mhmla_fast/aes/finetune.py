@@ -47,8 +47,8 @@ class FinetuneConfig:
     Meant for a GPU. Adam (fused where torch has it); ``lr`` for the encoder (study: 1e-5 or
     5e-6), ``head_lr`` for the randomly initialised head; batches of ``batch_size``
     windows of one prompt (``batching``: of similar lengths, or shuffled only); best epoch by
-    mean dev QWK; training steps compiled by ``compile`` (``devices.applied_compile``: under
-    "auto" CUDA graphs on CUDA in one process, eager elsewhere); a checkpoint after every epoch
+    mean dev QWK; training steps compiled by ``compile`` (default "off"; ``devices.applied_compile``:
+    "auto" is CUDA graphs on CUDA in one process, eager elsewhere); a checkpoint after every epoch
     (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``) so a killed run resumes at
     the last finished epoch, with the same batches, dropout masks and weights as an
     uninterrupted run (a larger ``epochs`` may extend a finished run, and the run folder may
@@ -77,8 +77,9 @@ class FinetuneConfig:
     # torch.compile of the steps' encoder and layer attention (devices.TRAIN_COMPILE_MODES):
     # "auto" is "reduce-overhead" (each step's forward and backward replayed as CUDA graphs) on
     # CUDA in one process and "off" on the CPU and under torchrun; a compiled run pads each
-    # batch to batch_size windows of a multiple of devices.COMPILE_PAD_TO pieces
-    compile: str = "auto"
+    # batch to batch_size windows of a multiple of devices.COMPILE_PAD_TO pieces. "off" by
+    # default until a GPU has measured "auto" here (bench/gpu_issue11.sh aes-epoch)
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)

@@ -120,9 +120,10 @@ def add_train_parser(sub) -> None:
                    "CUDA, fp32 on the CPU; bf16 also on a CPU)")
     p.add_argument("--compile", default=None, choices=TRAIN_COMPILE_MODES,
                    help="--finetune: torch.compile of the training steps' encoder and head "
-                   "(default auto: reduce-overhead, the steps replayed as CUDA graphs, on CUDA "
-                   "in one process; off on the CPU and under torchrun); a compiled run pads "
-                   "batches to --batch-size windows of a multiple of 32 pieces")
+                   "(default off, until measured on a GPU; auto: reduce-overhead, the steps "
+                   "replayed as CUDA graphs, on CUDA in one process, off on the CPU and under "
+                   "torchrun); a compiled run pads batches to --batch-size windows of a "
+                   "multiple of 32 pieces")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
@@ -266,7 +267,7 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                           epochs=args.epochs or 10, batch_size=args.batch_size or 8,
                           lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
                           precision=args.precision or "auto", backend=args.backend,
-                          batching=args.batching or "length", compile=args.compile or "auto")
+                          batching=args.batching or "length", compile=args.compile or "off")
     name = model_name(base)
     settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
                 if key not in ("out", "prompts", "fold")}
