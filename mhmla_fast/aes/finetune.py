@@ -200,6 +200,7 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
 
     def forward(ids: torch.Tensor, mask: torch.Tensor, prompt: int) -> torch.Tensor:
         return model.head.output(pool(ids, mask), prompt)
+
     win_len = [len(w) for w in windows]
     win_lengths = np.asarray(win_len, dtype=np.int64)
     while state["epoch"] < cfg.epochs:
