@@ -7,8 +7,10 @@ with a runner that costs nothing, so the figure is the ceiling the host sets on 
 
 The runner returns a constant probability for every piece (no model runs), so what is timed is
 word tokenisation (``tag_texts`` only), word-piecing, packing, merging windows and building the
-results (``to_dict`` timed separately). A ``cProfile`` of one ``tag_texts`` call (top functions
-by own time) is kept in the result. The result (CPU, versions, commit) goes to
+results (``to_dict`` timed separately). Each row also records this process's CPU time per
+sentence (not the host workers'; with them, the ceiling the engine's own process sets) and its
+split by thread (Linux). A ``cProfile`` of one ``tag_texts`` call (top functions by own time)
+is kept in the result. The result (CPU, versions, commit) goes to
 ``bench/results/host_path_<date>.json``.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -34,6 +37,25 @@ from mhmla_fast.provenance import (  # noqa: E402
     cpu_info, dated_results_path, git_commit, load_average)
 
 SHARED = REPO.parent / "shared" / "data" / "fce"
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, by thread name, from
+    /proc (Linux; empty elsewhere): the engine's own process, not its host workers."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            name = names.get(int(tid), f"thread {tid}")
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
 
 
 class FreeRunner:
@@ -70,21 +92,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                         host_workers=workers)
         for name, fn, data in (("tag_tokens", engine.tag_tokens, sentences),
                                ("tag_texts", engine.tag_texts, texts)):
-            best = best_dict = float("inf")
+            best = best_dict = best_cpu = float("inf")
             fn(data[:2048])  # start the workers, if any, outside the timing
             for _ in range(args.runs):
+                threads0, cpu0 = thread_cpu_s(), time.process_time()
                 t0 = time.perf_counter()
                 results = fn(data)
                 t1 = time.perf_counter()
+                cpu, threads1 = time.process_time() - cpu0, thread_cpu_s()
+                if cpu < best_cpu:
+                    best_cpu = cpu
+                    by_thread = {k: round((v - threads0.get(k, 0.0)) / len(data) * 1e6, 2)
+                                 for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
                 with gc_paused():  # as serve.pipeline.tag_records does
                     [r.to_dict() for r in results]
                 best, best_dict = min(best, t1 - t0), min(best_dict, time.perf_counter() - t0)
             rows.append({"path": name, "host_workers": workers, "cache": "warm",
                          "sentences": len(data),
                          "seconds": round(best, 3), "sentences_per_s": round(len(data) / best, 1),
-                         "sentences_per_s_with_to_dict": round(len(data) / best_dict, 1)})
+                         "sentences_per_s_with_to_dict": round(len(data) / best_dict, 1),
+                         # this process's CPU per sentence (its threads; not the host workers'),
+                         # the least of the runs, and that run's split by thread
+                         "process_cpu_us_per_sentence": round(best_cpu / len(data) * 1e6, 2),
+                         "process_cpu_us_per_sentence_by_thread": by_thread})
             print(f"{name} (host_workers={workers}): {len(data) / best:,.0f} sentences/s host-only "
-                  f"({len(data) / best_dict:,.0f} with to_dict)", flush=True)
+                  f"({len(data) / best_dict:,.0f} with to_dict); this process's CPU "
+                  f"{best_cpu / len(data) * 1e6:.1f} us/sentence {by_thread}", flush=True)
         engine.close()
     for name, data in (("tag_tokens", sentences), ("tag_texts", texts)):
         # a fresh engine: its word cache (serve.pieces.WordCache) starts empty, so every distinct

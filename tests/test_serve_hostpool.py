@@ -5,7 +5,10 @@ engine from ``mhmla-serve tag`` and is refused with ``--ray``."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
 import pytest
 
@@ -74,18 +77,25 @@ def test_cli_passes_host_workers_and_refuses_them_with_ray(tiny_tagger_dir, tmp_
     assert "--host-workers applies to one process" in capsys.readouterr().err
 
 
-def test_a_pool_whose_workers_cannot_start_fails_instead_of_hanging(monkeypatch):
+def test_a_pool_whose_workers_cannot_start_fails_instead_of_hanging(monkeypatch, tiny_engine):
     """HostPool returns once every worker has started (each reports when ready); workers that
-    cannot build their tokenizer never report, and the pool gives up after READY_TIMEOUT."""
-    monkeypatch.setattr(hostpool, "READY_TIMEOUT", 5.0)
-    with pytest.raises(RuntimeError, match=r"host_workers: 2 worker processes did not start"):
+    cannot build their tokenizer exit, and the pool says so at once, well before
+    READY_TIMEOUT; workers that never report make it give up after READY_TIMEOUT."""
+    monkeypatch.setattr(hostpool, "READY_TIMEOUT", 60.0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"host_workers: 2 worker processes did not start: "
+                                           r"\d exited \(exit codes \[1\]\)"):
         hostpool.HostPool(2, "{not a tokenizer", "[UNK]")
+    assert time.monotonic() - t0 < 30
+    monkeypatch.setattr(hostpool, "READY_TIMEOUT", 0.01)  # alive, but not ready in time
+    with pytest.raises(RuntimeError, match=r"did not start: not ready within 0.01 s"):
+        hostpool.HostPool(1, tiny_engine.pieces.to_str(), tiny_engine._unk)
 
 
 def test_a_pool_starts_all_its_workers_before_it_returns(tiny_engine):
     pool = hostpool.HostPool(3, tiny_engine.pieces.to_str(), tiny_engine._unk)
     try:
-        workers = pool._pool._pool  # multiprocessing.Pool's processes
+        workers = pool._procs
         assert len(workers) == 3 and all(w.is_alive() for w in workers)
         sentences = [["a", "cat"], ["the", "well-known", "café"]] * 3
         for (ids, first), (want_ids, want_first) in zip(pool.tokens(sentences),
@@ -93,3 +103,41 @@ def test_a_pool_starts_all_its_workers_before_it_returns(tiny_engine):
             assert ids.tolist() == want_ids.tolist() and first.tolist() == want_first.tolist()
     finally:
         pool.close()
+
+
+def test_an_error_in_a_task_is_raised_and_the_pool_goes_on(tiny_engine):
+    """A task that fails in a worker raises RuntimeError in the caller, naming the error; the
+    pool then answers the next call, without the failed call's late results."""
+    pool = hostpool.HostPool(2, tiny_engine.pieces.to_str(), tiny_engine._unk)
+    try:
+        with pytest.raises(RuntimeError, match=r"a worker failed on chunk 1 of 3: \w+Error"):
+            pool.texts(["a cat"] * hostpool.CHUNK + [None] + ["the dog"] * hostpool.CHUNK)
+        words, offsets, encoded = pool.texts(["a cat", "the well-known café"])
+        assert words == [["a", "cat"], ["the", "well-known", "café"]]
+        assert offsets == [[(0, 1), (2, 5)], [(0, 3), (4, 14), (15, 19)]]
+        assert len(encoded) == 2
+    finally:
+        pool.close()
+
+
+def test_a_dead_worker_raises_instead_of_hanging_and_the_engine_starts_a_new_pool(tiny_engine):
+    """A worker killed (say by the OOM killer) makes the pool's next call raise, not wait
+    forever for its task; the pool closes itself, and the engine's next large call starts a
+    new one with the same results."""
+    engine = Engine(tiny_engine.runner, tiny_engine.tokenizer, threshold=tiny_engine.threshold,
+                    max_pieces=tiny_engine.max_pieces, host_workers=2)
+    try:
+        data = texts(2 * hostpool.CHUNK + 1, seed=4)
+        want = [r.to_dict() for r in engine.tag_texts(data)]
+        pool = engine._pool
+        victim = pool._procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=30)
+        with pytest.raises(RuntimeError, match=r"1 of 2 worker processes exited \(exit codes "
+                                               r"\[-9\]\); the pool is closed"):
+            engine.tag_texts(data)
+        assert pool.closed and not any(p.is_alive() for p in pool._procs)
+        assert [r.to_dict() for r in engine.tag_texts(data)] == want
+        assert engine._pool is not pool
+    finally:
+        engine.close()

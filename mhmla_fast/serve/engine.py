@@ -590,7 +590,7 @@ class Engine:
 
         if not self.host_workers or n_inputs < 2 * hostpool.CHUNK:
             return None
-        if self._pool is None:
+        if self._pool is None or self._pool.closed:  # (a pool closes itself when a worker dies)
             self._pool = hostpool.HostPool(self.host_workers, self.pieces.to_str(), self._unk)
         return self._pool
 

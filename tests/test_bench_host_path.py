@@ -1,0 +1,52 @@
+"""bench/benchmark_host_path.py: the engine's host path with a runner that costs nothing, with
+this process's CPU per sentence split by thread."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import pytest
+
+from bench_scripts import load_bench_script
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_thread_cpu_names_each_thread_and_counts_its_own_work():
+    script = load_bench_script("benchmark_host_path")
+    worker = threading.Thread(target=_spin, args=(0.3,), name="spinner")
+    before = script.thread_cpu_s()
+    worker.start()
+    _spin(0.05)
+    seen = script.thread_cpu_s()  # while the spinner still runs
+    worker.join()
+    assert "MainThread" in before and "spinner" in seen
+    assert seen["spinner"] >= 0.01  # at least a clock tick of its own spinning
+    assert all(v >= 0 for v in seen.values())
+
+
+def test_rows_record_this_process_cpu_per_sentence(tmp_path, monkeypatch):
+    """A small run of the script (no host workers): every warm row has the process CPU per
+    sentence, positive, and (on Linux) the main thread's share of it."""
+    script = load_bench_script("benchmark_host_path")
+    data = tmp_path / "ged.tsv"
+    data.write_text("".join(f"He\tc\ngo\ti\nto\tc\nschool\tc\n{i}\tc\n\n" for i in range(4000)),
+                    encoding="utf-8")
+    out = tmp_path / "host.json"
+    monkeypatch.chdir(tmp_path)
+    assert script.main(["--data", str(data), "--repeat", "1", "--runs", "1",
+                        "--host-workers", "0", "--out", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["cache"] == "warm"]
+    assert {r["path"] for r in rows} == {"tag_tokens", "tag_texts"}
+    for row in rows:
+        assert row["process_cpu_us_per_sentence"] > 0
+        if sys.platform.startswith("linux"):  # 4,000 sentences: many clock ticks of work
+            assert row["process_cpu_us_per_sentence_by_thread"]["MainThread"] > 0
