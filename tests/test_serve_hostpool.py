@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -141,3 +142,25 @@ def test_a_dead_worker_raises_instead_of_hanging_and_the_engine_starts_a_new_poo
         assert engine._pool is not pool
     finally:
         engine.close()
+
+
+def test_calls_from_several_threads_each_get_their_own_results(tiny_engine):
+    """The pool's results come back on one queue: calls from several threads take turns,
+    and each gets the encoding of its own sentences."""
+    pool = hostpool.HostPool(2, tiny_engine.pieces.to_str(), tiny_engine._unk)
+    calls = [[[w] + s.split() for s in texts(2 * hostpool.CHUNK + 3, seed)]
+             for seed, w in ((1, "a"), (2, "cat"), (3, "well-known"))]
+    got: dict[int, list] = {}
+    try:
+        threads = [threading.Thread(target=lambda k=k, c=c: got.__setitem__(k, pool.tokens(c)))
+                   for k, c in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for k, sentences in enumerate(calls):
+            want = tiny_engine._encode(sentences)
+            assert [(i.tolist(), f.tolist()) for i, f in got[k]] == \
+                [(i.tolist(), f.tolist()) for i, f in want]
+    finally:
+        pool.close()

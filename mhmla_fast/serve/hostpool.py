@@ -29,6 +29,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -120,6 +121,7 @@ class HostPool:
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._calls = 0  # tags each call's tasks: results of an abandoned call are dropped
+        self._lock = threading.Lock()  # one call at a time: the results queue is shared
         self.closed = False
         self._procs = [ctx.Process(target=_serve, args=(tokenizer_json, unk, self._tasks,
                                                         self._results),
@@ -150,22 +152,24 @@ class HostPool:
         offsets: list[list[tuple[int, int]]] = []
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
-        for w, n_tokens, offs, packed in self._map("texts", chunks):
-            words.extend(w)
-            pairs = list(zip(offs[:, 0].tolist(), offs[:, 1].tolist()))
-            a = 0
-            for n in n_tokens.tolist():
-                offsets.append(pairs[a:a + n])
-                a += n
-            encoded.extend(_unpack(*packed))
+        with self._lock:
+            for w, n_tokens, offs, packed in self._map("texts", chunks):
+                words.extend(w)
+                pairs = list(zip(offs[:, 0].tolist(), offs[:, 1].tolist()))
+                a = 0
+                for n in n_tokens.tolist():
+                    offsets.append(pairs[a:a + n])
+                    a += n
+                encoded.extend(_unpack(*packed))
         return words, offsets, encoded
 
     def tokens(self, sentences: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The word-piece encoding of each pre-tokenised sentence, in input order."""
         chunks = [list(sentences[a:a + CHUNK]) for a in range(0, len(sentences), CHUNK)]
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
-        for packed in self._map("tokens", chunks):
-            encoded.extend(_unpack(*packed))
+        with self._lock:
+            for packed in self._map("tokens", chunks):
+                encoded.extend(_unpack(*packed))
         return encoded
 
     def _map(self, kind: str, chunks: list) -> Iterator[Any]:
