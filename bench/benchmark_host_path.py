@@ -47,14 +47,17 @@ def thread_cpu_s() -> dict[str, float]:
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
     try:
-        tick = os.sysconf("SC_CLK_TCK")
-        for tid in os.listdir("/proc/self/task"):
+        tick, tids = os.sysconf("SC_CLK_TCK"), os.listdir("/proc/self/task")
+    except (OSError, ValueError):
+        return {}
+    for tid in tids:
+        try:
             with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            name = names.get(int(tid), f"thread {tid}")
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    except (OSError, ValueError, IndexError):
-        return {}
+        except OSError:  # the thread ended since the listing
+            continue
+        name = names.get(int(tid), f"thread {tid}")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
