@@ -519,7 +519,8 @@ class Engine:
 
     def _results(self, tokens: Sequence[Sequence[str]], probs: Sequence[np.ndarray],
                  offsets: Sequence[list[tuple[int, int]]] | None = None,
-                 texts: Sequence[str] | None = None) -> list[TagResult]:
+                 texts: Sequence[str] | None = None, own_tokens: bool = False
+                 ) -> list[TagResult]:
         """A :class:`TagResult` per input from its words' error probabilities: label "i" where
         ``p >= threshold`` (compared in float32, the probabilities' type), spans the runs of "i"
         words, found for all inputs at once on the concatenated probabilities; with
@@ -552,7 +553,8 @@ class Engine:
                     span = {"start": a, "end": e}
                 spans.setdefault(s, []).append(span)
         edges = bounds.tolist()
-        return [TagResult(list(tokens[s]), labels[edges[s]:edges[s + 1]],
+        copy = (lambda t: t) if own_tokens else list  # the caller's lists are copied
+        return [TagResult(copy(tokens[s]), labels[edges[s]:edges[s + 1]],
                           values[edges[s]:edges[s + 1]],
                           None if offsets is None else offsets[s], spans.get(s) or [])
                 for s in range(len(probs))]
@@ -581,7 +583,7 @@ class Engine:
                 words, offsets = word_tokenize_texts(texts)
                 encoded = None
             return self._results(words, self.word_probs(words, on_pieces, encoded), offsets,
-                                 texts)
+                                 texts, own_tokens=True)  # the word lists are this call's own
 
     def _host_pool(self, n_inputs: int):
         """The host workers for a call of ``n_inputs`` inputs, or None (none asked for, or too
