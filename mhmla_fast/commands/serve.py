@@ -62,8 +62,8 @@
     app batches concurrent requests itself. ``--workers N`` runs N such processes on the one
     port (:mod:`mhmla_fast.serve.http_workers`): each loads the models and batches its own
     requests, ``/metrics`` sums them all, ``/healthz`` says how many serve. The scorer is
-    ``--scorer DIR``, else the shipped one when it is installed; ``--no-scorer`` (or no scorer installed) serves tagging only, and
-    ``/v1/score`` then answers 404.
+    ``--scorer DIR``, else the shipped one when it is installed; ``--no-scorer`` (or no scorer
+    installed) serves tagging only, and ``/v1/score`` then answers 404.
 
 ``export``
     ``--onnx DIR``: :func:`mhmla_fast.serve.onnx_export.export_onnx` (``--int8`` adds the int8

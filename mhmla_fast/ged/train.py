@@ -61,8 +61,6 @@ def _help(text: str, **more) -> dict:
     return {"help": text, **more}
 
 
-
-
 @accepts_flat_keywords
 @dataclass
 class TrainConfig:

@@ -553,8 +553,8 @@ class Engine:
                     span = {"start": a, "end": e}
                 spans.setdefault(s, []).append(span)
         edges = bounds.tolist()
-        copy = (lambda t: t) if own_tokens else list  # the caller's lists are copied
-        return [TagResult(copy(tokens[s]), labels[edges[s]:edges[s + 1]],
+        return [TagResult(tokens[s] if own_tokens else list(tokens[s]),  # the caller's: copied
+                          labels[edges[s]:edges[s + 1]],
                           values[edges[s]:edges[s + 1]],
                           None if offsets is None else offsets[s], spans.get(s) or [])
                 for s in range(len(probs))]

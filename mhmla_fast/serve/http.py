@@ -48,8 +48,9 @@ Endpoints (:func:`create_app`)
 ``GET /healthz``
     200 ``{"status": "ok", "model", "queue_depth"}`` (plus ``"scorer"``, its name, when the app
     scores essays; plus ``"pid"``, ``"workers"`` and ``"workers_ready"`` in a worker of
-    ``mhmla-serve http --workers N``, :mod:`.http_workers`); 503 (``"status": "shutting down"`` or ``"worker stopped"``) once shutdown has
-    begun or if the engine's worker thread died.
+    ``mhmla-serve http --workers N``, :mod:`.http_workers`); 503 (``"status": "shutting
+    down"`` or ``"worker stopped"``) once shutdown has begun or if the engine's worker thread
+    died.
 
 ``GET /metrics``
     Prometheus text exposition from the app's own registry (``app.state.registry``):
