@@ -323,6 +323,43 @@ def test_one_packer_cuts_by_token_budget():
         pack_by_token_budget([1], 0)
 
 
+def _greedy_packer(lengths, token_budget, max_batch=None, *, longest_first=False,
+                   max_padding=None, min_rows=8):
+    """The packer's rule written as the plain greedy loop it is (the vectorised packer must
+    cut exactly these batches)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i] if longest_first else lengths[i])
+    batches, cur, longest, real = [], [], 0, 0
+    for i in order:
+        n = lengths[i]
+        padded = (len(cur) + 1) * max(longest, n)
+        if cur and (padded > token_budget or (max_batch is not None and len(cur) >= max_batch)
+                    or (max_padding is not None and len(cur) >= min_rows
+                        and padded > (1 + max_padding) * (real + n))):
+            batches.append(cur)
+            cur, longest, real = [], 0, 0
+        cur.append(i)
+        longest, real = max(longest, n), real + n
+    return batches + [cur] if cur else batches
+
+
+def test_packer_cuts_what_the_greedy_loop_cuts():
+    """Random lengths (zeros, ties, rows longer than the budget), budgets, row caps, padding
+    limits and both orders: the same batches, in the same order, as the greedy loop."""
+    import random
+
+    from mhmla_fast.packing import pack_by_token_budget
+
+    rng = random.Random(0)
+    for _ in range(1500):
+        lengths = [rng.randint(0, rng.choice([3, 20, 80, 600])) for _ in range(rng.randint(0, 200))]
+        budget, max_batch = rng.choice([1, 5, 50, 1024, 65536]), rng.choice([None, 1, 3, 256])
+        kw = dict(longest_first=rng.random() < 0.5, min_rows=rng.choice([1, 8, 30]),
+                  max_padding=rng.choice([None, 0.0, 0.05, 0.2, 1.0]))
+        got = pack_by_token_budget(lengths, budget, max_batch, **kw)
+        assert got == _greedy_packer(lengths, budget, max_batch, **kw), (lengths, budget, kw)
+        assert all(type(i) is int for b in got for i in b)
+
+
 def test_tagging_and_scoring_share_the_packer(tiny_engine, tiny_scorer, monkeypatch):
     from mhmla_fast.serve import engine as engine_module
     from mhmla_fast import packing
