@@ -257,6 +257,36 @@ def test_onnx_runner_honours_device_dtype_kernels_and_threads(export_dir, monkey
     assert onnx_export._providers("cpu") == ["CPUExecutionProvider"]
 
 
+def test_onnx_lanes_give_the_same_probabilities_and_engine_results(export_dir):
+    """Two passes at a time on single-threaded lanes of one session: bit for bit the
+    probabilities of one pass at a time, and the engine's results unchanged; the lane threads
+    stop at close and start again on the next call."""
+    import threading
+
+    one = make_runner(export_dir, backend="onnx", device="cpu", threads=2)
+    two = make_runner(export_dir, backend="onnx", device="cpu", threads=2, lanes=2)
+    assert (one.lanes, one.threads, two.lanes, two.threads) == (1, 2, 2, 2)
+    assert "lanes=2" in repr(two)
+    batches = ragged(11, [(1, 1), (5, 9), (3, MAX_POSITIONS), (16, 23), (7, 40), (2, 5)])
+    pending = [two.submit(ids, mask) for ids, mask in batches]  # all in flight at once
+    for (ids, mask), job in zip(batches, pending):
+        assert np.array_equal(job.result(), one(ids, mask))
+    texts = TEXTS * 40
+    engines = [Engine(r, load_tokenizer(export_dir), token_budget=64) for r in (one, two)]
+    want, got = (e.tag_texts(texts) for e in engines)
+    assert [r.to_dict() for r in got] == [r.to_dict() for r in want]
+    lanes = lambda: [t for t in threading.enumerate() if t.name.startswith("mhmla-lane")]
+    assert lanes()
+    engines[1].close()
+    assert not lanes()
+    assert [r.to_dict() for r in engines[1].tag_texts(texts[:8])] == [
+        r.to_dict() for r in want[:8]]
+    engines[1].close()
+    with pytest.raises(ValueError, match=r"^lanes: 3 passes at a time need at least as many "
+                                         r"threads, got threads 2"):
+        make_runner(export_dir, backend="onnx", device="cpu", threads=2, lanes=3)
+
+
 def test_engine_on_an_export_imports_no_torch(export_dir):
     """The ONNX path needs neither torch nor the model classes: start-up stays short."""
     import subprocess

@@ -277,7 +277,7 @@ def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagg
                      "--threads", "1", "--no-progress"]) == 0
     assert seen["engine"] == dict(backend="auto", device="cpu", dtype=None, kernels="torch",
                                   threads=1, threshold=None, token_budget=None, host_workers=0,
-                                  cuda_graphs=False, cache=None)
+                                  cuda_graphs=False, cache=None, lanes=1)  # one per thread
     essays = tmp_path / "essays.jsonl"
     essays.write_text('{"text": "a b c", "prompt": 1}\n')
     assert cli.main(["score", str(essays), "-o", str(tmp_path / "s.jsonl"), "--model",
@@ -302,6 +302,126 @@ def test_importing_the_cli_imports_no_torch():
 
 
 # ------------------------------------------------------------------ one packer
+
+
+def test_lanes_are_a_cpu_option_checked_once():
+    """``lanes``: a positive int, more than 1 only on the CPU, never more than the threads;
+    a batch job's default is one lane per thread on the CPU and 1 on a GPU."""
+    from mhmla_fast.serve.runners import Lanes
+
+    assert resolve_options("torch", "cpu", lanes=4).device == "cpu"
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="^lanes: expected a positive integer"):
+            resolve_options("torch", "cpu", lanes=bad)
+    with pytest.raises(ValueError, match="^lanes: concurrent forward passes run on the CPU, "
+                                         "got device 'cuda:1'"):
+        resolve_options("torch", "cuda:1", lanes=2)
+    resolve_options("torch", "cuda:1", lanes=1)
+    assert Lanes.split(None, 1) is None and Lanes.split(3, 1) == 3
+    assert Lanes.split(4, 2) == 2 and Lanes.split(5, 2) == 2 and Lanes.split(2, 2) == 1
+    with pytest.raises(ValueError, match="^lanes: 3 passes at a time need at least as many "
+                                         "threads, got threads 2"):
+        Lanes.split(2, 3)
+    assert options.throughput_lanes("cpu", 3) == 3 and options.throughput_lanes("cuda", 3) == 1
+    assert options.throughput_lanes("cpu", None) == devices.default_threads()
+
+
+def test_the_engine_keeps_every_lane_busy_and_results_in_order(tiny_engine):
+    """With a runner of ``lanes`` passes at a time, the engine submits lanes + 1 passes before
+    it waits for the first (so each lane has the next queued), and merges them in order."""
+    from mhmla_fast.serve.engine import Engine
+    from mhmla_fast.serve.runners import Pending
+
+    class Recording:
+        def __init__(self, runner, lanes):
+            self.runner, self.lanes, self.log = runner, lanes, []
+
+        def submit(self, ids, mask):
+            k = sum(1 for e in self.log if e[0] == "submit")
+            self.log.append(("submit", k))
+            out = self.runner(ids, mask)
+            log = self.log
+
+            class Late(Pending):
+                def result(self):
+                    log.append(("result", k))
+                    return out
+            return Late(out)
+
+    texts = ["He go to school .", "A cat .", "They goes home and she see the dog ."] * 20
+    want = [r.to_dict() for r in tiny_engine.tag_texts(texts)]
+    for lanes in (1, 3):
+        runner = Recording(tiny_engine.runner, lanes)
+        engine = Engine(runner, tiny_engine.tokenizer, token_budget=48)
+        assert [r.to_dict() for r in engine.tag_texts(texts)] == want
+        passes = sum(1 for e in runner.log if e[0] == "submit")
+        assert passes > lanes + 2
+        first_wait = runner.log.index(("result", 0))
+        assert runner.log[:first_wait] == [("submit", k) for k in range(lanes + 1)]
+        in_flight = 0
+        for kind, _ in runner.log:
+            in_flight += 1 if kind == "submit" else -1
+            assert in_flight <= lanes + 1
+        assert [k for kind, k in runner.log if kind == "result"] == list(range(passes))
+
+
+def test_torch_lanes_tag_like_one_pass_at_a_time(tiny_tagger_dir):
+    """The torch runner on two lanes (torch's threads split between them): the same labels,
+    probabilities equal to rounding, and torch's thread count set per lane."""
+    import torch
+
+    from mhmla_fast.serve.engine import Engine
+
+    threads = torch.get_num_threads()
+    try:
+        one = Engine.load(tiny_tagger_dir, backend="torch", device="cpu", threads=2)
+        texts = ["He go to school every day .", "A cat .", "They goes to the house ."] * 30
+        want = one.tag_texts(texts)
+        two = Engine.load(tiny_tagger_dir, backend="torch", device="cpu", threads=2, lanes=2,
+                          token_budget=64)
+        assert torch.get_num_threads() == 1 and two.runner.lanes == 2
+        got = two.tag_texts(texts)
+        two.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.labels for r in got] == [r.labels for r in want]
+    for a, b in zip(got, want):
+        assert a.probs == pytest.approx(b.probs, abs=1e-5)
+
+
+def test_the_cli_takes_lanes_for_tag_only_on_the_cpu(tmp_path, tiny_tagger_dir, monkeypatch,
+                                                     capsys):
+    from mhmla_fast.commands import serve as cli
+    from mhmla_fast.serve import engine
+
+    seen = []
+    real = engine.Engine.load.__func__
+
+    def spy(cls, path, **kw):
+        seen.append(kw["lanes"])
+        return real(cls, path, **kw)
+
+    monkeypatch.setattr(engine.Engine, "load", classmethod(spy))
+    src = tmp_path / "in.txt"
+    src.write_text("He go to school .\n")
+    base = ["tag", str(src), "--model", str(tiny_tagger_dir), "--backend", "torch",
+            "--device", "cpu", "--no-progress"]
+    assert cli.main([*base, "-o", str(tmp_path / "a.jsonl"), "--threads", "2"]) == 0
+    assert cli.main([*base, "-o", str(tmp_path / "b.jsonl"), "--threads", "2",
+                     "--lanes", "1"]) == 0
+    assert seen == [2, 1]  # default: one lane per thread
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["tag", "-", "--lanes", "0"])
+    for extra, message in (
+            (["--threads", "2", "--lanes", "3"], "--lanes: 3 passes at a time need at least "
+                                                  "as many threads, got threads 2"),
+            (["--device", "cuda", "--lanes", "2"], "--lanes: concurrent forward passes run on "
+                                                   "the CPU")):
+        with pytest.raises(cli.UsageError, match=re.escape(message)):
+            cli.load_engine(cli.build_parser().parse_args([*base, *extra]))
+    assert cli.main([*base, "-o", str(tmp_path / "c.jsonl"), "--lanes", "2", "--ray"]) != 0
+    assert "--lanes applies to one process" in capsys.readouterr().err
 
 
 def test_one_packer_cuts_by_token_budget():

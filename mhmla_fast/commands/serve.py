@@ -168,19 +168,23 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def check_options(args: argparse.Namespace, *, scorer: bool = False):
-    """``--backend``/``--device``/``--dtype``/``--kernels`` checked by the one serving rule
-    (:func:`mhmla_fast.serve.options.resolve_options`; for ``score`` through
+    """``--backend``/``--device``/``--dtype``/``--kernels`` (and ``--lanes``) checked by the one
+    serving rule (:func:`mhmla_fast.serve.options.resolve_options`; for ``score`` through
     :func:`mhmla_fast.serve.score.scorer_options`) before anything is loaded; an option the
     backend cannot honour is a UsageError naming it. Returns the resolved
     :class:`~mhmla_fast.serve.options.ServeOptions`."""
     from ..serve.options import resolve_options
+    from ..serve.runners import Lanes
     from ..serve.score import scorer_options
 
     try:
         if scorer:
             return scorer_options(args.backend, args.device, args.dtype, args.kernels)
-        return resolve_options(args.backend, args.device, args.dtype, args.kernels,
-                               cuda_graphs=getattr(args, "cuda_graphs", False))
+        lanes = getattr(args, "lanes", None) or 1
+        opts = resolve_options(args.backend, args.device, args.dtype, args.kernels,
+                               cuda_graphs=getattr(args, "cuda_graphs", False), lanes=lanes)
+        Lanes.split(getattr(args, "threads", None), lanes)  # enough threads for the lanes
+        return opts
     except ValueError as err:  # "<option>: why", the option as the API spells it
         name, _, why = str(err).partition(":")
         raise UsageError(f"--{name.replace('_', '-')}:{why}") from err
@@ -190,12 +194,16 @@ def load_engine(args: argparse.Namespace):
     """The engine for ``args``: ``Engine.load`` with the model, the load contract (backend,
     device, dtype, kernels, threads), the threshold and the token budget."""
     from ..serve.engine import Engine
+    from ..serve.options import throughput_lanes
 
-    check_options(args)
+    opts = check_options(args)
     path = resolve_model_dir(args.model)
+    lanes = getattr(args, "lanes", 1)  # `tag` has --lanes (None: one per thread on the CPU)
+    if lanes is None:
+        lanes = throughput_lanes(opts.device, args.threads)
     try:
         engine = Engine.load(path, backend=args.backend, device=args.device, dtype=args.dtype,
-                             kernels=args.kernels, threads=args.threads,
+                             kernels=args.kernels, threads=args.threads, lanes=lanes,
                              threshold=args.threshold, token_budget=args.token_budget,
                              host_workers=getattr(args, "host_workers", 0),
                              cuda_graphs=getattr(args, "cuda_graphs", False),
@@ -553,6 +561,9 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
     if getattr(args, "host_workers", 0):
         raise UsageError("--host-workers applies to one process; with --ray, --ray-workers "
                          "sets the parallelism")
+    if getattr(args, "lanes", None) is not None:
+        raise UsageError("--lanes applies to one process; with --ray, --ray-workers and "
+                         "--threads set the parallelism")
     try:
         import ray  # noqa: F401  (the optional extra)
 
@@ -877,6 +888,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "parallel (default 0: this process; for a GPU that outruns one CPU core; "
                    "not with --ray)")
     _add_cuda_graphs_option(p)
+    p.add_argument("--lanes", type=_positive, default=None,
+                   help="CPU only: forward passes at a time, --threads split between them "
+                   "(default: one per thread, each pass single-threaded: 1.14x the throughput "
+                   "of one pass on all threads on 2 cores; not with --ray)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_model_options(p)
     _add_ray_options(p, "tag")

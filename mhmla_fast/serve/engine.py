@@ -32,6 +32,7 @@ import gc
 import json
 import os
 from contextlib import contextmanager
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from dataclasses import dataclass
@@ -312,7 +313,8 @@ class Engine:
     def load(cls, model_dir: str | os.PathLike | None = None, *, backend: str = "auto",
              device: str | None = None, dtype: str | None = None, kernels: str = "auto",
              threads: int | None = None, threshold: float | None = None,
-             cache: bool | None = None, cuda_graphs: bool = False, **kw) -> Engine:
+             cache: bool | None = None, cuda_graphs: bool = False, lanes: int = 1,
+             **kw) -> Engine:
         """An engine on a tagger directory (default: the shipped model) and a runtime.
 
         The one load contract of serving (:mod:`.options`): ``backend`` "auto" (default: torch
@@ -326,19 +328,22 @@ class Engine:
         ``threads`` (CPU threads of the runtime), ``cache`` (auto's export cache; None: on
         unless ``$MHMLA_NO_CACHE`` is set), ``cuda_graphs`` (torch on CUDA: passes replayed
         from CUDA graphs at a few padded shapes, :class:`.runners.CapturedForward`; default
-        off). An option the backend cannot honour raises
+        off), ``lanes`` (CPU only: forward passes at a time, ``threads`` split between them,
+        :class:`.runners.Lanes`; default 1, the lowest latency of a lone pass; ``mhmla-serve
+        tag`` uses one lane per thread). An option the backend cannot honour raises
         ValueError naming it, before anything is loaded. Other keywords go to
         :class:`Engine`."""
         from . import runners
         from .options import resolve_options
 
-        opts = resolve_options(backend, device, dtype, kernels, cuda_graphs=cuda_graphs)
+        opts = resolve_options(backend, device, dtype, kernels, cuda_graphs=cuda_graphs,
+                               lanes=lanes)
         path = Path(model_dir) if model_dir else default_tagger_path()
         config = read_tagger_config(path)
         tokenizer = WordPieces.from_dir(path) or load_tokenizer(path)
         runner = runners.make_runner(path, backend=opts.backend, device=opts.device,
                                      dtype=opts.dtype, kernels=opts.kernels, threads=threads,
-                                     cache=cache, cuda_graphs=cuda_graphs)
+                                     cache=cache, cuda_graphs=cuda_graphs, lanes=lanes)
         if threshold is None:
             threshold = config.get("threshold")
             threshold = 0.5 if threshold is None else threshold
@@ -364,13 +369,16 @@ class Engine:
         """Run piece-id rows (no special tokens) packed by ``token_budget``: yields, per forward
         pass, the row indices and the probabilities [B, T] (piece r of a row at r + 1).
 
-        Passes are pipelined one deep: pass k + 1 is packed and submitted (``runners.submit``)
-        before pass k is yielded, so with a runner that returns at once (torch on CUDA) the
-        caller's merging of pass k and the packing of pass k + 1 overlap the device's work."""
+        Passes are pipelined: with a runner of ``lanes`` passes at a time (1 unless it says
+        otherwise) up to ``lanes + 1`` are packed and submitted (``runners.submit``) before the
+        oldest is yielded, so with a runner that returns at once (torch on CUDA, lanes on the
+        CPU) the caller's merging of pass k and the packing of the next overlap the device's
+        work, and every lane has a pass queued when it finishes one."""
         from .runners import submit
 
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        pending = None
+        depth = getattr(self.runner, "lanes", 1) + 1
+        pending: deque = deque()
         for picked in pack_by_token_budget((lengths + 2).tolist(), self.token_budget,
                                            self.max_batch, max_padding=self.max_padding):
             n = lengths[picked]
@@ -382,12 +390,11 @@ class Engine:
                 [rows[k] for k in picked])  # row-major: each row's pieces after its [CLS]
             input_ids[:, 0] = self.cls_id
             input_ids[np.arange(len(picked)), n + 1] = self.sep_id
-            started = (picked, int(n.sum()), submit(self.runner, input_ids, mask))
-            if pending is not None:
-                yield self._finish(pending, on_pieces)
-            pending = started
-        if pending is not None:
-            yield self._finish(pending, on_pieces)
+            pending.append((picked, int(n.sum()), submit(self.runner, input_ids, mask)))
+            if len(pending) == depth:
+                yield self._finish(pending.popleft(), on_pieces)
+        while pending:
+            yield self._finish(pending.popleft(), on_pieces)
 
     @staticmethod
     def _finish(pending, on_pieces):
@@ -597,8 +604,11 @@ class Engine:
         return self._pool
 
     def close(self) -> None:
-        """Stop the host workers, if any were started (the engine still works: without them
-        until the next large call starts them again)."""
+        """Stop the host workers, if any were started, and the runner's lane threads (the
+        engine still works: without them until the next call that needs them starts them)."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        close = getattr(self.runner, "close", None)
+        if close is not None:  # the runner's lane threads, if any
+            close()

@@ -699,22 +699,23 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
 
 def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
                 kernels: str = "auto", cache: bool | None = None,
-                root: str | os.PathLike | None = None, log: Log = _stderr):
+                root: str | os.PathLike | None = None, log: Log = _stderr, lanes: int = 1):
     """The tagging runner of ``backend="auto"`` on the CPU in float32 (the options already
     resolved to "auto" by :func:`.options.resolve_options`), by :func:`auto_load`: ONNX Runtime
     on ``model_dir`` itself when it is an export, else on the cached export; else eager torch
-    in float32 with ``kernels``."""
+    in float32 with ``kernels``. Either runs ``lanes`` passes at a time."""
     from .runners import TorchRunner
 
     def torch():
         return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels,
-                           threads=threads)
+                           threads=threads, lanes=lanes)
 
-    return auto_load(model_dir, TAGGER, onnx=lambda path: _onnx_runner(path, threads),
+    return auto_load(model_dir, TAGGER, onnx=lambda path: _onnx_runner(path, threads, lanes),
                      torch=torch, cache=cache, root=root, log=log, threads=threads)
 
 
-def _onnx_runner(export_dir: Path, threads: int | None):
+def _onnx_runner(export_dir: Path, threads: int | None, lanes: int = 1):
     from .onnx_export import OnnxRunner
 
-    return OnnxRunner.from_model_dir(export_dir, device="cpu", dtype="float32", threads=threads)
+    return OnnxRunner.from_model_dir(export_dir, device="cpu", dtype="float32", threads=threads,
+                                     lanes=lanes)

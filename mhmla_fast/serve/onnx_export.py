@@ -53,7 +53,8 @@ import numpy as np
 
 from ..devices import default_threads, physical_cores
 from ..encoder import max_input_length
-from .options import resolve_options
+from .options import check_lanes, resolve_options
+from .runners import Lanes, Pending
 
 __all__ = [
     "ExportValidationError", "OnnxRunner", "export_onnx", "validate_onnx", "validation_batches",
@@ -553,6 +554,9 @@ class OnnxRunner:
     Args:
         onnx_path: an exported ``model.onnx`` / ``model.int8.onnx``.
         threads: intra-op threads (default: physical cores); inter-op 1, sequential.
+        lanes: CPU only: passes at a time through :meth:`submit`, the threads split between
+            them (:class:`.runners.Lanes`; one session, whose ``run`` may be called
+            concurrently).
         device: "cpu" or "cuda[:N]" (default: :func:`.options.resolve_device`, i.e. CUDA when
             the installed onnxruntime has its CUDA provider); ValueError when onnxruntime
             cannot run there.
@@ -565,7 +569,7 @@ class OnnxRunner:
 
     def __init__(self, onnx_path: str | os.PathLike, *, threads: int | None = None,
                  device: str | None = None, providers: Sequence | None = None,
-                 output_name: str = OUTPUT_NAME):
+                 output_name: str = OUTPUT_NAME, lanes: int = 1):
         import onnxruntime as ort
 
         self.output_name = output_name
@@ -573,20 +577,24 @@ class OnnxRunner:
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such ONNX file")
         if providers is None:
-            self.device = resolve_options("onnx", device, "float32").device
+            self.device = resolve_options("onnx", device, "float32", lanes=lanes).device
             providers = _providers(self.device)
         else:
             self.device = "cuda" if any("CUDA" in str(p) for p in providers) else "cpu"
+            check_lanes(lanes, self.device)
+        per_lane = Lanes.split(threads, lanes)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = int(threads) if threads else default_threads()
+        opts.intra_op_num_threads = int(per_lane) if per_lane else default_threads()
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         self.session = ort.InferenceSession(str(self.path), opts, providers=list(providers))
         names = [i.name for i in self.session.get_inputs()]
         if names != list(INPUT_NAMES):
             raise ValueError(f"{self.path}: inputs {names}, expected {list(INPUT_NAMES)}")
-        self.threads = opts.intra_op_num_threads
+        self.threads = opts.intra_op_num_threads * lanes  # in all
+        self.lanes = lanes
+        self._lanes = Lanes(lanes) if lanes > 1 else None
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike, dtype: str | None = None, *,
@@ -623,8 +631,22 @@ class OnnxRunner:
         out = self.session.run([self.output_name], {INPUT_NAMES[0]: ids, INPUT_NAMES[1]: mask})[0]
         return np.asarray(out, dtype=np.float32)
 
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray):
+        """Start a pass: on a lane when ``lanes`` > 1 (``.result()`` waits for it), else run
+        here (the :class:`.runners.Pending` is ready)."""
+        if self._lanes is not None:
+            return self._lanes.submit(self, input_ids, attention_mask)
+        return Pending(self(input_ids, attention_mask))
+
+    def close(self) -> None:
+        """Stop the lane threads, if any (the runner still works)."""
+        if self._lanes is not None:
+            self._lanes.close()
+
     def __repr__(self) -> str:
-        return f"OnnxRunner({str(self.path)!r}, device={self.device!r}, threads={self.threads})"
+        lanes = f", lanes={self.lanes}" if self.lanes > 1 else ""
+        return (f"OnnxRunner({str(self.path)!r}, device={self.device!r}, "
+                f"threads={self.threads}{lanes})")
 
 
 def _providers(device: str) -> list:

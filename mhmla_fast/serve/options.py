@@ -15,7 +15,9 @@ resolves them here, once:
               one measured faster, ``mhmla_fast.dispatch``), "torch" (eager), "triton" (fused)
 
 and, for tagging with torch on CUDA only, ``cuda_graphs`` (default off): each forward pass is
-padded to one of a few shapes and replayed from a CUDA graph (``runners.CapturedForward``).
+padded to one of a few shapes and replayed from a CUDA graph (``runners.CapturedForward``); on
+the CPU only, ``lanes`` (default 1): forward passes run that many at a time, each on its own
+thread with ``threads / lanes`` of the runtime's threads (``runners.Lanes``).
 
 Beside them, the token budget (padded word pieces per forward pass) of tagging and scoring
 defaults per device (:func:`default_token_budget`): 1024 on the CPU, 8192 on a GPU.
@@ -45,7 +47,7 @@ from ..devices import cuda_available, resolve_device  # noqa: F401 - re-exported
 
 __all__ = ["BACKENDS", "KERNELS", "TORCH_DTYPES", "ONNX_DTYPES", "ServeOptions",
            "cuda_available", "onnx_importable", "resolve_device", "resolve_dtype",
-           "resolve_options", "TOKEN_BUDGETS", "default_token_budget"]
+           "resolve_options", "TOKEN_BUDGETS", "default_token_budget", "check_lanes", "throughput_lanes"]
 
 BACKENDS = ("auto", "torch", "onnx", "tensorrt")
 KERNELS = ("auto", "torch", "triton")  # = mhmla_fast.functional.BACKENDS (not imported: torch)
@@ -95,6 +97,15 @@ def default_token_budget(device) -> int:
     return TOKEN_BUDGETS.get(_device_type(str(device)), TOKEN_BUDGETS["cuda"])
 
 
+def throughput_lanes(device: str, threads: int | None) -> int:
+    """The lanes of a batch job (``mhmla-serve tag``), for throughput: on the CPU one pass per
+    thread (``threads``, else :func:`mhmla_fast.devices.default_threads`), each single-threaded
+    (1.14x ONNX Runtime's throughput on 2 cores, see ``runners.Lanes``); 1 on a GPU."""
+    if _device_type(device) != "cpu":
+        return 1
+    return int(threads) if threads else devices.default_threads()
+
+
 def onnx_importable() -> bool:
     """Whether onnxruntime (to run an export) and onnx (to make one) are installed, found
     without importing them."""
@@ -106,9 +117,20 @@ def onnx_importable() -> bool:
         return False
 
 
+def check_lanes(lanes: int, device: str) -> int:
+    """``lanes`` (forward passes at a time) as an int: at least 1, and more than 1 only on the
+    CPU (a GPU runs one pass at a time; its runners overlap the host's work instead)."""
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+        raise ValueError(f"lanes: expected a positive integer, got {lanes!r}")
+    if lanes > 1 and _device_type(device) != "cpu":
+        raise ValueError(f"lanes: concurrent forward passes run on the CPU, got device "
+                         f"{device!r}; use lanes 1 there")
+    return lanes
+
+
 def resolve_options(backend: str = "auto", device: str | None = None,
                     dtype: str | None = None, kernels: str | None = "auto", *,
-                    cuda_graphs: bool = False) -> ServeOptions:
+                    cuda_graphs: bool = False, lanes: int = 1) -> ServeOptions:
     """Check ``backend``/``device``/``dtype``/``kernels`` and fill in the defaults.
 
     ``backend="auto"`` resolves to "torch" where torch is the only runtime that honours the
@@ -118,8 +140,10 @@ def resolve_options(backend: str = "auto", device: str | None = None,
     dtype "int8" with auto; ONNX on CUDA without onnxruntime's CUDA provider (or on any other
     device); ONNX with ``kernels="triton"`` (the exported graph holds the eager head); TensorRT
     off CUDA; ``kernels="triton"`` on a CPU device (the Triton kernels need a GPU, or
-    ``TRITON_INTERPRET=1``); ``cuda_graphs`` anywhere but the torch backend on a CUDA device."""
+    ``TRITON_INTERPRET=1``); ``cuda_graphs`` anywhere but the torch backend on a CUDA device;
+    ``lanes`` other than 1 off the CPU (:func:`check_lanes`)."""
     opts = _resolve(backend, device, dtype, kernels)
+    check_lanes(lanes, opts.device)
     if cuda_graphs and (opts.backend != "torch" or _device_type(opts.device) != "cuda"):
         raise ValueError(f"cuda_graphs: replaying passes from CUDA graphs needs the torch backend "
                          f"on a CUDA device, got backend {opts.backend!r} on {opts.device!r}")
