@@ -98,7 +98,7 @@ FCE_TRAIN_SENTENCES = 28_731  # one epoch of the issue's training goal
 TAG_PATH = "/v1/tag"
 CLI_COMMANDS = ("tag", "hf", "score")
 # default: the command's own (auto); torch-bf16: --backend torch --dtype bfloat16
-CLI_TAG_BACKENDS = ("default", "torch", "onnx", "torch-bf16")
+CLI_TAG_BACKENDS = ("default", "default-lanes1", "torch", "onnx", "torch-bf16")
 TAG_PATHS = ("plain", "hf", "engine", "onnx")
 
 # defaults that differ by device: (cpu, cuda)
@@ -188,7 +188,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the mhmla-serve tag rows: default (the command's defaults, backend "
                    "auto on a warm cache), torch (--backend torch), onnx (--backend onnx on an "
                    "export; CPU only, not with --no-onnx), torch-bf16 (--backend torch --dtype "
-                   "bfloat16); default: default onnx")
+                   "bfloat16), default-lanes1 (the defaults but --lanes 1: one forward pass at "
+                   "a time on all threads); default: default onnx")
     g.add_argument("--cli-hf-batch-sizes", type=int, nargs="+", default=None,
                    help="HF pipeline whole-process batch sizes (default: --pipeline-batch-sizes)")
     g = p.add_argument_group("http")
@@ -808,7 +809,8 @@ def _has_line(path: Path) -> bool:
 
 def tag_command(run: Run, src: Path, out: Path, backend: str) -> list[str]:
     """``mhmla-serve tag`` as a user runs it: defaults ("default"), ``--backend torch``,
-    ``--backend onnx`` on an export, or ``--backend torch --dtype bfloat16`` ("torch-bf16")."""
+    ``--backend onnx`` on an export, ``--backend torch --dtype bfloat16`` ("torch-bf16"), or
+    the defaults with ``--lanes 1`` ("default-lanes1")."""
     cmd = [sys.executable, "-m", "mhmla_fast.commands.serve", "tag", str(src), "--output",
            str(out), "--no-progress", "--device", run.device, "--threshold", str(run.threshold),
            *_threads_flag(run.args)]
@@ -818,6 +820,8 @@ def tag_command(run: Run, src: Path, out: Path, backend: str) -> list[str]:
         return [*cmd, "--model", str(run.model_dir), "--backend", "torch"]
     if backend == "torch-bf16":
         return [*cmd, "--model", str(run.model_dir), "--backend", "torch", "--dtype", "bfloat16"]
+    if backend == "default-lanes1":
+        return [*cmd, "--model", str(run.model_dir), "--lanes", "1"]
     return [*cmd, "--model", str(run.model_dir)]
 
 
