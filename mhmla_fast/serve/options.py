@@ -47,7 +47,8 @@ from ..devices import cuda_available, resolve_device  # noqa: F401 - re-exported
 
 __all__ = ["BACKENDS", "KERNELS", "TORCH_DTYPES", "ONNX_DTYPES", "ServeOptions",
            "cuda_available", "onnx_importable", "resolve_device", "resolve_dtype",
-           "resolve_options", "TOKEN_BUDGETS", "default_token_budget", "check_lanes", "throughput_lanes"]
+           "resolve_options", "TOKEN_BUDGETS", "default_token_budget", "check_lanes",
+           "throughput_lanes"]
 
 BACKENDS = ("auto", "torch", "onnx", "tensorrt")
 KERNELS = ("auto", "torch", "triton")  # = mhmla_fast.functional.BACKENDS (not imported: torch)
