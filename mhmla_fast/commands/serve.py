@@ -892,8 +892,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cuda_graphs_option(p)
     p.add_argument("--lanes", type=_positive, default=None,
                    help="CPU only: forward passes at a time, --threads split between them "
-                   "(default: one per thread, each pass single-threaded: 1.14x the throughput "
-                   "of one pass on all threads on 2 cores; not with --ray)")
+                   "(default: one per thread, each pass single-threaded: on 2 cores 1.14x the "
+                   "runtime's throughput in process, 1.02-1.07x of the whole command; not with "
+                   "--ray)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_model_options(p)
     _add_ray_options(p, "tag")

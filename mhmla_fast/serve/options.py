@@ -101,7 +101,8 @@ def default_token_budget(device) -> int:
 def throughput_lanes(device: str, threads: int | None) -> int:
     """The lanes of a batch job (``mhmla-serve tag``), for throughput: on the CPU one pass per
     thread (``threads``, else :func:`mhmla_fast.devices.default_threads`), each single-threaded
-    (1.14x ONNX Runtime's throughput on 2 cores, see ``runners.Lanes``); 1 on a GPU."""
+    (on 2 cores 1.14x ONNX Runtime's throughput in process, see ``runners.Lanes``); 1 on a
+    GPU."""
     if _device_type(device) != "cpu":
         return 1
     return int(threads) if threads else devices.default_threads()
