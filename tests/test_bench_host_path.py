@@ -13,23 +13,29 @@ import pytest
 from bench_scripts import load_bench_script
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_thread_cpu_names_each_thread_and_counts_its_own_work():
     script = load_bench_script("benchmark_host_path")
-    worker = threading.Thread(target=_spin, args=(0.3,), name="spinner")
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin, name="spinner")
     before = script.thread_cpu_s()
     worker.start()
-    _spin(0.05)
-    seen = script.thread_cpu_s()  # while the spinner still runs
-    worker.join()
+    try:  # read while the spinner runs, until it has a clock tick of its own (a loaded machine
+        deadline = time.monotonic() + 10.0  # may give it little CPU at first)
+        while (seen := script.thread_cpu_s()).get("spinner", 0.0) < 0.01 \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)  # the main thread sleeps: its own CPU stays small
+    finally:
+        stop.set()
+        worker.join()
     assert "MainThread" in before and "spinner" in seen
     assert seen["spinner"] >= 0.01  # at least a clock tick of its own spinning
+    assert seen["MainThread"] - before["MainThread"] < seen["spinner"] + 0.5
     assert all(v >= 0 for v in seen.values())
 
 

@@ -404,3 +404,45 @@ def test_cuda_graph_passes_tag_as_the_eager_passes_do(tiny_tagger_dir, kernels):
     assert 0 < first <= 4 * 4  # rows 8..64 x pieces 16..64 (the tiny encoder's 64 positions)
     graphs.word_probs(sentences)
     assert graphs.runner.captured.captures == first
+
+
+def test_tag_result_offsets_given_as_an_array_read_as_tuples():
+    """The host workers hand offsets over as an int [n, 2] array: the result reads them as the
+    list of (start, end) tuples a tuple-built result has, compares equal to it, and gives the
+    same dict (plain ints, JSON-ready) without making the tuples."""
+    import json
+
+    from mhmla_fast.serve.engine import TagResult
+
+    args = (["He", "go", "."], ["c", "i", "c"], [0.1, 0.9, 0.2])
+    spans = [{"start": 3, "end": 5, "text": "go"}]
+    listed = TagResult(*args, [(0, 2), (3, 5), (6, 7)], spans)
+    arrayed = TagResult(*args, np.array([[0, 2], [3, 5], [6, 7]], dtype=np.int64), spans)
+    assert arrayed.to_dict() == listed.to_dict()
+    assert json.dumps(arrayed.to_dict()) == json.dumps(listed.to_dict())
+    assert isinstance(arrayed._offsets, np.ndarray)  # to_dict read the array itself
+    assert arrayed == listed and repr(arrayed) == repr(listed)
+    assert arrayed.offsets == [(0, 2), (3, 5), (6, 7)]
+    assert all(type(v) is int for o in arrayed.offsets for v in o)
+    assert arrayed != TagResult(*args, [(0, 2), (3, 5), (6, 8)], spans)
+    assert TagResult(*args, None, []).to_dict().keys() == {"tokens", "labels", "probs", "spans"}
+
+
+def test_host_worker_results_equal_the_engines_own_with_plain_int_spans(hf_tokenizer):
+    """With host workers (offsets as arrays) the results, compared as objects, equal the
+    engine's own, and character spans hold plain ints."""
+    from mhmla_fast.serve import hostpool
+
+    rng = random.Random(5)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
+             for _ in range(2 * hostpool.CHUNK + 3)]
+    runner = HashRunner()
+    own = Engine(runner, hf_tokenizer, threshold=0.5)
+    pooled = Engine(runner, hf_tokenizer, threshold=0.5, host_workers=1)
+    try:
+        got, want = pooled.tag_texts(texts), own.tag_texts(texts)
+    finally:
+        pooled.close()
+    assert isinstance(got[0]._offsets, np.ndarray)  # the workers' form
+    assert got == want and any(r.spans for r in got)
+    assert all(type(v) is int for r in got for s in r.spans for v in (s["start"], s["end"]))

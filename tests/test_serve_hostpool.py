@@ -85,12 +85,35 @@ def test_a_pool_whose_workers_cannot_start_fails_instead_of_hanging(monkeypatch,
     monkeypatch.setattr(hostpool, "READY_TIMEOUT", 60.0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"host_workers: 2 worker processes did not start: "
-                                           r"\d exited \(exit codes \[1\]\)"):
+                                           r"\d exited \(exit codes \[1\];"):
         hostpool.HostPool(2, "{not a tokenizer", "[UNK]")
     assert time.monotonic() - t0 < 30
     monkeypatch.setattr(hostpool, "READY_TIMEOUT", 0.01)  # alive, but not ready in time
     with pytest.raises(RuntimeError, match=r"did not start: not ready within 0.01 s"):
         hostpool.HostPool(1, tiny_engine.pieces.to_str(), tiny_engine._unk)
+
+
+def test_a_script_without_the_main_guard_gets_an_error_not_a_hang(tmp_path):
+    """Spawned workers re-run a script's main module; one that starts a pool at its top level
+    makes them fail while they start. The pool raises, naming the guard, instead of blocking
+    for good on the pipe of a child that died before it read its arguments (the tokenizer was
+    among them: a megabyte, more than a pipe holds)."""
+    import subprocess
+    import sys
+
+    from mhmla_fast.serve.engine import default_tagger_path
+
+    tokenizer = default_tagger_path() / "tokenizer.json"
+    assert tokenizer.stat().st_size > 1 << 16  # more than a pipe's buffer
+    script = tmp_path / "no_guard.py"
+    script.write_text("import sys\nfrom mhmla_fast.serve import hostpool\n"
+                      f"hostpool.HostPool(2, open({str(tokenizer)!r}).read(), '[UNK]')\n"
+                      "print('started')\n", encoding="utf-8")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert run.returncode != 0 and "started" not in run.stdout
+    assert "worker processes did not start" in run.stderr
+    assert "if __name__ == '__main__'" in run.stderr
 
 
 def test_a_pool_starts_all_its_workers_before_it_returns(tiny_engine):
@@ -115,7 +138,7 @@ def test_an_error_in_a_task_is_raised_and_the_pool_goes_on(tiny_engine):
             pool.texts(["a cat"] * hostpool.CHUNK + [None] + ["the dog"] * hostpool.CHUNK)
         words, offsets, encoded = pool.texts(["a cat", "the well-known café"])
         assert words == [["a", "cat"], ["the", "well-known", "café"]]
-        assert offsets == [[(0, 1), (2, 5)], [(0, 3), (4, 14), (15, 19)]]
+        assert [o.tolist() for o in offsets] == [[[0, 1], [2, 5]], [[0, 3], [4, 14], [15, 19]]]
         assert len(encoded) == 2
     finally:
         pool.close()

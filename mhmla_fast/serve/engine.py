@@ -53,25 +53,57 @@ _ONLY_STR = frozenset({str})
 TAGGER_FORMAT = "mhmla-ged-tagger/1"  # config.json "format" of a tagger (ged.model)
 
 
-@dataclass
 class TagResult:
     """One input's tags: ``tokens``, their ``labels`` ("c"/"i") and error ``probs``;
     ``offsets`` ([start, end) code-point offsets into the text, raw text only) and
     ``spans``: the flagged errors, runs of consecutive "i" words, as
     ``{"start", "end", "text"}`` character spans for raw text or ``{"start", "end"}``
-    token spans (end exclusive) for pre-tokenised input."""
+    token spans (end exclusive) for pre-tokenised input.
 
-    tokens: list[str]
-    labels: list[str]
-    probs: list[float]
-    offsets: list[tuple[int, int]] | None
-    spans: list[dict]
+    ``offsets`` may be given as an int [n, 2] array (the host workers send them so): it is
+    then kept as the array and read as a list of tuples on first access, and :meth:`to_dict`
+    reads the array itself. A tuple per word made up front, and walked by the garbage
+    collector after every large call, was a quarter of the engine process's CPU per sentence
+    with host workers (``bench/benchmark_host_path.py``)."""
+
+    __slots__ = ("tokens", "labels", "probs", "_offsets", "spans")
+
+    def __init__(self, tokens: list[str], labels: list[str], probs: list[float],
+                 offsets: list[tuple[int, int]] | np.ndarray | None, spans: list[dict]) -> None:
+        self.tokens, self.labels, self.probs, self.spans = tokens, labels, probs, spans
+        self._offsets = offsets
+
+    @property
+    def offsets(self) -> list[tuple[int, int]] | None:
+        if isinstance(self._offsets, np.ndarray):
+            self._offsets = list(map(tuple, self._offsets.tolist()))
+        return self._offsets
+
+    @offsets.setter
+    def offsets(self, value: list[tuple[int, int]] | np.ndarray | None) -> None:
+        self._offsets = value
+
+    _FIELDS = ("tokens", "labels", "probs", "offsets", "spans")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self._FIELDS)
+
+    __hash__ = None  # mutable, as a dataclass
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS)
+        return f"TagResult({fields})"
 
     def to_dict(self) -> dict:
         d = {"tokens": self.tokens, "labels": self.labels,
              "probs": [round(p, 6) for p in self.probs], "spans": self.spans}
-        if self.offsets is not None:
-            d["offsets"] = [list(o) for o in self.offsets]
+        offsets = self._offsets
+        if isinstance(offsets, np.ndarray):
+            d["offsets"] = offsets.tolist()
+        elif offsets is not None:
+            d["offsets"] = [list(o) for o in offsets]
         return d
 
 
@@ -525,7 +557,7 @@ class Engine:
     _LABELS = np.array(["c", "i"], dtype=object)
 
     def _results(self, tokens: Sequence[Sequence[str]], probs: Sequence[np.ndarray],
-                 offsets: Sequence[list[tuple[int, int]]] | None = None,
+                 offsets: Sequence[list[tuple[int, int]] | np.ndarray] | None = None,
                  texts: Sequence[str] | None = None, own_tokens: bool = False
                  ) -> list[TagResult]:
         """A :class:`TagResult` per input from its words' error probabilities: label "i" where
@@ -554,7 +586,7 @@ class Engine:
             for s, a, e in zip(owner.tolist(), (starts - bounds[owner]).tolist(),
                                (ends - bounds[owner]).tolist()):
                 if offsets is not None:
-                    c, d = offsets[s][a][0], offsets[s][e - 1][1]
+                    c, d = int(offsets[s][a][0]), int(offsets[s][e - 1][1])
                     span = {"start": c, "end": d, "text": texts[s][c:d]}
                 else:
                     span = {"start": a, "end": e}

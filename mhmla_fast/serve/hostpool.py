@@ -61,11 +61,12 @@ def _init(tokenizer_json: str, unk: str) -> None:
     _STATE.update(words=WordCache(pieces, unk))
 
 
-def _serve(tokenizer_json: str, unk: str, tasks, results) -> None:
-    """A worker: build the tokenizer, report ready, then answer ``(key, kind, chunk)`` tasks
-    with ``(key, True, result)`` (or ``(key, False, "<error>")``) until a None task."""
+def _serve(setup, tasks, results) -> None:
+    """A worker: take ``(tokenizer_json, unk)`` from ``setup``, build the tokenizer, report
+    ready, then answer ``(key, kind, chunk)`` tasks with ``(key, True, result)`` (or
+    ``(key, False, "<error>")``) until a None task."""
     results.cancel_join_thread()  # exiting never waits for a caller who stopped reading
-    _init(tokenizer_json, unk)
+    _init(*setup.get())
     results.put((_READY, True, os.getpid()))
     run = {"texts": _texts_task, "tokens": _tokens_task}
     while (task := tasks.get()) is not None:
@@ -120,15 +121,24 @@ class HostPool:
         self.workers = int(workers)
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        # The tokenizer (about a megabyte of JSON) goes to the workers on a queue, one copy
+        # each, not in the Process arguments: those are written to the child's pipe by the
+        # starting thread itself, which then blocks for good if the child dies before it has
+        # read them all (a script that starts the engine without the __main__ guard: its
+        # spawned children re-run it and exit); a queue's feeder thread writes instead.
+        # (Put after the starts: in such a child the start raises first, and the child exits
+        # instead of waiting at exit for its feeder thread to hand the copies to nobody.)
+        self._setup = ctx.Queue()
         self._calls = 0  # tags each call's tasks: results of an abandoned call are dropped
         self._lock = threading.Lock()  # one call at a time: the results queue is shared
         self.closed = False
-        self._procs = [ctx.Process(target=_serve, args=(tokenizer_json, unk, self._tasks,
-                                                        self._results),
+        self._procs = [ctx.Process(target=_serve, args=(self._setup, self._tasks, self._results),
                                    daemon=True, name=f"mhmla-host-{i}")
                        for i in range(self.workers)]
         for proc in self._procs:
             proc.start()
+        for _ in self._procs:
+            self._setup.put((tokenizer_json, unk))
         ready, deadline = 0, time.monotonic() + READY_TIMEOUT
         while ready < self.workers:
             left = deadline - time.monotonic()
@@ -138,7 +148,9 @@ class HostPool:
                 dead = [p.exitcode for p in self._procs if p.exitcode is not None]
                 if left <= 0 or dead:
                     self.close()
-                    why = (f"{len(dead)} exited (exit codes {sorted(set(dead))})" if dead
+                    why = (f"{len(dead)} exited (exit codes {sorted(set(dead))}; their errors "
+                           "are printed above; a script must start host workers under "
+                           "if __name__ == '__main__':)" if dead
                            else f"not ready within {READY_TIMEOUT:g} s")
                     raise RuntimeError(f"host_workers: {self.workers} worker processes did not "
                                        f"start: {why}") from None
@@ -146,20 +158,18 @@ class HostPool:
             ready += key == _READY
 
     def texts(self, texts: Sequence[str]
-              ) -> tuple[list[list[str]], list[list[tuple[int, int]]], list[tuple[np.ndarray, np.ndarray]]]:
-        """Words, code-point offsets and word-piece encoding of each text, in input order."""
+              ) -> tuple[list[list[str]], list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+        """Words, code-point offsets (an int64 [n, 2] array per text: ``TagResult`` takes them
+        so) and word-piece encoding of each text, in input order."""
         words: list[list[str]] = []
-        offsets: list[list[tuple[int, int]]] = []
+        offsets: list[np.ndarray] = []
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
         with self._lock:
             for w, n_tokens, offs, packed in self._map("texts", chunks):
                 words.extend(w)
-                pairs = list(zip(offs[:, 0].tolist(), offs[:, 1].tolist()))
-                a = 0
-                for n in n_tokens.tolist():
-                    offsets.append(pairs[a:a + n])
-                    a += n
+                edges = [0, *np.cumsum(n_tokens).tolist()]
+                offsets.extend(offs[a:b] for a, b in zip(edges[:-1], edges[1:]))
                 encoded.extend(_unpack(*packed))
         return words, offsets, encoded
 
@@ -228,4 +238,6 @@ class HostPool:
             self._tasks.cancel_join_thread()
         self._tasks.close()
         self._tasks.join_thread()
+        self._setup.cancel_join_thread()  # copies of dead workers are never read
+        self._setup.close()
         self._results.close()
