@@ -426,6 +426,11 @@ def test_tag_result_offsets_given_as_an_array_read_as_tuples():
     assert all(type(v) is int for o in arrayed.offsets for v in o)
     assert arrayed != TagResult(*args, [(0, 2), (3, 5), (6, 8)], spans)
     assert TagResult(*args, None, []).to_dict().keys() == {"tokens", "labels", "probs", "spans"}
+    import copy
+    import pickle
+
+    fresh = TagResult(*args, np.array([[0, 2], [3, 5], [6, 7]]), spans)
+    assert pickle.loads(pickle.dumps(fresh)) == listed == copy.deepcopy(fresh)
 
 
 def test_host_worker_results_equal_the_engines_own_with_plain_int_spans(hf_tokenizer):
