@@ -128,7 +128,8 @@ def test_tag_tokens_still_refuses_bad_words(hf_tokenizer):
         pass
 
     assert engine.tag_tokens([[Word("hello"), "there"]])[0].tokens == ["hello", "there"]
-    for bad in (["a", ""], "abc", ["a", 3], [b"x"]):
+    assert engine.tag_tokens([("a", "tuple"), []])[0].tokens == ["a", "tuple"]
+    for bad in (["a", ""], "abc", ["a", 3], [b"x"], 3, None, [None], Word("ab")):
         with pytest.raises(ValueError, match=r"sentences\[1\]"):
             engine.tag_tokens([["fine"], bad])
 

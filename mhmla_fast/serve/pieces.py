@@ -136,14 +136,17 @@ class WordCache:
         np = self._np
         flat = list(chain.from_iterable(sentences))
         with self._lock:
-            new = set(flat).difference(self._index)
-            if new and len(self._index) + len(new) > self.max_words:
-                self._clear()
-                new = set(flat)
-            if new:
+            try:  # every word seen before (the usual case): no set of the call's words made
+                word = np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
+                                   count=len(flat))
+            except KeyError:
+                new = set(flat).difference(self._index)
+                if len(self._index) + len(new) > self.max_words:
+                    self._clear()
+                    new = set(flat)
                 self._add(sorted(new))
-            word = np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
-                               count=len(flat))
+                word = np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
+                                   count=len(flat))
             count, start, table = self._count[word], self._start[word], self._ids
         n_words = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
         at = np.cumsum(count) - count  # each word's first piece in the output
