@@ -15,9 +15,10 @@ tag     in process, on the GED sentences (``--data``, default FCE dev + test fro
         timed as in ``bench/benchmark_serve_cpu.py`` (its functions are used): ``plain_torch``
         (fp32 on the device, the label reference), ``hf_pipeline`` per ``--pipeline-dtypes`` x
         ``--pipeline-batch-sizes``, ``engine`` (``Engine.load(backend="torch")``) per
-        ``--dtypes`` x ``--budgets`` x ``--chunks`` x ``--host-workers`` x ``--overlap`` (``off``:
-        each pass waited for before the next is packed), and ``engine`` on ONNX Runtime (fp32, int8)
-        where it applies: on the CPU, or on CUDA when onnxruntime has its CUDA provider. On cuda
+        ``--dtypes`` x ``--budgets`` x ``--max-batch`` x ``--chunks`` x ``--host-workers`` x
+        ``--overlap`` (``off``: each pass waited for before the next is packed), and ``engine``
+        on ONNX Runtime (fp32, int8) where it applies: on the CPU, or on CUDA when onnxruntime
+        has its CUDA provider. On cuda
         every row also gets ``vs_cpu_fp32``: the share of words whose label (stored threshold)
         equals the CPU fp32 engine's on the first ``--agree-sentences`` sentences.
 score   in process: ``load_scorer`` + ``predict_scores`` essays/s per ``--score-dtypes`` on a
@@ -145,7 +146,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="engine token budgets (cpu: 4096 8192 16384; cuda: 16384 65536)")
     g.add_argument("--chunks", type=int, nargs="+", default=[512, 0],
                    help="sentences per engine call (0: all in one call)")
-    g.add_argument("--max-batch", type=int, default=256, help="engine rows per batch")
+    g.add_argument("--max-batch", type=int, nargs="+", default=[256],
+                   help="engine rows per batch (several: a row each; on a GPU a pass's host "
+                        "cost is paid per batch, so larger batches amortise it)")
     g.add_argument("--host-workers", type=int, nargs="+", default=[0],
                    help="engine host_workers settings: processes that tokenise large calls "
                         "(0: the calling thread)")
@@ -237,12 +240,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("limit", "repeat_to", "threads", "agree_sentences", "http_requests"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("repeats", "max_batch", "plain_batch_size", "essays", "batch_essays",
+    for name in ("repeats", "plain_batch_size", "essays", "batch_essays",
                  "token_budget", "cli_repeats", "http_clients", "http_procs",
                  "train_sentences", "train_epochs", "train_dev_sentences", "http_check"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("budgets", "pipeline_batch_sizes", "cli_hf_batch_sizes", "http_per_request"):
+    for name in ("budgets", "max_batch", "pipeline_batch_sizes", "cli_hf_batch_sizes",
+                 "http_per_request"):
         if min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')}: every value must be at least 1")
     if min(args.chunks) < 0:
@@ -622,8 +626,8 @@ def run_tag(run: Run) -> list[dict]:
                 measure(base, tagbench.pipeline_tagger(pipe, bs))
         del pipe
 
-    settings = [(b, c, w, o) for b in args.budgets for c in args.chunks for w in args.host_workers
-                for o in args.overlap]
+    settings = [(b, m, c, w, o) for b in args.budgets for m in args.max_batch for c in args.chunks
+                for w in args.host_workers for o in args.overlap]
     engines = [(d, g) for d in args.dtypes for g in args.cuda_graphs]
     for dtype, graphs in engines if "engine" in args.tag_paths else []:
         try:
@@ -632,15 +636,15 @@ def run_tag(run: Run) -> list[dict]:
                                         cuda_graphs=graphs == "on"), None
         except Exception as e:  # noqa: BLE001
             engine, error = None, f"{type(e).__name__}: {e}"
-        for budget, chunk, workers, overlap in settings:
+        for budget, max_batch, chunk, workers, overlap in settings:
             base = {"path": "engine", "backend": "torch", "dtype": dtype, "kernels": args.kernels,
-                    "setting": {"token_budget": budget, "max_batch": args.max_batch,
+                    "setting": {"token_budget": budget, "max_batch": max_batch,
                                 "chunk": chunk, "host_workers": workers, "overlap": overlap,
                                 "cuda_graphs": graphs}}
             if engine is None:
                 finish(tagbench.error_row(base, error), None)
                 continue
-            budgeted = tagbench.with_budget(engine, budget, args.max_batch, workers)
+            budgeted = tagbench.with_budget(engine, budget, max_batch, workers)
             if overlap == "off":
                 budgeted.runner = Synchronous(engine.runner)
             tag = tagbench.engine_tagger(budgeted, chunk)
@@ -671,15 +675,16 @@ def run_tag(run: Run) -> list[dict]:
                 error = None
             except Exception as e:  # noqa: BLE001
                 engine, error = None, f"{type(e).__name__}: {e}"
-            for budget, chunk in dict.fromkeys((b, c) for b, c, *_ in settings):  # no workers
+            for budget, max_batch, chunk in dict.fromkeys(  # (no host workers here)
+                    (b, m, c) for b, m, c, *_ in settings):
                 base = {"path": "engine", "backend": "onnx", "dtype": dtype,
-                        "setting": {"token_budget": budget, "max_batch": args.max_batch,
+                        "setting": {"token_budget": budget, "max_batch": max_batch,
                                     "chunk": chunk}}
                 if engine is None:
                     finish(tagbench.error_row(base, error), None)
                 else:
                     measure(base, tagbench.engine_tagger(
-                        tagbench.with_budget(engine, budget, args.max_batch), chunk))
+                        tagbench.with_budget(engine, budget, max_batch), chunk))
             del engine
     return rows
 

@@ -215,19 +215,29 @@ PY
   engine-next)  # one call (<= 9.5 min; carry [".gpu/data", ".gpu/minilm"]): the engine's GPU
     # tests, then the engine at the size (bf16, warm-up on every sentence so that the
     # autotuner's timings stay out of the timed pass, CUDA graphs off/on x 0/8 host workers, a
-    # cProfile pass per row), then 2 epochs of 8,192 sentences of GED training under cProfile
+    # cProfile pass per row), then passes of 1024 rows instead of 256, then 2 epochs of 8,192 sentences of GED training under cProfile
     # (where a compiled step's host time goes). The stand-in encoder: speed only (see above)
     prepare
-    timeout "${T_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider \
+    timeout "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider \
       tests/test_serve_engine_host.py tests/test_serve_hostpool.py \
       > "$OUT/tests_engine_gpu.log" 2>&1 || true
     tail -3 "$OUT/tests_engine_gpu.log"
-    STAGE_TIMEOUT=${T_TAG:-240} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
+    STAGE_TIMEOUT=${T_TAG:-220} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
       --repeat-to 98840 --warmup 98840 --repeats 1 --chunks 0 --budgets 65536 \
       --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs off on --profile \
       --out "$OUT/tag_engine_next.json" > "$OUT/tag_engine_next.log" 2>&1 || true
     grep -E "^  tag" "$OUT/tag_engine_next.log" || tail -3 "$OUT/tag_engine_next.log"
-    T_PROFILE=${T_PROFILE:-180} train_profile --max-train-sentences 8192 \
+    # larger passes: the eager pass's host cost (~15 ms, 874 operator calls) is paid per pass,
+    # so 1024 rows a pass should show it if it is the bound (graphs off), and what graphs add
+    # (half the sentences: the plain_torch reference row runs again; the log is appended to
+    # tag_engine_next.log: a call returns at most 8 files)
+    echo "=== --max-batch 1024" >> "$OUT/tag_engine_next.log"
+    STAGE_TIMEOUT=${T_MB:-90} bench --tasks tag --tag-paths engine --repeat-to 49420 \
+      --warmup 49420 --repeats 1 --chunks 0 --budgets 65536 --max-batch 1024 --dtypes bfloat16 \
+      --host-workers 0 --overlap on --cuda-graphs off on \
+      --out "$OUT/tag_engine_max_batch.json" >> "$OUT/tag_engine_next.log" 2>&1 || true
+    sed -n '/=== --max-batch/,$p' "$OUT/tag_engine_next.log" | grep -E "^  tag" || tail -3 "$OUT/tag_engine_next.log"
+    T_PROFILE=${T_PROFILE:-130} train_profile --max-train-sentences 8192 \
       --train "$MHMLA_SHARED_DATA/fce/fce-public.train.original.tsv" \
       --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" ;;
   pack-aes)  # here: the whole ASAP TSV (gzip, 5 MB) and the T&N folds in .gpu/aes, for aes-epoch

@@ -40,10 +40,12 @@ def test_arguments_take_device_defaults_and_refuse_bad_values(bench):
     assert gpu.tasks == ["tag", "http"]  # always in the fixed order
     assert gpu.http_procs == 4 and gpu.train_epochs == 2
     assert bench.parse_args(["--dtypes", "float16", "--budgets", "512"]).budgets == [512]
+    assert cpu.max_batch == [256]
+    assert bench.parse_args(["--max-batch", "8", "64"]).max_batch == [8, 64]
     for bad in (["--device", "tpu"], ["--tasks", "nope"], ["--limit", "0"],
                 ["--budgets", "0"], ["--chunks", "-1"], ["--http-clients", "2",
                                                           "--http-procs", "3"],
-                ["--http-duration", "0"], ["--repeats", "0"]):
+                ["--http-duration", "0"], ["--repeats", "0"], ["--max-batch", "8", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
@@ -228,17 +230,19 @@ def test_tag_task_end_to_end(bench, tiny_tagger_dir, tmp_path, monkeypatch, caps
     rc = bench.main(["--tasks", "tag", "--model", str(tiny_tagger_dir), "--data", str(data),
                      "--repeat-to", "30", "--repeats", "1", "--warmup", "2", "--threads", "1",
                      "--pipeline-batch-sizes", "4", "--budgets", "256", "--chunks", "0", "5",
-                     "--overlap", "on", "off", "--no-onnx", "--out", str(out)])
+                     "--overlap", "on", "off", "--max-batch", "4", "256", "--no-onnx",
+                     "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     result = json.loads(out.read_text())
     _check_header(result, ["tag"])
     assert result["header"]["data"]["distinct_sentences"] == 12
     assert result["header"]["data"]["sentences"] == 30
     kinds = sorted((r["path"], r.get("dtype"), r["setting"].get("chunk"),
-                    r["setting"].get("overlap", "")) for r in result["rows"])
-    assert kinds == [("engine", "float32", 0, "off"), ("engine", "float32", 0, "on"),
-                     ("engine", "float32", 5, "off"), ("engine", "float32", 5, "on"),
-                     ("hf_pipeline", "float32", None, ""), ("plain_torch", "float32", None, "")]
+                    r["setting"].get("overlap", ""), r["setting"].get("max_batch", 0))
+                   for r in result["rows"])
+    assert kinds == [("engine", "float32", c, o, m) for c in (0, 5) for o in ("off", "on")
+                     for m in (4, 256)] + [("hf_pipeline", "float32", None, "", 0),
+                                           ("plain_torch", "float32", None, "", 0)]
     for r in result["rows"]:
         assert r["task"] == "tag" and r["error"] is None and r["sentences_per_s"] > 0
         assert r["vs_reference"]["labels_identical"] or r["path"] == "plain_torch"
