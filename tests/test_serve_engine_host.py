@@ -432,6 +432,16 @@ def test_tag_result_offsets_given_as_an_array_read_as_tuples():
 
     fresh = TagResult(*args, np.array([[0, 2], [3, 5], [6, 7]]), spans)
     assert pickle.loads(pickle.dumps(fresh)) == listed == copy.deepcopy(fresh)
+    import dataclasses  # still a dataclass: asdict, replace and fields work as before
+
+    fresh = TagResult(*args, np.array([[0, 2], [3, 5], [6, 7]]), spans)
+    assert dataclasses.asdict(fresh) == dataclasses.asdict(listed)
+    assert dataclasses.asdict(fresh)["offsets"] == [(0, 2), (3, 5), (6, 7)]
+    assert [f.name for f in dataclasses.fields(TagResult)] == [
+        "tokens", "labels", "probs", "offsets", "spans"]
+    assert dataclasses.replace(listed, spans=[]).spans == [] and listed.spans == spans
+    with pytest.raises(TypeError):  # every field is still required
+        TagResult(*args, None)
 
 
 def test_host_worker_results_equal_the_engines_own_with_plain_int_spans(hf_tokenizer):

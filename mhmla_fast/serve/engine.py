@@ -55,6 +55,27 @@ _LIST_TYPES = frozenset({list, tuple})
 TAGGER_FORMAT = "mhmla-ged-tagger/1"  # config.json "format" of a tagger (ged.model)
 
 
+class _LazyOffsets:
+    """The ``offsets`` field of :class:`TagResult`: stored as given, a list of ``(start, end)``
+    tuples or an int [n, 2] array, and read as the list (made from the array once, at the
+    first read). Raises AttributeError on the class, so the dataclass field has no default."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            raise AttributeError(self.key[1:])
+        value = obj.__dict__[self.key]
+        if isinstance(value, np.ndarray):
+            value = obj.__dict__[self.key] = list(map(tuple, value.tolist()))
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.key] = value
+
+
+@dataclass
 class TagResult:
     """One input's tags: ``tokens``, their ``labels`` ("c"/"i") and error ``probs``;
     ``offsets`` ([start, end) code-point offsets into the text, raw text only) and
@@ -63,45 +84,21 @@ class TagResult:
     token spans (end exclusive) for pre-tokenised input.
 
     ``offsets`` may be given as an int [n, 2] array (the host workers send them so): it is
-    then kept as the array and read as a list of tuples on first access, and :meth:`to_dict`
+    kept as the array and read as the list of tuples on first access, and :meth:`to_dict`
     reads the array itself. A tuple per word made up front, and walked by the garbage
     collector after every large call, was a quarter of the engine process's CPU per sentence
     with host workers (``bench/benchmark_host_path.py``)."""
 
-    __slots__ = ("tokens", "labels", "probs", "_offsets", "spans")
-
-    def __init__(self, tokens: list[str], labels: list[str], probs: list[float],
-                 offsets: list[tuple[int, int]] | np.ndarray | None, spans: list[dict]) -> None:
-        self.tokens, self.labels, self.probs, self.spans = tokens, labels, probs, spans
-        self._offsets = offsets
-
-    @property
-    def offsets(self) -> list[tuple[int, int]] | None:
-        if isinstance(self._offsets, np.ndarray):
-            self._offsets = list(map(tuple, self._offsets.tolist()))
-        return self._offsets
-
-    @offsets.setter
-    def offsets(self, value: list[tuple[int, int]] | np.ndarray | None) -> None:
-        self._offsets = value
-
-    _FIELDS = ("tokens", "labels", "probs", "offsets", "spans")
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return all(getattr(self, f) == getattr(other, f) for f in self._FIELDS)
-
-    __hash__ = None  # mutable, as a dataclass
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS)
-        return f"TagResult({fields})"
+    tokens: list[str]
+    labels: list[str]
+    probs: list[float]
+    offsets: list[tuple[int, int]] | None = _LazyOffsets()  # (the descriptor: no default)
+    spans: list[dict]
 
     def to_dict(self) -> dict:
         d = {"tokens": self.tokens, "labels": self.labels,
              "probs": [round(p, 6) for p in self.probs], "spans": self.spans}
-        offsets = self._offsets
+        offsets = self.__dict__["_offsets"]
         if isinstance(offsets, np.ndarray):
             d["offsets"] = offsets.tolist()
         elif offsets is not None:
