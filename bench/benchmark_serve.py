@@ -18,9 +18,9 @@ tag     in process, on the GED sentences (``--data``, default FCE dev + test fro
         ``--dtypes`` x ``--budgets`` x ``--max-batch`` x ``--chunks`` x ``--host-workers`` x
         ``--overlap`` (``off``: each pass waited for before the next is packed), and ``engine``
         on ONNX Runtime (fp32, int8) where it applies: on the CPU, or on CUDA when onnxruntime
-        has its CUDA provider. On cuda
-        every row also gets ``vs_cpu_fp32``: the share of words whose label (stored threshold)
-        equals the CPU fp32 engine's on the first ``--agree-sentences`` sentences.
+        has its CUDA provider. On cuda every row also gets ``vs_cpu_fp32``: the share of words
+        whose label (stored threshold) equals the CPU fp32 engine's on the first
+        ``--agree-sentences`` sentences.
 score   in process: ``load_scorer`` + ``predict_scores`` essays/s per ``--score-dtypes`` on a
         stratified ASAP sample (``--essays``; ``bench/benchmark_serve_score_cpu.py``'s sample).
 cli     whole processes, wall clock from spawn to exit and the time until the output file holds

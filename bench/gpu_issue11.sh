@@ -215,8 +215,9 @@ PY
   engine-next)  # one call (<= 9.5 min; carry [".gpu/data", ".gpu/minilm"]): the engine's GPU
     # tests, then the engine at the size (bf16, warm-up on every sentence so that the
     # autotuner's timings stay out of the timed pass, CUDA graphs off/on x 0/8 host workers, a
-    # cProfile pass per row), then passes of 1024 rows instead of 256, then 2 epochs of 8,192 sentences of GED training under cProfile
-    # (where a compiled step's host time goes). The stand-in encoder: speed only (see above)
+    # cProfile pass per row), then passes of 1024 rows instead of 256, then 2 epochs of 8,192
+    # sentences of GED training under cProfile (where a compiled step's host time goes). The
+    # stand-in encoder: speed only (see above)
     prepare
     timeout "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider \
       tests/test_serve_engine_host.py tests/test_serve_hostpool.py \
@@ -236,7 +237,8 @@ PY
       --warmup 49420 --repeats 1 --chunks 0 --budgets 65536 --max-batch 1024 --dtypes bfloat16 \
       --host-workers 0 --overlap on --cuda-graphs off on \
       --out "$OUT/tag_engine_max_batch.json" >> "$OUT/tag_engine_next.log" 2>&1 || true
-    sed -n '/=== --max-batch/,$p' "$OUT/tag_engine_next.log" | grep -E "^  tag" || tail -3 "$OUT/tag_engine_next.log"
+    sed -n '/=== --max-batch/,$p' "$OUT/tag_engine_next.log" | grep -E "^  tag" \
+      || tail -3 "$OUT/tag_engine_next.log"
     T_PROFILE=${T_PROFILE:-130} train_profile --max-train-sentences 8192 \
       --train "$MHMLA_SHARED_DATA/fce/fce-public.train.original.tsv" \
       --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" ;;

@@ -85,10 +85,15 @@ def _pack(encoded: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...
     return counts, ids.astype(np.int32, copy=False), first
 
 
+def _spans(counts: np.ndarray) -> list[tuple[int, int]]:
+    """[a, b) row ranges of consecutive items of ``counts`` rows each."""
+    edges = [0, *np.cumsum(counts).tolist()]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def _unpack(counts: np.ndarray, ids: np.ndarray, first: np.ndarray
             ) -> list[tuple[np.ndarray, np.ndarray]]:
-    edges = [0, *np.cumsum(counts).tolist()]
-    return [(ids[a:b], first[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+    return [(ids[a:b], first[a:b]) for a, b in _spans(counts)]
 
 
 def _texts_task(texts: Sequence[str]):
@@ -168,8 +173,7 @@ class HostPool:
         with self._lock:
             for w, n_tokens, offs, packed in self._map("texts", chunks):
                 words.extend(w)
-                edges = [0, *np.cumsum(n_tokens).tolist()]
-                offsets.extend(offs[a:b] for a, b in zip(edges[:-1], edges[1:]))
+                offsets.extend(offs[a:b] for a, b in _spans(n_tokens))
                 encoded.extend(_unpack(*packed))
         return words, offsets, encoded
 

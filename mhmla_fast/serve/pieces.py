@@ -135,18 +135,20 @@ class WordCache:
         starts, else -1 (int64 [P]), as :func:`~mhmla_fast.serve.engine.encode_words`."""
         np = self._np
         flat = list(chain.from_iterable(sentences))
+        def lookup() -> Any:  # each word's row (KeyError for a word not seen before)
+            return np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
+                               count=len(flat))
+
         with self._lock:
             try:  # every word seen before (the usual case): no set of the call's words made
-                word = np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
-                                   count=len(flat))
+                word = lookup()
             except KeyError:
                 new = set(flat).difference(self._index)
                 if len(self._index) + len(new) > self.max_words:
                     self._clear()
                     new = set(flat)
                 self._add(sorted(new))
-                word = np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
-                                   count=len(flat))
+                word = lookup()
             count, start, table = self._count[word], self._start[word], self._ids
         n_words = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
         at = np.cumsum(count) - count  # each word's first piece in the output
