@@ -261,6 +261,54 @@ def test_mean_feature_cache_is_each_layers_token_mean_of_every_window(tiny_encod
         build_feature_cache(tmp_path, ids, texts, pooling="max", **kw)
 
 
+def test_both_feature_caches_come_from_one_encoder_pass_and_resume_together(tiny_encoder,
+                                                                              tmp_path,
+                                                                              monkeypatch):
+    """build_feature_caches(poolings=("cls", "mean")) runs the encoder once per batch for
+    both caches, whose files equal the ones built one pooling at a time; a run stopped
+    part-way resumes both, and a pooling whose cache exists is read, not encoded again."""
+    from mhmla_fast.aes import features
+    from mhmla_fast.aes.features import build_feature_cache, build_feature_caches, cache_path
+
+    rng = random.Random(5)
+    texts = [essay_text(rng, i % 4, n) for i, n in enumerate([4, 55, 20, 9, 33])]
+    ids = [31, 32, 33, 34, 35]
+    kw = dict(encoder=tiny_encoder, window=32, shard_size=2, progress=None)
+    one = {q: build_feature_cache(tmp_path / "one", ids, texts, pooling=q, **kw)
+           for q in ("cls", "mean")}
+
+    passes = []
+    real = features.encode_window_poolings
+    monkeypatch.setattr(features, "encode_window_poolings",
+                        lambda *a, **k: passes.append(tuple(k["poolings"])) or real(*a, **k))
+    partial = build_feature_caches(tmp_path / "two", ids, texts, poolings=("cls", "mean"),
+                                   stop_after_shards=1, **kw)
+    assert passes == [("cls", "mean")] and len(partial["mean"].essay_ids) == 2
+    both = build_feature_caches(tmp_path / "two", ids, texts, poolings=("cls", "mean"), **kw)
+    assert passes == [("cls", "mean")] * 3  # 3 chunks of at most 2 essays, each encoded once
+    for q in ("cls", "mean"):
+        assert cache_path(tmp_path / "two", tiny_encoder, ids, texts, 32, q).is_file()
+        assert list(both[q].essay_ids) == ids
+        assert both[q].n_windows.tolist() == one[q].n_windows.tolist()
+        torch.testing.assert_close(both[q].features, one[q].features, rtol=0, atol=0)
+        assert both[q].meta.get("pooling") == one[q].meta.get("pooling")
+    assert not list((tmp_path / "two").glob("*.shards*"))
+
+    # the cls cache exists: only the mean one is encoded, its shards alone
+    cache_path(tmp_path / "two", tiny_encoder, ids, texts, 32, "mean").unlink()
+    passes.clear()
+    again = build_feature_caches(tmp_path / "two", ids, texts, poolings=("mean", "cls"), **kw)
+    assert passes == [("mean",)] * 3
+    torch.testing.assert_close(again["mean"].features, one["mean"].features, rtol=0, atol=0)
+    passes.clear()
+    build_feature_caches(tmp_path / "two", ids, texts, poolings=("cls", "mean"), **kw)
+    assert passes == []  # both on disk: read
+    with pytest.raises(ValueError, match="poolings"):
+        build_feature_caches(tmp_path / "two", ids, texts, poolings=(), **kw)
+    with pytest.raises(ValueError, match="pooling"):
+        build_feature_caches(tmp_path / "two", ids, texts, poolings=("cls", "max"), **kw)
+
+
 def write_asap(root, n_per_prompt: int = 30, folds: int = 1):
     """A tiny ASAP-like TSV (prompts 3 and 4) and ``folds`` Taghipour & Ng-style folds (fold f
     shifts the split of essay i by f: another fold's test split overlaps fold 0's train)."""

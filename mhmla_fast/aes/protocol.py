@@ -284,9 +284,8 @@ def run_cpu_protocol(
     fold_ids = read_folds(folds_dir)
     run = Path(run_dir)
     (run / "units").mkdir(parents=True, exist_ok=True)
-    caches = {pooling: load_prompt_caches(essays, prompts, cache_dir, encoder, pooling=pooling,
-                                          log=log)
-              for pooling in poolings_of(models)}
+    caches = load_prompt_caches(essays, prompts, cache_dir, encoder,
+                                poolings=poolings_of(models), log=log)
     overrides = dict(overrides or {})
 
     units: dict[str, dict[int, dict[int, dict]]] = {m: {} for m in models}

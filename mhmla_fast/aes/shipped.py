@@ -38,7 +38,7 @@ def train_joint_scorer(
     tsv, folds_dir = asap_files(data_dir)
     essays = read_asap(tsv)
     fold_ids = read_folds(folds_dir)
-    caches = load_prompt_caches(essays, prompts, cache_dir, encoder, log=log)
+    caches = load_prompt_caches(essays, prompts, cache_dir, encoder, log=log)["cls"]
     splits = {p: split_essays(essays, fold_ids, fold, prompt=p) for p in prompts}
     joined = {s: FeatureSplit.concat([feature_split(caches[p], splits[p][s]) for p in prompts])
               for s in ("train", "dev", "test")}

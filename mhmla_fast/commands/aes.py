@@ -165,9 +165,8 @@ def run_train(args) -> int:
             from ..aes.train import asap_files, load_prompt_caches, poolings_of
 
             essays = read_asap(asap_files(args.data_dir)[0])
-            for pooling in poolings_of(_models(args)):
-                load_prompt_caches(essays, prompts, args.cache_dir, args.encoder,
-                                   pooling=pooling, log=_log(args))
+            load_prompt_caches(essays, prompts, args.cache_dir, args.encoder,
+                               poolings=poolings_of(_models(args)), log=_log(args))
             print(f"feature caches ready in {args.cache_dir}")
             return 0
         from ..aes.train import run_cpu_protocol
