@@ -337,6 +337,25 @@ def write_asap(root, n_per_prompt: int = 30, folds: int = 1):
     return root
 
 
+def test_cache_only_builds_each_pooling_the_models_need(tiny_encoder, tmp_path, capsys):
+    """mhmla-train aes --cache-only: the [CLS] cache of every prompt, and the mean one too when
+    a chosen model reads it (both from one encoder pass); nothing is trained."""
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=10)
+    common = ["aes", "--cache-only", "--data-dir", str(data), "--encoder", tiny_encoder,
+              "--prompt", "3,4", "--quiet"]
+    assert mhmla_train([*common, "--cache-dir", str(tmp_path / "a"), "--models", "ridge-layers"]) == 0
+    names = sorted(p.name for p in (tmp_path / "a").glob("*.safetensors"))
+    assert len(names) == 2 and not any("-mean-" in n for n in names)  # one per prompt
+    assert mhmla_train([*common, "--cache-dir", str(tmp_path / "b"),
+                        "--models", "ridge-layers-both-surface"]) == 0
+    names = sorted(p.name for p in (tmp_path / "b").glob("*.safetensors"))
+    assert len(names) == 4 and sum("-mean-" in n for n in names) == 2
+    assert "feature caches ready" in capsys.readouterr().out
+    assert not list((tmp_path / "b").glob("*.shards*"))
+
+
 def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     data = write_asap(tmp_path / "data")
     kw = dict(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run",
