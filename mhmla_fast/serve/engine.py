@@ -477,9 +477,19 @@ class Engine:
         sentences' word-piece encoding, if already made).
 
         The probabilities of all sentences live in one array (the returned arrays are views of
-        it). A sentence that fits the encoder is one window holding all its words, so a forward
-        pass's such rows are merged in one gather; only windows of long inputs go through
-        :meth:`_merge_window`."""
+        it, :meth:`_flat_word_probs`)."""
+        flat, word_start = self._flat_word_probs(sentences, on_pieces, encoded)
+        edges = word_start.tolist()
+        return [flat[a:b] for a, b in zip(edges[:-1], edges[1:])]
+
+    def _flat_word_probs(self, sentences: Sequence[Sequence[str]], on_pieces=None,
+                         encoded: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`word_probs` as one array: (probabilities [W] float32 of all words, sentence
+        after sentence; word_start [S + 1], sentence s's words at ``word_start[s]:word_start[s +
+        1]``). A sentence that fits the encoder is one window holding all its words, so a
+        forward pass's such rows are merged in one gather; only windows of long inputs go
+        through :meth:`_merge_window`."""
         if encoded is None:
             encoded = self._encode(sentences)
         n_words = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
@@ -515,8 +525,7 @@ class Engine:
                     s, start, end = long_rows[k]
                     self._merge_window(encoded[s][1][start:end], out[r],
                                        flat[word_start[s]:word_start[s + 1]], margin[s])
-        edges = word_start.tolist()
-        return [flat[a:b] for a, b in zip(edges[:-1], edges[1:])]
+        return flat, word_start
 
     # ------------------------------------------------------- tagging window by window
 
@@ -588,6 +597,16 @@ class Engine:
         sizes = np.fromiter(map(len, probs), dtype=np.int64, count=len(probs))
         bounds = np.zeros(len(probs) + 1, dtype=np.int64)
         np.cumsum(sizes, out=bounds[1:])
+        return self._flat_results(tokens, flat, bounds, offsets, texts, own_tokens)
+
+    def _flat_results(self, tokens: Sequence[Sequence[str]], flat: np.ndarray, bounds: np.ndarray,
+                      offsets: Sequence[list[tuple[int, int]] | np.ndarray] | None = None,
+                      texts: Sequence[str] | None = None, own_tokens: bool = False
+                      ) -> list[TagResult]:
+        """:meth:`_results` on the probabilities of all inputs in one array, ``flat`` [W], input
+        s's at ``bounds[s]:bounds[s + 1]`` (as :meth:`_flat_word_probs` gives them: no
+        per-input arrays to make and concatenate again)."""
+        sizes = np.diff(bounds)
         flags = flat >= self.threshold
         labels = self._LABELS[flags.view(np.int8)].tolist()
         values = flat.tolist()
@@ -616,7 +635,7 @@ class Engine:
                           labels[edges[s]:edges[s + 1]],
                           values[edges[s]:edges[s + 1]],
                           None if offsets is None else offsets[s], spans.get(s) or [])
-                for s in range(len(probs))]
+                for s in range(len(bounds) - 1)]
 
     def tag_tokens(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[TagResult]:
         """Tag pre-tokenised sentences (lists of words); ``on_pieces``: see :meth:`word_probs`."""
@@ -624,7 +643,8 @@ class Engine:
         with gc_paused():
             pool = self._host_pool(len(sentences))
             encoded = pool.tokens(sentences) if pool is not None else None
-            return self._results(sentences, self.word_probs(sentences, on_pieces, encoded))
+            return self._flat_results(sentences,
+                                      *self._flat_word_probs(sentences, on_pieces, encoded))
 
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
@@ -637,8 +657,8 @@ class Engine:
             else:
                 words, offsets = word_tokenize_texts(texts)
                 encoded = None
-            return self._results(words, self.word_probs(words, on_pieces, encoded), offsets,
-                                 texts, own_tokens=True)  # the word lists are this call's own
+            return self._flat_results(words, *self._flat_word_probs(words, on_pieces, encoded),
+                                      offsets, texts, own_tokens=True)  # the call's own word lists
 
     def _host_pool(self, n_inputs: int):
         """The host workers for a call of ``n_inputs`` inputs, or None (none asked for, or too
