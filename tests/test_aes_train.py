@@ -149,18 +149,25 @@ def essay_text(rng: random.Random, score: int, n: int) -> str:
     return " ".join(words)
 
 
+def build_cache(cache_dir, ids, texts, pooling="cls", **kw):
+    """The one feature cache of ``pooling`` (``build_feature_caches`` with one pooling)."""
+    from mhmla_fast.aes.features import build_feature_caches
+
+    return build_feature_caches(cache_dir, ids, texts, poolings=(pooling,), **kw)[pooling]
+
+
 def test_feature_cache_resumes_and_equals_the_frozen_scorer(tiny_encoder, tmp_path):
-    from mhmla_fast.aes.features import build_feature_cache, cache_path, encode_window_features
+    from mhmla_fast.aes.features import cache_path, encode_window_features
     from mhmla_fast.aes.model import EssayScorer, ScorerConfig, load_tokenizer
 
     rng = random.Random(0)
     texts = [essay_text(rng, i % 4, n) for i, n in enumerate([5, 70, 12, 40, 3])]
     ids = [11, 12, 13, 14, 15]
     kw = dict(encoder=tiny_encoder, window=32, shard_size=2, progress=None)
-    partial = build_feature_cache(tmp_path, ids, texts, stop_after_shards=1, **kw)
+    partial = build_cache(tmp_path, ids, texts, stop_after_shards=1, **kw)
     assert len(partial.essay_ids) == 2  # one shard of the two shortest essays
     assert not cache_path(tmp_path, tiny_encoder, ids, texts, 32).is_file()
-    full = build_feature_cache(tmp_path, ids, texts, **kw)  # resumes, merges
+    full = build_cache(tmp_path, ids, texts, **kw)  # resumes, merges
     assert cache_path(tmp_path, tiny_encoder, ids, texts, 32).is_file()
     assert list(full.essay_ids) == ids and full.n_windows.tolist() == [1, 3, 1, 2, 1]
 
@@ -180,7 +187,7 @@ def test_feature_cache_resumes_and_equals_the_frozen_scorer(tiny_encoder, tmp_pa
         cached = scorer.head.window_outputs(scorer.head.forward_cls(full.features.float(), 8))
     np.testing.assert_allclose(average_windows(cached.double().numpy(), index),
                                np.stack(outputs), atol=2e-3)
-    again = build_feature_cache(tmp_path, list(reversed(ids)), list(reversed(texts)), **kw)
+    again = build_cache(tmp_path, list(reversed(ids)), list(reversed(texts)), **kw)
     assert list(again.essay_ids) == list(reversed(ids))  # a different order is a new cache
 
 
@@ -195,7 +202,7 @@ def test_a_second_builder_of_a_feature_cache_waits_then_reads_it(tiny_encoder, t
 
     from mhmla_fast import filelock
     from mhmla_fast.aes import features
-    from mhmla_fast.aes.features import build_feature_cache, cache_path
+    from mhmla_fast.aes.features import cache_path
 
     if not filelock.SUPPORTED:
         pytest.skip("no flock on this platform")
@@ -208,7 +215,7 @@ def test_a_second_builder_of_a_feature_cache_waits_then_reads_it(tiny_encoder, t
     assert filelock.try_lock(fd)  # as another process building it holds it
     said, got = [], []
     kw = dict(encoder=tiny_encoder, window=32, shard_size=2)
-    t = threading.Thread(target=lambda: got.append(build_feature_cache(
+    t = threading.Thread(target=lambda: got.append(build_cache(
         tmp_path, ids, texts, progress=said.append, **kw)))
     t.start()
     time.sleep(0.5)
@@ -223,13 +230,13 @@ def test_a_second_builder_of_a_feature_cache_waits_then_reads_it(tiny_encoder, t
     monkeypatch.setattr(features, "_save", lambda p, *a: None if p.name == "shard-00001.safetensors"
                         else real_save(p, *a))
     with pytest.raises(ValueError, match="shards are missing"):
-        build_feature_cache(tmp_path / "other", ids, texts, progress=None, **kw)
+        build_cache(tmp_path / "other", ids, texts, progress=None, **kw)
 
 
 def test_mean_feature_cache_is_each_layers_token_mean_of_every_window(tiny_encoder, tmp_path):
     """pooling="mean": per window and layer, the float64 mean of the hidden states of the
     window encoded alone (no padding), [CLS] and [SEP] included; a cache of its own."""
-    from mhmla_fast.aes.features import build_feature_cache, cache_path
+    from mhmla_fast.aes.features import cache_path
     from mhmla_fast.aes.model import (EssayScorer, ScorerConfig, encode_essay_windows,
                                       load_tokenizer)
 
@@ -237,8 +244,8 @@ def test_mean_feature_cache_is_each_layers_token_mean_of_every_window(tiny_encod
     texts = [essay_text(rng, i % 4, n) for i, n in enumerate([4, 55, 20])]
     ids = [21, 22, 23]
     kw = dict(encoder=tiny_encoder, window=32, shard_size=2, progress=None)
-    cls = build_feature_cache(tmp_path, ids, texts, **kw)
-    mean = build_feature_cache(tmp_path, ids, texts, pooling="mean", **kw)
+    cls = build_cache(tmp_path, ids, texts, **kw)
+    mean = build_cache(tmp_path, ids, texts, pooling="mean", **kw)
     assert cache_path(tmp_path, tiny_encoder, ids, texts, 32, "mean").name.count("-mean-") == 1
     assert cache_path(tmp_path, tiny_encoder, ids, texts, 32, "mean").is_file()
     assert mean.n_windows.tolist() == cls.n_windows.tolist() == [1, 2, 1]
@@ -258,7 +265,7 @@ def test_mean_feature_cache_is_each_layers_token_mean_of_every_window(tiny_encod
                                        torch.stack([h[0, 0].double() for h in hs]),
                                        atol=4e-3, rtol=2e-3)
     with pytest.raises(ValueError, match="pooling"):
-        build_feature_cache(tmp_path, ids, texts, pooling="max", **kw)
+        build_cache(tmp_path, ids, texts, pooling="max", **kw)
 
 
 def test_both_feature_caches_come_from_one_encoder_pass_and_resume_together(tiny_encoder,
@@ -268,13 +275,13 @@ def test_both_feature_caches_come_from_one_encoder_pass_and_resume_together(tiny
     both caches, whose files equal the ones built one pooling at a time; a run stopped
     part-way resumes both, and a pooling whose cache exists is read, not encoded again."""
     from mhmla_fast.aes import features
-    from mhmla_fast.aes.features import build_feature_cache, build_feature_caches, cache_path
+    from mhmla_fast.aes.features import build_feature_caches, cache_path
 
     rng = random.Random(5)
     texts = [essay_text(rng, i % 4, n) for i, n in enumerate([4, 55, 20, 9, 33])]
     ids = [31, 32, 33, 34, 35]
     kw = dict(encoder=tiny_encoder, window=32, shard_size=2, progress=None)
-    one = {q: build_feature_cache(tmp_path / "one", ids, texts, pooling=q, **kw)
+    one = {q: build_cache(tmp_path / "one", ids, texts, pooling=q, **kw)
            for q in ("cls", "mean")}
 
     passes = []
@@ -799,7 +806,7 @@ def test_a_feature_cache_of_other_encoder_weights_under_the_same_name_is_refused
     from transformers import BertModel
 
     from mhmla_fast.aes import features
-    from mhmla_fast.aes.features import build_feature_cache, cache_path
+    from mhmla_fast.aes.features import cache_path
 
     enc = tmp_path / "encoder"
     shutil.copytree(tiny_encoder, enc)
@@ -807,7 +814,7 @@ def test_a_feature_cache_of_other_encoder_weights_under_the_same_name_is_refused
     texts = [essay_text(rng, i % 4, n) for i, n in enumerate([5, 12, 3])]
     ids = [1, 2, 3]
     kw = dict(encoder=str(enc), window=32, progress=None)
-    first = build_feature_cache(tmp_path / "cache", ids, texts, **kw)
+    first = build_cache(tmp_path / "cache", ids, texts, **kw)
     assert first.meta["encoder_sha256"] == features.encoder_fingerprint(str(enc))
     torch.manual_seed(7)
     model = BertModel.from_pretrained(enc)
@@ -817,11 +824,11 @@ def test_a_feature_cache_of_other_encoder_weights_under_the_same_name_is_refused
     model.save_pretrained(enc)  # other weights, same name
     features.encoder_fingerprint.cache_clear()  # a new process
     with pytest.raises(ValueError, match="encoded with other files under the encoder name"):
-        build_feature_cache(tmp_path / "cache", ids, texts, **kw)
+        build_cache(tmp_path / "cache", ids, texts, **kw)
     path = cache_path(tmp_path / "cache", str(enc), ids, texts, 32)
     legacy = {k: v for k, v in first.meta.items() if k != "encoder_sha256"}
     features._save(path, first.features, first.essay_ids, first.n_windows, legacy)
-    assert "encoder_sha256" not in build_feature_cache(tmp_path / "cache", ids, texts, **kw).meta
+    assert "encoder_sha256" not in build_cache(tmp_path / "cache", ids, texts, **kw).meta
 
 
 def test_commands_finetune_adds_predictions_to_an_older_cell(tiny_encoder, tmp_path):

