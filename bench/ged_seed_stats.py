@@ -565,7 +565,8 @@ def summarise(runs: Sequence[Run], *, mhmla_j: int = 12, common_seeds: bool = Fa
     ]
     devices = sorted({str(r.result.get("device")) for r in runs})
     if len(devices) > 1:
-        notes.append(f"the inputs come from different devices: {devices} (bf16 on GPU, fp32 on CPU)")
+        notes.append(f"the inputs come from different devices: {devices} (each run's precision "
+                     "is in its training config)")
     return {"unit": "percent", "mhmla_j": mhmla_j, "alpha": alpha, "min_seeds": min_seeds,
             "systems": stats, "comparisons": comparisons, "claim": claim(comparisons),
             "j_sweep": j_sweep(stats, systems, mhmla_j, alpha, min_seeds, common_seeds),

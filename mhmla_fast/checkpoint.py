@@ -197,17 +197,18 @@ def check_same_data(meta: dict, data: dict[str, str], out: Path) -> None:
 def check_same_precision(meta: dict, applied: str, out: Path) -> None:
     """Refuse to go on in another arithmetic: ``applied`` is what this run's steps would run in
     ("fp32" or "bf16", :func:`mhmla_fast.devices.applied_precision`) and
-    ``meta["precision_applied"]`` what the checkpoint's ran in ("auto" is bf16 on CUDA and fp32
-    on the CPU, so a run moved between them would change silently). When both are recorded and
+    ``meta["precision_applied"]`` what the checkpoint's ran in ("auto" is bf16 on CUDA and on
+    CPUs with bf16 instructions, fp32 on other CPUs, so a run moved between them would change
+    silently). When both are recorded and
     equal, the configs may spell the precision differently ("auto" on the CPU and "fp32"): see
     :func:`precision_recorded`. A checkpoint from before the record is not checked here (its
     config's precision is compared as before)."""
     saved = meta.get("precision_applied")
     if saved is not None and saved != applied:
         raise ValueError(f"{out}: the checkpoint's steps ran in {saved} and this run's would run "
-                         f"in {applied} (--precision auto means bf16 on CUDA and fp32 on the "
-                         f"CPU); pass --precision {saved} to go on as the run started, or use "
-                         "another --out to train afresh")
+                         f"in {applied} (--precision auto means bf16 on CUDA and on CPUs with "
+                         f"bf16 instructions, fp32 on other CPUs); pass --precision {saved} to "
+                         "go on as the run started, or use another --out to train afresh")
 
 
 def check_same_inputs(meta: dict, precision: str, data: dict[str, str], out: Path) -> None:

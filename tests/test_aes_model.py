@@ -288,12 +288,17 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
 
 
 def test_finetuning_precision_is_honoured_on_the_cpu_and_old_checkpoints_resume(tiny_encoder,
-                                                                                tmp_path):
-    """precision="bf16" runs bf16 autocast on the CPU (a different run from fp32); a checkpoint
-    written before the option (``"bf16": true``, applied on CUDA only) resumes as "auto"."""
+                                                                                tmp_path,
+                                                                                monkeypatch):
+    """precision="bf16" runs bf16 autocast on the CPU (a different run from fp32, what "auto"
+    is on a CPU without bf16 instructions); a checkpoint written before the option
+    (``"bf16": true``, applied on CUDA only) resumes as "auto"."""
     from safetensors.torch import load_file
 
+    from mhmla_fast import devices
     from mhmla_fast.aes.train import FinetuneConfig, finetune
+
+    monkeypatch.setattr(devices, "cpu_bf16_native", lambda: False)
 
     rng = random.Random(6)
     train = [Essay(i, 3, " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))),

@@ -225,11 +225,37 @@ def test_resume_refuses_other_data_under_the_same_file_names(tmp_path, tiny_enco
     assert (train(old) / "config.json").is_file()
 
 
-def test_resume_keeps_the_arithmetic_the_run_started_in(tmp_path, tiny_encoder):
-    """"auto" is fp32 on the CPU and bf16 on CUDA: a run moved from one to the other would
-    change arithmetic mid-run, so the resume is refused, naming the precision to pass; "fp32"
-    for a run begun as "auto" on the CPU is the same arithmetic and resumes. (The move is
-    simulated: the checkpoint is edited to say its steps ran in bf16.)"""
+def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_instructions(tmp_path,
+                                                                            monkeypatch):
+    import torch
+
+    from mhmla_fast import devices
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 avx2\n"
+                    "processor\t: 1\nflags\t\t: fpu\n")
+    assert devices.cpu_flags(str(info)) >= {"avx512_bf16", "avx2"}  # the first CPU's line
+    assert devices.cpu_flags(str(tmp_path / "missing")) == frozenset()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for native, on_cpu in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(devices, "cpu_bf16_native", lambda: native)
+        assert devices.applied_precision("auto", cpu) == on_cpu
+        assert devices.applied_precision("auto", cuda) == "bf16"
+        assert devices.applied_precision("fp32", cuda) == "fp32"
+        assert devices.applied_precision("bf16", cpu) == "bf16"
+    with pytest.raises(ValueError, match="precision"):
+        devices.applied_precision("fp16", cpu)
+
+
+def test_resume_keeps_the_arithmetic_the_run_started_in(tmp_path, tiny_encoder, monkeypatch):
+    """"auto" is fp32 on a CPU without bf16 instructions and bf16 on CUDA: a run moved from one
+    to the other would change arithmetic mid-run, so the resume is refused, naming the
+    precision to pass; "fp32" for a run begun as "auto" on such a CPU is the same arithmetic
+    and resumes. (The move is simulated: the checkpoint is edited to say its steps ran in
+    bf16.)"""
+    from mhmla_fast import devices
+
+    monkeypatch.setattr(devices, "cpu_bf16_native", lambda: False)
     cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
     train(cfg, stop_after_steps=2)
     meta_path = tmp_path / "run" / "checkpoint.json"
@@ -514,7 +540,7 @@ def test_compiled_training_ends_where_eager_training_does(tmp_path):
     for mode in ("off", "default"):
         counters.clear()
         best = train(config(tmp_path, str(enc), tmp_path / mode, epochs=1, dropout=0.0,
-                            max_train_sentences=60, compile=mode))
+                            max_train_sentences=60, compile=mode, precision="fp32"))
         # compiled: one graph for the padded [8, 32] shape (60 = 7 x 8 + 4: filler rows)
         assert counters["stats"]["unique_graphs"] == (1 if mode == "default" else 0), mode
         log = json.loads((tmp_path / mode / "log.json").read_text())
@@ -525,14 +551,17 @@ def test_compiled_training_ends_where_eager_training_does(tmp_path):
         torch.testing.assert_close(runs["default"][1][name], w, rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_training_autocast_follows_precision_and_device():
+def test_training_autocast_follows_precision_and_device(monkeypatch):
+    from mhmla_fast import devices
     from mhmla_fast.devices import training_autocast
 
     a, b = torch.randn(4, 8), torch.randn(8, 3)
-    for precision, dtype in (("auto", torch.float32), ("fp32", torch.float32),
-                             ("bf16", torch.bfloat16)):
-        with training_autocast(precision, torch.device("cpu")):
-            assert (a @ b).dtype == dtype, precision
+    for native in (False, True):  # a CPU without and with bf16 instructions
+        monkeypatch.setattr(devices, "cpu_bf16_native", lambda: native)
+        for precision, dtype in (("auto", torch.bfloat16 if native else torch.float32),
+                                 ("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            with training_autocast(precision, torch.device("cpu")):
+                assert (a @ b).dtype == dtype, (precision, native)
     with pytest.raises(ValueError, match="precision: expected one of"):
         training_autocast("fp16", torch.device("cpu"))
     with pytest.raises(ValueError, match="bf16 autocast is supported on cuda and cpu"):
@@ -546,7 +575,7 @@ def test_bf16_training_on_the_cpu_learns_and_resumes_exactly(tmp_path, tiny_enco
     log = json.loads((tmp_path / "full" / "log.json").read_text())
     assert log[-1]["train_loss"] < log[0]["train_loss"]
     # the steps really ran in bf16: the same run in fp32 ends elsewhere
-    fp32 = train(config(tmp_path, tiny_encoder, tmp_path / "fp32", epochs=2))
+    fp32 = train(config(tmp_path, tiny_encoder, tmp_path / "fp32", epochs=2, precision="fp32"))
     c = load_file(fp32 / "model.safetensors")
     assert any(not torch.equal(a[k], c[k]) for k in a)
     assert json.loads((full / "config.json").read_text())["training"]["config"]["precision"] == "bf16"

@@ -68,7 +68,7 @@ class FinetuneConfig:
     lr: float = 1e-5
     head_lr: float = 1e-3
     seed: int = 0
-    precision: str = "auto"  # devices.TRAIN_PRECISIONS: auto = bf16 autocast on CUDA, fp32 on CPU
+    precision: str = "auto"  # devices.TRAIN_PRECISIONS (auto: devices.applied_precision)
     backend: str = "auto"
     # "length": each prompt's shuffled windows sorted by length in pools of 50 batches before
     # they are cut (1.005x the pieces padded on ASAP, against 1.34x); "random": shuffled only

@@ -117,7 +117,7 @@ def add_train_parser(sub) -> None:
                    help="--finetune with --mode mhmla: J (default 12)")
     p.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
                    help="--finetune: training-step precision (default auto: bf16 autocast on "
-                   "CUDA, fp32 on the CPU; bf16 also on a CPU)")
+                   "CUDA and on CPUs with bf16 instructions, fp32 on other CPUs)")
     p.add_argument("--compile", default=None, choices=TRAIN_COMPILE_MODES,
                    help="--finetune: torch.compile of the training steps' encoder and head "
                    "(default off, until measured on a GPU; auto: reduce-overhead, the steps "

@@ -111,8 +111,8 @@ class TrainConfig:
         choices=TRAIN_COMPILE_MODES))
     # bf16 autocast of the training steps (evaluation stays float32)
     precision: str = field(default="auto", metadata=_help(
-        "training-step precision: auto (bf16 autocast on CUDA, float32 on the CPU), fp32, or "
-        "bf16 (autocast on CUDA or the CPU, where it pays on CPUs with AMX bf16 units)",
+        "training-step precision: auto (bf16 autocast on CUDA and on CPUs with bf16 "
+        "instructions, AMX or AVX-512 bf16; float32 on other CPUs), fp32, or bf16",
         choices=TRAIN_PRECISIONS))
     # artificial errors (mhmla_fast.ged.synthetic): corrupted copies of the error-free
     # training sentences, trained on beside the real ones
