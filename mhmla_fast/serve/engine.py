@@ -580,32 +580,22 @@ class Engine:
             self._merge_window(plan.first[start:end], out, probs, margin)
         texts = None if plan.text is None else [plan.text]
         offsets = None if plan.offsets is None else [plan.offsets]
-        result, = self._results([plan.tokens], [probs], offsets, texts)
+        result, = self._flat_results([plan.tokens], probs, np.array([0, len(probs)]), offsets,
+                                     texts)
         return result
 
     _LABELS = np.array(["c", "i"], dtype=object)
-
-    def _results(self, tokens: Sequence[Sequence[str]], probs: Sequence[np.ndarray],
-                 offsets: Sequence[list[tuple[int, int]] | np.ndarray] | None = None,
-                 texts: Sequence[str] | None = None, own_tokens: bool = False
-                 ) -> list[TagResult]:
-        """A :class:`TagResult` per input from its words' error probabilities: label "i" where
-        ``p >= threshold`` (compared in float32, the probabilities' type), spans the runs of "i"
-        words, found for all inputs at once on the concatenated probabilities; with
-        ``offsets`` and ``texts`` (raw text) spans are character spans, else token spans."""
-        flat = np.concatenate(probs) if len(probs) else np.zeros(0, np.float32)
-        sizes = np.fromiter(map(len, probs), dtype=np.int64, count=len(probs))
-        bounds = np.zeros(len(probs) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=bounds[1:])
-        return self._flat_results(tokens, flat, bounds, offsets, texts, own_tokens)
 
     def _flat_results(self, tokens: Sequence[Sequence[str]], flat: np.ndarray, bounds: np.ndarray,
                       offsets: Sequence[list[tuple[int, int]] | np.ndarray] | None = None,
                       texts: Sequence[str] | None = None, own_tokens: bool = False
                       ) -> list[TagResult]:
-        """:meth:`_results` on the probabilities of all inputs in one array, ``flat`` [W], input
-        s's at ``bounds[s]:bounds[s + 1]`` (as :meth:`_flat_word_probs` gives them: no
-        per-input arrays to make and concatenate again)."""
+        """A :class:`TagResult` per input from its words' error probabilities, all inputs' in one
+        array ``flat`` [W] (input s's at ``bounds[s]:bounds[s + 1]``, as
+        :meth:`_flat_word_probs` gives them): label "i" where ``p >= threshold`` (compared in
+        float32, the probabilities' type), spans the runs of "i" words, found for all inputs at
+        once; with ``offsets`` and ``texts`` (raw text) spans are character spans, else token
+        spans."""
         sizes = np.diff(bounds)
         flags = flat >= self.threshold
         labels = self._LABELS[flags.view(np.int8)].tolist()
