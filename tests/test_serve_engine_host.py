@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -405,6 +407,22 @@ def test_cuda_graph_passes_tag_as_the_eager_passes_do(tiny_tagger_dir, kernels):
     assert 0 < first <= 4 * 4  # rows 8..64 x pieces 16..64 (the tiny encoder's 64 positions)
     graphs.word_probs(sentences)
     assert graphs.runner.captured.captures == first
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="instance dicts are built lazily from 3.11")
+def test_a_tag_result_builds_no_instance_dict():
+    """The offsets descriptor stores through an ordinary attribute: reading ``obj.__dict__``
+    would make CPython build a dict object per result (64 bytes more of a 3-word result, and
+    one more container for the garbage collector), at construction, at to_dict and at the
+    first read of the offsets."""
+    import gc
+
+    from mhmla_fast.serve.engine import TagResult
+
+    r = TagResult(["a", "b"], ["c", "i"], [0.1, 0.9], np.array([[0, 1], [2, 3]]), [])
+    r.to_dict()
+    assert r.offsets == [(0, 1), (2, 3)]
+    assert not any(type(o) is dict for o in gc.get_referents(r))
 
 
 def test_tag_result_offsets_given_as_an_array_read_as_tuples():

@@ -66,13 +66,17 @@ class _LazyOffsets:
     def __get__(self, obj, objtype=None):
         if obj is None:
             raise AttributeError(self.key[1:])
-        value = obj.__dict__[self.key]
+        value = getattr(obj, self.key)
         if isinstance(value, np.ndarray):
-            value = obj.__dict__[self.key] = list(map(tuple, value.tolist()))
+            value = list(map(tuple, value.tolist()))
+            setattr(obj, self.key, value)
         return value
 
     def __set__(self, obj, value) -> None:
-        obj.__dict__[self.key] = value
+        # an ordinary attribute under another name (never ``obj.__dict__[...]``: reading the
+        # instance's __dict__ makes CPython build a dict object for it, one more container per
+        # result for the garbage collector to walk)
+        setattr(obj, self.key, value)
 
 
 @dataclass
@@ -98,7 +102,7 @@ class TagResult:
     def to_dict(self) -> dict:
         d = {"tokens": self.tokens, "labels": self.labels,
              "probs": [round(p, 6) for p in self.probs], "spans": self.spans}
-        offsets = self.__dict__["_offsets"]
+        offsets = self._offsets  # as stored: the array itself if the workers sent one
         if isinstance(offsets, np.ndarray):
             d["offsets"] = offsets.tolist()
         elif offsets is not None:
