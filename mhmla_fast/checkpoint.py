@@ -199,8 +199,8 @@ def check_same_precision(meta: dict, applied: str, out: Path) -> None:
     ("fp32" or "bf16", :func:`mhmla_fast.devices.applied_precision`) and
     ``meta["precision_applied"]`` what the checkpoint's ran in ("auto" is bf16 on CUDA and on
     CPUs with bf16 instructions, fp32 on other CPUs, so a run moved between them would change
-    silently). When both are recorded and
-    equal, the configs may spell the precision differently ("auto" on the CPU and "fp32"): see
+    silently). When both are recorded and equal, the configs may spell the precision
+    differently ("auto" on a CPU without bf16 instructions and "fp32"): see
     :func:`precision_recorded`. A checkpoint from before the record is not checked here (its
     config's precision is compared as before)."""
     saved = meta.get("precision_applied")

@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Iterator
 
 __all__ = [
     "cuda_available", "gpu_device_possible", "resolve_device", "physical_cores", "default_threads",
     "TRAIN_PRECISIONS", "applied_precision", "check_train_precision", "training_autocast",
-    "cpu_bf16_native", "cpu_flags",
+    "cpu_bf16_native", "cpu_flags", "cpuinfo_fields",
     "TRAIN_COMPILE_MODES", "COMPILE_PAD_TO", "applied_compile", "check_same_compile",
     "compiled_step", "padded_length", "cuda_compilable", "usable_cpus",
 ]
@@ -81,17 +82,23 @@ TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 _BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags from the first ``flags`` line of ``cpuinfo`` (Linux, x86);
-    empty where there is none to read."""
+def cpuinfo_fields(cpuinfo: str = "/proc/cpuinfo") -> Iterator[tuple[str, str]]:
+    """``(key, value)`` of every line of ``cpuinfo`` (Linux), stripped; none where there is no
+    file to read."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                key, _, value = line.partition(":")
+                yield key.strip(), value.strip()
     except OSError:
-        pass
-    return frozenset()
+        return
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags from the first ``flags`` line of ``cpuinfo`` (Linux, x86);
+    empty where there is none."""
+    return next((frozenset(v.split()) for k, v in cpuinfo_fields(cpuinfo) if k == "flags"),
+                frozenset())
 
 
 @functools.cache
@@ -243,18 +250,12 @@ def physical_cores() -> int:
     """Physical CPU cores usable by this process (hyper-threads not counted)."""
     usable = usable_cpus()
     cores = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            phys = None
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "physical id":
-                    phys = value.strip()
-                elif key == "core id":
-                    cores.add((phys, value.strip()))
-    except OSError:
-        pass
+    phys = None
+    for key, value in cpuinfo_fields():
+        if key == "physical id":
+            phys = value
+        elif key == "core id":
+            cores.add((phys, value))
     if not cores:
         try:
             import psutil

@@ -31,18 +31,9 @@ def git_commit() -> str:
 
 def cpu_info() -> dict:
     """CPU model name (from /proc/cpuinfo), logical and physical cores, usable cores."""
-    from .devices import physical_cores, usable_cpus
+    from .devices import cpuinfo_fields, physical_cores, usable_cpus
 
-    model = None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                    break
-    except OSError:
-        pass
+    model = next((v for k, v in cpuinfo_fields() if k == "model name"), None)
     return {"cpu": model or platform.processor() or platform.machine(),
             "logical_cores": os.cpu_count(), "physical_cores": physical_cores(),
             "usable_cores": usable_cpus()}

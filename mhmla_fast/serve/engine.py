@@ -31,10 +31,10 @@ from __future__ import annotations
 import gc
 import json
 import os
-from contextlib import contextmanager
-from itertools import chain
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 from dataclasses import dataclass
 from pathlib import Path

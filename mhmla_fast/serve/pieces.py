@@ -135,6 +135,7 @@ class WordCache:
         starts, else -1 (int64 [P]), as :func:`~mhmla_fast.serve.engine.encode_words`."""
         np = self._np
         flat = list(chain.from_iterable(sentences))
+
         def lookup() -> Any:  # each word's row (KeyError for a word not seen before)
             return np.fromiter(map(self._index.__getitem__, flat), dtype=np.int64,
                                count=len(flat))
