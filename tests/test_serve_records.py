@@ -428,6 +428,22 @@ def test_run_records_in_order_with_errors_and_batches(tmp_path, capsys):
     assert "rec/s" in capsys.readouterr().err  # the progress bar
 
 
+def test_run_records_bar_ends_with_every_piece_and_error_counted(tmp_path, capsys):
+    """The pieces postfix is throttled to twice a second while running; the bar's last state
+    shows the whole count, beside the malformed records' count (one did not hide the other)."""
+    src = make_input(tmp_path)
+
+    def batch_with_pieces(batch, report):
+        report(7 * len(batch))
+        return [{"upper": r.text.upper()} for r in batch]
+
+    with ResumableJsonlWriter(str(tmp_path / "out.jsonl"), resume=False) as w:
+        run_records(iter_input_records([src]), batch_with_pieces, w, batch_size=4,
+                    progress=True, count_pieces=True)
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "133 pieces" in last and "errors=4" in last, last  # 19 valid records x 7
+
+
 def test_run_records_first_batch_ramps_up_to_batch_size(tmp_path):
     """first_batch: batches of 1, 2, 4, 4, ... valid records, the same output in order."""
     src = make_input(tmp_path)

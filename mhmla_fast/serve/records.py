@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tqdm import tqdm
-
 from ..progress import progress_bar
 from .inputs import InputRecord
 from .outputs import InputFingerprint, ResumableJsonlWriter, ResumeMismatchError, meta_path
@@ -79,19 +77,22 @@ def _verify_resumed_input(it: Iterator[InputRecord], writer: Any, fp: InputFinge
 
 
 class _PieceCounter:
-    """The ``report(n)`` handed to ``process_batch`` with ``count_pieces``: adds ``n`` word pieces
-    to the bar's postfix (refreshed at most twice a second)."""
+    """The ``report(n)`` handed to ``process_batch`` with ``count_pieces``: counts word pieces
+    and calls ``show()`` (which puts ``text()`` in the bar's postfix) at most twice a second."""
 
-    def __init__(self, bar: tqdm) -> None:
-        self.bar, self.total, self.t0, self.shown = bar, 0, time.monotonic(), 0.0
+    def __init__(self, show: Callable[[], None]) -> None:
+        self.show, self.total, self.t0, self.shown = show, 0, time.monotonic(), 0.0
 
     def __call__(self, n: int) -> None:
         self.total += int(n)
         now = time.monotonic()
         if now - self.shown >= 0.5:
             self.shown = now
-            rate = self.total / max(now - self.t0, 1e-9)
-            self.bar.set_postfix_str(f"{self.total:,} pieces, {rate:,.0f} pieces/s")
+            self.show()
+
+    def text(self) -> str:
+        rate = self.total / max(time.monotonic() - self.t0, 1e-9)
+        return f"{self.total:,} pieces, {rate:,.0f} pieces/s"
 
 
 def run_records(
@@ -146,7 +147,16 @@ def run_records(
     batch: list[InputRecord] = []  # the valid ones among them
     bar = progress_bar(total=total, initial=n_resumed, desc=desc, unit=unit, unit_scale=True,
                        disable=not progress)
-    report = _PieceCounter(bar) if count_pieces else None
+
+    def show(refresh: bool = True) -> None:
+        """The bar's postfix: word pieces so far (with ``count_pieces``) and malformed records."""
+        parts = [report.text()] if report is not None and report.total else []
+        if n_errors:
+            parts.append(f"errors={n_errors}")
+        if parts:
+            bar.set_postfix_str(", ".join(parts), refresh=refresh)
+
+    report = _PieceCounter(show) if count_pieces else None
 
     def emit(out: dict[str, Any]) -> None:
         nonlocal n_ok, n_errors
@@ -183,9 +193,8 @@ def run_records(
             out: dict[str, Any] = {"index": rec.index, "id": rec.id}
             out.update((k, v) for k, v in res.items() if k not in ("index", "id"))
             emit(out)
+        show(refresh=False)
         bar.update(len(pending))
-        if n_errors:
-            bar.set_postfix(errors=n_errors, refresh=False)
         pending.clear()
         batch.clear()
 
@@ -199,5 +208,6 @@ def run_records(
         flush()
         writer.sync()
     finally:
+        show(refresh=False)  # the final counts, whatever the throttle last showed
         bar.close()
     return RunSummary(n_ok=n_ok, n_errors=n_errors, n_resumed=n_resumed)
