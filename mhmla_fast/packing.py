@@ -1,10 +1,14 @@
-"""The one packer (tagging, scoring, training): rows of different lengths into padded batches under a token budget.
+"""The one packer (tagging, scoring, training): rows of different lengths into padded batches.
 
 Tagging (``Engine.word_probs``, over sentence windows) and scoring (``EssayScorer.predict_scores``
 through ``aes.model.token_budget_batches``, over essay windows) both cut their rows with
 :func:`pack_by_token_budget`, so a token budget means the same thing in both: a batch of ``B``
 rows padded to its longest row ``T`` holds ``B * T <= token_budget`` pieces (a single row longer
 than the budget is a batch of its own), with at most ``max_batch`` rows.
+
+Training (GED's sentences, AES fine-tuning's essay windows) cuts its shuffled rows into
+batches of a fixed size with :func:`cut_length_pools`: sorted by length within pools of
+batches, so that a batch pads little while the epoch stays shuffled.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["pack_by_token_budget"]
+__all__ = ["cut_length_pools", "pack_by_token_budget"]
 
 
 def pack_by_token_budget(lengths: Sequence[int], token_budget: int, max_batch: int | None = None,
@@ -67,4 +71,26 @@ def pack_by_token_budget(lengths: Sequence[int], token_budget: int, max_batch: i
         stop = start + (int(closes.argmax()) if closes.any() else width)
         batches.append(order[start:stop].tolist())
         start = stop
+    return batches
+
+
+def cut_length_pools(order: Sequence[int], lengths: Sequence[int] | np.ndarray, batch_size: int,
+                     pool_batches: int = 50) -> list[np.ndarray]:
+    """``order`` (row indices, shuffled by the caller) in consecutive pools of ``batch_size *
+    pool_batches`` rows, each pool sorted by ``lengths[row]`` (stable) and cut into batches
+    of ``batch_size`` (the last of a pool may be short): int64 index arrays, in pool order.
+
+    A pool is whole batches, so no batch mixes two pools; sorting within pools keeps a batch's
+    rows of similar length (GED's FCE sentences, AES windows) and the epoch shuffled."""
+    if batch_size < 1 or pool_batches < 1:
+        raise ValueError(f"batch_size and pool_batches: expected positive integers, got "
+                         f"{batch_size} and {pool_batches}")
+    order = np.asarray(order, dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)
+    pool = batch_size * pool_batches
+    batches: list[np.ndarray] = []
+    for start in range(0, len(order), pool):
+        chunk = order[start:start + pool]
+        chunk = chunk[np.argsort(lens[chunk], kind="stable")]
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
     return batches

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords
+from ..packing import cut_length_pools
 from .data import SCORE_RANGES
 from .model import ScorerConfig, ScorerHead, combine_windows
 from .splits import FeatureSplit, Log, split_qwk
@@ -65,11 +66,10 @@ def _epoch_batches(window_prompts: np.ndarray, batch_size: int, seed: int, epoch
     for p in np.unique(window_prompts):
         idx = np.flatnonzero(window_prompts == p)
         rng.shuffle(idx)
-        if lengths is not None:  # (a pool is whole batches: cutting it cuts the prompt's)
-            pool = batch_size * pool_batches
-            idx = np.concatenate([c[np.argsort(lengths[c], kind="stable")]
-                                  for c in np.split(idx, range(pool, len(idx), pool))])
-        batches += [idx[k:k + batch_size] for k in range(0, len(idx), batch_size)]
+        if lengths is not None:
+            batches += cut_length_pools(idx, lengths, batch_size, pool_batches)
+        else:
+            batches += [idx[k:k + batch_size] for k in range(0, len(idx), batch_size)]
     return [batches[i] for i in rng.permutation(len(batches))]
 
 

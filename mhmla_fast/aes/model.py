@@ -399,7 +399,7 @@ def collate_windows(windows: Sequence[Sequence[int]], pad_id: int, *, rows: int 
 def token_budget_batches(lengths: Sequence[int], token_budget: int,
                          max_batch: int | None = None) -> list[list[int]]:
     """Indices sorted by length, cut so that ``batch size * longest <= token_budget``: the
-    packer of tagging (:func:`mhmla_fast.serve.packing.pack_by_token_budget`), longest first
+    packer of tagging (:func:`mhmla_fast.packing.pack_by_token_budget`), longest first
     (the largest batch shows memory trouble at once); a single item longer than the budget is
     a batch of its own.
     """

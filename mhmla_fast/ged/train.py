@@ -45,6 +45,7 @@ from ..devices import (COMPILE_PAD_TO, TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, ap
                        compiled_step, fused_optimizer, padded_length, training_autocast)
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
+from ..packing import cut_length_pools
 from .data import Sentence, read_ged, sentences_digest
 from .metrics import best_threshold, ged_scores
 from .synthetic import check_rate as check_synthetic_rate, with_synthetic_errors
@@ -196,14 +197,10 @@ def length_bucketed_batches(lengths: Sequence[int], batch_size: int, seed: int,
     Deterministic in (seed, epoch): a resumed run sees the same batches.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(len(lengths), generator=g).tolist()
-    pool = batch_size * pool_batches
-    batches = []
-    for i in range(0, len(perm), pool):
-        chunk = sorted(perm[i:i + pool], key=lambda j: lengths[j])
-        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    perm = torch.randperm(len(lengths), generator=g).numpy()
+    batches = cut_length_pools(perm, lengths, batch_size, pool_batches)
     order = torch.randperm(len(batches), generator=g).tolist()
-    return [batches[i] for i in order]
+    return [batches[i].tolist() for i in order]
 
 
 def eval_max_length(model: GedTagger) -> int:
