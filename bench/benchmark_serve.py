@@ -76,7 +76,7 @@ import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -518,6 +518,11 @@ class Run:
     onnx_report: dict | None = None
     essays: dict | None = None  # the score sample (see essay_sample)
     score_reference: dict[str, list[int]] | None = None  # dtype -> in-process scores
+    # <out>.partial.json: the header and every row so far, rewritten after each row (a run cut
+    # by a time box keeps them); None: rows are only printed
+    partial: Path | None = None
+    header: dict | None = None
+    measured: list[dict] = field(default_factory=list)
 
     @property
     def device(self) -> str:
@@ -526,6 +531,20 @@ class Run:
     @property
     def on_cpu(self) -> bool:
         return self.args.device == "cpu"
+
+    def progress(self, row: dict) -> None:
+        """Print a one-line summary of ``row`` and keep it in the partial file."""
+        if self.partial is not None:
+            self.measured.append(row)
+            self.partial.write_text(json.dumps(
+                {"header": self.header, "rows": self.measured, "partial": True},
+                indent=2, default=tagbench._json_default) + "\n")
+        rate = next(((k, row[k]) for k in ("sentences_per_s", "essays_per_s", "requests_per_s")
+                     if row.get(k)), None)
+        what = f"{rate[1]:.1f} {rate[0].replace('_per_s', '')}/s" if rate else \
+            f"ERROR {str(row.get('error'))[:200]}"
+        print(f"  {row.get('task', ''):<6} {row.get('path', ''):<20} {row.get('backend', '')} "
+              f"{row.get('dtype', '')} {row.get('setting', '')}: {what}", flush=True)
 
 
 def _env() -> dict[str, str]:
@@ -595,7 +614,7 @@ def run_tag(run: Run) -> list[dict]:
             if cpu_probs is not None:
                 row["vs_cpu_fp32"] = agreement(cpu_probs, probs[:n_agree], run.threshold)
         rows.append(row)
-        _progress(row)
+        run.progress(row)
 
     def measure(base: dict, tag: Callable) -> Any:
         row, probs = tagbench.measured_row(base, tag, sentences, n_words, args)
@@ -759,7 +778,7 @@ def run_score(run: Run) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"
             rows.append(row)
-            _progress(row)
+            run.progress(row)
             continue
         row.update(scorer=scorer, load_s=round(load_s, 3), predict_s=round(predict_s, 3),
                    **scorebench.rates(predict_s, len(scores), s["pieces"], s["windows"]))
@@ -770,7 +789,7 @@ def run_score(run: Run) -> list[dict]:
             row["vs_" + first[0]] = {"equal_scores": sum(a == b for a, b in zip(scores, first[1])),
                                      "essays": len(scores)}
         rows.append(row)
-        _progress(row)
+        run.progress(row)
     return rows
 
 
@@ -923,7 +942,7 @@ def run_cli(run: Run) -> list[dict]:
         if row["error"] is None:
             row["check"] = check_cli(run, base, out, texts)
         rows.append(row)
-        _progress(row)
+        run.progress(row)
     return rows
 
 
@@ -1072,7 +1091,7 @@ def run_http(run: Run) -> list[dict]:
         log.close()
     for row, (bodies, kept) in zip(rows, answers):
         row["check"] = check_http(run, bodies, kept)
-        _progress(row)
+        run.progress(row)
     return rows
 
 
@@ -1281,7 +1300,7 @@ def run_train(run: Run) -> list[dict]:
                           "train_loss": e.get("train_loss"),
                           "dev_f05": (e.get("dev") or {}).get("f05")} for e in log]
         row.update(train_epoch_summary(row["epochs"]))
-        _progress(row)
+        run.progress(row)
     return rows
 
 
@@ -1303,25 +1322,6 @@ def train_epoch_summary(epochs: Sequence[dict]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------- main
-
-
-# main() sets it: the header and the output path of a run in progress, whose rows so far
-# _progress writes to <out>.partial.json after each one (a run cut by a time box keeps them)
-_PARTIAL: dict[str, Any] = {}
-
-
-def _progress(row: dict) -> None:
-    if _PARTIAL:
-        _PARTIAL["rows"].append(row)
-        _PARTIAL["path"].write_text(json.dumps(
-            {"header": _PARTIAL["header"], "rows": _PARTIAL["rows"], "partial": True},
-            indent=2, default=tagbench._json_default) + "\n")
-    rate = next(((k, row[k]) for k in ("sentences_per_s", "essays_per_s", "requests_per_s")
-                 if row.get(k)), None)
-    what = f"{rate[1]:.1f} {rate[0].replace('_per_s', '')}/s" if rate else \
-        f"ERROR {str(row.get('error'))[:200]}"
-    print(f"  {row.get('task', ''):<6} {row.get('path', ''):<20} {row.get('backend', '')} "
-          f"{row.get('dtype', '')} {row.get('setting', '')}: {what}", flush=True)
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -1453,11 +1453,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                            datetime.datetime.now(datetime.timezone.utc).date())
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.stem + ".partial.json")
-    _PARTIAL.update(path=partial, header=header, rows=[])
     with tempfile.TemporaryDirectory(prefix="benchmark-serve-") as tmp:
         run = Run(args, Path(tmp), model_dir, threads, corpus,
                   0.5 if threshold is None else float(threshold),
-                  int(config.get("encoder_config", {}).get("max_position_embeddings", 512)))
+                  int(config.get("encoder_config", {}).get("max_position_embeddings", 512)),
+                  partial=partial, header=header)
         for task in args.tasks:
             t0 = time.perf_counter()
             try:
@@ -1479,7 +1479,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = evaluate_targets(rows, args.device, header["device"].get("gpu"))
     result = {"header": header, "rows": rows, "summary": summary, "targets": targets}
     out.write_text(json.dumps(result, indent=2, default=tagbench._json_default) + "\n")
-    _PARTIAL.clear()
     partial.unlink(missing_ok=True)
     print()
     print(format_report(rows, targets))

@@ -4,6 +4,7 @@ short end-to-end runs of the tag, cli and http tasks on the tiny tagger."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -411,13 +412,14 @@ def test_first_result_script_times_score_too(tiny_scorer_dir, tmp_path, monkeypa
         first.parse_args(["--command", "score", "--variants", "onnx"])
 
 
-def test_each_row_is_kept_in_a_partial_file_while_the_run_goes_on(bench, tmp_path, monkeypatch):
-    """A run cut by a time box keeps the rows it measured: _progress rewrites
+def test_each_row_is_kept_in_a_partial_file_while_the_run_goes_on(bench, tmp_path):
+    """A run cut by a time box keeps the rows it measured: Run.progress rewrites
     <out>.partial.json (the header and every row so far) after each row."""
     partial = tmp_path / "out.partial.json"
-    monkeypatch.setattr(bench, "_PARTIAL", {"path": partial, "header": {"device": "x"}, "rows": []})
-    bench._progress({"task": "tag", "path": "engine", "sentences_per_s": 10.0})
-    bench._progress({"task": "tag", "path": "plain_torch", "error": "boom"})
+    run = bench.Run(argparse.Namespace(device="cpu"), tmp_path, tmp_path, 1, partial=partial,
+                    header={"device": "x"})
+    run.progress({"task": "tag", "path": "engine", "sentences_per_s": 10.0})
+    run.progress({"task": "tag", "path": "plain_torch", "error": "boom"})
     kept = json.loads(partial.read_text())
     assert kept["partial"] is True and kept["header"] == {"device": "x"}
     assert [r["path"] for r in kept["rows"]] == ["engine", "plain_torch"]
