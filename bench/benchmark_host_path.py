@@ -9,9 +9,15 @@ The runner returns a constant probability for every piece (no model runs), so wh
 word tokenisation (``tag_texts`` only), word-piecing, packing, merging windows and building the
 results (``to_dict`` timed separately). Each row also records this process's CPU time per
 sentence (not the host workers'; with them, the ceiling the engine's own process sets) and its
-split by thread (Linux). A ``cProfile`` of one ``tag_texts`` call (top functions by own time)
-is kept in the result. The result (CPU, versions, commit) goes to
-``bench/results/host_path_<date>.json``.
+split by thread (Linux). The ``tag_command`` row times what ``mhmla-serve tag FILE --output
+OUT`` does around the model: reading records, tagging, result dicts, JSON lines. A ``cProfile``
+of one ``tag_texts`` call (top functions by own time) is kept in the result. The result (CPU,
+versions, commit) goes to ``bench/results/host_path_<date>.json``.
+
+    # A/B against another commit, alternating (its checkout as a git worktree):
+    git worktree add /tmp/old <commit>
+    python bench/benchmark_host_path.py --only tag_command --code /tmp/old --out /tmp/a.json
+    python bench/benchmark_host_path.py --only tag_command --out /tmp/b.json
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+if "--code" in sys.argv[:-1]:  # another checkout's mhmla_fast (A/B runs), before it is imported
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
 from benchmark_serve_cpu import profile_text  # noqa: E402 - the sibling script, by file name
 
@@ -68,6 +76,46 @@ class FreeRunner:
         return np.full(input_ids.shape, 0.3, dtype=np.float32)
 
 
+def tag_command_row(engine, texts: Sequence[str], runs: int) -> dict:
+    """The host path of ``mhmla-serve tag in.txt --output out.jsonl``, model aside: the texts
+    as a file, read into records (``iter_input_records``), tagged in calls of 2048
+    (``run_records`` and ``pipeline.tag_records``, which the command runs) and written
+    (``ResumableJsonlWriter``: JSON lines, fsync-ed). This process's CPU per record, the best of
+    ``runs`` after a warm-up run; ``output_sha256``: of the records' values (parsed, keys
+    sorted), to compare code versions."""
+    import hashlib
+    import tempfile
+
+    from mhmla_fast.serve.inputs import iter_input_records
+    from mhmla_fast.serve.outputs import ResumableJsonlWriter
+    from mhmla_fast.serve.pipeline import tag_records
+    from mhmla_fast.serve.records import run_records
+
+    best_cpu = best_wall = float("inf")
+    with tempfile.TemporaryDirectory(prefix="host-path-") as tmp:
+        src = Path(tmp) / "in.txt"
+        src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+        for run in range(runs + 1):
+            out = Path(tmp) / f"out{run}.jsonl"
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            with ResumableJsonlWriter(str(out), resume=False) as writer:
+                run_records(iter_input_records([str(src)]),
+                            lambda batch: tag_records(engine, batch), writer, 2048,
+                            progress=False)
+            if run:  # the first run warms the word cache
+                best_wall = min(best_wall, time.perf_counter() - t0)
+                best_cpu = min(best_cpu, time.process_time() - cpu0)
+        values = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+    row = {"path": "tag_command", "host_workers": 0, "cache": "warm", "records": len(texts),
+           "seconds": round(best_wall, 3), "records_per_s": round(len(texts) / best_wall, 1),
+           "process_cpu_us_per_record": round(best_cpu / len(texts) * 1e6, 2),
+           "output_sha256": digest}
+    print(f"tag_command: {len(texts) / best_wall:,.0f} records/s host-only; this process's CPU "
+          f"{best_cpu / len(texts) * 1e6:.1f} us/record; output {digest[:12]}", flush=True)
+    return row
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", nargs="+", default=[str(SHARED / f"fce-public.{s}.original.tsv")
@@ -78,6 +126,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-workers", type=int, nargs="+", default=[0],
                    help="Engine host_workers settings to run (0: tokenise in this thread)")
     p.add_argument("--out", default=None, help="output .json (default: bench/results/host_path_<date>.json)")
+    p.add_argument("--code", default=None, metavar="DIR",
+                   help="import mhmla_fast from this checkout instead (A/B runs against another "
+                        "commit: a `git worktree`; the rows and paths it lacks are skipped)")
+    p.add_argument("--only", nargs="+", choices=("engine", "cold", "tag_command", "profile"),
+                   default=["engine", "cold", "tag_command", "profile"], help="the parts to run")
     return p.parse_args(argv)
 
 
@@ -86,11 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mhmla_fast.ged.data import read_ged
     from mhmla_fast.serve.engine import Engine, default_tagger_path, gc_paused, load_tokenizer
 
+    import mhmla_fast
+
     sentences = [s.tokens for f in args.data for s in read_ged(f)] * args.repeat
     texts = [" ".join(s) for s in sentences]
     tokenizer = load_tokenizer(default_tagger_path())
     rows = []
-    for workers in args.host_workers:
+    for workers in args.host_workers if "engine" in args.only else ():
         engine = Engine(FreeRunner(), tokenizer, token_budget=65536, max_batch=256,
                         host_workers=workers)
         for name, fn, data in (("tag_tokens", engine.tag_tokens, sentences),
@@ -122,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({len(data) / best_dict:,.0f} with to_dict); this process's CPU "
                   f"{best_cpu / len(data) * 1e6:.1f} us/sentence {by_thread}", flush=True)
         engine.close()
-    for name, data in (("tag_tokens", sentences), ("tag_texts", texts)):
+    for name, data in (("tag_tokens", sentences), ("tag_texts", texts)) if "cold" in args.only else ():
         # a fresh engine: its word cache (serve.pieces.WordCache) starts empty, so every distinct
         # word goes through the tokenizer once in this one call
         engine = Engine(FreeRunner(), tokenizer, token_budget=65536, max_batch=256)
@@ -132,18 +187,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append({"path": name, "host_workers": 0, "cache": "cold", "sentences": len(data),
                      "seconds": round(cold, 3), "sentences_per_s": round(len(data) / cold, 1)})
         print(f"{name} (first call, empty word cache): {len(data) / cold:,.0f} sentences/s")
-    engine = Engine(FreeRunner(), tokenizer, token_budget=65536, max_batch=256)
-    profile = profile_text(engine.tag_texts, texts, top=15)
+    if "tag_command" in args.only:
+        rows.append(tag_command_row(Engine(FreeRunner(), tokenizer, token_budget=65536,
+                                           max_batch=256), texts, args.runs))
+    profile = []
+    if "profile" in args.only:
+        engine = Engine(FreeRunner(), tokenizer, token_budget=65536, max_batch=256)
+        profile = profile_text(engine.tag_texts, texts, top=15).splitlines()
     result = {
         "benchmark": "host_path", "commit": git_commit(), "command": shlex.join(sys.argv),
+        "code": str(Path(mhmla_fast.__file__).parents[1]),
         "device": {**cpu_info(), "load_average_start": load_average()},
         "python": sys.version.split()[0], "data": [Path(f).name for f in args.data],
         "repeat": args.repeat, "rows": rows,
-        "profile_tag_texts": [line for line in profile.splitlines() if line.strip()][:40],
+        "profile_tag_texts": [line for line in profile if line.strip()][:40],
         "note": "no model runs (a constant-probability runner): the host path's ceiling; "
                 "best of --runs runs, one process, one thread of Python, after a warm-up call "
                 "(the word cache then holds the data's words); rows with cache 'cold': one call "
-                "of a fresh engine; to_dict timed with the GC paused, as tag_records does",
+                "of a fresh engine; to_dict timed with the GC paused, as tag_records does; "
+                "tag_command: the host path of `mhmla-serve tag` on a file of the texts",
     }
     out = dated_results_path(args.out, "host_path", REPO / "bench" / "results")
     out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

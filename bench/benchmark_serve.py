@@ -416,10 +416,11 @@ def evaluate_targets(rows: Sequence[dict], device: str, gpu_name: str | None = N
 
 
 def versions() -> dict[str, str | None]:
-    """The CPU script's versions plus triton, fastapi, uvicorn and the HTTP parser and event
-    loop uvicorn picks when installed, httptools and uvloop (None: not installed)."""
+    """The CPU script's versions plus triton, fastapi, uvicorn, the HTTP parser and event loop
+    uvicorn picks when installed (httptools, uvloop), and orjson, which writes the output
+    lines of ``mhmla-serve`` when installed (None: not installed)."""
     out = tagbench.versions()
-    for name in ("triton", "fastapi", "uvicorn", "httptools", "uvloop"):
+    for name in ("triton", "fastapi", "uvicorn", "httptools", "uvloop", "orjson"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - any import failure means "not usable"

@@ -425,6 +425,26 @@ def test_a_tag_result_builds_no_instance_dict():
     assert not any(type(o) is dict for o in gc.get_referents(r))
 
 
+def test_probabilities_round_as_pythons_round_and_in_bulk_as_one_by_one():
+    """round_probs (numpy, vectorised) equals round(p, 6) on float32 probabilities, ties and
+    tiny values included, and result_dicts (all results' probabilities rounded at once)
+    equals to_dict result by result."""
+    from mhmla_fast.serve.engine import TagResult, result_dicts, round_probs
+
+    rng = np.random.default_rng(7)
+    p32 = np.concatenate([rng.random(200_000, dtype=np.float32),
+                          rng.random(1000, dtype=np.float32) ** 30,  # down to 1e-30
+                          # values whose 7th decimal is a 5, exactly or nearly
+                          (np.arange(1, 2000) / 1e6 + 5e-7).astype(np.float32),
+                          np.array([0.0, 1.0, 0.5, 2.5e-7, 1.5e-6], dtype=np.float32)])
+    values = p32.tolist()  # what the engine's results hold: float32 values as Python floats
+    assert round_probs(values) == [round(v, 6) for v in values]
+    results = [TagResult(["a"] * n, ["c"] * n, values[k:k + n], None, [])
+               for k, n in zip(range(0, 60, 10), (3, 0, 7, 1, 10, 2))]
+    assert result_dicts(results) == [r.to_dict() for r in results]
+    assert result_dicts([]) == []
+
+
 def test_tag_result_offsets_given_as_an_array_read_as_tuples():
     """The host workers hand offsets over as an int [n, 2] array: the result reads them as the
     list of (start, end) tuples a tuple-built result has, compares equal to it, and gives the

@@ -293,7 +293,40 @@ def test_writer_refuses_to_overwrite_without_resume(tmp_path):
     with ResumableJsonlWriter(str(out), resume=False) as w:
         assert w.done == 0
         w.write({"index": 1, "x": "ü"})
-    assert out.read_text(encoding="utf-8") == '{"index": 1, "x": "ü"}\n'
+    assert out.read_text(encoding="utf-8") == '{"index":1,"x":"ü"}\n'  # compact, UTF-8
+
+
+@pytest.fixture(params=["orjson", "json"])
+def line_encoder(request, monkeypatch):
+    """encode_line with orjson (where installed) and with Python's json alone (an install made
+    with --no-deps)."""
+    from mhmla_fast.serve import outputs
+
+    if request.param == "orjson":
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(outputs, "_orjson", lambda: None)
+    return outputs.encode_line
+
+
+def test_encode_line_gives_the_same_values_with_either_encoder(line_encoder):
+    """One compact UTF-8 line per record with the values as given; the numbers' spelling is the
+    encoder's own. NaN, Infinity, a null, a lone surrogate, a 70-bit integer and an int key
+    take Python's json under orjson too: NaN refused, the surrogate escaped."""
+    record = {"index": 3, "id": "doc-ü", "tokens": ["He", "go", "\u2028"], "labels": ["c", "i"],
+              "probs": [1e-06, 1.5e-05, 0.5, 0.999999], "offsets": [[0, 2], [3, 5]],
+              "spans": [{"start": 3, "end": 5, "text": "go"}]}
+    line = line_encoder(record)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1 and b", " not in line
+    assert json.loads(line) == record
+    assert line_encoder({"index": 1, "id": None}) == b'{"index":1,"id":null}\n'
+    assert json.loads(line_encoder({"index": 1, "big": 2**70, 5: "x"})) == {
+        "index": 1, "big": 2**70, "5": "x"}
+    assert line_encoder({"index": 1, "error": "bad \udcff.txt"}) == \
+        b'{"index":1,"error":"bad \\udcff.txt"}\n'
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            line_encoder({"index": 1, "probs": [0.5, bad]})
 
 
 def test_writer_enforces_index_order_and_strict_json(tmp_path):
@@ -371,7 +404,7 @@ def test_stdout_output(capsysbinary):
         ResumableJsonlWriter("-", resume=True)
     with ResumableJsonlWriter("-", resume=False, sync_every=1) as w:
         w.write({"index": 1, "t": "ß"})
-    assert capsysbinary.readouterr().out == '{"index": 1, "t": "ß"}\n'.encode("utf-8")
+    assert capsysbinary.readouterr().out == '{"index":1,"t":"ß"}\n'.encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_a_second_writer_is_stopped_by_the_lock(tmp_path):
             ResumableJsonlWriter(str(out), resume=resume)
     first.write({"index": 2})
     first.close()
-    assert out.read_text() == '{"index": 1}\n{"index": 2}\n'
+    assert out.read_text() == '{"index":1}\n{"index":2}\n'
     with ResumableJsonlWriter(str(out), resume=True) as w:  # the lock goes with the writer
         assert w.done == 2
     fresh = tmp_path / "fresh.jsonl"  # two fresh runs on a path that did not exist

