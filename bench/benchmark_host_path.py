@@ -136,11 +136,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    import mhmla_fast
     from mhmla_fast.ged.data import read_ged
     from mhmla_fast.serve.engine import Engine, default_tagger_path, gc_paused, load_tokenizer
 
-    import mhmla_fast
-
+    code = Path(mhmla_fast.__file__).resolve().parents[1]
+    if args.code is not None and code != Path(args.code).resolve():
+        raise SystemExit(f"--code {args.code}: mhmla_fast was already imported from {code}; "
+                         "give --code on the command line (it is read before the import)")
     sentences = [s.tokens for f in args.data for s in read_ged(f)] * args.repeat
     texts = [" ".join(s) for s in sentences]
     tokenizer = load_tokenizer(default_tagger_path())
@@ -196,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = profile_text(engine.tag_texts, texts, top=15).splitlines()
     result = {
         "benchmark": "host_path", "commit": git_commit(), "command": shlex.join(sys.argv),
-        "code": str(Path(mhmla_fast.__file__).parents[1]),
+        "code": str(code),
         "device": {**cpu_info(), "load_average_start": load_average()},
         "python": sys.version.split()[0], "data": [Path(f).name for f in args.data],
         "repeat": args.repeat, "rows": rows,
