@@ -114,7 +114,7 @@ class TagResult:
         return d
 
 
-def round_probs(probs) -> list[float]:
+def round_probs(probs: Sequence[float] | np.ndarray) -> list[float]:
     """``probs`` rounded to 6 decimals, as Python floats: ``np.round`` in float64, which for
     the engine's probabilities (float32 values) equals ``round(p, 6)`` exactly (a float32
     times 10^6 is exact in float64, so both round the exact value half to even, and both then
