@@ -205,6 +205,26 @@ def test_64_concurrent_clients_get_the_offline_results(tiny_engine):
           f"{multi:.0f} batches of several requests")
 
 
+@pytest.mark.parametrize("big", [False, True])
+def test_a_tag_response_is_the_bytes_the_tag_command_would_write(tiny_engine, monkeypatch, big):
+    """One request alone is one engine call, as offline: the body is {"results": ...} encoded as
+    the tag command encodes its lines (outputs.encode_json), on the event loop and, for a
+    body past BIG_RESPONSE tokens, in a thread."""
+    from mhmla_fast.serve import http as http_module
+    from mhmla_fast.serve.engine import result_dicts
+    from mhmla_fast.serve.outputs import encode_json
+
+    if big:
+        monkeypatch.setattr(http_module, "BIG_RESPONSE", 1)
+    texts = [random_text(random.Random(k)) for k in range(5)]
+    want = encode_json({"results": result_dicts(tiny_engine.tag_texts(texts))})
+    app = create_app(tiny_engine, max_batch_tokens=4096, max_wait_ms=5, model_name="tiny")
+    with serving(app) as (url, _):
+        r = httpx.post(url + "/v1/tag", json={"texts": texts})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.content == want
+
+
 def test_validation_and_size_limits():
     app = create_app(StubEngine(), max_request_bytes=20_000, max_texts_per_request=4,
                      max_queue=64)

@@ -114,6 +114,7 @@ from .scheduler import (
     EngineFailure, MicroBatcher, QueueFull, TooCostly, Unavailable, estimate_pieces,
 )
 from .http_workers import WorkerGroup
+from .outputs import encode_json
 from .score import essay_pieces_check, unsupported_prompt
 
 __all__ = ["create_app", "MicroBatcher", "QueueFull", "TooCostly", "Unavailable",
@@ -618,14 +619,15 @@ async def _await_results(batcher: MicroBatcher, kind: str, inputs: Sequence[Any]
 
 
 async def _results_response(results: list[dict]) -> Response:
-    """``{"results": results}`` as JSON; a large body is encoded in a thread, so that the
+    """``{"results": results}`` as JSON, encoded as ``mhmla-serve tag`` writes its lines
+    (:func:`.outputs.encode_json`: orjson); a large body is encoded in a thread, so that the
     event loop goes on answering other requests meanwhile."""
     body = {"results": results}
     if sum(len(r.get("tokens", ())) for r in results) < BIG_RESPONSE:
-        return JSONResponse(body)
-    data = await asyncio.to_thread(json.dumps, body, ensure_ascii=False, allow_nan=False,
-                                   separators=(",", ":"))
-    return Response(data.encode("utf-8"), media_type="application/json")
+        data = encode_json(body)
+    else:
+        data = await asyncio.to_thread(encode_json, body)
+    return Response(data, media_type="application/json")
 
 
 def _over_long(kind: str, inputs: Sequence[Any], cap: int | None) -> str | None:
