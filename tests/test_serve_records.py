@@ -477,6 +477,29 @@ def test_run_records_bar_ends_with_every_piece_and_error_counted(tmp_path, capsy
     assert "133 pieces" in last and "errors=4" in last, last  # 19 valid records x 7
 
 
+def test_run_records_pauses_the_collector_until_a_batch_is_written(tmp_path):
+    """The garbage collector is off while a batch is processed and its records are written (so
+    that it does not walk results about to be freed), and on again after, as it was."""
+    import gc
+
+    src = make_input(tmp_path)
+    seen: list[bool] = []
+
+    def batch_seeing_gc(batch):
+        seen.append(gc.isenabled())
+        return [{"upper": r.text.upper()} for r in batch]
+
+    class Writer(ResumableJsonlWriter):
+        def write(self, record):
+            seen.append(gc.isenabled())
+            super().write(record)
+
+    assert gc.isenabled()
+    with Writer(str(tmp_path / "out.jsonl"), resume=False) as w:
+        run_records(iter_input_records([src]), batch_seeing_gc, w, batch_size=4, progress=False)
+    assert gc.isenabled() and len(seen) == 5 + 23 and not any(seen)  # 5 batches, 23 records
+
+
 def test_run_records_first_batch_ramps_up_to_batch_size(tmp_path):
     """first_batch: batches of 1, 2, 4, 4, ... valid records, the same output in order."""
     src = make_input(tmp_path)

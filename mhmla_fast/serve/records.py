@@ -124,6 +124,8 @@ def run_records(
     are written soon after start (None: every batch ``batch_size``). The writer is synced, not
     closed, at the end.
     """
+    from .engine import gc_paused
+
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if first_batch is not None and first_batch < 1:
@@ -167,6 +169,14 @@ def run_records(
             n_ok += 1
 
     def flush() -> None:
+        """Process the pending records and write them, the garbage collector paused until the
+        batch's results are written and freed: they hold no cycles, so once they are gone the
+        collector has little to walk when it resumes (paused inside the engine alone, it walked
+        every result at the end of each call)."""
+        with gc_paused():
+            write_pending()
+
+    def write_pending() -> None:
         nonlocal limit
         if not pending:
             return
