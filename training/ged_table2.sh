@@ -13,7 +13,9 @@
 #                                                     and seed in SEEDS (default "0 1 2")
 #   training/ged_table2.sh layers                     layer weights of MHMLA J = 12, seed 0, on
 #                                                     FCE test (ged-layers), then the side-by-side
-#                                                     plot of every encoder's such file
+#                                                     plot of every encoder's such file (that run
+#                                                     writes its JSON itself after ged-suite, so the
+#                                                     plot needs no kept model)
 #   training/ged_table2.sh stats [ARGS...]            bench/ged_seed_stats.py over this encoder's
 #                                                     files (ARGS: e.g. --common-seeds)
 #   training/ged_table2.sh all [EPOCHS]               table2, jsweep, layers, stats
@@ -69,6 +71,10 @@ one() {  # HEAD J SEED EPOCHS: train (or resume), then ged-suite; a failure is l
        ${THREADS:+--threads "$THREADS"} $TRAIN_ARGS >>"$run.log" 2>&1 \
      && { [ "$res" -nt "$run/best/config.json" ] \
           || mhmla-eval ged-suite --model "$run/best" --out "$res" >>"$run.log" 2>&1; }; then
+    # the layer weights of MHMLA J = 12 seed 0 while its model is here (runs/ may not last)
+    if [ "$head" = mhmla ] && [ "$j" = 12 ] && [ "$seed" = 0 ] && [ ! -e "$(layers_stem).json" ]; then
+      layers_json >>"$run.log" 2>&1 || echo "layers: FAILED (see $run.log)"
+    fi
     echo "done   $run -> $res ($(( SECONDS - t0 )) s)"
     printf '%s\t%s\t%s\n' "$run" "$(( SECONDS - t0 ))" "$(date -u +%FT%TZ)" >>"$RUNS/ged_times.tsv"
   else
@@ -105,12 +111,24 @@ jsweep() {  # EPOCHS SEEDS
   finish
 }
 
-layers() {  # MHMLA J = 12 seed 0 of this encoder on FCE test, then every encoder's side by side
-  local stem="$RESULTS/ged_layers_${TAG}_mhmla12_seed0_fce_test"
-  local png=(--png "$stem.png")
-  python3 -c "import matplotlib" 2>/dev/null || png=()  # a GPU box: the JSON only
+layers_stem() { echo "$RESULTS/ged_layers_${TAG}_mhmla12_seed0_fce_test"; }
+
+layers_json() {  # [--png FILE]: ged-layers of MHMLA J = 12 seed 0 on FCE test
   mhmla-eval ged-layers --model "$(run_dir mhmla 12 0)/best" \
-    --data "$DATA/fce/fce-public.test.original.tsv" --json "$stem.json" "${png[@]}"
+    --data "$DATA/fce/fce-public.test.original.tsv" --json "$(layers_stem).json" "$@"
+}
+
+layers() {  # MHMLA J = 12 seed 0 of this encoder on FCE test, then every encoder's side by side
+  local stem png=()
+  stem=$(layers_stem)
+  python3 -c "import matplotlib" 2>/dev/null && png=(--png "$stem.png")  # a GPU box: the JSON only
+  if [ -d "$(run_dir mhmla 12 0)/best" ]; then
+    layers_json "${png[@]}"
+  elif [ -e "$stem.json" ]; then  # written by the run itself, whose model is gone
+    echo "layers: $(run_dir mhmla 12 0)/best is gone; plotting $stem.json" >&2
+  else
+    echo "layers: no model $(run_dir mhmla 12 0)/best and no $stem.json" >&2; return 1
+  fi
   local files=() labels=() f
   for f in "$RESULTS"/ged_layers_*_mhmla12_seed0_fce_test.json; do
     files+=("$f")
