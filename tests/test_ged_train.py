@@ -632,3 +632,110 @@ def test_the_dev_set_is_word_pieced_once_for_every_epochs_evaluation(tmp_path, t
     assert all(np.array_equal(a, b) for a, b in zip(own, given, strict=True))
     with pytest.raises(ValueError, match="encoded: 3 sentences"):
         train_mod.predict_word_probs(model, tokenizer, dev_tokens, encoded=encoded[:3])
+
+
+def test_packed_sentences_put_each_words_target_at_its_first_piece():
+    """Float targets ride with the labels: word w's target at its first piece, 0 elsewhere
+    and on padding rows, against the labels' own positions; targets without labels or of
+    another length are refused."""
+    from mhmla_fast.ged.model import IGNORE, PackedSentences
+
+    rng = random.Random(2)
+    encoded, labels, targets = [], [], []
+    for _ in range(30):
+        words = rng.randint(0, 7)
+        labels.append([rng.randint(0, 1) for _ in range(words)])
+        targets.append([rng.random() for _ in range(words)])
+        index = [-1]
+        for w in range(words):
+            index += [w] + [-1] * rng.randint(0, 2)
+        index.append(-1)
+        encoded.append(([rng.randrange(3, 1000) for _ in index], index))
+    packed = PackedSentences(encoded, 7, labels, targets)
+    for _ in range(50):
+        idx = [rng.randrange(30) for _ in range(rng.randint(1, 8))]
+        batch = packed.collate(idx, rows=10, length=40)
+        got = batch["targets"]
+        assert got.dtype == torch.float32 and got.shape == batch["labels"].shape
+        want = torch.zeros(got.shape)
+        for b, i in enumerate(idx):
+            for t, w in enumerate(encoded[i][1]):
+                if w >= 0:
+                    want[b, t] = targets[i][w]
+        assert torch.equal(got, want)
+        assert torch.equal(got != 0, (batch["labels"] != IGNORE) & (want != 0))
+    with pytest.raises(ValueError, match="targets: 29 sentences, 30 encoded"):
+        PackedSentences(encoded, 7, labels, targets[:-1])
+    with pytest.raises(ValueError, match="targets: given without labels"):
+        PackedSentences(encoded, 7, None, targets)
+
+
+def test_word_loss_with_targets_mixes_gold_and_soft_cross_entropy():
+    """Targets equal to the labels give the plain cross-entropy; t = (1 - w) y + w q gives
+    (1 - w) CE(y) + w CE(q), both against a float64 statement; unlabelled pieces count nothing,
+    in the mean and in the sum."""
+    from mhmla_fast.ged.model import IGNORE
+    from mhmla_fast.ged.train import word_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 9, 2, generator=g)
+    labels = torch.randint(0, 2, (4, 9), generator=g)
+    labels[:, 0] = IGNORE
+    labels[3, 5:] = IGNORE
+    counted = labels != IGNORE
+    y = labels.clamp_min(0).double()
+    plain = word_loss(logits, labels)
+    assert torch.allclose(word_loss(logits, labels, y.float()), plain, atol=1e-6)
+    q = torch.rand(4, 9, generator=g, dtype=torch.float64)
+    w = 0.3
+    logp = torch.log_softmax(logits.double(), -1)
+    ce_y = -(y * logp[..., 1] + (1 - y) * logp[..., 0])[counted].mean()
+    ce_q = -(q * logp[..., 1] + (1 - q) * logp[..., 0])[counted].mean()
+    mixed = word_loss(logits, labels, ((1 - w) * y + w * q).float())
+    assert abs(mixed.item() - ((1 - w) * ce_y + w * ce_q).item()) < 1e-5
+    assert abs(plain.item() - ce_y.item()) < 1e-5
+    total = word_loss(logits, labels, ((1 - w) * y + w * q).float(), reduction="sum")
+    assert abs(total.item() - mixed.item() * counted.sum().item()) < 1e-4
+
+
+def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder):
+    """--teacher: the teacher's word probabilities on the training set are computed once into
+    the run folder (equal to predict_word_probs of the teacher), the student trains on them,
+    and a run resumed after the teacher's folder is gone ends exactly where an uninterrupted
+    one does; a teacher weight without a teacher, or out of (0, 1], is refused."""
+    import shutil
+
+    from safetensors.numpy import load_file as load_numpy
+
+    from mhmla_fast.ged.data import read_ged
+    from mhmla_fast.ged.train import TEACHER_FILE, predict_word_probs
+
+    teacher = train(config(tmp_path, tiny_encoder, tmp_path / "teacher", epochs=1))
+    full = train(config(tmp_path, tiny_encoder, tmp_path / "full", epochs=2, teacher=str(teacher),
+                        teacher_weight=0.7))
+    saved = load_numpy(str(tmp_path / "full" / TEACHER_FILE))
+    sentences = read_ged(tmp_path / "train.tsv")
+    want = predict_word_probs(GedTagger.load(teacher), load_tokenizer(teacher),
+                              [s.tokens for s in sentences])
+    assert saved["counts"].tolist() == [len(s.labels) for s in sentences]
+    assert np.allclose(saved["probs"], np.concatenate(want), atol=1e-6)
+    assert 0 < saved["probs"].min() and saved["probs"].max() < 1
+    plain = train(config(tmp_path, tiny_encoder, tmp_path / "plain", epochs=2))
+    assert not torch.equal(load_file(full / "model.safetensors")["classifier.weight"],
+                           load_file(plain / "model.safetensors")["classifier.weight"])
+
+    kept = tmp_path / "teacher-copy"
+    shutil.copytree(teacher.parent, kept)
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "resumed", epochs=2,
+                 teacher=str(kept / "best"), teacher_weight=0.7)
+    train(cfg, stop_after_steps=5)
+    shutil.rmtree(kept)  # the resume reads the run folder's file, not the teacher
+    resumed = train(cfg)
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    with pytest.raises(ValueError, match="teacher_weight: needs teacher"):
+        config(tmp_path, tiny_encoder, tmp_path / "x", teacher_weight=0.3)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="teacher_weight: expected a share"):
+            config(tmp_path, tiny_encoder, tmp_path / "x", teacher=str(teacher), teacher_weight=bad)

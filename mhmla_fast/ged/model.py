@@ -212,10 +212,14 @@ class PackedSentences:
 
     Arrays: ``lengths`` [S] pieces per sentence; ``ids``, ``word_index`` and, with labels,
     ``labels`` [total pieces] (each word's label at its first piece, IGNORE elsewhere), the
-    sentences one after another from ``starts`` [S]."""
+    sentences one after another from ``starts`` [S]. With ``targets`` (a float per word, as
+    ``labels``: the probability of an error that the loss aims at, e.g. a teacher's mixed with
+    the gold label), ``targets`` [total pieces] float32 too (0 off first pieces), and a batch
+    has ``"targets"`` [B, T] float32 (0 off first pieces and on padding)."""
 
     def __init__(self, encoded: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
-                 labels: Sequence[Sequence[int]] | None = None) -> None:
+                 labels: Sequence[Sequence[int]] | None = None,
+                 targets: Sequence[Sequence[float]] | None = None) -> None:
         n = len(encoded)
         self.pad_id = pad_id
         self.lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=n)
@@ -225,18 +229,26 @@ class PackedSentences:
                                count=total)
         self.word_index = np.fromiter(chain.from_iterable(ix for _, ix in encoded),
                                       dtype=np.int64, count=total)
-        self.labels = None
-        if labels is not None:
-            if len(labels) != n:
-                raise ValueError(f"labels: {len(labels)} sentences, {n} encoded")
-            counts = np.fromiter(map(len, labels), dtype=np.int64, count=n)
-            words = np.fromiter(chain.from_iterable(labels), dtype=np.int64,
-                                count=int(counts.sum()))
-            sentence = np.repeat(np.arange(n), self.lengths)  # each piece's sentence
-            first = self.word_index >= 0
-            self.labels = np.full(total, IGNORE, dtype=np.int64)
-            self.labels[first] = words[(np.cumsum(counts) - counts)[sentence[first]]
-                                       + self.word_index[first]]
+        self.labels = self._at_first_pieces(labels, "labels", np.int64, IGNORE)
+        self.targets = self._at_first_pieces(targets, "targets", np.float32, 0.0)
+        if targets is not None and labels is None:
+            raise ValueError("targets: given without labels (the labels say which pieces count)")
+
+    def _at_first_pieces(self, per_word, name: str, dtype, fill) -> np.ndarray | None:
+        """[total pieces] of ``dtype``: word w's value of ``per_word`` (one sequence per
+        sentence) at its first piece, ``fill`` elsewhere; None for None."""
+        if per_word is None:
+            return None
+        n = len(self.lengths)
+        if len(per_word) != n:
+            raise ValueError(f"{name}: {len(per_word)} sentences, {n} encoded")
+        counts = np.fromiter(map(len, per_word), dtype=np.int64, count=n)
+        words = np.fromiter(chain.from_iterable(per_word), dtype=dtype, count=int(counts.sum()))
+        sentence = np.repeat(np.arange(n), self.lengths)  # each piece's sentence
+        first = self.word_index >= 0
+        out = np.full(len(self.ids), fill, dtype=dtype)
+        out[first] = words[(np.cumsum(counts) - counts)[sentence[first]] + self.word_index[first]]
+        return out
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -253,8 +265,8 @@ class PackedSentences:
         filled = col < lens[:, None]
         src = np.where(filled, self.starts[idx][:, None] + col, 0)  # a valid index everywhere
 
-        def grid(flat: np.ndarray, fill: int) -> Tensor:
-            out = np.full((B, T), fill, dtype=np.int64)
+        def grid(flat: np.ndarray, fill) -> Tensor:
+            out = np.full((B, T), fill, dtype=flat.dtype)
             out[:n] = np.where(filled, flat[src], fill)
             return torch.from_numpy(out)
 
@@ -265,6 +277,8 @@ class PackedSentences:
                  "word_index": grid(self.word_index, -1)}
         if self.labels is not None:
             batch["labels"] = grid(self.labels, IGNORE)
+        if self.targets is not None:
+            batch["targets"] = grid(self.targets, 0.0)
         return batch
 
 

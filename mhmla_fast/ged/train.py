@@ -24,6 +24,7 @@ length-bucketed (sentences of similar length together, batch order shuffled). Th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from ..checkpoint import (CheckpointWriter, check_same_inputs,
                           load_checkpoint, precision_recorded, recover_run_dir, run_lock)
-from ..durable import atomic_write_text
+from ..durable import atomic_write_bytes, atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
                        same_file)
 from ..devices import (COMPILE_PAD_TO, TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, applied_compile,
@@ -54,7 +55,7 @@ from .model import (IGNORE, GedTagger, PackedSentences, TaggerConfig, _ged_encod
 
 __all__ = [
     "TrainConfig", "train", "predict_word_probs", "length_bucketed_batches", "lr_factor",
-    "layer_lr_groups", "LR_SCHEDULES",
+    "layer_lr_groups", "LR_SCHEDULES", "word_loss", "teacher_targets",
 ]
 
 
@@ -121,6 +122,14 @@ class TrainConfig:
         "artificial errors: every error-free training sentence is also trained on as a copy "
         "with this many rule-made errors per word (at least one; see mhmla_fast.ged.synthetic); "
         "0 (the paper): none"))
+    # knowledge distillation: a trained tagger's word error probabilities on the training set
+    # (computed once, kept in the run folder) mixed into each labelled word's target
+    teacher: str | None = field(default=None, metadata=_help(
+        "a trained GED tagger (model folder, e.g. a larger encoder's runs/<run>/best) whose "
+        "error probability q of every training word enters its target: (1 - w) * gold + w * q "
+        "(knowledge distillation; w: --teacher-weight); default none (the paper)"))
+    teacher_weight: float = field(default=0.5, metadata=_help(
+        "w, the teacher's share of each training word's target (with --teacher)"))
     extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
@@ -142,11 +151,16 @@ class TrainConfig:
         check_synthetic_rate(self.synthetic_errors)
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
+        if isinstance(self.teacher_weight, bool) or not isinstance(self.teacher_weight, (int, float)) \
+                or not 0.0 < self.teacher_weight <= 1.0:
+            raise ValueError(f"teacher_weight: expected a share in (0, 1], got {self.teacher_weight!r}")
+        if self.teacher is None and self.teacher_weight != 0.5:
+            raise ValueError("teacher_weight: needs teacher (the tagger whose probabilities it weighs)")
 
 
 LR_SCHEDULES = ("constant", "linear")
 # fields naming files: on resume, two spellings of one path are the same run
-PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path")
+PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path", "teacher")
 
 
 LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
@@ -246,6 +260,59 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
     return out  # type: ignore[return-value]
 
 
+TEACHER_FILE = "teacher_probs.safetensors"  # in the run folder: a resume reads the same targets
+
+
+def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], out: Path, *,
+                    device: torch.device, batch_size: int = 64, compute: bool = True
+                    ) -> tuple[list[np.ndarray], str]:
+    """Each word's training target t = (1 - weight) * gold + weight * q, q the error
+    probability the tagger in folder ``teacher`` gives it (its own word pieces, eval mode,
+    float32), one float32 array per sentence, and the sha256 of the q's.
+
+    The q's are computed once and kept in ``out / TEACHER_FILE`` (safetensors: ``probs`` [words],
+    ``counts`` [sentences]), so a resumed run trains on the same targets; a file made for other
+    sentences is refused. ``compute=False`` (ranks other than the first under torchrun) only
+    reads the file."""
+    from safetensors.numpy import load_file, save
+
+    path = out / TEACHER_FILE
+    counts = np.fromiter((len(s.labels) for s in sentences), dtype=np.int64, count=len(sentences))
+    if path.exists() or not compute:
+        saved = load_file(str(path))
+        if not np.array_equal(saved["counts"], counts):
+            raise ValueError(f"{path}: the teacher's probabilities of other training sentences; "
+                             "remove it or use another --out")
+        q = saved["probs"]
+    else:
+        model = GedTagger.load(teacher, device=device)
+        probs = predict_word_probs(model, load_tokenizer(str(teacher)),
+                                   [s.tokens for s in sentences], batch_size=batch_size,
+                                   device=device)
+        del model
+        q = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
+        atomic_write_bytes(path, save({"probs": q, "counts": counts}))
+    gold = np.fromiter((y for s in sentences for y in s.labels), dtype=np.float32, count=len(q))
+    mixed = ((1.0 - weight) * gold + weight * q).astype(np.float32)
+    return np.split(mixed, np.cumsum(counts)[:-1]), hashlib.sha256(q.tobytes()).hexdigest()
+
+
+def word_loss(logits: Tensor, labels: Tensor, targets: Tensor | None = None,
+              reduction: str = "mean") -> Tensor:
+    """Cross-entropy of the labelled pieces (``labels`` [B, T] != IGNORE) of ``logits``
+    [B, T, 2], in float32: against the gold label, or, with ``targets`` [B, T] (the error
+    probability t each piece aims at), -(t log p_error + (1 - t) log p_correct); the mean over
+    labelled pieces, or their ``"sum"``. With targets equal to the labels both forms agree."""
+    logits = logits.float().flatten(0, 1)
+    if targets is None:
+        return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE, reduction=reduction)
+    logp = F.log_softmax(logits, -1)
+    t = targets.flatten().to(logp.dtype)
+    counted = (labels.flatten() != IGNORE).to(logp.dtype)
+    total = (-(t * logp[:, 1] + (1.0 - t) * logp[:, 0]) * counted).sum()
+    return total if reduction == "sum" else total / counted.sum().clamp_min(1.0)
+
+
 def evaluate(model, tokenizer, sentences: Sequence[Sentence], **kw) -> tuple[dict, np.ndarray]:
     probs = predict_word_probs(model, tokenizer, [s.tokens for s in sentences], **kw)
     flat = np.concatenate(probs) if probs else np.zeros(0)
@@ -314,9 +381,18 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if max_length > positions:
         raise ValueError(f"max_length: {max_length} word pieces, but the encoder has {positions} "
                          "positions")
+    targets = None
+    if cfg.teacher is not None:
+        if dist_ctx is not None and not main_rank:
+            torch.distributed.barrier()  # the first rank computes the teacher's file
+        targets, data["teacher"] = teacher_targets(
+            cfg.teacher, cfg.teacher_weight, train_set, out, device=device,
+            batch_size=cfg.eval_batch_size, compute=main_rank)
+        if dist_ctx is not None and main_rank:
+            torch.distributed.barrier()
     # the training set's pieces and labels, flat: a step's batch is a few array operations
     packed = PackedSentences(encode_sentences(tokenizer, [s.tokens for s in train_set], max_length),
-                             tokenizer.pad_token_id, [s.labels for s in train_set])
+                             tokenizer.pad_token_id, [s.labels for s in train_set], targets)
     lengths = packed.lengths.tolist()
     optimizer = _make_optimizer(model, cfg, device)
     # layers left out of the selection get no gradient
@@ -355,11 +431,11 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
 
     autocast = training_autocast(cfg.precision, device)
 
-    def tagging_loss(input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy of the labelled pieces: the step's forward, compiled whole
-        (loss included) under --compile."""
-        logits = model(input_ids, attention_mask)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+    def tagging_loss(input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
+                     targets: Tensor | None = None) -> Tensor:
+        """Mean cross-entropy of the labelled pieces (:func:`word_loss`): the step's forward,
+        compiled whole (loss included) under --compile."""
+        return word_loss(model(input_ids, attention_mask), labels, targets)
 
     step_loss_fn, static = tagging_loss, {}
     if compile_mode != "off":  # (applied_compile refused a compiled mode under torchrun)
@@ -419,7 +495,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 batch = _to_device(packed.collate(idx, **static), device)
                 with autocast:  # (the loss takes float32 logits either way)
                     loss = step_loss_fn(batch["input_ids"], batch["attention_mask"],
-                                        batch["labels"])
+                                        batch["labels"], batch.get("targets"))
                 loss.backward()
                 step_loss = loss.detach()
             else:
@@ -524,9 +600,8 @@ def _distributed_step(net, ctx, idx, packed: PackedSentences, lengths, device, a
     batch = _to_device(packed.collate(mine), device)
     with autocast:
         logits = net(batch["input_ids"], batch["attention_mask"])
-    gold = batch["labels"].flatten()
-    ce = F.cross_entropy(logits.float().flatten(0, 1), gold, ignore_index=IGNORE, reduction="sum")
-    totals = torch.stack([ce.detach(), (gold != IGNORE).sum().to(ce.dtype)]) * weight
+    ce = word_loss(logits, batch["labels"], batch.get("targets"), reduction="sum")
+    totals = torch.stack([ce.detach(), (batch["labels"] != IGNORE).sum().to(ce.dtype)]) * weight
     torch.distributed.all_reduce(totals)  # global loss sum and token count
     (ce * weight * ctx.world_size / totals[1].clamp_min(1)).backward()
     return (totals[0] / totals[1].clamp_min(1)).detach()
@@ -538,8 +613,15 @@ STEP_INPUTS = ("input_ids", "attention_mask", "labels")  # what a training step 
 def _to_device(batch: dict[str, Tensor], device: torch.device,
                keys: tuple[str, ...] = STEP_INPUTS) -> dict[str, Tensor]:
     """The batch's [B, T] int64 tensors named by ``keys`` on ``device``: to CUDA in one copy (of
-    their [len(keys), B, T] stack) from pinned memory, without blocking the host."""
+    their [len(keys), B, T] stack) from pinned memory, without blocking the host; the float
+    ``"targets"`` too when the batch has them (a copy of their own)."""
     if device.type != "cuda":  # no copy to make
-        return {k: batch[k].to(device) for k in keys}
+        moved = {k: batch[k].to(device) for k in keys}
+        if "targets" in batch:
+            moved["targets"] = batch["targets"].to(device)
+        return moved
     stacked = torch.stack([batch[k] for k in keys]).pin_memory().to(device, non_blocking=True)
-    return dict(zip(keys, stacked.unbind(0)))
+    moved = dict(zip(keys, stacked.unbind(0)))
+    if "targets" in batch:
+        moved["targets"] = batch["targets"].pin_memory().to(device, non_blocking=True)
+    return moved
