@@ -734,6 +734,10 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
+    reused = config(tmp_path, tiny_encoder, tmp_path / "full", epochs=3, teacher=str(full),
+                    teacher_weight=0.7)  # the run folder of another teacher's probabilities
+    with pytest.raises(ValueError, match="the probabilities of teacher .*teacher/best, not of"):
+        train(reused)
     with pytest.raises(ValueError, match="teacher_weight: needs teacher"):
         config(tmp_path, tiny_encoder, tmp_path / "x", teacher_weight=0.3)
     for bad in (0.0, 1.5):

@@ -273,12 +273,22 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
     The q's are computed once and kept in ``out / TEACHER_FILE`` (safetensors: ``probs`` [words],
     ``counts`` [sentences]), so a resumed run trains on the same targets; a file made for other
     sentences is refused. ``compute=False`` (ranks other than the first under torchrun) only
-    reads the file."""
+    reads the file. The file names the teacher it came from: one of another teacher (a run
+    folder reused with another ``--teacher``) is refused."""
+    import os
+
+    from safetensors import safe_open
     from safetensors.numpy import load_file, save
 
     path = out / TEACHER_FILE
     counts = np.fromiter((len(s.labels) for s in sentences), dtype=np.int64, count=len(sentences))
+    source = os.path.realpath(teacher)
     if path.exists() or not compute:
+        with safe_open(str(path), framework="numpy") as f:
+            made_by = (f.metadata() or {}).get("teacher")
+        if made_by != source:
+            raise ValueError(f"{path}: the probabilities of teacher {made_by}, not of {source}; "
+                             "remove it or use another --out")
         saved = load_file(str(path))
         if not np.array_equal(saved["counts"], counts):
             raise ValueError(f"{path}: the teacher's probabilities of other training sentences; "
@@ -291,7 +301,7 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
                                    device=device)
         del model
         q = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
-        atomic_write_bytes(path, save({"probs": q, "counts": counts}))
+        atomic_write_bytes(path, save({"probs": q, "counts": counts}, metadata={"teacher": source}))
     gold = np.fromiter((y for s in sentences for y in s.labels), dtype=np.float32, count=len(q))
     mixed = ((1.0 - weight) * gold + weight * q).astype(np.float32)
     return np.split(mixed, np.cumsum(counts)[:-1]), hashlib.sha256(q.tobytes()).hexdigest()
