@@ -32,7 +32,7 @@ import torch
 from . import filelock
 from .durable import atomic_write_text, replace_durably
 
-__all__ = ["save_checkpoint", "load_checkpoint", "check_same_data", "check_same_precision",
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_meta", "check_same_data", "check_same_precision",
            "check_same_inputs", "precision_recorded", "CheckpointWriter",
            "run_lock", "RunLockedError", "LOCK_FILE"]
 
@@ -225,6 +225,27 @@ def precision_recorded(meta: dict) -> bool:
     return meta.get("precision_applied") is not None
 
 
+_UNREADABLE = ("{out}: the checkpoint cannot be read ({why}); remove checkpoint.json and "
+               "checkpoint-*.safetensors there to start the run over, or use another --out")
+
+
+def checkpoint_meta(out: Path) -> dict | None:
+    """The JSON of ``out``'s checkpoint (its ``state`` plus "tensors" and "param_groups"), or
+    None when there is none; no tensor is read. A run checks it before costly set-up that a
+    checkpoint of another run would waste. An unreadable one raises ValueError naming the
+    folder."""
+    meta_path = out / "checkpoint.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(_UNREADABLE.format(out=out, why=f"checkpoint.json: {err}")) from err
+    if not (isinstance(meta, dict) and isinstance(meta.get("tensors"), str)):
+        raise ValueError(_UNREADABLE.format(out=out, why="checkpoint.json names no tensors file"))
+    return meta
+
+
 def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     check: Callable[[dict], None] | None = None) -> dict | None:
     """Restore ``model``, ``optimizer`` and the RNGs from ``out``'s checkpoint; returns its
@@ -236,22 +257,16 @@ def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    meta_path = out / "checkpoint.json"
-    if not meta_path.is_file():
+    meta = checkpoint_meta(out)
+    if meta is None:
         return None
-    unreadable = (f"{out}: the checkpoint cannot be read (%s); remove checkpoint.json and "
-                  "checkpoint-*.safetensors there to start the run over, or use another --out")
-    try:
-        meta = json.loads(meta_path.read_text())
-        tensors_path = out / meta["tensors"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(unreadable % f"checkpoint.json: {err}") from err
+    tensors_path = out / meta["tensors"]
     if check is not None:
         check(meta)
     try:
         tensors = load_file(tensors_path)
     except (OSError, SafetensorError) as err:
-        raise ValueError(unreadable % f"{meta['tensors']}: {err}") from err
+        raise ValueError(_UNREADABLE.format(out=out, why=f"{meta['tensors']}: {err}")) from err
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     state: dict[int, dict] = {}
     for key, value in tensors.items():

@@ -698,11 +698,12 @@ def test_word_loss_with_targets_mixes_gold_and_soft_cross_entropy():
     assert abs(total.item() - mixed.item() * counted.sum().item()) < 1e-4
 
 
-def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder):
+def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder, monkeypatch):
     """--teacher: the teacher's word probabilities on the training set are computed once into
     the run folder (equal to predict_word_probs of the teacher), the student trains on them,
     and a run resumed after the teacher's folder is gone ends exactly where an uninterrupted
-    one does; a teacher weight without a teacher, or out of (0, 1], is refused."""
+    one does; a checkpoint of another run is refused before the teacher's pass; a teacher
+    weight without a teacher, or out of (0, 1], is refused."""
     import shutil
 
     from safetensors.numpy import load_file as load_numpy
@@ -734,10 +735,26 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
+    # the run folder of another teacher's probabilities: its checkpoint names the other
+    # teacher, and with the checkpoint gone the probabilities file still does
     reused = config(tmp_path, tiny_encoder, tmp_path / "full", epochs=3, teacher=str(full),
-                    teacher_weight=0.7)  # the run folder of another teacher's probabilities
-    with pytest.raises(ValueError, match="the probabilities of teacher .*teacher/best, not of"):
+                    teacher_weight=0.7)
+    with pytest.raises(ValueError, match=r"a checkpoint of a different run exists \(.*teacher"):
         train(reused)
+    (tmp_path / "x").mkdir()
+    shutil.copy(tmp_path / "full" / TEACHER_FILE, tmp_path / "x" / TEACHER_FILE)
+    with pytest.raises(ValueError, match="the probabilities of teacher .*teacher/best, not of"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "x", epochs=3, teacher=str(full),
+                     teacher_weight=0.7))
+    # a run folder of a run without a teacher, resumed with one: refused before the teacher's
+    # pass over the training set (minutes on a real teacher), which must not start
+    def no_teacher_pass(*args, **kwargs):
+        raise AssertionError("the teacher's pass ran before the checkpoint was checked")
+
+    monkeypatch.setattr("mhmla_fast.ged.train.predict_word_probs", no_teacher_pass)
+    with pytest.raises(ValueError, match=r"a checkpoint of a different run exists \(.*teacher"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "plain", epochs=2, teacher=str(teacher)))
+    assert not (tmp_path / "plain" / TEACHER_FILE).exists()
     with pytest.raises(ValueError, match="teacher_weight: needs teacher"):
         config(tmp_path, tiny_encoder, tmp_path / "x", teacher_weight=0.3)
     for bad in (0.0, 1.5):

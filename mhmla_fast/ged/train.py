@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import (CheckpointWriter, check_same_inputs,
+from ..checkpoint import (CheckpointWriter, check_same_inputs, checkpoint_meta,
                           load_checkpoint, precision_recorded, recover_run_dir, run_lock)
 from ..durable import atomic_write_bytes, atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
@@ -391,24 +391,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if max_length > positions:
         raise ValueError(f"max_length: {max_length} word pieces, but the encoder has {positions} "
                          "positions")
-    targets = None
-    if cfg.teacher is not None:
-        if dist_ctx is not None and not main_rank:
-            torch.distributed.barrier()  # the first rank computes the teacher's file
-        targets, data["teacher"] = teacher_targets(
-            cfg.teacher, cfg.teacher_weight, train_set, out, device=device,
-            batch_size=cfg.eval_batch_size, compute=main_rank)
-        if dist_ctx is not None and main_rank:
-            torch.distributed.barrier()
-    # the training set's pieces and labels, flat: a step's batch is a few array operations
-    packed = PackedSentences(encode_sentences(tokenizer, [s.tokens for s in train_set], max_length),
-                             tokenizer.pad_token_id, [s.labels for s in train_set], targets)
-    lengths = packed.lengths.tolist()
-    optimizer = _make_optimizer(model, cfg, device)
-    # layers left out of the selection get no gradient
-    net = wrap(model, device, dist_ctx, find_unused=cfg.layer_attention.layers is not None)
+    precision = applied_precision(cfg.precision, device)
+    compile_mode = applied_compile(cfg.compile, device, distributed=dist_ctx is not None)
 
-    def same_run(meta: dict) -> None:  # before the checkpoint's tensors are loaded
+    def same_config(meta: dict) -> None:  # what a resume can check before any costly set-up
         if meta["config"] != json.loads(json.dumps(asdict(cfg))):
             # the number of epochs may change on resume (with the constant schedule): epoch
             # e's batches depend only on (seed, e), so a shorter run is a prefix of a longer
@@ -428,10 +414,31 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                                  "use another --out or remove it")
         check_resume_world(meta, dist_ctx, out)
         check_same_compile(meta, compile_mode, out)
+
+    def same_run(meta: dict) -> None:  # before the checkpoint's tensors are loaded
+        same_config(meta)
         check_same_inputs(meta, precision, data, out)
 
-    precision = applied_precision(cfg.precision, device)
-    compile_mode = applied_compile(cfg.compile, device, distributed=dist_ctx is not None)
+    targets = None
+    if cfg.teacher is not None:
+        # a checkpoint of another run is refused before the teacher's pass (minutes) is paid
+        if (early := checkpoint_meta(out)) is not None:
+            same_config(early)
+        if dist_ctx is not None and not main_rank:
+            torch.distributed.barrier()  # the first rank computes the teacher's file
+        targets, data["teacher"] = teacher_targets(
+            cfg.teacher, cfg.teacher_weight, train_set, out, device=device,
+            batch_size=cfg.eval_batch_size, compute=main_rank)
+        if dist_ctx is not None and main_rank:
+            torch.distributed.barrier()
+    # the training set's pieces and labels, flat: a step's batch is a few array operations
+    packed = PackedSentences(encode_sentences(tokenizer, [s.tokens for s in train_set], max_length),
+                             tokenizer.pad_token_id, [s.labels for s in train_set], targets)
+    lengths = packed.lengths.tolist()
+    optimizer = _make_optimizer(model, cfg, device)
+    # layers left out of the selection get no gradient
+    net = wrap(model, device, dist_ctx, find_unused=cfg.layer_attention.layers is not None)
+
     meta = load_checkpoint(out, model, optimizer, check=same_run)
     if meta is not None:
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
