@@ -16,7 +16,8 @@ data. Per seed, in percent, for F0.5 at argmax (``f05``) and at the dev-tuned th
 the mean of the other test sets"). Per group the spread (mean, sample std, min, max, every seed);
 per baseline, the candidate minus the baseline paired on the seeds both have
 (``ged_seed_stats.paired``: mean difference, 95% t-interval, paired t-test, exact sign flips;
-no verdict below ``--min-seeds``) and the difference of means with Welch's t-test over all seeds
+no verdict below ``--min-seeds``; ``p_holm`` and ``verdict_holm`` after Holm's adjustment over
+every paired test against that baseline, both metrics and every quantity) and the difference of means with Welch's t-test over all seeds
 of each (unpaired; None where a group has one seed). ``rule``: per baseline and metric, whether
 the candidate's mean is above the baseline's on dev and on ``others``.
 
@@ -192,6 +193,7 @@ def summarise(groups: Sequence[tuple[str, list[gs.Run]]], alpha: float = 0.05,
             others = entry["unpaired"][m]["others"]["mean_diff"]
             rule.append({"baseline": label, "metric": m, "dev_diff": dev, "others_diff": others,
                          "met_on_means": dev > 0 and others > 0})
+        _adjust_family(entry, alpha)
         comparisons.append(entry)
     return {"unit": "percent", "system": gs.system_key(ref.system), "candidate": candidate,
             "alpha": alpha, "min_seeds": min_seeds, "groups": out_groups,
@@ -199,8 +201,25 @@ def summarise(groups: Sequence[tuple[str, list[gs.Run]]], alpha: float = 0.05,
             "notes": ["values in percent; std is the sample standard deviation (n - 1)",
                       "dev: the training's dev score of the selected epoch (selection set)",
                       "others: the mean of CoNLL14-1, CoNLL14-2 and JFLEG test, per seed",
-                      f"paired verdicts: paired t-test at {alpha:g}, two-sided, uncorrected; "
+                      f"paired verdicts: paired t-test at {alpha:g}, two-sided; verdict "
+                      "uncorrected, verdict_holm after Holm's adjustment over every paired test "
+                      "against the same baseline (both metrics, every quantity); "
                       "unpaired: Welch's t-test over all seeds of each group"]}
+
+
+def _adjust_family(entry: dict, alpha: float) -> None:
+    """Every paired test of the candidate against one baseline (both metrics, every quantity)
+    is one family: each judged result gains ``p_holm`` (Holm's adjustment over the family,
+    ``ged_seed_stats.holm``), ``family_size`` and ``verdict_holm`` (the verdict at ``alpha``
+    after it); a result with too few seeds or no p-value keeps its verdict."""
+    members = [x for per in entry["paired"].values() for x in per.values() if x is not None]
+    tests = [x for x in members
+             if not x["verdict"].startswith("too few") and x["p_ttest"] is not None]
+    for x in members:
+        x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
+    for x, p in zip(tests, gs.holm([x["p_ttest"] for x in tests])):
+        x["p_holm"], x["verdict_holm"] = p, gs.verdict(x["n"], x["mean_diff"], p, alpha, 0,
+                                                       "candidate")
 
 
 def _cell(x: dict) -> str:
@@ -218,7 +237,7 @@ def markdown(summary: dict) -> str:
                          + " | ".join(_cell(g[m][q]) for q in QUANTITIES) + " |")
         parts.append("\n".join(lines))
     head = ["baseline", "metric", "set", "paired seeds", "mean difference [95% CI]", "t-test p",
-            "verdict", "difference of means (Welch p)"]
+            "verdict", "Holm p", "verdict after Holm", "difference of means (Welch p)"]
     lines = [f"{summary['candidate']} minus each baseline (points):", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for c in summary["comparisons"]:
@@ -226,11 +245,12 @@ def markdown(summary: dict) -> str:
             for q in QUANTITIES:
                 x, u = c["paired"][m][q], c["unpaired"][m][q]
                 if x is None:
-                    paired_cells = ["0", "", "", "no common seed"]
+                    paired_cells = ["0", "", "", "no common seed", "", ""]
                 else:
                     ci = f" [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}]" if x["ci95"] else ""
+                    holm_p = gs._p(x["p_holm"]) if x["p_holm"] is not None else ""
                     paired_cells = [str(x["n"]), f"{x['mean_diff']:+.2f}{ci}",
-                                    gs._p(x["p_ttest"]), x["verdict"]]
+                                    gs._p(x["p_ttest"]), x["verdict"], holm_p, x["verdict_holm"]]
                 welch_p = f" ({gs._p(u['p_welch'])})" if u["p_welch"] is not None else ""
                 lines.append(f"| {c['baseline']} | {m} | {QUANTITY_LABELS[q]} | "
                              + " | ".join(paired_cells) + f" | {u['mean_diff']:+.2f}{welch_p} |")

@@ -71,10 +71,22 @@ def test_candidate_against_baselines_matches_scipy(rs, tmp_path, capsys):
                                                       equal_var=False).pvalue)
     assert dict(old["recipe_differences"]) == {"lr": [1e-4, 5e-5], "epochs": [6, 5]}
 
+    # Holm over every paired test against "old" (2 metrics x 6 quantities), step-down by hand
+    tests = [old["paired"][m][q] for m in ("f05", "f05_threshold") for q in old["paired"][m]]
+    raw = [x["p_ttest"] for x in tests]
+    assert len(raw) == 12 and all(x["family_size"] == 12 for x in tests)
+    for x in tests:
+        below = [p for p in raw if p <= x["p_ttest"]]
+        want = max(min(1.0, (12 - sorted(raw).index(p)) * p) for p in below)
+        assert x["p_holm"] == pytest.approx(want)
+        assert x["verdict_holm"].startswith("candidate") == (want < 0.05)
+
     # one baseline seed: paired on seed 0 only, no verdict, no Welch p
     one = next(c for c in s["comparisons"] if c["baseline"] == "old fp32")
     assert one["paired_seeds"] == [0]
     assert one["paired"]["f05"]["dev"]["verdict"].startswith("too few seeds")
+    assert one["paired"]["f05"]["dev"]["p_holm"] is None
+    assert one["paired"]["f05"]["dev"]["verdict_holm"].startswith("too few seeds")
     assert one["unpaired"]["f05"]["dev"]["p_welch"] is None
     assert one["recorded_by_one_side"] == {"precision": [None, "fp32"]}
     assert one["recipe_differences"] == {"lr": [1e-4, 5e-5], "epochs": [6, 5]}
