@@ -698,7 +698,8 @@ def test_word_loss_with_targets_mixes_gold_and_soft_cross_entropy():
     assert abs(total.item() - mixed.item() * counted.sum().item()) < 1e-4
 
 
-def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder, monkeypatch):
+def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder, monkeypatch,
+                                                           capsys):
     """--teacher: the teacher's word probabilities on the training set are computed once into
     the run folder (equal to predict_word_probs of the teacher), the student trains on them,
     and a run resumed after the teacher's folder is gone ends exactly where an uninterrupted
@@ -721,6 +722,18 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
     assert saved["counts"].tolist() == [len(s.labels) for s in sentences]
     assert np.allclose(saved["probs"], np.concatenate(want), atol=1e-6)
     assert 0 < saved["probs"].min() and saved["probs"].max() < 1
+    # the pass can show its progress (the teacher's pass of a training run does): same values
+    capsys.readouterr()
+    shown = predict_word_probs(GedTagger.load(teacher), load_tokenizer(teacher),
+                               [s.tokens for s in sentences], batch_size=4, progress="teacher")
+    n_batches = -(-len(sentences) // 4)
+    err = capsys.readouterr().err
+    assert "teacher: 100%" in err and f"{n_batches}/{n_batches} [" in err
+    assert len(shown) == len(want)
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(shown, want))
+    predict_word_probs(GedTagger.load(teacher), load_tokenizer(teacher),
+                       [s.tokens for s in sentences], batch_size=4)
+    assert "teacher" not in capsys.readouterr().err  # no bar unless asked
     plain = train(config(tmp_path, tiny_encoder, tmp_path / "plain", epochs=2))
     assert not torch.equal(load_file(full / "model.safetensors")["classifier.weight"],
                            load_file(plain / "model.safetensors")["classifier.weight"])

@@ -227,15 +227,18 @@ def eval_max_length(model: GedTagger) -> int:
 def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence[str]],
                        *, batch_size: int = 64, max_length: int | None = None,
                        device: str | torch.device = "cpu",
-                       encoded: Sequence[tuple[list[int], list[int]]] | None = None
-                       ) -> list[np.ndarray]:
+                       encoded: Sequence[tuple[list[int], list[int]]] | None = None,
+                       progress: str | None = None) -> list[np.ndarray]:
     """Error probability of every word (at its first piece), batched by length.
 
     Words cut off past ``max_length`` pieces (default: as many as the encoder has positions,
     at most 512) get probability 0 (predicted correct). ``encoded``: the sentences'
     :func:`encode_sentences` at that ``max_length``, when the caller keeps it (training
-    evaluates the same dev set every epoch).
+    evaluates the same dev set every epoch). ``progress``: a progress bar over the batches
+    with that description (default none).
     """
+    from ..progress import progress_bar
+
     model.eval()
     if max_length is None:
         max_length = eval_max_length(model)
@@ -246,7 +249,10 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
     out: list[np.ndarray | None] = [None] * len(encoded)
     packed = PackedSentences(encoded, tokenizer.pad_token_id)
+    bar = progress_bar(total=-(-len(order) // batch_size), desc=progress, unit="batch",
+                       disable=progress is None)
     for k in range(0, len(order), batch_size):
+        bar.update()
         idx = order[k:k + batch_size]
         batch = packed.collate(idx)
         logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
@@ -257,6 +263,7 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
             sel = wi >= 0
             p[wi[sel].numpy()] = probs[row][sel].numpy()
             out[i] = p
+    bar.close()
     return out  # type: ignore[return-value]
 
 
@@ -264,8 +271,8 @@ TEACHER_FILE = "teacher_probs.safetensors"  # in the run folder: a resume reads 
 
 
 def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], out: Path, *,
-                    device: torch.device, batch_size: int = 64, compute: bool = True
-                    ) -> tuple[list[np.ndarray], str]:
+                    device: torch.device, batch_size: int = 64, compute: bool = True,
+                    progress: bool = False) -> tuple[list[np.ndarray], str]:
     """Each word's training target t = (1 - weight) * gold + weight * q, q the error
     probability the tagger in folder ``teacher`` gives it (its own word pieces, eval mode,
     float32), one float32 array per sentence, and the sha256 of the q's.
@@ -274,7 +281,8 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
     ``counts`` [sentences]), so a resumed run trains on the same targets; a file made for other
     sentences is refused. ``compute=False`` (ranks other than the first under torchrun) only
     reads the file. The file names the teacher it came from: one of another teacher (a run
-    folder reused with another ``--teacher``) is refused."""
+    folder reused with another ``--teacher``) is refused. ``progress``: a progress bar over the
+    teacher's pass (minutes for a BERT-base-sized teacher on a CPU)."""
     import os
 
     from safetensors import safe_open
@@ -298,7 +306,7 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
         model = GedTagger.load(teacher, device=device)
         probs = predict_word_probs(model, load_tokenizer(str(teacher)),
                                    [s.tokens for s in sentences], batch_size=batch_size,
-                                   device=device)
+                                   device=device, progress="teacher" if progress else None)
         del model
         q = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
         atomic_write_bytes(path, save({"probs": q, "counts": counts}, metadata={"teacher": source}))
@@ -428,7 +436,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             torch.distributed.barrier()  # the first rank computes the teacher's file
         targets, data["teacher"] = teacher_targets(
             cfg.teacher, cfg.teacher_weight, train_set, out, device=device,
-            batch_size=cfg.eval_batch_size, compute=main_rank)
+            batch_size=cfg.eval_batch_size, compute=main_rank, progress=cfg.progress)
         if dist_ctx is not None and main_rank:
             torch.distributed.barrier()
     # the training set's pieces and labels, flat: a step's batch is a few array operations
