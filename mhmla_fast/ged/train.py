@@ -252,7 +252,6 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
     bar = progress_bar(total=-(-len(order) // batch_size), desc=progress, unit="batch",
                        disable=progress is None)
     for k in range(0, len(order), batch_size):
-        bar.update()
         idx = order[k:k + batch_size]
         batch = packed.collate(idx)
         logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
@@ -263,6 +262,7 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
             sel = wi >= 0
             p[wi[sel].numpy()] = probs[row][sel].numpy()
             out[i] = p
+        bar.update()
     bar.close()
     return out  # type: ignore[return-value]
 
