@@ -773,3 +773,75 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="teacher_weight: expected a share"):
             config(tmp_path, tiny_encoder, tmp_path / "x", teacher=str(teacher), teacher_weight=bad)
+
+
+def test_hold_out_blocks_partition_the_sentences_in_order():
+    """Block k of K = [(k - 1) n // K, k n // K): the K blocks partition range(n) in order,
+    differ in size by at most one; bad k/K forms are refused."""
+    from mhmla_fast.ged.crossfit import hold_out_block, parse_hold_out, teacher_dirs
+
+    for n in (0, 1, 2, 7, 128, 28731):
+        for K in (2, 3, 5):
+            blocks = [hold_out_block(n, k, K) for k in range(1, K + 1)]
+            assert [i for b in blocks for i in b] == list(range(n))
+            assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+    assert parse_hold_out("2/3") == (2, 3) and parse_hold_out(" 1/2") == (1, 2)
+    for bad in ("0/2", "3/2", "1/1", "1", "a/b", "1/2/3", ""):
+        with pytest.raises(ValueError, match="hold_out: expected k/K"):
+            parse_hold_out(bad)
+    assert teacher_dirs("a, b") == ["a", "b"]
+    with pytest.raises(ValueError, match="teacher: expected a model folder"):
+        teacher_dirs("a,,b")
+
+
+def test_cross_fitted_teachers_label_the_blocks_they_never_saw(tmp_path, tiny_encoder):
+    """--hold-out k/K trains on the training sentences without block k (the checkpoint's digest
+    of what it trained on says so); --teacher A,B gives block k the probabilities of teacher k
+    (trained with --hold-out k/2); teachers in the wrong order, not held out, or combined with
+    artificial errors or a held-out student are refused before any teacher's pass."""
+    from safetensors.numpy import load_file as load_numpy
+
+    from mhmla_fast.ged.crossfit import hold_out_block
+    from mhmla_fast.ged.data import read_ged, sentences_digest
+    from mhmla_fast.ged.train import TEACHER_FILE, predict_word_probs
+
+    teachers = [train(config(tmp_path, tiny_encoder, tmp_path / f"t{k}", epochs=1,
+                             hold_out=f"{k}/2")) for k in (1, 2)]
+    sentences = read_ged(tmp_path / "train.tsv")
+    blocks = [hold_out_block(len(sentences), k, 2) for k in (1, 2)]
+    for k, block in zip((1, 2), blocks):
+        kept = sentences[:block.start] + sentences[block.stop:]
+        meta = json.loads((tmp_path / f"t{k}" / "checkpoint.json").read_text())
+        assert meta["data"]["train"] == sentences_digest(kept) != sentences_digest(sentences)
+
+    pair = f"{teachers[0]},{teachers[1]}"
+    train(config(tmp_path, tiny_encoder, tmp_path / "student", epochs=1, teacher=pair))
+    saved = load_numpy(str(tmp_path / "student" / TEACHER_FILE))
+    want = []
+    for teacher, block in zip(teachers, blocks):
+        want += predict_word_probs(GedTagger.load(teacher), load_tokenizer(teacher),
+                                   [sentences[i].tokens for i in block])
+    assert np.allclose(saved["probs"], np.concatenate(want), atol=1e-6)
+    # each block's q's from its own teacher: the other teacher's differ
+    other = predict_word_probs(GedTagger.load(teachers[1]), load_tokenizer(teachers[1]),
+                               [sentences[i].tokens for i in blocks[0]])
+    n0 = sum(len(sentences[i].labels) for i in blocks[0])
+    assert not np.allclose(saved["probs"][:n0], np.concatenate(other), atol=1e-4)
+    # a resume names the pair with other spellings of the same folders
+    spelled = ",".join(os.path.relpath(t) for t in teachers)
+    train(config(tmp_path, tiny_encoder, tmp_path / "student", epochs=1, teacher=spelled))
+
+    plain = train(config(tmp_path, tiny_encoder, tmp_path / "plain", epochs=1))
+    for bad, match in ((f"{teachers[1]},{teachers[0]}", "teacher 1 of 2 must be trained with "
+                                                         "--hold-out 1/2"),
+                       (f"{teachers[0]},{plain}", "teacher 2 of 2 .* its hold_out is None")):
+        with pytest.raises(ValueError, match=match):
+            train(config(tmp_path, tiny_encoder, tmp_path / "bad", epochs=1, teacher=bad))
+        assert not (tmp_path / "bad" / TEACHER_FILE).exists()
+    with pytest.raises(ValueError, match="trained with max_train_sentences"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "bad", epochs=1, teacher=pair,
+                     max_train_sentences=100))
+    with pytest.raises(ValueError, match="artificial copies"):
+        config(tmp_path, tiny_encoder, tmp_path / "bad", teacher=pair, synthetic_errors=0.1)
+    with pytest.raises(ValueError, match="a run with hold_out trains on part of it"):
+        config(tmp_path, tiny_encoder, tmp_path / "bad", teacher=pair, hold_out="1/2")

@@ -5,7 +5,8 @@ pieces, dropout 0.3 in the layer attention, cross-entropy on each word's first p
 the best epoch chosen by F0.5 on the dev set. Options beyond the paper: a linear warm-up and
 decay of the learning rate, layer-wise learning rates (lower for lower encoder layers),
 artificial errors (corrupted copies of the error-free training sentences,
-:mod:`mhmla_fast.ged.synthetic`), and the steps' precision (bf16 autocast on CUDA by default,
+:mod:`mhmla_fast.ged.synthetic`), knowledge distillation from a trained tagger (``teacher``,
+cross-fitted teachers in :mod:`mhmla_fast.ged.crossfit`), and the steps' precision (bf16 autocast on CUDA by default,
 opt-in on the CPU). Batches are
 length-bucketed (sentences of similar length together, batch order shuffled). The run writes into ``out``:
 
@@ -47,6 +48,7 @@ from ..devices import (COMPILE_PAD_TO, TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, ap
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
 from ..packing import cut_length_pools
+from .crossfit import check_cross_fitted_teachers, hold_out_block, parse_hold_out, teacher_dirs
 from .data import Sentence, read_ged, sentences_digest
 from .metrics import best_threshold, ged_scores
 from .synthetic import check_rate as check_synthetic_rate, with_synthetic_errors
@@ -127,9 +129,15 @@ class TrainConfig:
     teacher: str | None = field(default=None, metadata=_help(
         "a trained GED tagger (model folder, e.g. a larger encoder's runs/<run>/best) whose "
         "error probability q of every training word enters its target: (1 - w) * gold + w * q "
-        "(knowledge distillation; w: --teacher-weight); default none (the paper)"))
+        "(knowledge distillation; w: --teacher-weight); default none (the paper). K folders "
+        "separated by commas are cross-fitted teachers: teacher k, trained with --hold-out k/K, "
+        "labels block k (mhmla_fast.ged.crossfit)"))
     teacher_weight: float = field(default=0.5, metadata=_help(
         "w, the teacher's share of each training word's target (with --teacher)"))
+    # cross-fitting (mhmla_fast.ged.crossfit): a teacher that never saw the block it labels
+    hold_out: str | None = field(default=None, metadata=_help(
+        "k/K: train without block k of K contiguous blocks of the training sentences, to make "
+        "teacher k of K cross-fitted teachers (see --teacher); default none"))
     extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
@@ -156,11 +164,29 @@ class TrainConfig:
             raise ValueError(f"teacher_weight: expected a share in (0, 1], got {self.teacher_weight!r}")
         if self.teacher is None and self.teacher_weight != 0.5:
             raise ValueError("teacher_weight: needs teacher (the tagger whose probabilities it weighs)")
+        if self.hold_out is not None:
+            parse_hold_out(self.hold_out)
+        if self.teacher is not None and len(teacher_dirs(self.teacher)) > 1:
+            if self.synthetic_errors:
+                raise ValueError("teacher: cross-fitted teachers label the training file's blocks; "
+                                 "artificial copies (synthetic_errors) belong to no block")
+            if self.hold_out is not None:
+                raise ValueError("teacher: cross-fitted teachers label the whole training file; "
+                                 "a run with hold_out trains on part of it")
 
 
 LR_SCHEDULES = ("constant", "linear")
 # fields naming files: on resume, two spellings of one path are the same run
 PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path", "teacher")
+
+
+def _same_paths(key: str, a, b) -> bool:
+    """Whether the values ``a`` and ``b`` of path field ``key`` name the same files (teacher:
+    each of its comma-separated folders)."""
+    if key == "teacher" and isinstance(a, str) and isinstance(b, str):
+        a, b = a.split(","), b.split(",")
+        return len(a) == len(b) and all(same_file(x.strip(), y.strip()) for x, y in zip(a, b))
+    return same_file(a, b)
 
 
 LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
@@ -275,7 +301,9 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
                     progress: bool = False) -> tuple[list[np.ndarray], str]:
     """Each word's training target t = (1 - weight) * gold + weight * q, q the error
     probability the tagger in folder ``teacher`` gives it (its own word pieces, eval mode,
-    float32), one float32 array per sentence, and the sha256 of the q's.
+    float32), one float32 array per sentence, and the sha256 of the q's. ``teacher``: one
+    folder, or K separated by commas, teacher k giving the q's of block k of K
+    (:mod:`.crossfit`; the caller checks that it was trained without that block).
 
     The q's are computed once and kept in ``out / TEACHER_FILE`` (safetensors: ``probs`` [words],
     ``counts`` [sentences]), so a resumed run trains on the same targets; a file made for other
@@ -290,7 +318,8 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
 
     path = out / TEACHER_FILE
     counts = np.fromiter((len(s.labels) for s in sentences), dtype=np.int64, count=len(sentences))
-    source = os.path.realpath(teacher)
+    dirs = teacher_dirs(teacher)
+    source = ",".join(os.path.realpath(d) for d in dirs)
     if path.exists() or not compute:
         with safe_open(str(path), framework="numpy") as f:
             made_by = (f.metadata() or {}).get("teacher")
@@ -303,11 +332,16 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
                              "remove it or use another --out")
         q = saved["probs"]
     else:
-        model = GedTagger.load(teacher, device=device)
-        probs = predict_word_probs(model, load_tokenizer(str(teacher)),
-                                   [s.tokens for s in sentences], batch_size=batch_size,
-                                   device=device, progress="teacher" if progress else None)
-        del model
+        probs = []
+        for k, d in enumerate(dirs, 1):
+            block = hold_out_block(len(sentences), k, len(dirs))
+            model = GedTagger.load(d, device=device)
+            name = "teacher" if len(dirs) == 1 else f"teacher {k}/{len(dirs)}"
+            probs += predict_word_probs(model, load_tokenizer(d),
+                                        [sentences[i].tokens for i in block],
+                                        batch_size=batch_size, device=device,
+                                        progress=name if progress else None)
+            del model
         q = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
         atomic_write_bytes(path, save({"probs": q, "counts": counts}, metadata={"teacher": source}))
     gold = np.fromiter((y for s in sentences for y in s.labels), dtype=np.float32, count=len(q))
@@ -375,6 +409,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     train_set = read_ged(cfg.train)
     if cfg.max_train_sentences:
         train_set = train_set[: cfg.max_train_sentences]
+    if cfg.hold_out is not None:
+        block = hold_out_block(len(train_set), *parse_hold_out(cfg.hold_out))
+        train_set = train_set[:block.start] + train_set[block.stop:]
     dev_set = read_ged(cfg.dev)
     for name, data in (("train", train_set), ("dev", dev_set)):
         if not data:
@@ -416,7 +453,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 # compared as the arithmetic it means, below ("auto" on the CPU is "fp32")
                 ("precision",) if precision_recorded(meta) else ())
             diff = {k: v for k, v in config_diff(cfg, meta["config"], free).items()
-                    if not (k in PATH_FIELDS and same_file(*v))}
+                    if not (k in PATH_FIELDS and _same_paths(k, *v))}
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
@@ -429,9 +466,12 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
 
     targets = None
     if cfg.teacher is not None:
-        # a checkpoint of another run is refused before the teacher's pass (minutes) is paid
+        # a checkpoint of another run, or teachers out of their blocks, are refused before
+        # the teacher's pass (minutes) is paid
         if (early := checkpoint_meta(out)) is not None:
             same_config(early)
+        if len(teachers := teacher_dirs(cfg.teacher)) > 1:
+            check_cross_fitted_teachers(teachers, cfg.train, cfg.max_train_sentences)
         if dist_ctx is not None and not main_rank:
             torch.distributed.barrier()  # the first rank computes the teacher's file
         targets, data["teacher"] = teacher_targets(
