@@ -5,9 +5,9 @@ pieces, dropout 0.3 in the layer attention, cross-entropy on each word's first p
 the best epoch chosen by F0.5 on the dev set. Options beyond the paper: a linear warm-up and
 decay of the learning rate, layer-wise learning rates (lower for lower encoder layers),
 artificial errors (corrupted copies of the error-free training sentences,
-:mod:`mhmla_fast.ged.synthetic`), knowledge distillation from a trained tagger (``teacher``,
-cross-fitted teachers in :mod:`mhmla_fast.ged.crossfit`), and the steps' precision (bf16 autocast on CUDA by default,
-opt-in on the CPU). Batches are
+:mod:`mhmla_fast.ged.synthetic`), knowledge distillation from a trained tagger (``teacher``;
+cross-fitted teachers in :mod:`mhmla_fast.ged.crossfit`), and the steps' precision (bf16
+autocast on CUDA by default, opt-in on the CPU). Batches are
 length-bucketed (sentences of similar length together, batch order shuffled). The run writes into ``out``:
 
 * ``checkpoint.json`` + ``checkpoint-<step>.safetensors``: model, optimizer and RNG
@@ -184,8 +184,8 @@ def _same_paths(key: str, a, b) -> bool:
     """Whether the values ``a`` and ``b`` of path field ``key`` name the same files (teacher:
     each of its comma-separated folders)."""
     if key == "teacher" and isinstance(a, str) and isinstance(b, str):
-        a, b = a.split(","), b.split(",")
-        return len(a) == len(b) and all(same_file(x.strip(), y.strip()) for x, y in zip(a, b))
+        a, b = teacher_dirs(a), teacher_dirs(b)
+        return len(a) == len(b) and all(same_file(x, y) for x, y in zip(a, b))
     return same_file(a, b)
 
 
