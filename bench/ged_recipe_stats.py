@@ -17,8 +17,9 @@ the mean of the other test sets"). Per group the spread (mean, sample std, min, 
 per baseline, the candidate minus the baseline paired on the seeds both have
 (``ged_seed_stats.paired``: mean difference, 95% t-interval, paired t-test, exact sign flips;
 no verdict below ``--min-seeds``; ``p_holm`` and ``verdict_holm`` after Holm's adjustment over
-every paired test against that baseline, both metrics and every quantity) and the difference of means with Welch's t-test over all seeds
-of each (unpaired; None where a group has one seed). ``rule``: per baseline and metric, whether
+every paired test against that baseline, both metrics and every quantity) and the difference
+of means with Welch's t-test over all seeds of each (unpaired; None where a group has one
+seed). ``rule``: per baseline and metric, whether
 the candidate's mean is above the baseline's on dev and on ``others``.
 
 Groups that differ in more than the recipe (another precision, say) are compared all the same;
@@ -193,7 +194,9 @@ def summarise(groups: Sequence[tuple[str, list[gs.Run]]], alpha: float = 0.05,
             others = entry["unpaired"][m]["others"]["mean_diff"]
             rule.append({"baseline": label, "metric": m, "dev_diff": dev, "others_diff": others,
                          "met_on_means": dev > 0 and others > 0})
-        _adjust_family(entry, alpha)
+        # every paired test against this baseline (both metrics, every quantity): one family
+        gs.adjust_family([x for per in entry["paired"].values() for x in per.values()
+                          if x is not None], alpha, "candidate")
         comparisons.append(entry)
     return {"unit": "percent", "system": gs.system_key(ref.system), "candidate": candidate,
             "alpha": alpha, "min_seeds": min_seeds, "groups": out_groups,
@@ -205,21 +208,6 @@ def summarise(groups: Sequence[tuple[str, list[gs.Run]]], alpha: float = 0.05,
                       "uncorrected, verdict_holm after Holm's adjustment over every paired test "
                       "against the same baseline (both metrics, every quantity); "
                       "unpaired: Welch's t-test over all seeds of each group"]}
-
-
-def _adjust_family(entry: dict, alpha: float) -> None:
-    """Every paired test of the candidate against one baseline (both metrics, every quantity)
-    is one family: each judged result gains ``p_holm`` (Holm's adjustment over the family,
-    ``ged_seed_stats.holm``), ``family_size`` and ``verdict_holm`` (the verdict at ``alpha``
-    after it); a result with too few seeds or no p-value keeps its verdict."""
-    members = [x for per in entry["paired"].values() for x in per.values() if x is not None]
-    tests = [x for x in members
-             if not x["verdict"].startswith("too few") and x["p_ttest"] is not None]
-    for x in members:
-        x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
-    for x, p in zip(tests, gs.holm([x["p_ttest"] for x in tests])):
-        x["p_holm"], x["verdict_holm"] = p, gs.verdict(x["n"], x["mean_diff"], p, alpha, 0,
-                                                       "candidate")
 
 
 def _cell(x: dict) -> str:

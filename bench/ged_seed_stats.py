@@ -364,13 +364,20 @@ def _adjust_families(comparisons: list[dict], alpha: float) -> None:
             for metric, x in entry.items():
                 families.setdefault((c["encoder"], metric), []).append(x)
     for members in families.values():
-        # a comparison with too few seeds is no test: not in the family
-        judged = [x for x in members if not x["verdict"].startswith("too few")]
-        tests = [x for x in judged if x["p_ttest"] is not None]
-        for x in members:
-            x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
-        for x, p in zip(tests, holm([x["p_ttest"] for x in tests])):
-            x["p_holm"], x["verdict_holm"] = p, verdict(x["n"], x["mean_diff"], p, alpha, 0)
+        adjust_family(members, alpha)
+
+
+def adjust_family(members: list[dict], alpha: float, name: str = "MHMLA") -> None:
+    """Holm's adjustment over one family of :func:`paired` results: each gains ``p_holm``,
+    ``family_size`` and ``verdict_holm`` (the verdict at ``alpha`` after the adjustment, of
+    system ``name``). A comparison with too few seeds, or no p-value, is no test: not in the
+    family, and it keeps its verdict."""
+    tests = [x for x in members
+             if not x["verdict"].startswith("too few") and x["p_ttest"] is not None]
+    for x in members:
+        x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
+    for x, p in zip(tests, holm([x["p_ttest"] for x in tests])):
+        x["p_holm"], x["verdict_holm"] = p, verdict(x["n"], x["mean_diff"], p, alpha, 0, name)
 
 
 def compare(systems: dict[tuple, list[Run]], stats: dict[str, Any], mhmla_j: int,

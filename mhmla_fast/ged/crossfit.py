@@ -15,7 +15,6 @@ so a teacher has not seen the rest of the essay it labels either.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,12 +54,15 @@ def teacher_dirs(teacher: str) -> list[str]:
 
 
 def _training_config(teacher: str) -> dict[str, Any]:
+    """The training config a saved tagger records (its ``TaggerConfig.training``)."""
+    from .model import TaggerConfig
+
     path = Path(teacher) / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        config = TaggerConfig.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"{path}: cannot read the teacher's config ({e})") from e
-    training = (config.get("training") or {}).get("config")
+    training = (config.training or {}).get("config")
     if not isinstance(training, dict):
         raise ValueError(f"{teacher}: the teacher records no training config, so it is not "
                          "known which sentences it was trained on; a cross-fitted teacher "
