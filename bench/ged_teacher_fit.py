@@ -22,15 +22,12 @@ import numpy as np
 
 def fit(q: np.ndarray, gold: np.ndarray) -> dict[str, float]:
     """The statistics of the module doc for probabilities ``q`` and labels ``gold`` [words]."""
-    pred = q > 0.5
-    tp = float(np.sum(pred & (gold == 1)))
-    fp, fn = float(np.sum(pred & (gold == 0))), float(np.sum(~pred & (gold == 1)))
-    p = tp / (tp + fp) if tp + fp else 0.0
-    r = tp / (tp + fn) if tp + fn else 0.0
-    f = 1.25 * p * r / (0.25 * p + r) if p + r else 0.0
+    from mhmla_fast.ged.metrics import ged_scores
+
+    scores = ged_scores(gold.astype(np.int64), (q > 0.5).astype(np.int64))
     qc = np.clip(q.astype(np.float64), 1e-12, 1 - 1e-12)
     entropy = float(np.mean(-(qc * np.log(qc) + (1 - qc) * np.log(1 - qc))))
-    return {"precision": p, "recall": r, "f05": f,
+    return {"precision": scores.precision, "recall": scores.recall, "f05": scores.f05,
             "mean_abs_q_minus_gold": float(np.mean(np.abs(q - gold))), "mean_entropy": entropy}
 
 
