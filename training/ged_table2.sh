@@ -13,7 +13,8 @@
 #                                                     and seed in SEEDS (default "0 1 2")
 #   training/ged_table2.sh layers                     layer weights of MHMLA J = 12, seed 0, on
 #                                                     FCE test (ged-layers), then the side-by-side
-#                                                     plot of every encoder's such file (that run
+#                                                     plot of every encoder's such file, in RESULTS
+#                                                     or anywhere under bench/results (that run
 #                                                     writes its JSON itself after ged-suite, so the
 #                                                     plot needs no kept model)
 #   training/ged_table2.sh stats [ARGS...]            bench/ged_seed_stats.py over this encoder's
@@ -129,15 +130,24 @@ layers() {  # MHMLA J = 12 seed 0 of this encoder on FCE test, then every encode
   else
     echo "layers: no model $(run_dir mhmla 12 0)/best and no $stem.json" >&2; return 1
   fi
-  local files=() labels=() f
-  for f in "$RESULTS"/ged_layers_*_mhmla12_seed0_fce_test.json; do
-    files+=("$f")
-    f=${f##*/ged_layers_}
-    labels+=("${f%%_mhmla12_seed0_fce_test.json}")
-  done
+  # one file per encoder tag, tags in alphabetical order: this RESULTS folder's own file first,
+  # else one anywhere under bench/results (each encoder's runs usually have a folder of their own)
+  local -A found=()
+  local files=() labels=() f tag
+  while IFS= read -r f; do
+    tag=${f##*/ged_layers_}
+    tag=${tag%%_mhmla12_seed0_fce_test.json}
+    [[ -n ${found[$tag]:-} || $tag == *_* ]] || found[$tag]=$f
+  done < <(ls "$RESULTS"/ged_layers_*_mhmla12_seed0_fce_test.json 2>/dev/null
+           find bench/results -name 'ged_layers_*_mhmla12_seed0_fce_test.json' | sort)
+  while IFS= read -r tag; do
+    files+=("${found[$tag]}")
+    labels+=("$tag")
+  done < <(printf '%s\n' "${!found[@]}" | sort)
   [ ${#png[@]} -gt 0 ] || { echo "no matplotlib: plot the JSON files elsewhere" >&2; return 0; }
+  local IFS=_
   python bench/ged_layer_plot.py "${files[@]}" --labels "${labels[@]}" \
-    --out "$RESULTS/ged_layers_mhmla12_seed0_fce_test.png"
+    --out "$RESULTS/ged_layers_${labels[*]}_mhmla12_seed0_fce_test.png"
 }
 
 stats() {  # ARGS...: bench/ged_seed_stats.py over this encoder's results files
