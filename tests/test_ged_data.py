@@ -401,3 +401,40 @@ def test_real_jfleg_unofficial_dev_m2_has_out_of_range_spans() -> None:
     p = _data("jfleg", "m2_unofficial", "dev.ref.m2")
     with pytest.raises(DataFormatError, match="out of range"):
         read_m2(p, annotator=None)
+
+
+def test_make_transfer_asap_cuts_essays_into_kept_sentences(tmp_path, capsys):
+    """training/make_transfer_asap.py: sentences end after ., ! or ? (a closing quote stays
+    with its sentence); those with an @ name, too short or too long, and repeats are left out;
+    the rest are shuffled by the seed and cut to --max-sentences."""
+    from bench_scripts import load_script
+
+    make = load_script("training/make_transfer_asap.py")
+    assert make.essay_sentences('He said "stop." Then I went home!! Why ? ok') == [
+        ["He", "said", '"', "stop", "."], ['"', "Then", "I", "went", "home", "!!"],
+        ["Why", "?"], ["ok"]]
+    assert make.essay_sentences("It is “ fine .” No") == [["It", "is", "“", "fine", ".", "”"],
+                                                          ["No"]]
+    essays = ["I like my school very much . I like my school very much . Short one .",
+              "@CAPS1 went to the park with me . We all had a good time there !",
+              "They was going to the shop yesterday ? It rained all the day long ."]
+    rows = ["essay_id\tessay_set\tessay\trater1_domain1\trater2_domain1\tdomain1_score"]
+    rows += [f"{i}\t1\t{text}\t2\t2\t4" for i, text in enumerate(essays, 1)]
+    (tmp_path / "asap.tsv").write_text("\r\n".join(rows) + "\r\n")
+    out = tmp_path / "t.txt"
+    assert make.main([str(tmp_path / "asap.tsv"), "--out", str(out), "--min-words", "4"]) == 0
+    lines = out.read_text().splitlines()
+    assert sorted(lines) == sorted([
+        "I like my school very much .", "We all had a good time there !",
+        "They was going to the shop yesterday ?", "It rained all the day long ."])
+    assert "4 kept" in capsys.readouterr().err
+    make.main([str(tmp_path / "asap.tsv"), "--out", str(out), "--min-words", "4",
+               "--max-sentences", "2", "--seed", "1"])
+    again = out.read_text().splitlines()
+    assert len(again) == 2 and set(again) <= set(lines)
+    make.main([str(tmp_path / "asap.tsv"), "--out", str(tmp_path / "u.txt"), "--min-words", "4",
+               "--max-sentences", "2", "--seed", "1"])
+    assert (tmp_path / "u.txt").read_text().splitlines() == again  # the seed fixes the draw
+    from mhmla_fast.ged.data import read_unlabelled
+
+    assert [" ".join(t) for t in read_unlabelled(out)] == again

@@ -775,6 +775,70 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
             config(tmp_path, tiny_encoder, tmp_path / "x", teacher=str(teacher), teacher_weight=bad)
 
 
+def test_a_transfer_set_is_trained_on_the_teachers_probabilities_alone(tmp_path, tiny_encoder):
+    """--transfer: unlabelled sentences join the training sentences with the teacher's q as
+    their whole target, while the labelled words keep (1 - w) * gold + w * q; the teacher's
+    file holds both, in that order; the run learns from them (other weights than without
+    them); a resume on an edited transfer file, a transfer set without a teacher or with
+    cross-fitted teachers, and an empty line are refused."""
+    from safetensors.numpy import load_file as load_numpy
+
+    from mhmla_fast.ged.data import DataFormatError, read_ged, read_unlabelled
+    from mhmla_fast.ged.train import TEACHER_FILE, predict_word_probs, teacher_targets
+
+    teacher = train(config(tmp_path, tiny_encoder, tmp_path / "teacher", epochs=1))
+    rng = np.random.default_rng(5)
+    lines = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 9)))) for _ in range(40)]
+    (tmp_path / "transfer.txt").write_text("\n".join(lines) + "\n")
+    transfer = read_unlabelled(tmp_path / "transfer.txt")
+    assert [" ".join(t) for t in transfer] == lines
+    w = 0.7
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "kd", epochs=2, teacher=str(teacher),
+                 teacher_weight=w, transfer=str(tmp_path / "transfer.txt"))
+    best = train(cfg)
+    sentences = read_ged(tmp_path / "train.tsv")
+    q = predict_word_probs(GedTagger.load(teacher), load_tokenizer(teacher),
+                           [s.tokens for s in sentences] + list(transfer))
+    saved = load_numpy(str(tmp_path / "kd" / TEACHER_FILE))
+    assert saved["counts"].tolist() == [len(s) for s in sentences] + [len(t) for t in transfer]
+    assert np.allclose(saved["probs"], np.concatenate(q), atol=1e-6)
+    # the targets, from the run's file: mixed where there is gold, q alone where there is none
+    from mhmla_fast.ged.data import Sentence
+
+    unlabelled = [Sentence(t, (0,) * len(t), "transfer", i) for i, t in enumerate(transfer, 1)]
+    targets, _ = teacher_targets(str(teacher), w, sentences + unlabelled, tmp_path / "kd",
+                                 device=torch.device("cpu"), unlabelled=len(unlabelled))
+    for s, t, qs in zip(sentences, targets, q):
+        assert np.allclose(t, (1 - w) * np.asarray(s.labels) + w * qs, atol=1e-6)
+    for t, qs in zip(targets[len(sentences):], q[len(sentences):]):
+        assert np.allclose(t, qs, atol=1e-6)
+    assert any(t.max() > 0.01 for t in targets[len(sentences):])  # not all "correct"
+    without = train(config(tmp_path, tiny_encoder, tmp_path / "kd-only", epochs=2,
+                           teacher=str(teacher), teacher_weight=w))
+    assert not torch.equal(load_file(best / "model.safetensors")["classifier.weight"],
+                           load_file(without / "model.safetensors")["classifier.weight"])
+
+    # a resume on an edited transfer file (same word counts, other words) is refused
+    edited = config(tmp_path, tiny_encoder, tmp_path / "kd-edit", epochs=2, teacher=str(teacher),
+                    teacher_weight=w, transfer=str(tmp_path / "transfer.txt"))
+    train(edited, stop_after_steps=3)
+    (tmp_path / "transfer.txt").write_text("\n".join(" ".join(reversed(ln.split()))
+                                                     for ln in lines) + "\n")
+    with pytest.raises(ValueError, match="the transfer data differ"):
+        train(edited)
+    with pytest.raises(ValueError, match="transfer: needs teacher"):
+        config(tmp_path, tiny_encoder, tmp_path / "x", transfer=str(tmp_path / "transfer.txt"))
+    with pytest.raises(ValueError, match="transfer: cross-fitted teachers"):
+        config(tmp_path, tiny_encoder, tmp_path / "x", teacher=f"{teacher},{teacher}",
+               transfer=str(tmp_path / "transfer.txt"))
+    (tmp_path / "gap.txt").write_text("a cat\n\nthe dog\n")
+    with pytest.raises(DataFormatError, match="gap.txt:2: an empty line"):
+        read_unlabelled(tmp_path / "gap.txt")
+    with pytest.raises(ValueError, match="unlabelled sentences need one teacher"):
+        teacher_targets(f"{teacher},{teacher}", w, sentences + unlabelled, tmp_path / "y",
+                        device=torch.device("cpu"), unlabelled=1)
+
+
 def test_hold_out_blocks_partition_the_sentences_in_order():
     """Block k of K = [(k - 1) n // K, k n // K): the K blocks partition range(n) in order,
     differ in size by at most one; bad k/K forms are refused."""

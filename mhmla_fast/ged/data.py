@@ -33,6 +33,10 @@ distance (unit cost for insert, delete and replace; the alignment is the one
 Tokens are compared exactly (case-sensitive). Tokenisation is ``str.split()`` on whitespace (the files
 are pre-tokenised).
 
+**Unlabelled sentences** (:func:`read_unlabelled`): one pre-tokenised sentence per line and no
+labels, the transfer set of knowledge distillation (a teacher's probabilities are their only
+targets). It returns token tuples, not :class:`Sentence`.
+
 Files are read as bytes and decoded as strict UTF-8 (a leading UTF-8 BOM is dropped); LF and CRLF line
 endings are both accepted. Malformed input raises :class:`DataFormatError` with ``<path>:<line>:`` in
 the message; nothing is silently skipped. Sentences with zero tokens can only come from an ``S`` line
@@ -58,6 +62,7 @@ __all__ = [
     "read_jfleg",
     "read_jfleg_split",
     "read_m2",
+    "read_unlabelled",
     "sentences_digest",
 ]
 
@@ -422,6 +427,25 @@ def read_jfleg_split(split_dir_or_prefix: PathLike, *, expect_refs: int | None =
         want = f"{expect_refs}" if expect_refs is not None else "at least 1"
         raise FileNotFoundError(f"{prefix}.ref*: expected {want} reference files, found {len(refs)}")
     return read_jfleg(src, [c for _, c in refs])
+
+
+# ---------------------------------------------------------------------------------------------------
+# unlabelled sentences (a distillation transfer set)
+
+
+def read_unlabelled(path: PathLike) -> list[tuple[str, ...]]:
+    """Unlabelled sentences: one per line, tokens separated by whitespace (``str.split``), as in a
+    JFLEG ``.src`` file. For sentences whose only targets are a teacher's probabilities
+    (``mhmla-train ged --transfer``). A line with no token raises :class:`DataFormatError`:
+    nothing is skipped."""
+    p = Path(path)
+    out = []
+    for lineno, line in enumerate(_read_lines(p), 1):
+        tokens = tuple(line.split())
+        if not tokens:
+            raise DataFormatError(p, lineno, "an empty line (expected one sentence per line)")
+        out.append(tokens)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ the best epoch chosen by F0.5 on the dev set. Options beyond the paper: a linear
 decay of the learning rate, layer-wise learning rates (lower for lower encoder layers),
 artificial errors (corrupted copies of the error-free training sentences,
 :mod:`mhmla_fast.ged.synthetic`), knowledge distillation from a trained tagger (``teacher``;
-cross-fitted teachers in :mod:`mhmla_fast.ged.crossfit`), and the steps' precision (bf16
+cross-fitted teachers in :mod:`mhmla_fast.ged.crossfit`; ``transfer``: unlabelled sentences the
+teacher alone labels), and the steps' precision (bf16
 autocast on CUDA by default, opt-in on the CPU). Batches are
 length-bucketed (sentences of similar length together, batch order shuffled). The run writes into ``out``:
 
@@ -49,7 +50,7 @@ from ..distributed import check_resume_world, rank_from_env, shard, training_dev
 from ..encoder import max_input_length
 from ..packing import cut_length_pools
 from .crossfit import check_cross_fitted_teachers, hold_out_block, parse_hold_out, teacher_dirs
-from .data import Sentence, read_ged, sentences_digest
+from .data import Sentence, read_ged, read_unlabelled, sentences_digest
 from .metrics import best_threshold, ged_scores
 from .synthetic import check_rate as check_synthetic_rate, with_synthetic_errors
 from .model import (IGNORE, GedTagger, PackedSentences, TaggerConfig, _ged_encoder,
@@ -134,6 +135,11 @@ class TrainConfig:
         "labels block k (mhmla_fast.ged.crossfit)"))
     teacher_weight: float = field(default=0.5, metadata=_help(
         "w, the teacher's share of each training word's target (with --teacher)"))
+    # a transfer set: unlabelled sentences whose target is the teacher's q alone
+    transfer: str | None = field(default=None, metadata=_help(
+        "unlabelled sentences (one per line, tokens separated by spaces) trained on beside the "
+        "training file with the teacher's q as their only target (needs --teacher, one folder); "
+        "default none"))
     # cross-fitting (mhmla_fast.ged.crossfit): a teacher that never saw the block it labels
     hold_out: str | None = field(default=None, metadata=_help(
         "k/K: train without block k of K contiguous blocks of the training sentences, to make "
@@ -166,6 +172,13 @@ class TrainConfig:
             raise ValueError("teacher_weight: needs teacher (the tagger whose probabilities it weighs)")
         if self.hold_out is not None:
             parse_hold_out(self.hold_out)
+        if self.transfer is not None:
+            if self.teacher is None:
+                raise ValueError("transfer: needs teacher (its probabilities are the transfer "
+                                 "sentences' only targets)")
+            if len(teacher_dirs(self.teacher)) > 1:
+                raise ValueError("transfer: cross-fitted teachers label the training file's "
+                                 "blocks; the transfer sentences belong to none (use one teacher)")
         if self.teacher is not None and len(teacher_dirs(self.teacher)) > 1:
             if self.synthetic_errors:
                 raise ValueError("teacher: cross-fitted teachers label the training file's blocks; "
@@ -177,7 +190,7 @@ class TrainConfig:
 
 LR_SCHEDULES = ("constant", "linear")
 # fields naming files: on resume, two spellings of one path are the same run
-PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path", "teacher")
+PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path", "teacher", "transfer")
 
 
 def _same_paths(key: str, a, b) -> bool:
@@ -298,12 +311,14 @@ TEACHER_FILE = "teacher_probs.safetensors"  # in the run folder: a resume reads 
 
 def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], out: Path, *,
                     device: torch.device, batch_size: int = 64, compute: bool = True,
-                    progress: bool = False) -> tuple[list[np.ndarray], str]:
+                    progress: bool = False, unlabelled: int = 0) -> tuple[list[np.ndarray], str]:
     """Each word's training target t = (1 - weight) * gold + weight * q, q the error
     probability the tagger in folder ``teacher`` gives it (its own word pieces, eval mode,
     float32), one float32 array per sentence, and the sha256 of the q's. ``teacher``: one
     folder, or K separated by commas, teacher k giving the q's of block k of K
-    (:mod:`.crossfit`; the caller checks that it was trained without that block).
+    (:mod:`.crossfit`; the caller checks that it was trained without that block). The last
+    ``unlabelled`` sentences have no gold labels (a transfer set): their target is q alone
+    (one teacher only).
 
     The q's are computed once and kept in ``out / TEACHER_FILE`` (safetensors: ``probs`` [words],
     ``counts`` [sentences]), so a resumed run trains on the same targets; a file made for other
@@ -319,6 +334,11 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
     path = out / TEACHER_FILE
     counts = np.fromiter((len(s.labels) for s in sentences), dtype=np.int64, count=len(sentences))
     dirs = teacher_dirs(teacher)
+    if not 0 <= unlabelled <= len(sentences):
+        raise ValueError(f"unlabelled: {unlabelled} of {len(sentences)} sentences")
+    if unlabelled and len(dirs) > 1:
+        raise ValueError("unlabelled sentences need one teacher: cross-fitted teachers label "
+                         "the blocks of the labelled ones")
     source = ",".join(os.path.realpath(d) for d in dirs)
     if path.exists() or not compute:
         with safe_open(str(path), framework="numpy") as f:
@@ -345,7 +365,9 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
         q = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
         atomic_write_bytes(path, save({"probs": q, "counts": counts}, metadata={"teacher": source}))
     gold = np.fromiter((y for s in sentences for y in s.labels), dtype=np.float32, count=len(q))
-    mixed = ((1.0 - weight) * gold + weight * q).astype(np.float32)
+    share = np.full(len(q), weight, np.float32)
+    share[int(counts[:len(sentences) - unlabelled].sum()):] = 1.0  # no gold: q alone
+    mixed = ((1.0 - share) * gold + share * q).astype(np.float32)
     return np.split(mixed, np.cumsum(counts)[:-1]), hashlib.sha256(q.tobytes()).hexdigest()
 
 
@@ -423,6 +445,16 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         n_real = len(train_set)
         train_set = with_synthetic_errors(train_set, cfg.synthetic_errors, cfg.seed)
         data["train_synthetic"] = sentences_digest(train_set[n_real:])
+    n_transfer = 0
+    if cfg.transfer is not None:
+        # unlabelled: zeros stand in for the labels (they only mark the words that count); the
+        # teacher's q is each word's whole target
+        transfer = [Sentence(t, (0,) * len(t), cfg.transfer, i)
+                    for i, t in enumerate(read_unlabelled(cfg.transfer), 1)]
+        if not transfer:
+            raise ValueError(f"{cfg.transfer}: no sentences to transfer")
+        data["transfer"] = sentences_digest(transfer)
+        train_set, n_transfer = train_set + transfer, len(transfer)
     if not any(1 in s.labels for s in dev_set):
         raise ValueError(f"{cfg.dev}: no word is labelled as an error (i), so F0.5 is 0 in "
                          "every epoch and cannot select a model or a threshold")
@@ -476,7 +508,8 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             torch.distributed.barrier()  # the first rank computes the teacher's file
         targets, data["teacher"] = teacher_targets(
             cfg.teacher, cfg.teacher_weight, train_set, out, device=device,
-            batch_size=cfg.eval_batch_size, compute=main_rank, progress=cfg.progress)
+            batch_size=cfg.eval_batch_size, compute=main_rank, progress=cfg.progress,
+            unlabelled=n_transfer)
         if dist_ctx is not None and main_rank:
             torch.distributed.barrier()
     # the training set's pieces and labels, flat: a step's batch is a few array operations
