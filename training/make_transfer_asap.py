@@ -7,11 +7,12 @@ writes one sentence per line, tokens separated by spaces, for ``mhmla-train ged 
 (the teacher's probabilities are their only targets; their gold errors are unknown). Each
 essay is word-tokenised as ``mhmla-serve`` tokenises raw text
 (:func:`mhmla_fast.serve.tokenize.word_tokenize_lists`, PTB-like, as FCE's RASP tokens) and
-cut after every token made only of ``.``, ``!`` and ``?`` (and a closing quote after it). A sentence is kept if it has
-``--min-words`` to ``--max-words`` tokens and no ``@`` token (ASAP's anonymised names,
+cut after every token made only of ``.``, ``!`` and ``?`` (and a closing quote after it). A
+sentence is kept if it has ``--min-words`` to ``--max-words`` tokens and no ``@`` token (ASAP's anonymised names,
 ``@PERSON1``, ``@CAPS2``, tokenise as ``@`` + ``PERSON1``: no learner wrote them). Repeated
 sentences are kept once; the rest are shuffled with ``--seed`` and the first
-``--max-sentences`` written, with a summary on stderr.
+``--max-sentences`` written (atomically: a killed run leaves no half file), with a summary on
+stderr.
 
 ASAP (the Hewlett Foundation's AES competition data) has no open licence: research use, not
 redistributable. Keep the file out of the repository (``runs/`` is ignored), and a tagger
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 from mhmla_fast.aes.data import read_asap
+from mhmla_fast.durable import atomic_write_text
 from mhmla_fast.serve.tokenize import word_tokenize_lists
 
 _ENDS = frozenset(".!?")
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     chosen = kept[: args.max_sentences]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(f"{line}\n" for line in chosen), encoding="utf-8")
+    atomic_write_text(out, "".join(f"{line}\n" for line in chosen))
     words = sum(line.count(" ") + 1 for line in chosen)
     print(f"{len(essays)} essays, {cut} sentences cut, {len(kept)} kept (distinct, "
           f"{args.min_words}-{args.max_words} words, no @ names); wrote {len(chosen)} "

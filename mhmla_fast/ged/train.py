@@ -7,9 +7,8 @@ decay of the learning rate, layer-wise learning rates (lower for lower encoder l
 artificial errors (corrupted copies of the error-free training sentences,
 :mod:`mhmla_fast.ged.synthetic`), knowledge distillation from a trained tagger (``teacher``;
 cross-fitted teachers in :mod:`mhmla_fast.ged.crossfit`; ``transfer``: unlabelled sentences the
-teacher alone labels), and the steps' precision (bf16
-autocast on CUDA by default, opt-in on the CPU). Batches are
-length-bucketed (sentences of similar length together, batch order shuffled). The run writes into ``out``:
+teacher alone labels), and the steps' precision (bf16 autocast on CUDA by default, opt-in on the
+CPU). Batches are length-bucketed (sentences of similar length together, batch order shuffled). The run writes into ``out``:
 
 * ``checkpoint.json`` + ``checkpoint-<step>.safetensors``: model, optimizer and RNG
   state every ``checkpoint_every`` steps, after each epoch's last step (before dev
