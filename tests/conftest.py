@@ -27,6 +27,24 @@ def export_cache_dir(tmp_path_factory) -> Path:
             os.environ["MHMLA_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def exact_auto_default():
+    """``backend="auto"`` as on a CPU without AMX for the whole run (and the commands it
+    starts): ``$MHMLA_NO_OPENVINO`` set, so that its default is ONNX Runtime fp32 whatever CPU
+    the tests run on. tests/test_serve_openvino.py tests the checked bf16 pass on its own."""
+    import os
+
+    old = os.environ.get("MHMLA_NO_OPENVINO")
+    os.environ["MHMLA_NO_OPENVINO"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MHMLA_NO_OPENVINO", None)
+        else:
+            os.environ["MHMLA_NO_OPENVINO"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_tagger_dir(tmp_path_factory) -> Path:
     """A saved tagger on a random 2-layer BERT (hidden 32, 64 positions) with the MiniLM tokenizer,

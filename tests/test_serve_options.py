@@ -277,7 +277,8 @@ def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagg
                      "--threads", "1", "--no-progress"]) == 0
     assert seen["engine"] == dict(backend="auto", device="cpu", dtype=None, kernels="torch",
                                   threads=1, threshold=None, token_budget=None, host_workers=0,
-                                  cuda_graphs=False, cache=None, lanes=1)  # one per thread
+                                  cuda_graphs=False, cache=None, lanes=1,  # one per thread
+                                  check_margin=None)
     essays = tmp_path / "essays.jsonl"
     essays.write_text('{"text": "a b c", "prompt": 1}\n')
     assert cli.main(["score", str(essays), "-o", str(tmp_path / "s.jsonl"), "--model",

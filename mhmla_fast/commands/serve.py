@@ -174,7 +174,7 @@ def check_options(args: argparse.Namespace, *, scorer: bool = False):
     backend cannot honour is a UsageError naming it. Returns the resolved
     :class:`~mhmla_fast.serve.options.ServeOptions`."""
     from ..serve.options import resolve_options
-    from ..serve.runners import Lanes
+    from ..serve.runners import Lanes, check_margin_option
     from ..serve.score import scorer_options
 
     try:
@@ -184,6 +184,7 @@ def check_options(args: argparse.Namespace, *, scorer: bool = False):
         opts = resolve_options(args.backend, args.device, args.dtype, args.kernels,
                                cuda_graphs=getattr(args, "cuda_graphs", False), lanes=lanes)
         Lanes.split(getattr(args, "threads", None), lanes)  # enough threads for the lanes
+        check_margin_option(getattr(args, "check_margin", None), opts)
         return opts
     except ValueError as err:  # "<option>: why", the option as the API spells it
         name, _, why = str(err).partition(":")
@@ -207,6 +208,7 @@ def load_engine(args: argparse.Namespace):
                              threshold=args.threshold, token_budget=args.token_budget,
                              host_workers=getattr(args, "host_workers", 0),
                              cuda_graphs=getattr(args, "cuda_graphs", False),
+                             check_margin=getattr(args, "check_margin", None),
                              cache=False if getattr(args, "no_cache", False) else None)
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the model from {path} ({args.backend}): "
@@ -262,7 +264,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     _add_backend_option(g)
     g.add_argument("--dtype", default=None, help="torch: float32/bfloat16/float16 (default "
                    "bfloat16 on cuda, float32 on cpu); onnx: float32 (default) or int8; "
-                   "tensorrt: the precision the plan was built with")
+                   "openvino: float32 or bfloat16 (labels checked in fp32, --check-margin); "
+                   "auto on a CPU with AMX and OpenVINO: the checked bfloat16 pass unless "
+                   "float32 is asked for; tensorrt: the precision the plan was built with")
+    g.add_argument("--check-margin", type=float, default=None, metavar="M",
+                   help="the checked bfloat16 pass (openvino, or auto on a CPU with AMX): rows "
+                   "with a word piece whose bf16 probability lies within M of the threshold "
+                   "are tagged again in fp32 (default 0.05; 0: bf16 alone)")
     g.add_argument("--threshold", type=_probability, default=None,
                    help="error-probability threshold (default: the model's tuned one)")
     g.add_argument("--no-cache", action="store_true",
@@ -278,8 +286,10 @@ def _add_backend_option(g, help: str | None = None, default: str = "auto") -> No
     g.add_argument("--backend", default=default, choices=BACKENDS, help=help or (
         "the runtime: auto (default: on the CPU in float32, ONNX Runtime on a cached export "
         "validated to give torch's labels, made once on first use; torch on a GPU or where "
-        "onnxruntime is missing), torch, onnx (ONNX Runtime on an export made by `export "
-        "--onnx`), tensorrt (a plan made by `export --tensorrt`)"))
+        "onnxruntime is missing; on a CPU with AMX and OpenVINO installed, the checked "
+        "bfloat16 pass on that export), torch, onnx (ONNX Runtime on an export made by `export "
+        "--onnx`), openvino (OpenVINO on such an export, CPU), tensorrt (a plan made by "
+        "`export --tensorrt`)"))
 
 
 def _add_compute_options(g) -> None:

@@ -375,7 +375,7 @@ class Engine:
             tokenizer.model_max_length = int(1e30)
             vocab = WordPieces.from_hf(tokenizer)
         self.runner, self.tokenizer = runner, tokenizer
-        self.max_pieces, self.threshold = max_pieces, float(threshold)
+        self.max_pieces, self.threshold = max_pieces, threshold
         if token_budget is None:
             token_budget = default_token_budget(getattr(runner, "device", "cpu"))
         if int(token_budget) < 1:
@@ -391,12 +391,25 @@ class Engine:
         self.host_workers = int(host_workers)
         self._pool = None  # a HostPool, started at the first call large enough
 
+    @property
+    def threshold(self) -> float:
+        """The decision threshold; setting it also moves a checked runner's
+        (:class:`.runners.CheckedRunner`: its rows near the threshold are re-run exactly)."""
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self._threshold = float(value)
+        follow = getattr(self.runner, "set_threshold", None)
+        if follow is not None:
+            follow(self._threshold)
+
     @classmethod
     def load(cls, model_dir: str | os.PathLike | None = None, *, backend: str = "auto",
              device: str | None = None, dtype: str | None = None, kernels: str = "auto",
              threads: int | None = None, threshold: float | None = None,
              cache: bool | None = None, cuda_graphs: bool = False, lanes: int = 1,
-             **kw) -> Engine:
+             check_margin: float | None = None, **kw) -> Engine:
         """An engine on a tagger directory (default: the shipped model) and a runtime.
 
         The one load contract of serving (:mod:`.options`): ``backend`` "auto" (default: torch
@@ -412,23 +425,28 @@ class Engine:
         from CUDA graphs at a few padded shapes, :class:`.runners.CapturedForward`; default
         off), ``lanes`` (CPU only: forward passes at a time, ``threads`` split between them,
         :class:`.runners.Lanes`; default 1, the lowest latency of a lone pass; ``mhmla-serve
-        tag`` uses one lane per thread). An option the backend cannot honour raises
-        ValueError naming it, before anything is loaded. Other keywords go to
+        tag`` uses one lane per thread), ``check_margin`` (the checked bf16 pass of backend
+        "openvino", and of "auto" on a CPU with AMX: rows with a piece whose bf16 probability
+        lies within it of the threshold run again in fp32; default
+        :data:`.openvino_runner.CHECK_MARGIN`, 0 for bf16 alone). An option the backend cannot
+        honour raises ValueError naming it, before anything is loaded. Other keywords go to
         :class:`Engine`."""
         from . import runners
         from .options import resolve_options
 
         opts = resolve_options(backend, device, dtype, kernels, cuda_graphs=cuda_graphs,
                                lanes=lanes)
+        runners.check_margin_option(check_margin, opts)
         path = Path(model_dir) if model_dir else default_tagger_path()
         config = read_tagger_config(path)
         tokenizer = WordPieces.from_dir(path) or load_tokenizer(path)
-        runner = runners.make_runner(path, backend=opts.backend, device=opts.device,
-                                     dtype=opts.dtype, kernels=opts.kernels, threads=threads,
-                                     cache=cache, cuda_graphs=cuda_graphs, lanes=lanes)
         if threshold is None:
             threshold = config.get("threshold")
             threshold = 0.5 if threshold is None else threshold
+        runner = runners.make_runner(path, backend=opts.backend, device=opts.device,
+                                     dtype=opts.dtype, kernels=opts.kernels, threads=threads,
+                                     cache=cache, cuda_graphs=cuda_graphs, lanes=lanes,
+                                     threshold=float(threshold), check_margin=check_margin)
         kw.setdefault("max_pieces", max_input_length(config.get("encoder_config", {})))
         return cls(runner, tokenizer, threshold=threshold, **kw)
 

@@ -699,19 +699,42 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
 
 def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
                 kernels: str = "auto", cache: bool | None = None,
-                root: str | os.PathLike | None = None, log: Log = _stderr, lanes: int = 1):
-    """The tagging runner of ``backend="auto"`` on the CPU in float32 (the options already
-    resolved to "auto" by :func:`.options.resolve_options`), by :func:`auto_load`: ONNX Runtime
-    on ``model_dir`` itself when it is an export, else on the cached export; else eager torch
-    in float32 with ``kernels``. Either runs ``lanes`` passes at a time."""
+                root: str | os.PathLike | None = None, log: Log = _stderr, lanes: int = 1,
+                dtype: str = "float32", threshold: float = 0.5,
+                check_margin: float | None = None):
+    """The tagging runner of ``backend="auto"`` on the CPU (the options already resolved to
+    "auto" by :func:`.options.resolve_options`), by :func:`auto_load`: on ``model_dir`` itself
+    when it is an export, else on the cached export, ONNX Runtime fp32 (``dtype`` "float32")
+    or the checked bf16 pass (``dtype`` "bfloat16": :func:`.openvino_runner.checked_runner`
+    at ``threshold`` and ``check_margin``; ONNX Runtime fp32 when OpenVINO fails, one line on
+    stderr saying why); else eager torch in float32 with ``kernels`` (fp32's labels either
+    way). Each runs ``lanes`` passes at a time."""
     from .runners import TorchRunner
 
     def torch():
         return TorchRunner(model_dir, device="cpu", dtype="float32", kernels=kernels,
                            threads=threads, lanes=lanes)
 
-    return auto_load(model_dir, TAGGER, onnx=lambda path: _onnx_runner(path, threads, lanes),
-                     torch=torch, cache=cache, root=root, log=log, threads=threads)
+    def onnx(path: Path):
+        if dtype == "bfloat16":
+            return _checked_runner(path, threads, lanes, threshold, check_margin, log)
+        return _onnx_runner(path, threads, lanes)
+
+    return auto_load(model_dir, TAGGER, onnx=onnx, torch=torch, cache=cache, root=root, log=log,
+                     threads=threads)
+
+
+def _checked_runner(export_dir: Path, threads: int | None, lanes: int, threshold: float,
+                    margin: float | None, log: Log):
+    from .openvino_runner import CHECK_MARGIN, checked_runner
+
+    try:
+        return checked_runner(export_dir, threshold=threshold, threads=threads, lanes=lanes,
+                              margin=CHECK_MARGIN if margin is None else margin)
+    except Exception as err:  # noqa: BLE001 - OpenVINO's failure, not the export's
+        log(f"mhmla-fast: backend auto runs ONNX Runtime fp32: OpenVINO's checked bf16 pass "
+            f"failed ({type(err).__name__}: {err})")
+        return _onnx_runner(export_dir, threads, lanes)
 
 
 def _onnx_runner(export_dir: Path, threads: int | None, lanes: int = 1):

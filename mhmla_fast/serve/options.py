@@ -5,12 +5,14 @@ through them the ``mhmla-serve`` commands and the HTTP app) takes the same four 
 resolves them here, once:
 
     backend   the runtime: "auto" (the default: see below), "torch" (eager PyTorch), "onnx"
-              (ONNX Runtime on an export), "tensorrt" (a TensorRT plan built from the export)
+              (ONNX Runtime on an export), "openvino" (OpenVINO on the same export, CPU only),
+              "tensorrt" (a TensorRT plan built from the export)
     device    default: "cuda" when the backend can reach a CUDA GPU (torch: a usable
               ``torch.cuda`` device; ONNX Runtime: its CUDA execution provider is installed;
               TensorRT: always), else "cpu"
     dtype     default: "bfloat16" for torch on CUDA, "float32" otherwise (ONNX: "float32" or
-              "int8", the two graphs of an export; TensorRT: the precision it was built with)
+              "int8", the two graphs of an export; OpenVINO: "float32" or "bfloat16", the
+              latter with fp32-checked labels; TensorRT: the precision it was built with)
     kernels   the layer-attention head's implementation: "auto" (per device and direction the
               one measured faster, ``mhmla_fast.dispatch``), "torch" (eager), "triton" (fused)
 
@@ -23,12 +25,17 @@ Beside them, the token budget (padded word pieces per forward pass) of tagging a
 defaults per device (:func:`default_token_budget`): 1024 on the CPU, 8192 on a GPU.
 
 "auto" picks the runtime from the other options: torch on CUDA, and wherever an option asks
-for something only torch has (``kernels="triton"``, dtype bfloat16 or float16, a device other
-than the CPU); on the CPU in float32, ONNX Runtime on a cached export of the model that was
-validated to give torch's labels (:mod:`.export_cache`), when onnxruntime and onnx are
-installed, else torch. The choice between the two is made at load time (it needs the model):
-:func:`resolve_options` returns backend "auto" for it, and "torch" where torch is the only
-choice. dtype "int8" (an ONNX-only graph, which auto never picks) is an error.
+for something only torch has (``kernels="triton"``, dtype float16, a device other than the
+CPU); on the CPU in float32, ONNX Runtime on a cached export of the model that was validated to
+give torch's labels (:mod:`.export_cache`), when onnxruntime and onnx are installed, else torch.
+On a CPU with AMX bf16 units and OpenVINO installed, dtype left unset (or "bfloat16") runs the
+checked bf16 pass on that export instead (:func:`.openvino_runner.checked_runner`: OpenVINO
+bf16, the rows near the threshold again in ONNX Runtime fp32): the same labels as fp32, the
+probabilities away from the threshold bf16's; ``dtype="float32"`` keeps every probability
+fp32's. The choice between these is made at load time (it needs the model):
+:func:`resolve_options` returns backend "auto" for it (dtype "float32", or "bfloat16" for the
+checked pass), and "torch" where torch is the only choice. dtype "int8" (an ONNX-only graph,
+which auto never picks) is an error.
 
 An option a backend cannot honour is a ValueError naming the option and the backend, never
 dropped. The device rule itself lives in ``mhmla_fast.devices`` (training uses it too).
@@ -45,15 +52,17 @@ from dataclasses import dataclass
 from .. import devices
 from ..devices import cuda_available, resolve_device  # noqa: F401 - re-exported
 
-__all__ = ["BACKENDS", "KERNELS", "TORCH_DTYPES", "ONNX_DTYPES", "ServeOptions",
+__all__ = ["BACKENDS", "KERNELS", "TORCH_DTYPES", "ONNX_DTYPES", "OPENVINO_DTYPES",
+           "ServeOptions", "checked_bf16_available",
            "cuda_available", "onnx_importable", "resolve_device", "resolve_dtype",
            "resolve_options", "TOKEN_BUDGETS", "default_token_budget", "check_lanes",
            "throughput_lanes"]
 
-BACKENDS = ("auto", "torch", "onnx", "tensorrt")
+BACKENDS = ("auto", "torch", "onnx", "openvino", "tensorrt")
 KERNELS = ("auto", "torch", "triton")  # = mhmla_fast.functional.BACKENDS (not imported: torch)
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 ONNX_DTYPES = ("float32", "int8")
+OPENVINO_DTYPES = ("float32", "bfloat16")
 # Padded word pieces per forward pass by device type. On 2 CPU cores (AMD EPYC, AVX-512) small
 # passes ran faster per piece: at 1024 against 8192, ONNX Runtime fp32 tagged FCE dev + test
 # 1.21x faster (median of 5 paired, interleaved repeats), torch fp32 1.11x, torch bf16 1.04x,
@@ -184,6 +193,14 @@ def _resolve(backend: str, device: str | None, dtype: str | None, kernels: str |
             raise ValueError("kernels: the onnx backend runs the exported graph, which holds the "
                              "eager ('torch') head; 'triton' is not available there (use the "
                              "torch backend, or tensorrt with --layer-attention-plugin)")
+    elif backend == "openvino":
+        if kind != "cpu":
+            raise ValueError(f"device: the openvino backend runs on the CPU, got {device!r}")
+        if dtype not in OPENVINO_DTYPES:
+            raise ValueError(f"dtype: the openvino backend has {OPENVINO_DTYPES}, got {dtype!r}")
+        if kernels == "triton":
+            raise ValueError("kernels: the openvino backend runs the exported graph, which holds "
+                             "the eager ('torch') head; 'triton' is not available there")
     else:  # tensorrt; dtype and kernels are checked against the plan by the runner
         if kind != "cuda":
             raise ValueError(f"device: the tensorrt backend runs on CUDA, got {device!r}")
@@ -202,8 +219,21 @@ def _resolve_auto(device: str | None, dtype: str | None, kernels: str) -> ServeO
                          "picks because its labels differ from torch's; use backend 'onnx' on "
                          "such an export, or float32")
     device = devices.resolve_device(device, "torch")
+    on_cpu = _device_type(device) == "cpu" and kernels != "triton" and onnx_importable()
+    if on_cpu and dtype in (None, "bfloat16", "bf16") and checked_bf16_available():
+        return ServeOptions("auto", device, "bfloat16", kernels)
     dtype = resolve_dtype(dtype, device, "torch")
-    if (_device_type(device) != "cpu" or dtype != "float32" or kernels == "triton"
-            or not onnx_importable()):
+    if not on_cpu or dtype != "float32":
         return resolve_options("torch", device, dtype, kernels)
     return ServeOptions("auto", device, dtype, kernels)
+
+
+def checked_bf16_available() -> bool:
+    """Whether backend auto's checked bf16 pass can run here: OpenVINO installed and a CPU with
+    AMX bf16 units (:func:`.openvino_runner.openvino_bf16_native`), found without importing
+    OpenVINO. ``$MHMLA_NO_OPENVINO`` set: never."""
+    from .openvino_runner import openvino_bf16_native, openvino_importable
+
+    if os.environ.get("MHMLA_NO_OPENVINO"):
+        return False
+    return openvino_importable() and openvino_bf16_native()

@@ -17,8 +17,8 @@ import numpy as np
 from ..encoder import host_checked_mask
 from .options import BACKENDS, resolve_options
 
-__all__ = ["TorchRunner", "CapturedForward", "Pending", "Lanes", "submit", "pinned", "upload",
-           "download", "make_runner", "set_torch_threads", "graph_shape", "pad_to_shape",
+__all__ = ["TorchRunner", "CapturedForward", "CheckedRunner", "Pending", "Lanes", "submit",
+           "pinned", "upload", "download", "check_margin_option", "make_runner", "set_torch_threads", "graph_shape", "pad_to_shape",
            "BACKENDS"]
 
 # The padded shapes of a forward pass replayed from a CUDA graph (TorchRunner(cuda_graphs=True)):
@@ -259,6 +259,73 @@ class TorchRunner:
             return download(self._eager_probs(ids, mask, bool(attention_mask.all())))
 
 
+class CheckedRunner:
+    """The labels of an exact runner at about the speed of a fast, approximate one.
+
+        p = fast(input_ids, attention_mask)                                   [B, T]
+        rows r with |p[r, j] - threshold| < margin at a piece j (neither [CLS] nor [SEP]):
+            p[r, :T_r] = exact(input_ids[r, :T_r], attention_mask[r, :T_r])
+
+    (T_r: the longest of those rows.) A label ``p >= threshold`` is then exact's wherever the
+    fast runner moved no probability by ``margin`` or more: rows near the threshold carry
+    exact's probabilities, the others the fast runner's (within its error of exact's). ``exact``
+    None (or ``margin`` 0) runs the fast runner alone. The engine keeps ``threshold`` in step
+    with its own (:meth:`set_threshold`). ``lanes`` > 1: passes that many at a time
+    (:class:`Lanes`), each calling both runners on its own thread. ``rows`` and ``rechecked``
+    count the rows seen and run again."""
+
+    def __init__(self, fast, exact, *, threshold: float, margin: float, lanes: int = 1):
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin: expected 0 <= margin < 1, got {margin!r}")
+        self.fast, self.exact = fast, (exact if margin > 0 else None)
+        self.threshold, self.margin = float(threshold), float(margin)
+        self.backend = getattr(fast, "backend", "checked")
+        self.device = getattr(fast, "device", "cpu")
+        self.dtype = getattr(fast, "dtype", None)
+        self.threads, self.lanes = getattr(fast, "threads", None), lanes
+        self.rows = self.rechecked = 0
+        self._count = threading.Lock()
+        self._lanes = Lanes(lanes) if lanes > 1 else None
+
+    def set_threshold(self, threshold: float) -> None:
+        self.threshold = float(threshold)
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        p = np.asarray(self.fast(input_ids, attention_mask), dtype=np.float32)
+        if self.exact is None:
+            return p
+        mask = np.asarray(attention_mask) > 0
+        lengths = mask.sum(1)
+        near = (np.abs(p - self.threshold) < self.margin) & mask
+        near[:, 0] = False  # [CLS]
+        near[np.arange(len(near)), np.maximum(lengths - 1, 0)] = False  # [SEP]
+        rows = np.flatnonzero(near.any(1))
+        if len(rows):
+            T = int(lengths[rows].max())
+            p[rows, :T] = self.exact(np.ascontiguousarray(input_ids[rows, :T]),
+                                     np.ascontiguousarray(attention_mask[rows, :T]))
+        with self._count:
+            self.rows += len(p)
+            self.rechecked += len(rows)
+        return p
+
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+        """Start a pass: on a lane when ``lanes`` > 1, else run here (ready at once)."""
+        if self._lanes is not None:
+            return self._lanes.submit(self, input_ids, attention_mask)
+        return Pending(self(input_ids, attention_mask))
+
+    def close(self) -> None:
+        """Stop the lane threads (the runners' too); the runner still works."""
+        for r in (self._lanes, self.fast, self.exact):
+            if r is not None and hasattr(r, "close"):
+                r.close()
+
+    def __repr__(self) -> str:
+        return (f"CheckedRunner({self.fast!r}, exact={self.exact!r}, "
+                f"threshold={self.threshold:.6g}, margin={self.margin:g})")
+
+
 def pinned(array: np.ndarray):
     """``array`` as a CPU tensor in pinned memory (the source of a copy to the GPU that does
     not wait: torch keeps the buffer until the copy is done)."""
@@ -314,23 +381,43 @@ def submit(runner, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending
     return Pending(np.asarray(runner(input_ids, attention_mask), dtype=np.float32))
 
 
+def check_margin_option(check_margin: float | None, opts) -> float | None:
+    """``check_margin`` (None: the default) checked against resolved options: it applies only
+    to the checked bf16 pass (backend "openvino" or "auto" in bfloat16 on the CPU), and lies in
+    [0, 1). A ValueError names it otherwise."""
+    if check_margin is None:
+        return None
+    if not (opts.backend in ("openvino", "auto") and opts.dtype == "bfloat16"):
+        raise ValueError(f"check_margin: only the checked bf16 pass (backend openvino, or auto "
+                         f"on a CPU with AMX, in bfloat16) re-checks labels; backend "
+                         f"{opts.backend!r} in {opts.dtype} has none")
+    if not 0 <= float(check_margin) < 1:
+        raise ValueError(f"check_margin: expected 0 <= margin < 1, got {check_margin!r}")
+    return float(check_margin)
+
+
 def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
                 device: str | None = None, dtype: str | None = None, kernels: str = "auto",
                 threads: int | None = None, cache: bool | None = None,
-                cuda_graphs: bool = False, lanes: int = 1):
+                cuda_graphs: bool = False, lanes: int = 1, threshold: float = 0.5,
+                check_margin: float | None = None):
     """The runner for ``backend`` on a tagger directory (or an export of one).
 
     ``device``/``dtype``/``kernels``/``cuda_graphs``/``lanes``: see :mod:`.options`;
-    ``threads``: CPU threads in all (torch's intra-op threads; ONNX Runtime's intra-op threads,
+    ``threads``: CPU threads in all (torch's intra-op threads; ONNX Runtime's and OpenVINO's,
     split between ``lanes``; TensorRT: torch's, for the host side); ``cache``: the export cache
-    of ``backend="auto"`` (:mod:`.export_cache`). Raises ValueError naming the option when
-    ``backend`` cannot honour one."""
+    of ``backend="auto"`` (:mod:`.export_cache`); ``threshold`` and ``check_margin``: the
+    checked bf16 pass's (:func:`.openvino_runner.checked_runner`; the engine keeps the
+    threshold in step). Raises ValueError naming the option when ``backend`` cannot honour
+    one."""
     opts = resolve_options(backend, device, dtype, kernels, cuda_graphs=cuda_graphs, lanes=lanes)
+    margin = check_margin_option(check_margin, opts)
     if opts.backend == "auto":
         from .export_cache import auto_runner
 
         return auto_runner(model_dir, threads=threads, kernels=opts.kernels, cache=cache,
-                           lanes=lanes)
+                           lanes=lanes, dtype=opts.dtype, threshold=threshold,
+                           check_margin=margin)
     if opts.backend == "torch":
         return TorchRunner(model_dir, device=opts.device, dtype=opts.dtype, kernels=opts.kernels,
                            threads=threads, cuda_graphs=cuda_graphs, lanes=lanes)
@@ -339,6 +426,14 @@ def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
 
         return OnnxRunner.from_model_dir(Path(model_dir), device=opts.device, dtype=opts.dtype,
                                          kernels=opts.kernels, threads=threads, lanes=lanes)
+    if backend == "openvino":
+        from .openvino_runner import CHECK_MARGIN, OpenVinoRunner, checked_runner
+
+        if opts.dtype == "float32":
+            return OpenVinoRunner.from_model_dir(Path(model_dir), "float32", threads=threads,
+                                                 lanes=lanes)
+        return checked_runner(Path(model_dir), threshold=threshold, threads=threads, lanes=lanes,
+                              margin=CHECK_MARGIN if margin is None else margin)
     from .tensorrt_engine import TensorRTRunner
 
     set_torch_threads(threads)

@@ -1,0 +1,165 @@
+"""OpenVINO on a tagger's ONNX export, and the bf16 pass whose labels are checked in fp32.
+
+    OpenVinoRunner(onnx_path, dtype)   (input_ids, attention_mask) int64 [B, T]
+                                       -> P(error) float32 [B, T], on the CPU
+    checked_runner(export_dir, threshold=t, margin=m)
+        p = OpenVINO bf16 pass; rows with a word piece where |p - t| < m run again in ONNX
+        Runtime fp32 (:class:`.runners.CheckedRunner`), so p >= t is the fp32 decision
+        wherever bf16 moved no probability by m or more
+
+OpenVINO reads the same ``model.onnx`` as ONNX Runtime (``mhmla-serve export --onnx``, or backend
+auto's cached export). On a CPU with AMX (Sapphire Rapids and later) its bf16 precision hint runs
+the encoder's matrix multiplies on the AMX units: on 2 cores of such a Xeon a bf16 pass tagged
+FCE dev + test about 2.1x as fast as ONNX Runtime fp32. bf16 moves an error probability by up to
+0.037 there (FCE dev + test; 0.023 on CoNLL-14 and JFLEG), flipping about 0.1% of labels; the
+fp32 re-check within :data:`CHECK_MARGIN` of the threshold takes those back (README, *Use*).
+
+Importing this module imports neither OpenVINO nor ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .options import OPENVINO_DTYPES, check_lanes, resolve_options
+from .runners import CheckedRunner, Lanes, Pending
+
+__all__ = ["OpenVinoRunner", "checked_runner", "openvino_importable", "openvino_bf16_native",
+           "CHECK_MARGIN", "OPENVINO_DTYPES"]
+
+# Rows re-run in fp32 when a piece's bf16 probability lies within this much of the threshold:
+# 1.35x the largest bf16 error measured on FCE dev + test (0.037; README, *Use*).
+CHECK_MARGIN = 0.05
+_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def openvino_importable() -> bool:
+    """Whether the ``openvino`` package is installed, found without importing it."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("openvino") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def openvino_bf16_native() -> bool:
+    """Whether this CPU has AMX bf16 units (``amx_bf16`` in /proc/cpuinfo), where an OpenVINO
+    bf16 pass was measured faster than fp32. AVX-512 bf16 alone (Zen 4) is not enough: bf16
+    there was never measured faster through OpenVINO."""
+    from ..devices import cpu_flags
+
+    return "amx_bf16" in cpu_flags()
+
+
+class OpenVinoRunner:
+    """OpenVINO on the CPU: ``(input_ids, attention_mask)`` int64 [B, T] -> P(error) float32
+    [B, T] (the graph's first output).
+
+    Args:
+        onnx_path: an exported ``model.onnx``.
+        dtype: "float32" or "bfloat16" (OpenVINO's inference precision hint; bf16 needs a CPU
+            whose OpenVINO reports BF16 among its capabilities, else ValueError).
+        threads: CPU threads in all (default: OpenVINO's choice).
+        lanes: passes at a time through :meth:`submit`, each on its own OpenVINO stream with
+            ``threads / lanes`` threads (:class:`.runners.Lanes`); one infer request per thread.
+    """
+
+    backend = "openvino"
+    device = "cpu"
+
+    def __init__(self, onnx_path: str | os.PathLike, *, dtype: str = "float32",
+                 threads: int | None = None, lanes: int = 1):
+        import openvino as ov
+
+        from .onnx_export import INPUT_NAMES
+
+        if dtype not in OPENVINO_DTYPES:
+            raise ValueError(f"dtype: the openvino backend has {OPENVINO_DTYPES}, got {dtype!r}")
+        check_lanes(lanes, "cpu")
+        self.path = Path(onnx_path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such ONNX file")
+        core = ov.Core()
+        if dtype == "bfloat16" and "BF16" not in core.get_property(
+                "CPU", "OPTIMIZATION_CAPABILITIES"):
+            raise ValueError("dtype: 'bfloat16' with the openvino backend needs a CPU with bf16 "
+                             "instructions (OpenVINO reports none here); use float32")
+        Lanes.split(threads, lanes)  # enough threads for the lanes
+        config = {"INFERENCE_PRECISION_HINT": _PRECISION[dtype], "NUM_STREAMS": lanes}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = int(threads)
+        model = core.read_model(str(self.path))
+        names = [p.get_any_name() for p in model.inputs]
+        if sorted(names) != sorted(INPUT_NAMES):
+            raise ValueError(f"{self.path}: inputs {names}, expected {list(INPUT_NAMES)}")
+        self.compiled = core.compile_model(model, "CPU", config)
+        self._output = self.compiled.outputs[0]
+        self.dtype, self.lanes = dtype, lanes
+        self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
+        self._local = threading.local()
+        self._lanes = Lanes(lanes) if lanes > 1 else None
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike, dtype: str | None = None, *,
+                       device: str | None = None, kernels: str = "auto",
+                       threads: int | None = None, lanes: int = 1) -> OpenVinoRunner:
+        """The runner on an export directory's ``model.onnx`` (see :class:`OpenVinoRunner`).
+        Raises ValueError for an option OpenVINO cannot honour here (:mod:`.options`),
+        FileNotFoundError saying how to export when the graph is missing."""
+        from .onnx_export import ONNX_FILE
+
+        opts = resolve_options("openvino", device, dtype, kernels, lanes=lanes)
+        file = Path(path) / ONNX_FILE
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{path}: no ONNX export ({ONNX_FILE} is missing). Export the tagger first: "
+                f"mhmla-serve export --onnx {path}")
+        return cls(file, dtype=opts.dtype, threads=threads, lanes=lanes)
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(f"input_ids {list(ids.shape)} and attention_mask "
+                             f"{list(mask.shape)}: expected two arrays of the same shape [B, T]")
+        request = getattr(self._local, "request", None)
+        if request is None:  # one per thread: a request is not to be shared between threads
+            request = self._local.request = self.compiled.create_infer_request()
+        out = request.infer({"input_ids": ids, "attention_mask": mask})[self._output]
+        return np.array(out, dtype=np.float32)  # a copy: the request reuses its buffer
+
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+        """Start a pass: on a lane when ``lanes`` > 1, else run here (ready at once)."""
+        if self._lanes is not None:
+            return self._lanes.submit(self, input_ids, attention_mask)
+        return Pending(self(input_ids, attention_mask))
+
+    def close(self) -> None:
+        """Stop the lane threads, if any (the runner still works)."""
+        if self._lanes is not None:
+            self._lanes.close()
+
+    def __repr__(self) -> str:
+        lanes = f", lanes={self.lanes}" if self.lanes > 1 else ""
+        return (f"OpenVinoRunner({str(self.path)!r}, dtype={self.dtype!r}, "
+                f"threads={self.threads}{lanes})")
+
+
+def checked_runner(export_dir: str | os.PathLike, *, threshold: float,
+                   margin: float = CHECK_MARGIN, threads: int | None = None,
+                   lanes: int = 1) -> CheckedRunner:
+    """An OpenVINO bf16 pass over ``export_dir``'s ``model.onnx``, its rows near ``threshold``
+    run again by ONNX Runtime fp32 on the same graph (:class:`.runners.CheckedRunner`; the
+    export's validation ties that graph's labels to torch fp32). ``margin`` 0 runs bf16 alone.
+    ``lanes`` passes at a time, ``threads`` split between them."""
+    from .onnx_export import OnnxRunner
+
+    fast = OpenVinoRunner.from_model_dir(export_dir, "bfloat16", threads=threads, lanes=lanes)
+    exact = (OnnxRunner.from_model_dir(export_dir, "float32", device="cpu", threads=threads,
+                                       lanes=lanes) if margin > 0 else None)
+    return CheckedRunner(fast, exact, threshold=threshold, margin=margin, lanes=lanes)
