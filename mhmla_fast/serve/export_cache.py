@@ -728,9 +728,14 @@ def _checked_runner(export_dir: Path, threads: int | None, lanes: int, threshold
                     margin: float | None, log: Log):
     from .openvino_runner import CHECK_MARGIN, checked_runner
 
+    # OpenVINO's compiled model beside the cached export it was compiled from (removed with
+    # it), where this process may write; never inside a user's own export directory
+    cached = export_dir.resolve().is_relative_to(cache_root().resolve())
+    cache_dir = export_dir / "openvino" if cached and os.access(export_dir, os.W_OK) else None
     try:
         return checked_runner(export_dir, threshold=threshold, threads=threads, lanes=lanes,
-                              margin=CHECK_MARGIN if margin is None else margin)
+                              margin=CHECK_MARGIN if margin is None else margin,
+                              cache_dir=cache_dir)
     except Exception as err:  # noqa: BLE001 - OpenVINO's failure, not the export's
         log(f"mhmla-fast: backend auto runs ONNX Runtime fp32: OpenVINO's checked bf16 pass "
             f"failed ({type(err).__name__}: {err})")
