@@ -417,10 +417,11 @@ def evaluate_targets(rows: Sequence[dict], device: str, gpu_name: str | None = N
 
 def versions() -> dict[str, str | None]:
     """The CPU script's versions plus triton, fastapi, uvicorn, the HTTP parser and event loop
-    uvicorn picks when installed (httptools, uvloop), and orjson, which writes the output
-    lines of ``mhmla-serve`` when installed (None: not installed)."""
+    uvicorn picks when installed (httptools, uvloop), orjson, which writes the output lines of
+    ``mhmla-serve`` when installed, and openvino, which runs backend auto's checked bf16 pass on
+    a CPU with AMX (None: not installed)."""
     out = tagbench.versions()
-    for name in ("triton", "fastapi", "uvicorn", "httptools", "uvloop", "orjson"):
+    for name in ("triton", "fastapi", "uvicorn", "httptools", "uvloop", "orjson", "openvino"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - any import failure means "not usable"

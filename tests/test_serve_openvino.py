@@ -264,3 +264,7 @@ def test_the_cli_refuses_a_check_margin_it_cannot_honour(tmp_path, capsys):
                      "--check-margin", "0.1", "--no-progress"])
     assert code == 2
     assert "--check-margin: only the checked bf16 pass" in capsys.readouterr().err
+    code = cli.main(["tag", str(src), "-o", str(tmp_path / "r.jsonl"), "--check-margin", "0.1",
+                     "--ray", "--no-progress"])
+    assert code == 2
+    assert "--check-margin applies to one process" in capsys.readouterr().err

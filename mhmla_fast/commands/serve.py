@@ -574,6 +574,9 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
     if getattr(args, "lanes", None) is not None:
         raise UsageError("--lanes applies to one process; with --ray, --ray-workers and "
                          "--threads set the parallelism")
+    if getattr(args, "check_margin", None) is not None:
+        raise UsageError("--check-margin applies to one process; with --ray each worker "
+                         "tags at the default margin")
     try:
         import ray  # noqa: F401  (the optional extra)
 
@@ -615,7 +618,12 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         prompts = tuple(int(p) for p in config.get("prompts", sorted(SCORE_RANGES)))
         settings, threshold, batch_size = {"dtype": opts.dtype}, None, args.batch_essays
-    job = RayJob(kind, str(path), backend=opts.backend, device=opts.device, dtype=opts.dtype,
+    # auto's checked bf16 pass is this CPU's choice: with no --dtype each worker makes its own
+    # (the checked pass on AMX, ONNX Runtime fp32 elsewhere: fp32's labels either way)
+    dtype = opts.dtype
+    if kind == "tag" and opts.backend == "auto" and args.dtype is None:
+        dtype = None
+    job = RayJob(kind, str(path), backend=opts.backend, device=opts.device, dtype=dtype,
                  kernels=opts.kernels, threads=args.threads, threshold=threshold,
                  cache=False if getattr(args, "no_cache", False) or not cache_enabled() else None,
                  token_budget=args.token_budget, batch_size=batch_size, format=args.format,

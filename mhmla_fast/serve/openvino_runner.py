@@ -12,7 +12,7 @@ auto's cached export). On a CPU with AMX (Sapphire Rapids and later) its bf16 pr
 the encoder's matrix multiplies on the AMX units: on 2 cores of such a Xeon a bf16 pass tagged
 FCE dev + test about 2.1x as fast as ONNX Runtime fp32. bf16 moves an error probability by up to
 0.037 there (FCE dev + test; 0.023 on CoNLL-14 and JFLEG), flipping about 0.1% of labels; the
-fp32 re-check within :data:`CHECK_MARGIN` of the threshold takes those back (README, *Use*).
+fp32 re-check within :data:`CHECK_MARGIN` of the threshold takes those back (README, *Backend auto*).
 
 Importing this module imports neither OpenVINO nor ONNX Runtime.
 """
@@ -32,7 +32,7 @@ __all__ = ["OpenVinoRunner", "checked_runner", "openvino_importable", "openvino_
            "CHECK_MARGIN", "OPENVINO_DTYPES"]
 
 # Rows re-run in fp32 when a piece's bf16 probability lies within this much of the threshold:
-# 1.35x the largest bf16 error measured on FCE dev + test (0.037; README, *Use*).
+# 1.35x the largest bf16 error measured on FCE dev + test (0.037; README, *Backend auto*).
 CHECK_MARGIN = 0.05
 _PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 
