@@ -54,7 +54,7 @@ import numpy as np
 from ..devices import default_threads, physical_cores
 from ..encoder import max_input_length
 from .options import check_lanes, resolve_options
-from .runners import Lanes, Pending
+from .runners import Lanes, LaneRunner, check_pass
 
 __all__ = [
     "ExportValidationError", "OnnxRunner", "export_onnx", "validate_onnx", "validation_batches",
@@ -547,7 +547,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 # ------------------------------------------------------------------------- runner
 
 
-class OnnxRunner:
+class OnnxRunner(LaneRunner):
     """ONNX Runtime: ``(input_ids, attention_mask)`` int64 [B, T] -> P(error) float32 [B, T]
     (or, for another graph, its output ``output_name`` as float32: the scorer's [B, K]).
 
@@ -623,25 +623,9 @@ class OnnxRunner:
         return cls(file, device=opts.device, threads=threads, **kw)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
-        mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
-        if ids.ndim != 2 or ids.shape != mask.shape:
-            raise ValueError(f"input_ids {list(ids.shape)} and attention_mask "
-                             f"{list(mask.shape)}: expected two arrays of the same shape [B, T]")
+        ids, mask = check_pass(input_ids, attention_mask)
         out = self.session.run([self.output_name], {INPUT_NAMES[0]: ids, INPUT_NAMES[1]: mask})[0]
         return np.asarray(out, dtype=np.float32)
-
-    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray):
-        """Start a pass: on a lane when ``lanes`` > 1 (``.result()`` waits for it), else run
-        here (the :class:`.runners.Pending` is ready)."""
-        if self._lanes is not None:
-            return self._lanes.submit(self, input_ids, attention_mask)
-        return Pending(self(input_ids, attention_mask))
-
-    def close(self) -> None:
-        """Stop the lane threads, if any (the runner still works)."""
-        if self._lanes is not None:
-            self._lanes.close()
 
     def __repr__(self) -> str:
         lanes = f", lanes={self.lanes}" if self.lanes > 1 else ""

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .options import OPENVINO_DTYPES, check_lanes, resolve_options
-from .runners import CheckedRunner, Lanes, Pending
+from .runners import CheckedRunner, Lanes, LaneRunner, check_pass
 
 __all__ = ["OpenVinoRunner", "checked_runner", "openvino_importable", "openvino_bf16_native",
            "CHECK_MARGIN", "OPENVINO_DTYPES"]
@@ -56,7 +56,7 @@ def openvino_bf16_native() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-class OpenVinoRunner:
+class OpenVinoRunner(LaneRunner):
     """OpenVINO on the CPU: ``(input_ids, attention_mask)`` int64 [B, T] -> P(error) float32
     [B, T] (the graph's first output).
 
@@ -128,27 +128,12 @@ class OpenVinoRunner:
         return cls(file, dtype=opts.dtype, threads=threads, lanes=lanes, cache_dir=cache_dir)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
-        mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
-        if ids.ndim != 2 or ids.shape != mask.shape:
-            raise ValueError(f"input_ids {list(ids.shape)} and attention_mask "
-                             f"{list(mask.shape)}: expected two arrays of the same shape [B, T]")
+        ids, mask = check_pass(input_ids, attention_mask)
         request = getattr(self._local, "request", None)
         if request is None:  # one per thread: a request is not to be shared between threads
             request = self._local.request = self.compiled.create_infer_request()
         out = request.infer({"input_ids": ids, "attention_mask": mask})[self._output]
         return np.array(out, dtype=np.float32)  # a copy: the request reuses its buffer
-
-    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
-        """Start a pass: on a lane when ``lanes`` > 1, else run here (ready at once)."""
-        if self._lanes is not None:
-            return self._lanes.submit(self, input_ids, attention_mask)
-        return Pending(self(input_ids, attention_mask))
-
-    def close(self) -> None:
-        """Stop the lane threads, if any (the runner still works)."""
-        if self._lanes is not None:
-            self._lanes.close()
 
     def __repr__(self) -> str:
         lanes = f", lanes={self.lanes}" if self.lanes > 1 else ""

@@ -18,8 +18,8 @@ from ..encoder import host_checked_mask
 from .options import BACKENDS, resolve_options
 
 __all__ = ["TorchRunner", "CapturedForward", "CheckedRunner", "Pending", "Lanes", "submit",
-           "pinned", "upload", "download", "check_margin_option", "make_runner", "set_torch_threads", "graph_shape", "pad_to_shape",
-           "BACKENDS"]
+           "pinned", "upload", "download", "check_margin_option", "check_pass", "LaneRunner",
+           "make_runner", "set_torch_threads", "graph_shape", "pad_to_shape", "BACKENDS"]
 
 # The padded shapes of a forward pass replayed from a CUDA graph (TorchRunner(cuda_graphs=True)):
 # rows up to the next of GRAPH_ROWS (past the last, a multiple of it), pieces up to a multiple of
@@ -259,7 +259,38 @@ class TorchRunner:
             return download(self._eager_probs(ids, mask, bool(attention_mask.all())))
 
 
-class CheckedRunner:
+def check_pass(input_ids: np.ndarray, attention_mask: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """A pass's ``input_ids`` and ``attention_mask`` as contiguous int64 arrays; a ValueError
+    unless they are two arrays of the same shape [B, T]."""
+    ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+    mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"input_ids {list(ids.shape)} and attention_mask "
+                         f"{list(mask.shape)}: expected two arrays of the same shape [B, T]")
+    return ids, mask
+
+
+class LaneRunner:
+    """``submit`` and ``close`` of a callable CPU runner whose passes may run ``lanes`` at a
+    time: a subclass sets ``_lanes`` (a :class:`Lanes`, or None for one pass at a time)."""
+
+    _lanes: Lanes | None = None
+
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+        """Start a pass: on a lane when ``lanes`` > 1 (``.result()`` waits for it), else run
+        here (the :class:`Pending` is ready)."""
+        if self._lanes is not None:
+            return self._lanes.submit(self, input_ids, attention_mask)
+        return Pending(self(input_ids, attention_mask))
+
+    def close(self) -> None:
+        """Stop the lane threads, if any (the runner still works)."""
+        if self._lanes is not None:
+            self._lanes.close()
+
+
+class CheckedRunner(LaneRunner):
     """The labels of an exact runner at about the speed of a fast, approximate one.
 
         p = fast(input_ids, attention_mask)                                   [B, T]
@@ -309,15 +340,10 @@ class CheckedRunner:
             self.rechecked += len(rows)
         return p
 
-    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
-        """Start a pass: on a lane when ``lanes`` > 1, else run here (ready at once)."""
-        if self._lanes is not None:
-            return self._lanes.submit(self, input_ids, attention_mask)
-        return Pending(self(input_ids, attention_mask))
-
     def close(self) -> None:
         """Stop the lane threads (the runners' too); the runner still works."""
-        for r in (self._lanes, self.fast, self.exact):
+        super().close()
+        for r in (self.fast, self.exact):
             if r is not None and hasattr(r, "close"):
                 r.close()
 
