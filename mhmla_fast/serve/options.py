@@ -76,8 +76,9 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "f
 @dataclass(frozen=True)
 class ServeOptions:
     """Resolved options: ``device`` and ``dtype`` are never None (TensorRT's dtype may be None:
-    "whatever the plan was built with"). ``backend`` "auto" is left only for the CPU in float32,
-    where the model's cached ONNX export or torch is chosen at load time."""
+    "whatever the plan was built with"). ``backend`` "auto" is left only for the CPU, in float32
+    or (on a CPU with AMX and OpenVINO) bfloat16 for the checked pass, where the model's cached
+    ONNX export or torch is chosen at load time."""
 
     backend: str
     device: str
@@ -212,7 +213,9 @@ def _resolve(backend: str, device: str | None, dtype: str | None, kernels: str |
 
 def _resolve_auto(device: str | None, dtype: str | None, kernels: str) -> ServeOptions:
     """``resolve_options("auto", ...)``: "torch" where only torch can honour the options or the
-    device is not the CPU, else "auto" (the cached ONNX export or torch, chosen at load)."""
+    device is not the CPU, else "auto" (the cached ONNX export or torch, chosen at load), in
+    "bfloat16" (the checked pass) where :func:`checked_bf16_available` and no other dtype was
+    asked for, else "float32"."""
     if dtype and _ALIASES.get(str(dtype), str(dtype)) == "int8":
         raise ValueError("dtype: 'int8' is a graph of the onnx backend (an export made by "
                          "`mhmla-serve export --onnx DIR --int8`), which backend 'auto' never "
