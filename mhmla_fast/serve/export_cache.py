@@ -717,7 +717,7 @@ def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
 
     def onnx(path: Path):
         if dtype == "bfloat16":
-            return _checked_runner(path, threads, lanes, threshold, check_margin, log)
+            return _checked_runner(path, threads, lanes, threshold, check_margin, log, root)
         return _onnx_runner(path, threads, lanes)
 
     return auto_load(model_dir, TAGGER, onnx=onnx, torch=torch, cache=cache, root=root, log=log,
@@ -725,17 +725,18 @@ def auto_runner(model_dir: str | os.PathLike, *, threads: int | None = None,
 
 
 def _checked_runner(export_dir: Path, threads: int | None, lanes: int, threshold: float,
-                    margin: float | None, log: Log):
-    from .openvino_runner import CHECK_MARGIN, checked_runner
+                    margin: float | None, log: Log, root: str | os.PathLike | None = None):
+    from .openvino_runner import checked_runner
 
     # OpenVINO's compiled model beside the cached export it was compiled from (removed with
-    # it), where this process may write; never inside a user's own export directory
-    cached = export_dir.resolve().is_relative_to(cache_root().resolve())
+    # it), where this process may write; never inside a user's own export directory. The
+    # cache is the one auto_load used (``root``, else the default).
+    base = Path(root) if root is not None else cache_root()
+    cached = export_dir.resolve().is_relative_to(base.resolve())
     cache_dir = export_dir / "openvino" if cached and os.access(export_dir, os.W_OK) else None
     try:
         return checked_runner(export_dir, threshold=threshold, threads=threads, lanes=lanes,
-                              margin=CHECK_MARGIN if margin is None else margin,
-                              cache_dir=cache_dir)
+                              margin=margin, cache_dir=cache_dir)
     except Exception as err:  # noqa: BLE001 - OpenVINO's failure, not the export's
         log(f"mhmla-fast: backend auto runs ONNX Runtime fp32: OpenVINO's checked bf16 pass "
             f"failed ({type(err).__name__}: {err})")

@@ -142,11 +142,12 @@ class OpenVinoRunner(LaneRunner):
 
 
 def checked_runner(export_dir: str | os.PathLike, *, threshold: float,
-                   margin: float = CHECK_MARGIN, threads: int | None = None,
+                   margin: float | None = None, threads: int | None = None,
                    lanes: int = 1, cache_dir: str | os.PathLike | None = None) -> CheckedRunner:
     """An OpenVINO bf16 pass over ``export_dir``'s ``model.onnx``, its rows near ``threshold``
     run again by ONNX Runtime fp32 on the same graph (:class:`.runners.CheckedRunner`; the
-    export's validation ties that graph's labels to torch fp32). ``margin`` 0 runs bf16 alone.
+    export's validation ties that graph's labels to torch fp32). ``margin`` None:
+    :data:`CHECK_MARGIN`; 0 runs bf16 alone.
     ``lanes`` passes at a time, ``threads`` split between them; ``cache_dir``: OpenVINO's
     compiled-model cache. The ONNX Runtime session loads on a second thread while OpenVINO
     compiles (about 0.3 s each)."""
@@ -154,6 +155,7 @@ def checked_runner(export_dir: str | os.PathLike, *, threshold: float,
 
     from .onnx_export import OnnxRunner
 
+    margin = CHECK_MARGIN if margin is None else margin
     with ThreadPoolExecutor(1) as loader:
         exact = (loader.submit(OnnxRunner.from_model_dir, export_dir, "float32", device="cpu",
                                threads=threads, lanes=lanes) if margin > 0 else None)

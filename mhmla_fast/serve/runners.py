@@ -453,13 +453,13 @@ def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
         return OnnxRunner.from_model_dir(Path(model_dir), device=opts.device, dtype=opts.dtype,
                                          kernels=opts.kernels, threads=threads, lanes=lanes)
     if backend == "openvino":
-        from .openvino_runner import CHECK_MARGIN, OpenVinoRunner, checked_runner
+        from .openvino_runner import OpenVinoRunner, checked_runner
 
         if opts.dtype == "float32":
             return OpenVinoRunner.from_model_dir(Path(model_dir), "float32", threads=threads,
                                                  lanes=lanes)
         return checked_runner(Path(model_dir), threshold=threshold, threads=threads, lanes=lanes,
-                              margin=CHECK_MARGIN if margin is None else margin)
+                              margin=margin)
     from .tensorrt_engine import TensorRTRunner
 
     set_torch_threads(threads)
