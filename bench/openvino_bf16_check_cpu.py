@@ -14,7 +14,8 @@ ONNX Runtime fp32 on the same export (the exact CPU path, validated against torc
 
 and on the first data set the seconds in process, ``--repeats`` alternating rounds, every
 engine with ``--lanes`` passes at a time (what ``mhmla-serve tag`` uses): ONNX Runtime fp32,
-OpenVINO bf16 alone, and the checked pass at ``--speed-margin``.
+OpenVINO bf16 alone, and the checked pass at ``--speed-margin`` (``checked_split``: per round,
+the lane-seconds, rows and padded tokens of its fast and exact runners).
 
     python bench/openvino_bf16_check_cpu.py --threads 2
     # -> bench/results/openvino_bf16_check_cpu_<date>.json
@@ -90,6 +91,33 @@ def read_set(spec: str) -> tuple[str, list[list[str]], list[str]]:
     return name, sentences, [Path(f).name for f in files.split(",")]
 
 
+class Timed:
+    """A runner wrapped to add up, over all threads, the seconds spent in it, its calls, rows
+    and padded tokens (a checked engine's fast and exact runners: where its time goes)."""
+
+    def __init__(self, runner):
+        import threading
+
+        self.runner, self.lock = runner, threading.Lock()
+        self.seconds, self.calls, self.rows, self.tokens = 0.0, 0, 0, 0
+
+    def __call__(self, input_ids, attention_mask):
+        t = time.perf_counter()
+        out = self.runner(input_ids, attention_mask)
+        dt = time.perf_counter() - t
+        with self.lock:
+            self.seconds += dt
+            self.calls += 1
+            self.rows += len(input_ids)
+            self.tokens += int(np.size(input_ids))
+        return out
+
+    def summary(self) -> dict:
+        return {"lane_seconds": round(self.seconds, 3), "calls": self.calls, "rows": self.rows,
+                "padded_tokens": self.tokens,
+                "us_per_padded_token": round(1e6 * self.seconds / max(self.tokens, 1), 2)}
+
+
 def word_probs(engine, sentences) -> list[np.ndarray]:
     return [np.asarray(r.probs, dtype=np.float32) for r in engine.tag_tokens(sentences)]
 
@@ -153,18 +181,26 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"checked bfloat16 (margin {args.speed_margin})": ("openvino", "bfloat16",
                                                                args.speed_margin)}
     seconds: dict[str, list[float]] = {k: [] for k in paths}
+    split: list[dict] = []  # per round: the checked engine's time in each runner
     for _ in range(args.repeats):
         for key, (backend, dtype, margin) in paths.items():
             e = engine(backend, dtype, margin)
+            timed = margin is not None and margin > 0
+            if timed:
+                e.runner.fast, e.runner.exact = Timed(e.runner.fast), Timed(e.runner.exact)
             t = time.perf_counter()
             e.tag_texts(texts)
             seconds[key].append(time.perf_counter() - t)
+            if timed:
+                split.append({"fast": e.runner.fast.summary(),
+                              "exact": e.runner.exact.summary()})
             e.close()
     result["speed"] = {"set": name, "sentences": len(texts), "repeats": args.repeats,
                        "note": "fresh engines, so each includes its first passes at new shapes",
                        "seconds": {k: [round(x, 3) for x in v] for k, v in seconds.items()},
                        "sentences_per_s": {k: round(len(texts) / float(np.median(v)), 1)
-                                           for k, v in seconds.items()}}
+                                           for k, v in seconds.items()},
+                       "checked_split": split}
     result["load_average_end"] = load_average()
     out = dated_results_path(args.out, "openvino_bf16_check_cpu", RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)

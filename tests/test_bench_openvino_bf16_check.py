@@ -43,3 +43,8 @@ def test_openvino_bf16_check_on_small_files(tiny_tagger_dir, tmp_path, monkeypat
     assert speed["set"] == "both" and speed["sentences"] == 21
     assert len(speed["sentences_per_s"]) == 3 and all(v > 0 for v in
                                                       speed["sentences_per_s"].values())
+    split, = speed["checked_split"]  # one round
+    assert split["fast"]["rows"] == 21 and 0 <= split["exact"]["rows"] <= 21
+    for side in split.values():
+        assert side["lane_seconds"] > 0 or side["calls"] == 0
+        assert side["padded_tokens"] >= side["rows"]

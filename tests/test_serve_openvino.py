@@ -91,6 +91,33 @@ def test_checked_runner_without_a_margin_runs_the_fast_runner_alone_and_lanes_ag
             CheckedRunner(Table(exact), Table(exact), threshold=0.5, margin=bad)
 
 
+def test_checked_runner_rechecks_only_rows_near_the_threshold_at_a_read_piece():
+    """With ``read`` (the pieces a caller reads labels from), a row near the threshold only at
+    pieces nobody reads is not run again: row 1's near piece is read, row 3's is not (so it
+    keeps the fast probabilities), and lanes pass ``read`` on. A ``read`` of another shape is
+    refused."""
+    exact = np.array([[0.10, 0.20, 0.90, 0.30, 0.10, 0.70],
+                      [0.10, 0.52, 0.10, 0.10, 0.10, 0.10],
+                      [0.10, 0.10, 0.20, 0.30, 0.10, 0.10],
+                      [0.10, 0.10, 0.10, 0.51, 0.10, 0.10]], dtype=np.float32)
+    fast_table = exact.copy()
+    fast_table[[1, 3], [1, 3]] = 0.47
+    ids, mask = _batch([6, 4, 4, 5], 6)
+    read = np.zeros(ids.shape, dtype=bool)
+    read[:, [1, 2]] = True  # the first pieces of two words per row
+    for lanes in (1, 2):
+        slow = Table(exact)
+        runner = CheckedRunner(Table(fast_table), slow, threshold=0.5, margin=0.05, lanes=lanes)
+        p = runner.submit(ids, mask, read).result()
+        assert slow.calls == [(1, 4)] and (runner.rows, runner.rechecked) == (4, 1)
+        assert np.array_equal(p[1, :4], exact[1, :4])
+        assert np.array_equal(p[[0, 2, 3]], fast_table[[0, 2, 3]])
+        assert runners.submit(runner, ids, mask).result()[3, 3] == exact[3, 3]  # no read: all
+        runner.close()
+    with pytest.raises(ValueError, match=r"^read \[4, 5\]: expected the pass's shape \[4, 6\]"):
+        runner(ids, mask, read[:, :5])
+
+
 # ------------------------------------------------------------------------------ options
 
 
@@ -268,3 +295,55 @@ def test_the_cli_refuses_a_check_margin_it_cannot_honour(tmp_path, capsys):
                      "--ray", "--no-progress"])
     assert code == 2
     assert "--check-margin applies to one process" in capsys.readouterr().err
+
+
+class Recorder:
+    """A runner that takes ``read`` (as the checked pass does) and records each pass; every
+    probability is 0."""
+
+    backend, device, takes_read = "fake", "cpu", True
+
+    def __init__(self):
+        self.passes = []
+
+    def __call__(self, ids, mask, read=None):
+        self.passes.append((ids.copy(), read))
+        return np.zeros(ids.shape, dtype=np.float32)
+
+
+def test_the_engine_marks_each_words_first_piece_for_a_runner_that_reads(tiny_tagger_dir):
+    """The engine hands a runner that takes ``read`` (the checked pass) exactly the positions
+    of each word's first piece, in whole rows and in the windows of a long input (tag_tokens
+    and tag_windows); a runner without it gets two arguments, as ever."""
+    tok = load_tokenizer(tiny_tagger_dir)
+    recorder = Recorder()
+    engine = Engine(recorder, tok, token_budget=64, max_pieces=24, long_window=12)
+    sentences = [["unbelievably", "tokenisation", "is", "fine"], ["a"],
+                 ["internationalisation"] * 9 + ["of", "words"] * 4]  # the last: windows
+    engine.tag_tokens(sentences)
+    plans = [engine.plan_tokens(sentences[2])]
+    engine.tag_windows([(plans[0], k) for k in range(len(plans[0].windows))])
+    by_ids = {}
+    for s in sentences:
+        ids, first = engine._encode([s])[0]
+        for start, end in engine.window_spans(len(ids)):
+            by_ids[tuple(ids[start:end])] = first[start:end] >= 0
+    seen = 0
+    for ids, read in recorder.passes:
+        assert read is not None and read.shape == ids.shape and not read[:, 0].any()
+        for row, marks in zip(ids, read):
+            n = int((row != engine.pad_id).sum()) - 2
+            want = by_ids[tuple(row[1:n + 1])]
+            assert np.array_equal(marks[1:n + 1], want) and not marks[n + 1:].any()
+            seen += 1
+    assert seen > len(sentences)  # whole rows and windows, twice for the long one
+    assert any(not m.all() for m in by_ids.values())  # some words have several pieces
+
+    class Plain:
+        backend, device = "fake", "cpu"
+
+        def __call__(self, ids, mask):  # two arguments only
+            return np.zeros(ids.shape, dtype=np.float32)
+
+    got = Engine(Plain(), tok, token_budget=64, max_pieces=24, long_window=12).tag_tokens(sentences)
+    assert [r.tokens for r in got] == [list(s) for s in sentences]

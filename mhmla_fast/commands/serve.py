@@ -269,8 +269,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    "float32 is asked for; tensorrt: the precision the plan was built with")
     g.add_argument("--check-margin", type=float, default=None, metavar="M",
                    help="the checked bfloat16 pass (openvino, or auto on a CPU with AMX): rows "
-                   "with a word piece whose bf16 probability lies within M of the threshold "
-                   "are tagged again in fp32 (default 0.05; 0: bf16 alone)")
+                   "with a word whose bf16 probability lies within M of the threshold are "
+                   "tagged again in fp32 (default 0.05; 0: bf16 alone)")
     g.add_argument("--threshold", type=_probability, default=None,
                    help="error-probability threshold (default: the model's tuned one)")
     g.add_argument("--no-cache", action="store_true",

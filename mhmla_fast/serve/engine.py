@@ -465,9 +465,13 @@ class Engine:
             return [(0, n_pieces)] if n_pieces else []
         return plan_windows(n_pieces, self.long_window, self.long_window // 4)
 
-    def _forward(self, rows: Sequence[np.ndarray], on_pieces=None):
+    def _forward(self, rows: Sequence[np.ndarray], on_pieces=None,
+                 firsts: Sequence[np.ndarray] | None = None):
         """Run piece-id rows (no special tokens) packed by ``token_budget``: yields, per forward
         pass, the row indices and the probabilities [B, T] (piece r of a row at r + 1).
+        ``firsts``: per row, the word each piece starts, else -1 (the pieces whose probability
+        the caller reads); a runner that takes ``read`` (the checked bf16 pass) gets them as a
+        mask and re-checks only rows near the threshold at those pieces.
 
         Passes are pipelined: with a runner of ``lanes`` passes at a time (1 unless it says
         otherwise) up to ``lanes + 1`` are packed and submitted (``runners.submit``) before the
@@ -478,6 +482,8 @@ class Engine:
 
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         depth = getattr(self.runner, "lanes", 1) + 1
+        if not getattr(self.runner, "takes_read", False):
+            firsts = None
         pending: deque = deque()
         for picked in pack_by_token_budget((lengths + 2).tolist(), self.token_budget,
                                            self.max_batch, max_padding=self.max_padding):
@@ -486,11 +492,16 @@ class Engine:
             col = np.arange(T)
             mask = (col < (n + 2)[:, None]).astype(np.int64)
             input_ids = np.full((len(picked), T), self.pad_id, dtype=np.int64)
-            input_ids[(col >= 1) & (col <= n[:, None])] = np.concatenate(
-                [rows[k] for k in picked])  # row-major: each row's pieces after its [CLS]
+            inner = (col >= 1) & (col <= n[:, None])  # each row's pieces after its [CLS]
+            input_ids[inner] = np.concatenate([rows[k] for k in picked])  # row-major
             input_ids[:, 0] = self.cls_id
             input_ids[np.arange(len(picked)), n + 1] = self.sep_id
-            pending.append((picked, int(n.sum()), submit(self.runner, input_ids, mask)))
+            more = ()
+            if firsts is not None:
+                read = np.zeros((len(picked), T), dtype=bool)
+                read[inner] = np.concatenate([firsts[k] for k in picked]) >= 0
+                more = (read,)
+            pending.append((picked, int(n.sum()), submit(self.runner, input_ids, mask, *more)))
             if len(pending) == depth:
                 yield self._finish(pending.popleft(), on_pieces)
         while pending:
@@ -551,14 +562,16 @@ class Engine:
         firsts = [encoded[s][1] for s in whole]
         offset = word_start[whole]  # a whole row's first word in ``flat``
         long_rows: dict[int, tuple[int, int, int]] = {}  # row -> (sentence, start, end)
+        row_firsts = list(firsts)
         for s in np.flatnonzero(n_pieces > self.max_pieces - 2).tolist():
-            ids, _ = encoded[s]
+            ids, first = encoded[s]
             for start, end in self.window_spans(len(ids)):
                 long_rows[len(rows)] = (s, start, end)
                 rows.append(ids[start:end])
+                row_firsts.append(first[start:end])
         margin = {s: np.full(int(n_words[s]), -1, dtype=np.int64)
                   for s, _, _ in long_rows.values()}
-        for picked, out in self._forward(rows, on_pieces):
+        for picked, out in self._forward(rows, on_pieces, row_firsts):
             local = [r for r, k in enumerate(picked) if k < len(whole)]
             if local:
                 ks = [picked[r] for r in local]
@@ -613,8 +626,9 @@ class Engine:
         """Error probabilities [W + 2] of window ``k`` of each ``(plan, k)`` (position r + 1
         is the window's piece r), packed into forward passes like any inputs."""
         rows = [plan.ids[slice(*plan.windows[k])] for plan, k in windows]
+        firsts = [plan.first[slice(*plan.windows[k])] for plan, k in windows]
         out: list[Any] = [None] * len(rows)
-        for picked, probs in self._forward(rows):
+        for picked, probs in self._forward(rows, firsts=firsts):
             for r, k in enumerate(picked):
                 out[k] = probs[r, : len(rows[k]) + 2].copy()
         return out

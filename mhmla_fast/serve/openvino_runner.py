@@ -3,9 +3,9 @@
     OpenVinoRunner(onnx_path, dtype)   (input_ids, attention_mask) int64 [B, T]
                                        -> P(error) float32 [B, T], on the CPU
     checked_runner(export_dir, threshold=t, margin=m)
-        p = OpenVINO bf16 pass; rows with a word piece where |p - t| < m run again in ONNX
-        Runtime fp32 (:class:`.runners.CheckedRunner`), so p >= t is the fp32 decision
-        wherever bf16 moved no probability by m or more
+        p = OpenVINO bf16 pass; rows with a read piece (the engine marks each word's first)
+        where |p - t| < m run again in ONNX Runtime fp32 (:class:`.runners.CheckedRunner`),
+        so p >= t is the fp32 decision wherever bf16 moved no probability by m or more
 
 OpenVINO reads the same ``model.onnx`` as ONNX Runtime (``mhmla-serve export --onnx``, or backend
 auto's cached export). On a CPU with AMX (Sapphire Rapids and later) its bf16 precision hint runs

@@ -277,12 +277,13 @@ class LaneRunner:
 
     _lanes: Lanes | None = None
 
-    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray, *more) -> Pending:
         """Start a pass: on a lane when ``lanes`` > 1 (``.result()`` waits for it), else run
-        here (the :class:`Pending` is ready)."""
+        here (the :class:`Pending` is ready). ``more``: the call's further arguments, if the
+        runner takes any (:class:`CheckedRunner`'s ``read``)."""
         if self._lanes is not None:
-            return self._lanes.submit(self, input_ids, attention_mask)
-        return Pending(self(input_ids, attention_mask))
+            return self._lanes.submit(self, input_ids, attention_mask, *more)
+        return Pending(self(input_ids, attention_mask, *more))
 
     def close(self) -> None:
         """Stop the lane threads, if any (the runner still works)."""
@@ -294,16 +295,20 @@ class CheckedRunner(LaneRunner):
     """The labels of an exact runner at about the speed of a fast, approximate one.
 
         p = fast(input_ids, attention_mask)                                   [B, T]
-        rows r with |p[r, j] - threshold| < margin at a piece j (neither [CLS] nor [SEP]):
+        rows r with |p[r, j] - threshold| < margin at a read piece j:
             p[r, :T_r] = exact(input_ids[r, :T_r], attention_mask[r, :T_r])
 
-    (T_r: the longest of those rows.) A label ``p >= threshold`` is then exact's wherever the
-    fast runner moved no probability by ``margin`` or more: rows near the threshold carry
-    exact's probabilities, the others the fast runner's (within its error of exact's). ``exact``
-    None (or ``margin`` 0) runs the fast runner alone. The engine keeps ``threshold`` in step
-    with its own (:meth:`set_threshold`). ``lanes`` > 1: passes that many at a time
-    (:class:`Lanes`), each calling both runners on its own thread. ``rows`` and ``rechecked``
-    count the rows seen and run again."""
+    (T_r: the longest of those rows.) The read pieces are ``read`` [B, T] bool where the caller
+    gives it (the engine marks each word's first piece, the only one a label is read from),
+    else every piece but [CLS] and [SEP]. A label ``p >= threshold`` at a read piece is then
+    exact's wherever the fast runner moved no probability by ``margin`` or more: rows near the
+    threshold carry exact's probabilities, the others the fast runner's (within its error of
+    exact's). ``exact`` None (or ``margin`` 0) runs the fast runner alone. The engine keeps
+    ``threshold`` in step with its own (:meth:`set_threshold`). ``lanes`` > 1: passes that many
+    at a time (:class:`Lanes`), each calling both runners on its own thread. ``rows`` and
+    ``rechecked`` count the rows seen and run again."""
+
+    takes_read = True  # __call__ and submit accept ``read``
 
     def __init__(self, fast, exact, *, threshold: float, margin: float, lanes: int = 1):
         if not 0 <= margin < 1:
@@ -321,15 +326,23 @@ class CheckedRunner(LaneRunner):
     def set_threshold(self, threshold: float) -> None:
         self.threshold = float(threshold)
 
-    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                 read: np.ndarray | None = None) -> np.ndarray:
         p = np.asarray(self.fast(input_ids, attention_mask), dtype=np.float32)
         if self.exact is None:
             return p
         mask = np.asarray(attention_mask) > 0
         lengths = mask.sum(1)
-        near = (np.abs(p - self.threshold) < self.margin) & mask
-        near[:, 0] = False  # [CLS]
-        near[np.arange(len(near)), np.maximum(lengths - 1, 0)] = False  # [SEP]
+        near = np.abs(p - self.threshold) < self.margin
+        if read is None:
+            near &= mask
+            near[:, 0] = False  # [CLS]
+            near[np.arange(len(near)), np.maximum(lengths - 1, 0)] = False  # [SEP]
+        else:
+            if np.shape(read) != p.shape:
+                raise ValueError(f"read {list(np.shape(read))}: expected the pass's shape "
+                                 f"{list(p.shape)}")
+            near &= read
         rows = np.flatnonzero(near.any(1))
         if len(rows):
             T = int(lengths[rows].max())
@@ -398,13 +411,14 @@ class Pending:
         return np.asarray(out if isinstance(out, np.ndarray) else out.numpy(), dtype=np.float32)
 
 
-def submit(runner, input_ids: np.ndarray, attention_mask: np.ndarray) -> Pending:
+def submit(runner, input_ids: np.ndarray, attention_mask: np.ndarray, *more) -> Pending:
     """``runner.submit(...)`` where the runner has one (it overlaps with the caller), else the
-    runner called now, its result wrapped as ready."""
+    runner called now, its result wrapped as ready (``more``: further arguments the runner
+    takes, such as :class:`CheckedRunner`'s ``read``)."""
     start = getattr(runner, "submit", None)
     if start is not None:
-        return start(input_ids, attention_mask)
-    return Pending(np.asarray(runner(input_ids, attention_mask), dtype=np.float32))
+        return start(input_ids, attention_mask, *more)
+    return Pending(np.asarray(runner(input_ids, attention_mask, *more), dtype=np.float32))
 
 
 def check_margin_option(check_margin: float | None, opts) -> float | None:
