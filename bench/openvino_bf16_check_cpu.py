@@ -112,6 +112,10 @@ class Timed:
             self.tokens += int(np.size(input_ids))
         return out
 
+    def close(self) -> None:
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
     def summary(self) -> dict:
         return {"lane_seconds": round(self.seconds, 3), "calls": self.calls, "rows": self.rows,
                 "padded_tokens": self.tokens,
