@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,8 +97,6 @@ class Timed:
     and padded tokens (a checked engine's fast and exact runners: where its time goes)."""
 
     def __init__(self, runner):
-        import threading
-
         self.runner, self.lock = runner, threading.Lock()
         self.seconds, self.calls, self.rows, self.tokens = 0.0, 0, 0, 0
 

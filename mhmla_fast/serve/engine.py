@@ -559,19 +559,18 @@ class Engine:
                                count=len(encoded))
         whole = np.flatnonzero((n_pieces > 0) & (n_pieces <= self.max_pieces - 2)).tolist()
         rows = [encoded[s][0] for s in whole]
-        firsts = [encoded[s][1] for s in whole]
+        firsts = [encoded[s][1] for s in whole]  # then each window's, as ``rows``
         offset = word_start[whole]  # a whole row's first word in ``flat``
         long_rows: dict[int, tuple[int, int, int]] = {}  # row -> (sentence, start, end)
-        row_firsts = list(firsts)
         for s in np.flatnonzero(n_pieces > self.max_pieces - 2).tolist():
             ids, first = encoded[s]
             for start, end in self.window_spans(len(ids)):
                 long_rows[len(rows)] = (s, start, end)
                 rows.append(ids[start:end])
-                row_firsts.append(first[start:end])
+                firsts.append(first[start:end])
         margin = {s: np.full(int(n_words[s]), -1, dtype=np.int64)
                   for s, _, _ in long_rows.values()}
-        for picked, out in self._forward(rows, on_pieces, row_firsts):
+        for picked, out in self._forward(rows, on_pieces, firsts):
             local = [r for r, k in enumerate(picked) if k < len(whole)]
             if local:
                 ks = [picked[r] for r in local]
