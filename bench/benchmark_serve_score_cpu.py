@@ -37,7 +37,9 @@ The command's scores must equal the in-process ones (same chunks, budget and thr
 script exits 1, after writing the results, when they do not or the command fails. QWK per
 prompt against the gold scores is reported for orientation only (the sample is small).
 
-``--device`` defaults to cpu and ``--dtype`` to float32; on a CUDA device the header names the
+``--device`` defaults to cpu and ``--dtype`` to the command's own default (float32 on the CPU,
+or with backend auto on a CPU with AMX and OpenVINO the checked bfloat16 scorer, whose scores
+are fp32's; the header records the dtype it resolved to); on a CUDA device the header names the
 GPU and the results file is ``aes_serve_cuda_<date>.json``.
 
 JSON (``--out``, default ``bench/results/aes_serve_cpu_<date>.json``, ``-2``, ``-3``... appended
@@ -94,8 +96,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the scorer's runtime, as `score --backend` (default auto: on the CPU, "
                    "ONNX Runtime on its cached export)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="scorer weights and compute (default float32)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="scorer weights and compute, as `score --dtype` (default: the "
+                   "command's, float32 on the CPU or, with auto on a CPU with AMX and OpenVINO, "
+                   "the checked bfloat16 scorer; bfloat16 on a GPU)")
     p.add_argument("--repeats", type=int, default=1, help="end-to-end runs (median; default 1)")
     p.add_argument("--compare-torch", action="store_true",
                    help="with --backend auto: also score the sample in process with --backend "
@@ -180,8 +184,8 @@ def score_command(model: Path, src: Path, out: Path, args: argparse.Namespace) -
     """The ``mhmla-serve score`` command line that is timed."""
     return [sys.executable, "-m", "mhmla_fast.commands.serve", "score", str(src),
             "--output", str(out), "--model", str(model), "--backend", args.backend,
-            "--device", args.device,
-            "--dtype", args.dtype, "--threads", str(args.threads), "--batch-essays", str(args.batch_essays),
+            "--device", args.device, *(["--dtype", args.dtype] if args.dtype else []),
+            "--threads", str(args.threads), "--batch-essays", str(args.batch_essays),
             "--token-budget", str(args.token_budget), "--no-progress"]
 
 
@@ -265,6 +269,7 @@ def quality(sample: Sequence[Any], scores: Sequence[int]) -> dict[str, Any]:
 def header(args: argparse.Namespace, model: Path, tsv: Path) -> dict[str, Any]:
     """Where and what: device, versions, commit, command, model and data."""
     from mhmla_fast.provenance import provenance
+    from mhmla_fast.serve.score import scorer_options
 
     prov = provenance()
     cfg = json.loads((model / "config.json").read_text())
@@ -288,6 +293,8 @@ def header(args: argparse.Namespace, model: Path, tsv: Path) -> dict[str, Any]:
         "settings": {"threads": args.threads, "batch_essays": args.batch_essays,
                      "token_budget": args.token_budget, "backend": args.backend,
                      "device": args.device, "dtype": args.dtype,
+                     "resolved_dtype": scorer_options(args.backend, args.device,
+                                                      args.dtype).dtype,
                      "repeats": args.repeats, "seed": args.seed},
     }
 

@@ -16,18 +16,20 @@ from bench_scripts import load_bench_script
 WORDS = "the a student school computer people think because many help write good".split()
 
 
-def _write_tsv(path: Path, per_prompt: int) -> Path:
-    """Essays of prompts 1-7 (the tiny scorer's), some longer than one 62-piece window."""
+def _write_tsv(path: Path, per_prompt: int, prompts=range(1, 8), seed: int = 5,
+               max_words: int = 120) -> Path:
+    """Essays of ``prompts`` (default 1-7, the tiny scorer's), some longer than one 62-piece
+    window."""
     from mhmla_fast.aes.data import SCORE_RANGES
 
-    rng = random.Random(5)
+    rng = random.Random(seed)
     lines = ["essay_id\tessay_set\tessay\trater1_domain1\trater2_domain1\tdomain1_score"]
     k = 0
-    for prompt in range(1, 8):
+    for prompt in prompts:
         lo, hi = SCORE_RANGES[prompt]
         for _ in range(per_prompt):
             k += 1
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120)))
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, max_words)))
             s = rng.randint(lo, hi)
             lines.append(f"{k}\t{prompt}\t{text}\t{s}\t{s}\t{s}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -47,12 +49,13 @@ def test_score_benchmark_main_writes_a_checked_result(tiny_scorer_dir, tmp_path,
     result = json.loads(out.read_text())
     head = result["header"]
     assert head["commit"] == "test-commit" and head["device"]["cpu"]
-    assert head["settings"]["device"] == "cpu" and head["settings"]["dtype"] == "float32"
+    assert head["settings"]["device"] == "cpu" and head["settings"]["dtype"] is None
+    assert head["settings"]["resolved_dtype"] == "float32"  # no AMX (tests/conftest.py)
     assert result["sample"]["essays"] == 21  # 3 per prompt; the TSV has no prompt 8
     assert result["sample"]["per_prompt"] == {**{str(p): 3 for p in range(1, 8)}, "8": 0}
     assert result["sample"]["multi_window_essays"] >= 1  # windows are exercised
     assert result["end_to_end"]["exit_status"] == 0
-    assert "--device cpu --dtype float32" in result["end_to_end"]["command"]
+    assert "--device cpu --threads 1" in result["end_to_end"]["command"]  # the default dtype
     assert result["check"]["cli_equals_in_process"] is True and result["check"]["mismatches"] == 0
     assert head["settings"]["backend"] == "auto" and "--backend auto" in result["end_to_end"][
         "command"]

@@ -16,7 +16,7 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
-           "essay_prompts", "piece_windows", "default_model_path", "num_labels"]
+           "essay_prompts", "near_boundary", "piece_windows", "default_model_path", "num_labels"]
 
 FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
 OBJECTIVES = ("classification", "regression")
@@ -139,3 +139,51 @@ def combine_windows(
         raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
     scores = np.clip(np.asarray(scores, dtype=np.int64), lo, hi)
     return (scores, mean) if return_mean else scores
+
+
+def near_boundary(mean: np.ndarray, prompt: int, objective: str = "classification",
+                  decision: str = "argmax", *, margin: float) -> np.ndarray:
+    """Whether each essay's integer score (:func:`combine_windows` on ``mean``, its averaged
+    window outputs) could change if every window output moved by less than ``margin``: bool [n].
+
+    An average moves by no more than the largest move of its windows, so with
+    ``d = margin``, [lo, hi] = ``SCORE_RANGES[prompt]``:
+
+    regression (``mean`` [n] in [0, 1])    |lo + mean (hi - lo) - (k + 1/2)| <= d (hi - lo)
+                                           for the nearest k (the rounding boundary)
+    argmax (``mean`` [n, C_p])             p_(1) - p_(2) <= 2 d (the two largest)
+    expected (``mean`` [n, C_p])           |E - (k + 1/2)| <= d sum_k |s_k - E| / (sum_k p_k - C_p d),
+                                           E = sum_k p_k s_k / sum_k p_k, s_k = lo + k
+                                           (the most E can move; every essay when the
+                                           denominator is not positive)
+
+    Each test errs toward True (a boundary at the scale's ends, where the score is clipped,
+    still counts). ``margin`` 0: nothing is near."""
+    if margin < 0:
+        raise ValueError(f"margin: expected >= 0, got {margin!r}")
+    lo, hi = SCORE_RANGES[int(prompt)]
+    mean = np.asarray(mean, dtype=np.float64)
+    if margin == 0:
+        return np.zeros(len(mean), dtype=bool)
+    if objective == "regression":
+        x = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
+        return np.abs(x - np.floor(x) - 0.5) <= margin * (hi - lo)
+    if objective != "classification":
+        raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
+    if mean.ndim != 2 or mean.shape[1] != hi - lo + 1:
+        raise ValueError(f"prompt {prompt}: expected [n, {hi - lo + 1}] probabilities, got "
+                         f"{list(mean.shape)}")
+    if decision == "argmax":
+        if mean.shape[1] < 2:
+            return np.zeros(len(mean), dtype=bool)
+        top = np.sort(mean, axis=1)
+        return top[:, -1] - top[:, -2] <= 2 * margin
+    if decision != "expected":
+        raise ValueError(f"decision: expected one of {DECISIONS}, got {decision!r}")
+    s = np.arange(lo, hi + 1, dtype=np.float64)
+    total = mean.sum(axis=1)
+    expected = mean @ s / total
+    room = total - mean.shape[1] * margin
+    reach = margin * np.abs(s[None, :] - expected[:, None]).sum(axis=1) / np.where(
+        room > 0, room, 1.0)
+    return (room <= 0) | (np.abs(expected - np.floor(expected) - 0.5) <= reach)

@@ -179,11 +179,12 @@ def check_options(args: argparse.Namespace, *, scorer: bool = False):
 
     try:
         if scorer:
-            return scorer_options(args.backend, args.device, args.dtype, args.kernels)
-        lanes = getattr(args, "lanes", None) or 1
-        opts = resolve_options(args.backend, args.device, args.dtype, args.kernels,
-                               cuda_graphs=getattr(args, "cuda_graphs", False), lanes=lanes)
-        Lanes.split(getattr(args, "threads", None), lanes)  # enough threads for the lanes
+            opts = scorer_options(args.backend, args.device, args.dtype, args.kernels)
+        else:
+            lanes = getattr(args, "lanes", None) or 1
+            opts = resolve_options(args.backend, args.device, args.dtype, args.kernels,
+                                   cuda_graphs=getattr(args, "cuda_graphs", False), lanes=lanes)
+            Lanes.split(getattr(args, "threads", None), lanes)  # enough threads for the lanes
         check_margin_option(getattr(args, "check_margin", None), opts)
         return opts
     except ValueError as err:  # "<option>: why", the option as the API spells it
@@ -243,15 +244,17 @@ def resolve_scorer_dir(model: str | None, option: str = "--model") -> Path:
 
 
 def load_scorer_dir(path: Path, args: argparse.Namespace, *, backend: str = "auto",
-                    dtype: str | None = None):
+                    dtype: str | None = None, check_margin: float | None = None):
     """``serve.score.load_scorer(path)`` with ``backend``, ``args``' device, kernels, threads and
-    ``--no-cache`` (and ``dtype``); any failure becomes a UsageError naming ``path``."""
+    ``--no-cache`` (and ``dtype``, ``check_margin``); any failure becomes a UsageError naming
+    ``path``."""
     from ..serve.score import load_scorer
 
     try:
         return load_scorer(path, backend=backend, device=args.device, dtype=dtype,
                            kernels=args.kernels, threads=args.threads,
-                           cache=False if getattr(args, "no_cache", False) else None)
+                           cache=False if getattr(args, "no_cache", False) else None,
+                           check_margin=check_margin)
     except Exception as err:  # any failure to load is a model problem for the user
         raise UsageError(f"cannot load the essay scorer from {path}: "
                          f"{type(err).__name__}: {err}") from err
@@ -576,7 +579,7 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
                          "--threads set the parallelism")
     if getattr(args, "check_margin", None) is not None:
         raise UsageError("--check-margin applies to one process; with --ray each worker "
-                         "tags at the default margin")
+                         "runs the checked pass at its default margin")
     try:
         import ray  # noqa: F401  (the optional extra)
 
@@ -619,9 +622,9 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
         prompts = tuple(int(p) for p in config.get("prompts", sorted(SCORE_RANGES)))
         settings, threshold, batch_size = {"dtype": opts.dtype}, None, args.batch_essays
     # auto's checked bf16 pass is this CPU's choice: with no --dtype each worker makes its own
-    # (the checked pass on AMX, ONNX Runtime fp32 elsewhere: fp32's labels either way)
+    # (the checked pass on AMX, ONNX Runtime fp32 elsewhere: fp32's labels and scores either way)
     dtype = opts.dtype
-    if kind == "tag" and opts.backend == "auto" and args.dtype is None:
+    if opts.backend == "auto" and args.dtype is None:
         dtype = None
     job = RayJob(kind, str(path), backend=opts.backend, device=opts.device, dtype=dtype,
                  kernels=opts.kernels, threads=args.threads, threshold=threshold,
@@ -681,7 +684,8 @@ def run_score(args: argparse.Namespace) -> int:
     records = read_inputs(args, inputs, "score")
     opts = check_options(args, scorer=True)
     path = resolve_scorer_dir(args.model)
-    scorer = load_scorer_dir(path, args, backend=opts.backend, dtype=args.dtype)  # before output
+    scorer = load_scorer_dir(path, args, backend=opts.backend, dtype=args.dtype,  # before output
+                             check_margin=args.check_margin)
     writer = open_output(args.output, args.resume, lambda: made_from(
         "score", path, args, dtype=opts.dtype))
     progress = not args.no_progress
@@ -934,12 +938,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="essay-scorer directory (default: the shipped scorer)")
     _add_backend_option(g, help="the runtime: auto (default: on the CPU in float32, ONNX "
                         "Runtime on a cached export of the scorer validated to give torch's "
-                        "scores, made once on first use; torch on a GPU or where onnxruntime is "
-                        "missing) or torch; the scorer has no onnx or tensorrt backend")
+                        "scores, made once on first use; on a CPU with AMX and OpenVINO "
+                        "installed, the checked bfloat16 scorer on that export; torch on a GPU "
+                        "or where onnxruntime is missing) or torch; the scorer has no onnx or "
+                        "tensorrt backend")
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
                    type=lambda text: resolve_dtype(text, "cpu"),  # bf16, fp32 ... as for tag
                    help="scorer weights and compute: float32/bfloat16/float16, or bf16/fp32/fp16 "
-                   "(default bfloat16 on cuda, float32 on cpu)")
+                   "(default bfloat16 on cuda, float32 on cpu; auto on a CPU with AMX and "
+                   "OpenVINO: the checked bfloat16 scorer unless float32 is asked for)")
+    g.add_argument("--check-margin", type=float, default=None, metavar="M",
+                   help="the checked bfloat16 scorer (auto on a CPU with AMX): essays whose "
+                   "averaged bf16 output lies within M (normalised score units; probability "
+                   "for a classifier) of a rounding boundary are scored again in fp32 "
+                   "(default 0.01; 0: bf16 alone)")
     g.add_argument("--no-cache", action="store_true",
                    help="backend auto: neither read nor write the ONNX export cache (run torch); "
                    "also MHMLA_NO_CACHE=1")

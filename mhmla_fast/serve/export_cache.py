@@ -73,7 +73,8 @@ from .engine import TAGGER_FORMAT
 __all__ = ["CACHE_ENV", "NO_CACHE_ENV", "EXPORT_OPTIONS", "SCORER_EXPORT_OPTIONS", "ExportKind",
            "TAGGER", "SCORER", "KINDS", "kind_of", "CacheEntry", "ExportUnavailable", "Lookup",
            "cache_root", "cache_enabled", "source_files", "runtime_versions", "quick_key",
-           "content_key", "entry_key", "lookup", "ensure_export", "auto_load", "auto_runner"]
+           "content_key", "entry_key", "lookup", "ensure_export", "auto_load", "auto_runner",
+           "auto_scorer"]
 
 CACHE_ENV = "MHMLA_CACHE_DIR"
 NO_CACHE_ENV = "MHMLA_NO_CACHE"
@@ -728,19 +729,54 @@ def _checked_runner(export_dir: Path, threads: int | None, lanes: int, threshold
                     margin: float | None, log: Log, root: str | os.PathLike | None = None):
     from .openvino_runner import checked_runner
 
-    # OpenVINO's compiled model beside the cached export it was compiled from (removed with
-    # it), where this process may write; never inside a user's own export directory. The
-    # cache is the one auto_load used (``root``, else the default).
+    return _openvino_or(
+        lambda cache_dir: checked_runner(export_dir, threshold=threshold, threads=threads,
+                                         lanes=lanes, margin=margin, cache_dir=cache_dir),
+        lambda: _onnx_runner(export_dir, threads, lanes), export_dir, root, log)
+
+
+def _openvino_or(checked: Callable[[Path | None], Any], fp32: Callable[[], Any],
+                 export_dir: Path, root: str | os.PathLike | None, log: Log):
+    """``checked(cache_dir)`` (an OpenVINO checked pass on ``export_dir``), else, when OpenVINO
+    fails, ``fp32()`` with one line through ``log`` saying why. ``cache_dir``: OpenVINO's
+    compiled model beside the cached export it was compiled from (removed with it), where this
+    process may write; never inside a user's own export directory (None there). The cache is
+    the one :func:`auto_load` used (``root``, else the default)."""
     base = Path(root) if root is not None else cache_root()
     cached = export_dir.resolve().is_relative_to(base.resolve())
     cache_dir = export_dir / "openvino" if cached and os.access(export_dir, os.W_OK) else None
     try:
-        return checked_runner(export_dir, threshold=threshold, threads=threads, lanes=lanes,
-                              margin=margin, cache_dir=cache_dir)
+        return checked(cache_dir)
     except Exception as err:  # noqa: BLE001 - OpenVINO's failure, not the export's
         log(f"mhmla-fast: backend auto runs ONNX Runtime fp32: OpenVINO's checked bf16 pass "
             f"failed ({type(err).__name__}: {err})")
-        return _onnx_runner(export_dir, threads, lanes)
+        return fp32()
+
+
+def auto_scorer(model_dir: str | os.PathLike, *, torch: Callable[[], Any],
+                threads: int | None = None, cache: bool | None = None,
+                root: str | os.PathLike | None = None, log: Log = _stderr,
+                dtype: str = "float32", check_margin: float | None = None):
+    """The essay scorer of ``backend="auto"`` on the CPU, by :func:`auto_load`: on ``model_dir``
+    itself when it is an export, else on the cached export, ONNX Runtime fp32
+    (:class:`.score_onnx.OnnxScorer`; ``dtype`` "float32") or the checked bf16 scorer (``dtype``
+    "bfloat16": :func:`.openvino_runner.checked_scorer` at ``check_margin``; ONNX Runtime fp32
+    when OpenVINO fails, one line on stderr saying why); else ``torch()`` (fp32's scores
+    every way)."""
+    from .score_onnx import OnnxScorer
+
+    def onnx(path: Path):
+        if dtype != "bfloat16":
+            return OnnxScorer(path, threads=threads)
+        from .openvino_runner import checked_scorer
+
+        return _openvino_or(
+            lambda cache_dir: checked_scorer(path, margin=check_margin, threads=threads,
+                                             cache_dir=cache_dir),
+            lambda: OnnxScorer(path, threads=threads), path, root, log)
+
+    return auto_load(model_dir, SCORER, onnx=onnx, torch=torch, cache=cache, root=root, log=log,
+                     threads=threads)
 
 
 def _onnx_runner(export_dir: Path, threads: int | None, lanes: int = 1):

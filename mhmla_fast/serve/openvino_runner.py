@@ -1,4 +1,4 @@
-"""OpenVINO on a tagger's ONNX export, and the bf16 pass whose labels are checked in fp32.
+"""OpenVINO on a tagger's or an essay scorer's ONNX export, and the bf16 passes checked in fp32.
 
     OpenVinoRunner(onnx_path, dtype)   (input_ids, attention_mask) int64 [B, T]
                                        -> P(error) float32 [B, T], on the CPU
@@ -6,6 +6,11 @@
         p = OpenVINO bf16 pass; rows with a read piece (the engine marks each word's first)
         where |p - t| < m run again in ONNX Runtime fp32 (:class:`.runners.CheckedRunner`),
         so p >= t is the fp32 decision wherever bf16 moved no probability by m or more
+    checked_scorer(export_dir, margin=m)
+        the same for an essay scorer's export (:class:`.score_onnx.CheckedScorer`): window
+        outputs in OpenVINO bf16, the essays whose averaged output lies within m of a rounding
+        boundary scored again in ONNX Runtime fp32, so every score is fp32's wherever bf16
+        moved no window output by m or more
 
 OpenVINO reads the same ``model.onnx`` as ONNX Runtime (``mhmla-serve export --onnx``, or backend
 auto's cached export). On a CPU with AMX (Sapphire Rapids and later) its bf16 precision hint runs
@@ -19,6 +24,7 @@ Importing this module imports neither OpenVINO nor ONNX Runtime.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -28,12 +34,17 @@ import numpy as np
 from .options import OPENVINO_DTYPES, check_lanes, resolve_options
 from .runners import CheckedRunner, Lanes, LaneRunner, check_pass
 
-__all__ = ["OpenVinoRunner", "checked_runner", "openvino_importable", "openvino_bf16_native",
-           "CHECK_MARGIN", "OPENVINO_DTYPES"]
+__all__ = ["OpenVinoRunner", "checked_runner", "checked_scorer", "openvino_importable",
+           "openvino_bf16_native", "CHECK_MARGIN", "SCORE_CHECK_MARGIN", "OPENVINO_DTYPES"]
 
 # Rows re-run in fp32 when a piece's bf16 probability lies within this much of the threshold:
 # 1.35x the largest bf16 error measured on FCE dev + test (0.037; README, *Backend auto*).
 CHECK_MARGIN = 0.05
+# Essays re-scored in fp32 when their averaged bf16 output lies within this much (normalised
+# score units) of a rounding boundary, for a scorer (or prompt) without margins of its own
+# (score_onnx.CHECK_FILE): 1.35x the largest bf16 window-output error of the shipped scorer over
+# all 12,978 ASAP essays, 0.0111 at prompt 4 (README, *Scoring essays*).
+SCORE_CHECK_MARGIN = 0.015
 _PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 
 
@@ -163,3 +174,33 @@ def checked_runner(export_dir: str | os.PathLike, *, threshold: float,
                                              lanes=lanes, cache_dir=cache_dir)
         exact = exact.result() if exact is not None else None
     return CheckedRunner(fast, exact, threshold=threshold, margin=margin, lanes=lanes)
+
+
+def checked_scorer(export_dir: str | os.PathLike, *,
+                   margin: float | dict[int, float] | None = None, threads: int | None = None,
+                   cache_dir: str | os.PathLike | None = None):
+    """A scorer export (:func:`.score_onnx.export_scorer`) run in OpenVINO bf16, its essays
+    near a rounding boundary scored again by ONNX Runtime fp32 on the same graph
+    (:class:`.score_onnx.CheckedScorer`; the export's validation ties that graph's scores to
+    torch fp32). ``margin``: one for every prompt, or ``{prompt: margin}``; None: the
+    export's own per-prompt margins (:func:`.score_onnx.read_check_margins`), and
+    :data:`SCORE_CHECK_MARGIN` for a prompt without one; 0 runs bf16 alone. ``threads`` for
+    each runtime (they run one after the other); ``cache_dir``: OpenVINO's compiled-model
+    cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .onnx_export import EXPORT_META, ONNX_FILE, OnnxRunner
+    from .score_onnx import OUTPUT_NAME, CheckedScorer, read_check_margins
+
+    if margin is None:
+        own = read_check_margins(export_dir)
+        prompts = json.loads((Path(export_dir) / EXPORT_META).read_text())["prompts"]
+        margin = {int(p): own.get(int(p), SCORE_CHECK_MARGIN) for p in prompts}
+    path = Path(export_dir) / ONNX_FILE
+    exact_needed = any(margin.values()) if isinstance(margin, dict) else margin > 0
+    with ThreadPoolExecutor(1) as loader:
+        exact = (loader.submit(OnnxRunner, path, device="cpu", threads=threads,
+                               output_name=OUTPUT_NAME) if exact_needed else None)
+        fast = OpenVinoRunner(path, dtype="bfloat16", threads=threads, cache_dir=cache_dir)
+        exact = exact.result() if exact is not None else None
+    return CheckedScorer(export_dir, fast, exact, margin=margin)

@@ -2,7 +2,7 @@
 
 Both front ends load the scorer with :func:`load_scorer` (the serving contract of
 :mod:`.options`; by default on the CPU, ONNX Runtime on a cached export validated against torch,
-:mod:`.score_onnx`) and hand a chunk of essays (texts with their ASAP prompts) to
+:mod:`.score_onnx`, or on a CPU with AMX the checked bf16 scorer on it) and hand a chunk of essays (texts with their ASAP prompts) to
 :func:`score_essays`, which makes ONE ``predict_scores`` call for the whole chunk, so that all
 windows of all its essays go through the encoder together in token-budget batches. A result is
 ``{"prompt": p, "score": s}`` with ``s`` an integer on prompt ``p``'s scale
@@ -57,8 +57,8 @@ def default_scorer_path() -> Path:
 def scorer_options(backend: str = "auto", device: str | None = None, dtype: str | None = None,
                    kernels: str = "auto") -> ServeOptions:
     """The scorer's options resolved by the serving rule (:func:`.options.resolve_options`):
-    backend "auto" (ONNX Runtime on the scorer's cached export on the CPU in float32, else
-    torch) or "torch". ValueError naming the option for one the scorer cannot honour: backend
+    backend "auto" (on the CPU the scorer's cached export: ONNX Runtime in float32, the checked
+    scorer in bfloat16; else torch) or "torch". ValueError naming the option for one the scorer cannot honour: backend
     "onnx" or "tensorrt" (no explicit export of a scorer is offered: auto makes and keeps
     its own), a dtype not in :data:`DTYPES` (int8), an unknown kernels name."""
     if backend not in ("torch", "auto"):
@@ -73,29 +73,36 @@ def scorer_options(backend: str = "auto", device: str | None = None, dtype: str 
 
 def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None = None,
                 dtype: str | None = None, kernels: str = "auto", threads: int | None = None,
-                cache: bool | None = None):
+                cache: bool | None = None, check_margin: float | None = None):
     """An essay scorer on ``path`` with the load contract of tagging (:mod:`.options`).
 
-    ``backend="auto"`` (default), on the CPU in float32 (the CPU's default dtype): an
-    :class:`~.score_onnx.OnnxScorer` on the scorer's cached ONNX export, validated to give torch
-    fp32's scores (:mod:`.export_cache`; made on first use; ``cache`` False or
-    ``$MHMLA_NO_CACHE`` turns it off), and torch when onnxruntime is missing, the cache is off or
-    no export can be had (one stderr line says why). Elsewhere, and with ``backend="torch"``:
-    ``EssayScorer.load(path)`` on ``device`` (default: CUDA when available), in ``dtype`` (one of
-    :data:`DTYPES`; default bfloat16 on CUDA, float32 on the CPU), with the head's ``kernels``
-    ("auto", "torch", "triton") and ``threads`` torch CPU threads; in eval mode with its
-    tokenizer attached. Both have ``config.prompts`` and ``predict_scores``.
+    ``backend="auto"`` (default) on the CPU: the scorer's cached ONNX export, validated to give
+    torch fp32's scores (:mod:`.export_cache`; made on first use; ``cache`` False or
+    ``$MHMLA_NO_CACHE`` turns it off), run by ONNX Runtime fp32
+    (:class:`~.score_onnx.OnnxScorer`), or, on a CPU with AMX and OpenVINO installed unless
+    ``dtype`` asks for float32, by the checked bf16 scorer
+    (:func:`~.openvino_runner.checked_scorer`: OpenVINO bf16, the essays whose output lies
+    within ``check_margin`` of a rounding boundary scored again in ONNX Runtime fp32; fp32's
+    scores either way); torch when onnxruntime is missing, the cache is off or no export can
+    be had (one stderr line says why). Elsewhere, and with ``backend="torch"``:
+    ``EssayScorer.load(path)`` on ``device`` (default: CUDA when available), in ``dtype`` (one
+    of :data:`DTYPES`; default bfloat16 on CUDA, float32 on the CPU), with the head's
+    ``kernels`` ("auto", "torch", "triton") and ``threads`` torch CPU threads; in eval mode with
+    its tokenizer attached. All have ``config.prompts`` and ``predict_scores``.
 
-    ``backend`` "onnx" or "tensorrt" is a ValueError, as is an unknown dtype or kernels name.
-    Load errors (not a scorer directory, bad weights) propagate."""
+    ``backend`` "onnx" or "tensorrt" is a ValueError, as is an unknown dtype or kernels name,
+    or a ``check_margin`` where no checked scorer runs. Load errors (not a scorer directory,
+    bad weights) propagate."""
+    from .runners import check_margin_option
+
     opts = scorer_options(backend, device, dtype, kernels)
+    margin = check_margin_option(check_margin, opts)
     if opts.backend == "auto":
-        from .export_cache import SCORER, auto_load
-        from .score_onnx import OnnxScorer
+        from .export_cache import auto_scorer
 
-        return auto_load(path, SCORER, onnx=lambda d: OnnxScorer(d, threads=threads),
-                         torch=lambda: _torch_scorer(path, opts, threads), cache=cache,
-                         threads=threads)
+        fp32 = dataclasses.replace(opts, dtype="float32")  # auto's torch: fp32's scores too
+        return auto_scorer(path, torch=lambda: _torch_scorer(path, fp32, threads),
+                           threads=threads, cache=cache, dtype=opts.dtype, check_margin=margin)
     return _torch_scorer(path, opts, threads)
 
 

@@ -12,6 +12,8 @@
         export.json      what the runner needs (prompts, columns, objective, decision, window,
                          special ids), versions, the validation report
         config.json      the scorer's, so that the directory says what it was made from
+        bf16_check.json  the scorer's per-prompt margins of the checked bf16 scorer, when it has
+                         them (:data:`CHECK_FILE`)
 
 What is exported is the part that needs torch, per window: the encoder, the layer attention,
 the pooling and every prompt's output layer (a few hundred multiply-adds per prompt: computing
@@ -46,6 +48,8 @@ unless ONNX Runtime matches torch fp32 on
 :class:`OnnxScorer` is the runner: the scorer's interface (``config.prompts``,
 ``predict_scores``, ``plan_essay``/``score_windows``/``finish_essay`` for the HTTP batcher) on
 ONNX Runtime, numpy and ``tokenizers``; it imports no torch and no transformers.
+:class:`CheckedScorer` is the same on a fast, approximate runner (OpenVINO bf16) with the essays
+near a rounding boundary scored again by an exact one (ONNX Runtime fp32).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,17 +66,23 @@ from pathlib import Path
 
 import numpy as np
 
-from ..aes.scoring import EssayPlan, combine_windows, essay_prompts, essay_scores, piece_windows
+from ..aes.scoring import (EssayPlan, combine_windows, essay_prompts, essay_scores,
+                           near_boundary, piece_windows)
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
                           ExportValidationError, OnnxRunner, eager_attention)
 
-__all__ = ["EXPORT_FORMAT", "OUTPUT_NAME", "VALIDATION_ESSAYS", "ExportedScorerConfig",
+__all__ = ["CHECK_FILE", "EXPORT_FORMAT", "OUTPUT_NAME", "VALIDATION_ESSAYS", "CheckedScorer",
+           "ExportedScorerConfig", "read_check_margins", "write_check_margins",
            "GRAPHS", "OnnxScorer", "export_graph", "export_scorer", "validate_scorer",
            "window_outputs_module"]
 
 EXPORT_FORMAT = "mhmla-onnx-scorer/1"
+# A scorer's margins for the checked bf16 scorer, per prompt, measured on its own bf16 error
+# (bench/openvino_bf16_score_cpu.py --write-margins); copied into its export.
+CHECK_FILE = "bf16_check.json"
+CHECK_FORMAT = "mhmla-bf16-check/1"
 OUTPUT_NAME = "window_outputs"
 TOKENIZER_FILE = "tokenizer.json"
 # Essays written for the validation in the style of ASAP's eight prompts (learner errors, a
@@ -300,11 +311,15 @@ class OnnxScorer:
     Args:
         export_dir: a directory written by :func:`export_scorer`.
         threads: ONNX Runtime intra-op threads (default: physical cores).
+        runner: what runs the graph instead of ONNX Runtime: ``(input_ids, attention_mask)``
+            int64 [B, T] -> float32 [B, K] on the export's ``model.onnx`` (an
+            :class:`~.openvino_runner.OpenVinoRunner`; ``threads`` then unused).
     """
 
     backend = "onnx"
 
-    def __init__(self, export_dir: str | os.PathLike, *, threads: int | None = None):
+    def __init__(self, export_dir: str | os.PathLike, *, threads: int | None = None,
+                 runner=None):
         from tokenizers import Tokenizer
 
         self.path = Path(export_dir)
@@ -323,9 +338,9 @@ class OnnxScorer:
         self.pieces = Tokenizer.from_file(str(self.path / TOKENIZER_FILE))
         self.pieces.no_truncation()  # saved so; kept off whatever the file says
         self.pieces.no_padding()
-        self.runner = OnnxRunner(self.path / ONNX_FILE, device="cpu", threads=threads,
-                                 output_name=OUTPUT_NAME)
-        self.threads = self.runner.threads
+        self.runner = runner if runner is not None else OnnxRunner(
+            self.path / ONNX_FILE, device="cpu", threads=threads, output_name=OUTPUT_NAME)
+        self.threads = getattr(self.runner, "threads", threads)
 
     def __repr__(self) -> str:
         return f"OnnxScorer({str(self.path)!r}, threads={self.threads})"
@@ -334,20 +349,22 @@ class OnnxScorer:
         """Word pieces of ``texts`` (no special tokens, no truncation)."""
         return [e.ids for e in self.pieces.encode_batch(list(texts), add_special_tokens=False)]
 
-    def window_outputs(self, windows: Sequence[Sequence[int]], *, token_budget: int = 8192
-                       ) -> np.ndarray:
+    def window_outputs(self, windows: Sequence[Sequence[int]], *, token_budget: int = 8192,
+                       runner=None) -> np.ndarray:
         """All prompts' outputs of ``windows`` (piece ids with [CLS]/[SEP]): float32 [W, K],
-        in token-budget batches sorted by length (the torch scorer's)."""
+        in token-budget batches sorted by length (the torch scorer's), by ``runner`` (default
+        this scorer's)."""
+        runner = self.runner if runner is None else runner
         out = np.zeros((len(windows), self.width), dtype=np.float32)
         for batch in _batches(windows, token_budget):
             ids, mask = _collate([windows[j] for j in batch], self.pad_id)
-            out[batch] = self.runner(ids, mask)
+            out[batch] = runner(ids, mask)
         return out
 
     def _outputs(self, windows: Sequence[Sequence[int]], prompts: Sequence[int],
-                 token_budget: int) -> list[np.ndarray]:
+                 token_budget: int, runner=None) -> list[np.ndarray]:
         """Each window's output for its prompt: probabilities [C_p] or a value."""
-        both = self.window_outputs(windows, token_budget=token_budget)
+        both = self.window_outputs(windows, token_budget=token_budget, runner=runner)
         regression = self.config.objective == "regression"
         res = []
         for row, p in zip(both, prompts):
@@ -397,6 +414,141 @@ class OnnxScorer:
         window_out = np.stack([np.asarray(o) for o in outputs]).astype(np.float64)
         return int(combine_windows(window_out, [0] * len(outputs), plan.prompt,
                                    self.config.objective, self.config.decision, n_essays=1)[0])
+
+
+def read_check_margins(path: str | os.PathLike) -> dict[int, float]:
+    """The per-prompt margins ``{prompt: margin}`` of :data:`CHECK_FILE` in the scorer or export
+    directory ``path`` ({} when it has none). ValueError naming the file when it is not one."""
+    file = Path(path) / CHECK_FILE
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if data.get("format") != CHECK_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {CHECK_FORMAT!r}")
+        margins = {int(p): float(m) for p, m in data["margins"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{file}: not a bf16 check file ({err})") from err
+    bad = {p: m for p, m in margins.items() if not 0 <= m < 1}
+    if bad:
+        raise ValueError(f"{file}: margins must lie in [0, 1), got {bad}")
+    return margins
+
+
+def write_check_margins(path: str | os.PathLike, margins: dict[int, float], **about) -> Path:
+    """Write :data:`CHECK_FILE` into the scorer directory ``path``: ``margins`` per prompt and
+    ``about`` (how they were measured). Returns its path."""
+    file = Path(path) / CHECK_FILE
+    data = {"format": CHECK_FORMAT, "margins": {str(p): float(m) for p, m in
+                                                sorted(margins.items())}, **about}
+    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return file
+
+
+class CheckedScorer(OnnxScorer):
+    """An exported scorer whose scores are an exact runner's at about a fast runner's speed:
+
+        out = fast window outputs (OpenVINO bf16)                 [W, K]
+        mean_e = essay e's average at its prompt's columns
+        essays with near_boundary(mean_e, margin[prompt_e]): every window again through exact
+                                                   (ONNX Runtime fp32), the essay re-combined
+
+    (:func:`mhmla_fast.aes.scoring.near_boundary`.) An essay's integer score is then exact's
+    wherever the fast runner moved no window output of its prompt by that prompt's margin or
+    more; the averaged outputs of essays not re-scored are the fast runner's. Margins 0 run the
+    fast runner alone. ``essays`` and ``rescored`` count the essays scored and scored again.
+
+    Args:
+        export_dir: a directory written by :func:`export_scorer`.
+        fast, exact: runners on its ``model.onnx`` (``(input_ids, attention_mask)`` int64
+            [B, T] -> float32 [B, K]).
+        margin: one margin for every prompt, or ``{prompt: margin}`` (every prompt of the
+            scorer), in window-output units (a regression scorer's normalised score, a
+            classifier's probability), each 0 <= margin < 1.
+    """
+
+    backend = "checked"
+
+    def __init__(self, export_dir: str | os.PathLike, fast, exact, *,
+                 margin: float | dict[int, float]):
+        super().__init__(export_dir, runner=fast)
+        margins = ({int(p): float(m) for p, m in margin.items()} if isinstance(margin, dict)
+                   else dict.fromkeys(self.config.prompts, float(margin)))
+        missing = sorted(set(self.config.prompts) - set(margins))
+        if missing:
+            raise ValueError(f"margin: none for prompts {missing} of this scorer")
+        bad = {p: m for p, m in margins.items() if not 0 <= m < 1}
+        if bad:
+            raise ValueError(f"margin: expected 0 <= margin < 1, got {bad}")
+        self.margins = margins
+        self.exact = exact if any(margins.values()) else None
+        self.dtype = getattr(fast, "dtype", None)
+        self.essays = self.rescored = 0
+        self._count = threading.Lock()
+
+    def __repr__(self) -> str:
+        margins = set(self.margins.values())
+        margin = f"{margins.pop():g}" if len(margins) == 1 else repr(self.margins)
+        return (f"CheckedScorer({str(self.path)!r}, fast={self.runner!r}, "
+                f"exact={self.exact!r}, margin={margin})")
+
+    def _near(self, mean: np.ndarray, prompt: int) -> np.ndarray:
+        cfg = self.config
+        return near_boundary(mean, prompt, cfg.objective, cfg.decision,
+                             margin=self.margins[int(prompt)])
+
+    def _counted(self, essays: int, rescored: int) -> None:
+        with self._count:
+            self.essays += essays
+            self.rescored += rescored
+
+    def predict_scores(self, texts: Sequence[str], prompt: int | Sequence[int], *,
+                       token_budget: int = 8192, return_outputs: bool = False
+                       ) -> np.ndarray | tuple[np.ndarray, list[np.ndarray]]:
+        """As :meth:`OnnxScorer.predict_scores`, the essays near a rounding boundary scored
+        again by the exact runner (all of them in token-budget batches)."""
+        prompts = essay_prompts(len(texts), prompt, self.config.prompts)
+        if not texts:
+            return super().predict_scores(texts, prompts, token_budget=token_budget,
+                                          return_outputs=return_outputs)
+        windows, essay_index = piece_windows(self.encode(texts), self.config.window,
+                                             self.cls_id, self.sep_id)
+        window_prompts = [prompts[e] for e in essay_index]
+        preds = self._outputs(windows, window_prompts, token_budget)
+        cfg = self.config
+        scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective, cfg.decision)
+        again = np.zeros(len(texts), dtype=bool)
+        if self.exact is not None:
+            for p in sorted(set(prompts)):
+                idx = [e for e, q in enumerate(prompts) if q == p]
+                again[idx] = self._near(np.stack([outputs[e] for e in idx]), p)
+        if again.any():
+            redo = [j for j, e in enumerate(essay_index) if again[e]]
+            exact = self._outputs([windows[j] for j in redo], [window_prompts[j] for j in redo],
+                                  token_budget, runner=self.exact)
+            for j, out in zip(redo, exact):
+                preds[j] = out
+            scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective,
+                                           cfg.decision)
+        self._counted(len(texts), int(again.sum()))
+        return (scores, outputs) if return_outputs else scores
+
+    def finish_essay(self, plan: EssayPlan, outputs: Sequence[np.ndarray]) -> int:
+        """As :meth:`OnnxScorer.finish_essay`; an essay near a rounding boundary has its
+        windows scored again by the exact runner first."""
+        if len(outputs) != len(plan.windows):
+            raise ValueError(f"{len(outputs)} window outputs for {len(plan.windows)} windows")
+        cfg = self.config
+        window_out = np.stack([np.asarray(o) for o in outputs]).astype(np.float64)
+        score, mean = combine_windows(window_out, [0] * len(outputs), plan.prompt,
+                                      cfg.objective, cfg.decision, n_essays=1, return_mean=True)
+        again = self.exact is not None and bool(self._near(mean, plan.prompt)[0])
+        self._counted(1, int(again))
+        if not again:
+            return int(score[0])
+        exact = self._outputs([plan.window_ids(w) for w in range(len(plan.windows))],
+                              [plan.prompt] * len(plan.windows), 8192, runner=self.exact)
+        return super().finish_essay(plan, exact)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -582,6 +734,9 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             pieces = piece_tokenizer(tokenizer)
         pieces.save(str(stage / TOKENIZER_FILE))
         shutil.copy2(model_dir / "config.json", stage / "config.json")
+        if (model_dir / CHECK_FILE).is_file():
+            read_check_margins(model_dir)  # a damaged file is the export's error, not later
+            shutil.copy2(model_dir / CHECK_FILE, stage / CHECK_FILE)
         meta = {
             "format": EXPORT_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "source": {"model_dir": str(model_dir.resolve())},
