@@ -25,6 +25,11 @@ def test_shipped_scorer_is_small_and_complete():
     assert training["fold"] == 0 and training["protocol"] == "cpu-frozen-encoder"
     assert set(training["test_qwk"]) == {str(p) for p in SCORE_RANGES}
     assert 0.5 < training["test_mean_qwk"] < 1
+    # the checked bf16 scorer's margins, measured on this scorer (bench/openvino_bf16_score_cpu.py)
+    check = json.loads((path / "bf16_check.json").read_text())
+    assert check["format"] == "mhmla-bf16-check/1" and check["essays"] == 12978
+    assert sorted(map(int, check["margins"])) == sorted(SCORE_RANGES)
+    assert all(0 < m <= 0.015 for m in check["margins"].values())
 
 
 def test_shipped_scorer_scores_short_and_long_essays_offline():
