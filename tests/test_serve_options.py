@@ -285,7 +285,7 @@ def test_the_cli_passes_kernels_to_the_tagger_and_the_scorer(tmp_path, tiny_tagg
                      str(tiny_scorer_dir), "--kernels", "torch", "--device", "cpu",
                      "--threads", "1", "--no-progress"]) == 0
     assert seen["scorer"] == dict(backend="auto", device="cpu", dtype=None, kernels="torch",
-                                  threads=1, cache=None)
+                                  threads=1, cache=None, check_margin=None)
 
 
 # ------------------------------------------------------------------ start-up
