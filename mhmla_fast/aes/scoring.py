@@ -149,13 +149,13 @@ def near_boundary(mean: np.ndarray, prompt: int, objective: str = "classificatio
     An average moves by no more than the largest move of its windows, so with
     ``d = margin``, [lo, hi] = ``SCORE_RANGES[prompt]``:
 
-    regression (``mean`` [n] in [0, 1])    |lo + mean (hi - lo) - (k + 1/2)| <= d (hi - lo)
-                                           for the nearest k (the rounding boundary)
-    argmax (``mean`` [n, C_p])             p_(1) - p_(2) <= 2 d (the two largest)
-    expected (``mean`` [n, C_p])           |E - (k + 1/2)| <= d sum_k |s_k - E| / (sum_k p_k - C_p d),
-                                           E = sum_k p_k s_k / sum_k p_k, s_k = lo + k
-                                           (the most E can move; every essay when the
-                                           denominator is not positive)
+    regression (``mean`` [n] in [0, 1])  |lo + mean (hi - lo) - (k + 1/2)| <= d (hi - lo)
+                                         for the nearest k (the rounding boundary)
+    argmax (``mean`` [n, C_p])           p_(1) - p_(2) <= 2 d (the two largest)
+    expected (``mean`` [n, C_p])         |E - (k + 1/2)| <= d sum_k |s_k - E| / (P - C_p d),
+                                         E = sum_k p_k s_k / P, P = sum_k p_k, s_k = lo + k
+                                         (the most E can move; every essay when P - C_p d
+                                         is not positive)
 
     Each test errs toward True (a boundary at the scale's ends, where the score is clipped,
     still counts). ``margin`` 0: nothing is near."""

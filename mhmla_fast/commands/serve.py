@@ -951,7 +951,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the checked bfloat16 scorer (auto on a CPU with AMX): essays whose "
                    "averaged bf16 output lies within M (normalised score units; probability "
                    "for a classifier) of a rounding boundary are scored again in fp32 "
-                   "(default 0.01; 0: bf16 alone)")
+                   "(default: the scorer's per-prompt margins in its bf16_check.json, 0.015 "
+                   "where it has none; 0: bf16 alone)")
     g.add_argument("--no-cache", action="store_true",
                    help="backend auto: neither read nor write the ONNX export cache (run torch); "
                    "also MHMLA_NO_CACHE=1")

@@ -32,8 +32,9 @@ On a CPU with AMX bf16 units and OpenVINO installed, dtype left unset (or "bfloa
 checked bf16 pass on that export instead (:func:`.openvino_runner.checked_runner`: OpenVINO
 bf16, the rows near the threshold again in ONNX Runtime fp32): the same labels as fp32, the
 probabilities away from the threshold bf16's; ``dtype="float32"`` keeps every probability
-fp32's. The essay scorer does the same with its export (:func:`.openvino_runner.checked_scorer`:
-the essays whose output lies near a rounding boundary scored again in fp32). The choice between these is made at load time (it needs the model):
+fp32's. The essay scorer does the same with its export
+(:func:`.openvino_runner.checked_scorer`: the essays whose output lies near a rounding boundary
+scored again in fp32). The choice between these is made at load time (it needs the model):
 :func:`resolve_options` returns backend "auto" for it (dtype "float32", or "bfloat16" for the
 checked pass), and "torch" where torch is the only choice. dtype "int8" (an ONNX-only graph,
 which auto never picks) is an error.

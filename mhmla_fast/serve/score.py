@@ -2,9 +2,10 @@
 
 Both front ends load the scorer with :func:`load_scorer` (the serving contract of
 :mod:`.options`; by default on the CPU, ONNX Runtime on a cached export validated against torch,
-:mod:`.score_onnx`, or on a CPU with AMX the checked bf16 scorer on it) and hand a chunk of essays (texts with their ASAP prompts) to
-:func:`score_essays`, which makes ONE ``predict_scores`` call for the whole chunk, so that all
-windows of all its essays go through the encoder together in token-budget batches. A result is
+:mod:`.score_onnx`, or on a CPU with AMX the checked bf16 scorer on it) and hand a chunk of
+essays (texts with their ASAP prompts) to :func:`score_essays`, which makes ONE
+``predict_scores`` call for the whole chunk, so that all windows of all its essays go through
+the encoder together in token-budget batches. A result is
 ``{"prompt": p, "score": s}`` with ``s`` an integer on prompt ``p``'s scale
 (``SCORE_RANGES[p]``, e.g. 2..12 for prompt 1).
 
@@ -58,9 +59,10 @@ def scorer_options(backend: str = "auto", device: str | None = None, dtype: str 
                    kernels: str = "auto") -> ServeOptions:
     """The scorer's options resolved by the serving rule (:func:`.options.resolve_options`):
     backend "auto" (on the CPU the scorer's cached export: ONNX Runtime in float32, the checked
-    scorer in bfloat16; else torch) or "torch". ValueError naming the option for one the scorer cannot honour: backend
-    "onnx" or "tensorrt" (no explicit export of a scorer is offered: auto makes and keeps
-    its own), a dtype not in :data:`DTYPES` (int8), an unknown kernels name."""
+    scorer in bfloat16; else torch) or "torch". ValueError naming the option for one the scorer
+    cannot honour: backend "onnx" or "tensorrt" (no explicit export of a scorer is offered:
+    auto makes and keeps its own), a dtype not in :data:`DTYPES` (int8), an unknown kernels
+    name."""
     if backend not in ("torch", "auto"):
         raise ValueError(f"backend: the essay scorer runs on 'auto' or 'torch' (it has no "
                          f"explicit ONNX or TensorRT export: auto makes and keeps its own), got "

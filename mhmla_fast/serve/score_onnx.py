@@ -547,7 +547,8 @@ class CheckedScorer(OnnxScorer):
         if not again:
             return int(score[0])
         exact = self._outputs([plan.window_ids(w) for w in range(len(plan.windows))],
-                              [plan.prompt] * len(plan.windows), 8192, runner=self.exact)
+                              [plan.prompt] * len(plan.windows),
+                              8192, runner=self.exact)  # one essay's windows: a batch or two
         return super().finish_essay(plan, exact)
 
 
