@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -44,7 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mhmla_fast.provenance import cpu_info, dated_results_path, load_average, provenance
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_serve_score_cpu import stratified_sample  # noqa: E402 - the sibling script
+
+from mhmla_fast.provenance import (  # noqa: E402
+    cpu_info, dated_results_path, load_average, provenance)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MARGINS = (0.005, 0.01, 0.015, 0.02)
@@ -114,9 +117,8 @@ class Calibration:
         self.seconds = {"onnxruntime float32": round(s32, 2), "openvino bfloat16": round(s16, 2)}
         w32 = prompt_columns(out32, window_prompts, fp32_scorer.columns, regression)
         w16 = prompt_columns(out16, window_prompts, fp32_scorer.columns, regression)
-        self.sc32, _ = essay_scores(w32, essay_index, prompts, cfg.objective, cfg.decision)
+        self.sc32, mean32 = essay_scores(w32, essay_index, prompts, cfg.objective, cfg.decision)
         self.sc16, mean16 = essay_scores(w16, essay_index, prompts, cfg.objective, cfg.decision)
-        _, mean32 = essay_scores(w32, essay_index, prompts, cfg.objective, cfg.decision)
         self.mean16 = mean16
         self.prompts = np.asarray(prompts)
         self.essay_index = np.asarray(essay_index)
@@ -191,20 +193,6 @@ def per_prompt_margins(cal: Calibration, essays: np.ndarray, factor: float) -> d
     return {p: float(np.ceil(factor * e * 1e4) / 1e4) for p, e in cal.max_error(essays).items()}
 
 
-def stratified(essays: Sequence, n: int, seed: int) -> list:
-    """``n`` essays, ``n // 8`` per prompt (the remainder to the lowest prompts), drawn with
-    ``random.Random(seed)`` in essay-id order, then shuffled together."""
-    rng = random.Random(seed)
-    prompts = sorted({e.prompt for e in essays})
-    picked = []
-    for k, p in enumerate(prompts):
-        pool = sorted((e for e in essays if e.prompt == p), key=lambda e: e.essay_id)
-        want = n // len(prompts) + (k < n % len(prompts))
-        picked += rng.sample(pool, min(want, len(pool)))
-    rng.shuffle(picked)
-    return picked
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import openvino
@@ -272,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     del fp32, bf16, cal
     ok = True
     if args.speed_essays:
-        sample = stratified(essays, args.speed_essays, args.seed)
+        sample = stratified_sample(essays, args.speed_essays, args.seed)
         texts, prompts = [e.text for e in sample], [e.prompt for e in sample]
         margin = margins if args.speed_margin is None else args.speed_margin
         label = ("per-prompt margins" if args.speed_margin is None

@@ -385,10 +385,16 @@ class OnnxScorer:
             return (scores, outputs) if return_outputs else scores
         windows, essay_index = piece_windows(self.encode(texts), self.config.window,
                                              self.cls_id, self.sep_id)
-        preds = self._outputs(windows, [prompts[e] for e in essay_index], token_budget)
-        scores, outputs = essay_scores(preds, essay_index, prompts, self.config.objective,
-                                       self.config.decision)
+        scores, outputs = self._essay_scores(windows, essay_index, prompts, token_budget)
         return (scores, outputs) if return_outputs else scores
+
+    def _essay_scores(self, windows: list[list[int]], essay_index: list[int],
+                      prompts: list[int], token_budget: int
+                      ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Essays' integer scores and averaged outputs from their ``windows``."""
+        preds = self._outputs(windows, [prompts[e] for e in essay_index], token_budget)
+        return essay_scores(preds, essay_index, prompts, self.config.objective,
+                            self.config.decision)
 
     # ------------------------------------------------ window by window (the HTTP batcher)
 
@@ -409,11 +415,18 @@ class OnnxScorer:
 
     def finish_essay(self, plan: EssayPlan, outputs: Sequence[np.ndarray]) -> int:
         """The essay's integer score from the outputs of all its windows (in window order)."""
+        return self._plan_score(plan, outputs)[0]
+
+    def _plan_score(self, plan: EssayPlan, outputs: Sequence[np.ndarray]
+                    ) -> tuple[int, np.ndarray]:
+        """(integer score, averaged output) of one planned essay from its windows' outputs."""
         if len(outputs) != len(plan.windows):
             raise ValueError(f"{len(outputs)} window outputs for {len(plan.windows)} windows")
         window_out = np.stack([np.asarray(o) for o in outputs]).astype(np.float64)
-        return int(combine_windows(window_out, [0] * len(outputs), plan.prompt,
-                                   self.config.objective, self.config.decision, n_essays=1)[0])
+        score, mean = combine_windows(window_out, [0] * len(outputs), plan.prompt,
+                                      self.config.objective, self.config.decision, n_essays=1,
+                                      return_mean=True)
+        return int(score[0]), mean
 
 
 def read_check_margins(path: str | os.PathLike) -> dict[int, float]:
@@ -502,22 +515,17 @@ class CheckedScorer(OnnxScorer):
             self.essays += essays
             self.rescored += rescored
 
-    def predict_scores(self, texts: Sequence[str], prompt: int | Sequence[int], *,
-                       token_budget: int = 8192, return_outputs: bool = False
-                       ) -> np.ndarray | tuple[np.ndarray, list[np.ndarray]]:
-        """As :meth:`OnnxScorer.predict_scores`, the essays near a rounding boundary scored
-        again by the exact runner (all of them in token-budget batches)."""
-        prompts = essay_prompts(len(texts), prompt, self.config.prompts)
-        if not texts:
-            return super().predict_scores(texts, prompts, token_budget=token_budget,
-                                          return_outputs=return_outputs)
-        windows, essay_index = piece_windows(self.encode(texts), self.config.window,
-                                             self.cls_id, self.sep_id)
+    def _essay_scores(self, windows: list[list[int]], essay_index: list[int],
+                      prompts: list[int], token_budget: int
+                      ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """As :meth:`OnnxScorer._essay_scores` (so :meth:`predict_scores`), the essays near a
+        rounding boundary scored again by the exact runner (all of them in token-budget
+        batches)."""
         window_prompts = [prompts[e] for e in essay_index]
         preds = self._outputs(windows, window_prompts, token_budget)
         cfg = self.config
         scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective, cfg.decision)
-        again = np.zeros(len(texts), dtype=bool)
+        again = np.zeros(len(prompts), dtype=bool)
         if self.exact is not None:
             for p in sorted(set(prompts)):
                 idx = [e for e, q in enumerate(prompts) if q == p]
@@ -530,26 +538,21 @@ class CheckedScorer(OnnxScorer):
                 preds[j] = out
             scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective,
                                            cfg.decision)
-        self._counted(len(texts), int(again.sum()))
-        return (scores, outputs) if return_outputs else scores
+        self._counted(len(prompts), int(again.sum()))
+        return scores, outputs
 
     def finish_essay(self, plan: EssayPlan, outputs: Sequence[np.ndarray]) -> int:
         """As :meth:`OnnxScorer.finish_essay`; an essay near a rounding boundary has its
         windows scored again by the exact runner first."""
-        if len(outputs) != len(plan.windows):
-            raise ValueError(f"{len(outputs)} window outputs for {len(plan.windows)} windows")
-        cfg = self.config
-        window_out = np.stack([np.asarray(o) for o in outputs]).astype(np.float64)
-        score, mean = combine_windows(window_out, [0] * len(outputs), plan.prompt,
-                                      cfg.objective, cfg.decision, n_essays=1, return_mean=True)
+        score, mean = self._plan_score(plan, outputs)
         again = self.exact is not None and bool(self._near(mean, plan.prompt)[0])
         self._counted(1, int(again))
         if not again:
-            return int(score[0])
+            return score
         exact = self._outputs([plan.window_ids(w) for w in range(len(plan.windows))],
                               [plan.prompt] * len(plan.windows),
                               8192, runner=self.exact)  # one essay's windows: a batch or two
-        return super().finish_essay(plan, exact)
+        return self._plan_score(plan, exact)[0]
 
 
 # ----------------------------------------------------------------------------- validation
