@@ -40,6 +40,10 @@ http    ``mhmla-serve http`` started as a subprocess (``startup_s`` until ``/hea
         ``--http-duration`` seconds (or ``--http-requests`` in all) after ``--http-warmup``
         seconds; requests/s, latency p50/p95/p99, 503 and other failures; the labels of the
         first ``--http-check`` distinct requests are compared with the engine offline.
+        ``--http-endpoints tag score`` loads POST /v1/score as well (the server then serves the
+        ``--scorer``): ``--http-per-request`` essays of the score task's sample per request,
+        the scores of the first ``--http-check`` distinct requests compared with the scorer
+        offline in torch fp32 (what the served scorer promises, its checked bf16 pass included).
 train   ``mhmla-train ged`` in a subprocess (``--train-sentences`` prefix of FCE train,
         ``--train-epochs``, batch 32, dev = the first ``--train-dev-sentences`` of FCE dev):
         per epoch seconds and sentences/s from its ``log.json`` (which include the small dev
@@ -97,6 +101,8 @@ DEFAULT_OUT_DIR = REPO_ROOT / "bench" / "results"
 TASKS = ("tag", "score", "cli", "http", "train")
 FCE_TRAIN_SENTENCES = 28_731  # one epoch of the issue's training goal
 TAG_PATH = "/v1/tag"
+# the load test's endpoints: (path, the result field kept for the check)
+HTTP_ENDPOINTS = {"tag": (TAG_PATH, "labels"), "score": ("/v1/score", "score")}
 CLI_COMMANDS = ("tag", "hf", "score")
 # default: the command's own (auto); torch-bf16: --backend torch --dtype bfloat16
 CLI_TAG_BACKENDS = ("default", "default-lanes1", "torch", "onnx", "torch-bf16")
@@ -202,8 +208,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "\"--cuda-graphs\" or \"--max-wait-ms 2\")")
     g.add_argument("--http-procs", type=int, default=None,
                    help="load-generating processes (cpu 1, cuda 4)")
+    g.add_argument("--http-endpoints", nargs="+", choices=tuple(HTTP_ENDPOINTS),
+                   default=["tag"],
+                   help="the endpoints loaded, one after the other: tag (POST /v1/tag, FCE "
+                        "sentences), score (POST /v1/score, the --essays sample; the server "
+                        "then serves --scorer) (default tag)")
     g.add_argument("--http-per-request", type=int, nargs="+", default=[1],
-                   help="sentences per request, one row each")
+                   help="sentences (essays) per request, one row each")
     g.add_argument("--http-duration", type=float, default=20.0, help="measured seconds")
     g.add_argument("--http-requests", type=int, default=None,
                    help="send this many requests in all instead of --http-duration")
@@ -364,7 +375,8 @@ def target_values(rows: Sequence[dict]) -> dict[str, Any]:
                       and r.get("path") == "mhmla-serve score" and r.get("error") is None), None)
     score = _fastest(rows, "essays_per_s", task="score")
     http = next((r for r in rows if r.get("task") == "http" and r.get("error") is None
-                 and r.get("setting", {}).get("per_request") == 1), None)
+                 and r.get("setting", {}).get("per_request") == 1
+                 and r.get("setting", {}).get("endpoint", "tag") == "tag"), None)
     train = _fastest(rows, "sentences_per_s", task="train")  # of the --train-compile modes and precisions
     agree = (eng16 or {}).get("vs_cpu_fp32") or {}
     return {
@@ -1022,11 +1034,16 @@ def free_port() -> int:
 
 
 def http_command(run: Run, port: int) -> list[str]:
-    """``mhmla-serve http`` on a loopback port, tagging only, no access log."""
+    """``mhmla-serve http`` on a loopback port, no access log; tagging only unless
+    ``--http-endpoints`` has score (then the ``--scorer``, else the shipped scorer)."""
     cmd = [sys.executable, "-m", "mhmla_fast.commands.serve", "http", "--host", "127.0.0.1",
            "--port", str(port), "--model", str(run.model_dir), "--device", run.device,
-           "--no-scorer", "--no-access-log", "--log-level", "warning",
+           "--no-access-log", "--log-level", "warning",
            "--threshold", str(run.threshold), *_threads_flag(run.args)]
+    if "score" not in run.args.http_endpoints:
+        cmd.append("--no-scorer")
+    elif run.args.scorer:
+        cmd += ["--scorer", str(run.args.scorer)]
     if run.args.http_dtype:
         cmd += ["--dtype", run.args.http_dtype]
     return cmd + shlex.split(run.args.http_server_args)
@@ -1051,12 +1068,25 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise RuntimeError(f"the server did not answer /healthz within {timeout} s")
 
 
-def request_bodies(sentences: Sequence[Sequence[str]], per_request: int, limit: int = 20_000
-                   ) -> list[list[list[str]]]:
-    """Consecutive groups of ``per_request`` sentences (at most ``limit`` groups, wrapping)."""
-    n = max(1, min(limit, len(sentences) // per_request or 1))
-    return [[sentences[(i * per_request + j) % len(sentences)] for j in range(per_request)]
+def request_bodies(items: Sequence[Any], per_request: int, limit: int = 20_000
+                   ) -> list[list[Any]]:
+    """Consecutive groups of ``per_request`` items, sentences or essays (at most ``limit``
+    groups, wrapping)."""
+    n = max(1, min(limit, len(items) // per_request or 1))
+    return [[items[(i * per_request + j) % len(items)] for j in range(per_request)]
             for i in range(n)]
+
+
+def endpoint_bodies(run: Run, endpoint: str, per_request: int) -> tuple[list[list], list[str]]:
+    """The request groups of ``endpoint`` and their JSON bodies: FCE sentences for tag, the
+    score task's essay sample as ``{"text", "prompt"}`` for score."""
+    if endpoint == "tag":
+        groups = request_bodies(run.corpus.sentences[:run.corpus.distinct], per_request)
+        return groups, [json.dumps({"sentences": g}) for g in groups]
+    s = essay_sample(run)
+    groups = request_bodies(list(zip(s["texts"], s["prompts"])), per_request)
+    return groups, [json.dumps({"essays": [{"text": t, "prompt": p} for t, p in g]})
+                    for g in groups]
 
 
 def run_http(run: Run) -> list[dict]:
@@ -1075,24 +1105,30 @@ def run_http(run: Run) -> list[dict]:
             log.flush()
             tail = (run.tmp / "http_server.log").read_bytes()[-2000:].decode(errors="replace")
             raise RuntimeError(f"{e}: {tail}") from None
-        for per_request in args.http_per_request:
-            bodies = request_bodies(run.corpus.sentences[:run.corpus.distinct], per_request)
-            summary, kept = load_test(run, port, bodies)
-            row = {"task": "http", "device": run.device, "path": "mhmla-serve http",
-                   "command": shlex.join(cmd), "error": None, "startup_s": round(startup, 3),
-                   "setting": {"per_request": per_request, "clients": args.http_clients,
-                               "procs": args.http_procs, "warmup_s": args.http_warmup,
-                               "duration_s": None if args.http_requests else args.http_duration,
-                               "requests": args.http_requests}, **summary}
-            if row["requests_per_s"]:
-                row["sentences_per_s"] = row["requests_per_s"] * per_request
-            rows.append(row)
-            answers.append((bodies, kept))
+        for endpoint in args.http_endpoints:
+            for per_request in args.http_per_request:
+                groups, bodies = endpoint_bodies(run, endpoint, per_request)
+                summary, kept = load_test(run, port, endpoint, bodies)
+                row = {"task": "http", "device": run.device, "path": "mhmla-serve http",
+                       "command": shlex.join(cmd), "error": None,
+                       "startup_s": round(startup, 3),
+                       "setting": {"endpoint": endpoint, "per_request": per_request,
+                                   "clients": args.http_clients, "procs": args.http_procs,
+                                   "warmup_s": args.http_warmup,
+                                   "duration_s": None if args.http_requests
+                                   else args.http_duration,
+                                   "requests": args.http_requests}, **summary}
+                if row["requests_per_s"]:
+                    unit = "sentences_per_s" if endpoint == "tag" else "essays_per_s"
+                    row[unit] = row["requests_per_s"] * per_request
+                rows.append(row)
+                answers.append((endpoint, groups, kept))
     finally:
         stop_server(proc)
         log.close()
-    for row, (bodies, kept) in zip(rows, answers):
-        row["check"] = check_http(run, bodies, kept)
+    for row, (endpoint, groups, kept) in zip(rows, answers):
+        check = check_http if endpoint == "tag" else check_http_scores
+        row["check"] = check(run, groups, kept)
         run.progress(row)
     return rows
 
@@ -1108,18 +1144,21 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             proc.wait()
 
 
-def load_test(run: Run, port: int, bodies: list[list[list[str]]]) -> tuple[dict, dict]:
-    """Start ``--http-procs`` load processes at one moment; merge their reports. Returns the
-    summary and the kept answers (body index -> labels) of the first ``--http-check`` bodies."""
+def load_test(run: Run, port: int, endpoint: str, bodies: list[str]) -> tuple[dict, dict]:
+    """Start ``--http-procs`` load processes at one moment, each POSTing the JSON ``bodies`` to
+    ``endpoint``; merge their reports. Returns the summary and the kept answers (body index ->
+    each result's labels or score) of the first ``--http-check`` bodies."""
     args = run.args
-    payload = run.tmp / f"bodies_{len(bodies[0])}.json"
-    payload.write_text(json.dumps([json.dumps({"sentences": b}) for b in bodies]))
+    payload = run.tmp / f"bodies_{endpoint}.json"
+    payload.write_text(json.dumps(bodies))
+    path, field_ = HTTP_ENDPOINTS[endpoint]
     start_at = time.time() + 1.0 + 0.2 * args.http_procs  # all connect before it
     per_proc = [args.http_clients // args.http_procs + (k < args.http_clients % args.http_procs)
                 for k in range(args.http_procs)]
     procs = []
     for k in range(args.http_procs):
-        spec = {"port": port, "bodies": str(payload), "clients": per_proc[k],
+        spec = {"port": port, "path": path, "field": field_, "bodies": str(payload),
+                "clients": per_proc[k],
                 "first_client": sum(per_proc[:k]), "stride": args.http_clients,
                 "requests": args.http_requests, "start_at": start_at,
                 "warmup_s": args.http_warmup, "duration_s": args.http_duration,
@@ -1161,6 +1200,29 @@ def check_http(run: Run, bodies: list[list[list[str]]], kept: dict[int, Any]) ->
             "reference": f"Engine.tag_tokens offline, {run.device}, the server's dtype"}
 
 
+def check_http_scores(run: Run, groups: list[list[tuple[str, int]]], kept: dict[int, Any]
+                      ) -> dict:
+    """The kept scores against ``load_scorer(backend="torch", dtype="float32")`` offline on
+    the same essays (the score task's float32 scores when it ran on this sample)."""
+    if not kept:
+        return {"requests": 0, "equal": None, "note": "no answer was kept"}
+    idx = sorted(kept)
+    essays = [e for i in idx for e in groups[i]]
+    s = essay_sample(run)
+    where = {e: k for k, e in enumerate(zip(s["texts"], s["prompts"]))}
+    reference = (run.score_reference or {}).get("float32")
+    if reference is None:
+        _, _, reference, _ = scorebench.time_in_process(
+            s["model"], s["texts"], s["prompts"], score_args(run, "float32"))
+        run.score_reference = {**(run.score_reference or {}), "float32": reference}
+    want = [reference[where[e]] for e in essays]
+    got = [score for i in idx for score in kept[i]]
+    differing = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+    return {"requests": len(idx), "essays": len(want), "differing_scores": differing,
+            "equal": differing == 0,
+            "reference": f"load_scorer torch float32 offline, {run.device}"}
+
+
 # ---- the load process (``--http-worker SPEC``): raw asyncio HTTP/1.1 keep-alive clients
 
 
@@ -1199,7 +1261,7 @@ async def _client(spec: dict, g: int, bodies: list[bytes], stats: dict) -> None:
             deadline is None or time.time() < deadline):
         i = r % len(bodies)
         body = bodies[i]
-        head = (f"POST {TAG_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        head = (f"POST {spec['path']} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                 ).encode()
         started = time.time()
@@ -1221,7 +1283,7 @@ async def _client(spec: dict, g: int, bodies: list[bytes], stats: dict) -> None:
             stats["statuses"][str(status)] = stats["statuses"].get(str(status), 0) + 1
             stats["last_end"] = max(stats["last_end"] or 0.0, ended)
         if status == 200 and i < spec["keep"] and str(i) not in stats["kept"]:
-            stats["kept"][str(i)] = [x["labels"] for x in json.loads(data)["results"]]
+            stats["kept"][str(i)] = [x[spec["field"]] for x in json.loads(data)["results"]]
         r += stride
     if writer is not None:
         writer.close()

@@ -340,6 +340,59 @@ def test_cli_and_http_tasks_end_to_end(bench, tiny_tagger_dir, tmp_path, monkeyp
     assert np.isfinite(values["http_p99_s"])
 
 
+def test_http_task_loads_the_score_endpoint(bench, tiny_tagger_dir, tiny_scorer_dir, tmp_path,
+                                            monkeypatch, capsys):
+    """``--http-endpoints score``: the server serves the ``--scorer``, the load POSTs the essay
+    sample to /v1/score, and the kept scores are checked against torch fp32 offline; the tag
+    target reads no score row."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from test_bench_serve_score import _write_tsv
+
+    monkeypatch.setenv("MHMLA_COMMIT", "test-commit")
+    data = _write_fce(tmp_path / "fce.tsv", 6)
+    tsv = _write_tsv(tmp_path / "asap.tsv", per_prompt=2)
+    out = tmp_path / "http_score.json"
+    rc = bench.main(["--tasks", "http", "--model", str(tiny_tagger_dir), "--data", str(data),
+                     "--threads", "1", "--scorer", str(tiny_scorer_dir), "--tsv", str(tsv),
+                     "--essays", "14", "--http-endpoints", "score", "--http-clients", "3",
+                     "--http-requests", "12", "--http-warmup", "0", "--http-check", "5",
+                     "--http-per-request", "2", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert "--no-scorer" not in row["command"] and f"--scorer {tiny_scorer_dir}" in row["command"]
+    assert row["setting"]["endpoint"] == "score" and row["setting"]["per_request"] == 2
+    assert row["requests"] == row["ok"] == 12 and row["status_503"] == 0
+    assert row["essays_per_s"] == pytest.approx(2 * row["requests_per_s"])
+    check = row["check"]
+    assert check["equal"] and check["differing_scores"] == 0
+    assert check["requests"] == 5 and check["essays"] == 10
+    assert check["reference"].startswith("load_scorer torch float32")
+    assert result["summary"]["values"]["http_requests_per_s"] is None  # a tag target
+
+
+def test_http_score_check_catches_a_wrong_score(bench, tiny_scorer_dir, tmp_path):
+    """The score check is not vacuous: one changed score in a kept answer is counted."""
+    from test_bench_serve_score import _write_tsv
+
+    tsv = _write_tsv(tmp_path / "asap.tsv", per_prompt=2)
+    args = bench.parse_args(["--scorer", str(tiny_scorer_dir), "--tsv", str(tsv), "--essays",
+                             "14", "--threads", "1"])
+    run = bench.Run(args, tmp_path, tiny_scorer_dir, 1)
+    groups, bodies = bench.endpoint_bodies(run, "score", 3)
+    assert json.loads(bodies[0])["essays"][0] == {"text": groups[0][0][0],
+                                                  "prompt": groups[0][0][1]}
+    s = run.essays
+    _, _, reference, _ = bench.scorebench.time_in_process(
+        s["model"], s["texts"], s["prompts"], bench.score_args(run, "float32"))
+    kept = {i: [reference[3 * i + j] for j in range(3)] for i in range(2)}
+    assert bench.check_http_scores(run, groups, kept)["equal"] is True
+    kept[1][2] += 1
+    bad = bench.check_http_scores(run, groups, kept)
+    assert bad["equal"] is False and bad["differing_scores"] == 1
+
+
 def test_merge_joins_the_stages_of_one_device(bench, tmp_path, capsys):
     def part(rows, gpu="NVIDIA H100 80GB HBM3", command="c"):
         return {"header": {"device": {"requested": "cuda", "gpu": gpu, "cpu": "x"},
