@@ -1078,15 +1078,15 @@ def request_bodies(items: Sequence[Any], per_request: int, limit: int = 20_000
 
 
 def endpoint_bodies(run: Run, endpoint: str, per_request: int) -> tuple[list[list], list[str]]:
-    """The request groups of ``endpoint`` and their JSON bodies: FCE sentences for tag, the
-    score task's essay sample as ``{"text", "prompt"}`` for score."""
+    """The request groups of ``endpoint`` and their JSON bodies: FCE sentences for tag; for
+    score, indices into the score task's essay sample, sent as ``{"text", "prompt"}``."""
     if endpoint == "tag":
         groups = request_bodies(run.corpus.sentences[:run.corpus.distinct], per_request)
         return groups, [json.dumps({"sentences": g}) for g in groups]
     s = essay_sample(run)
-    groups = request_bodies(list(zip(s["texts"], s["prompts"])), per_request)
-    return groups, [json.dumps({"essays": [{"text": t, "prompt": p} for t, p in g]})
-                    for g in groups]
+    groups = request_bodies(range(len(s["texts"])), per_request)
+    return groups, [json.dumps({"essays": [{"text": s["texts"][k], "prompt": s["prompts"][k]}
+                                           for k in g]}) for g in groups]
 
 
 def run_http(run: Run) -> list[dict]:
@@ -1200,22 +1200,20 @@ def check_http(run: Run, bodies: list[list[list[str]]], kept: dict[int, Any]) ->
             "reference": f"Engine.tag_tokens offline, {run.device}, the server's dtype"}
 
 
-def check_http_scores(run: Run, groups: list[list[tuple[str, int]]], kept: dict[int, Any]
-                      ) -> dict:
+def check_http_scores(run: Run, groups: list[list[int]], kept: dict[int, Any]) -> dict:
     """The kept scores against ``load_scorer(backend="torch", dtype="float32")`` offline on
-    the same essays (the score task's float32 scores when it ran on this sample)."""
+    the same essays (``groups``: indices into the sample; the score task's float32 scores
+    when it ran, else scored here, untimed)."""
     if not kept:
         return {"requests": 0, "equal": None, "note": "no answer was kept"}
     idx = sorted(kept)
-    essays = [e for i in idx for e in groups[i]]
-    s = essay_sample(run)
-    where = {e: k for k, e in enumerate(zip(s["texts"], s["prompts"]))}
     reference = (run.score_reference or {}).get("float32")
     if reference is None:
-        _, _, reference, _ = scorebench.time_in_process(
-            s["model"], s["texts"], s["prompts"], score_args(run, "float32"))
+        s = essay_sample(run)
+        reference = scorebench.torch_scores(s["model"], s["texts"], s["prompts"],
+                                            score_args(run, "float32"))
         run.score_reference = {**(run.score_reference or {}), "float32": reference}
-    want = [reference[where[e]] for e in essays]
+    want = [reference[k] for i in idx for k in groups[i]]
     got = [score for i in idx for score in kept[i]]
     differing = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
     return {"requests": len(idx), "essays": len(want), "differing_scores": differing,
