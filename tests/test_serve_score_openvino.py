@@ -142,13 +142,15 @@ class Noisy:
 
 
 class Recording:
-    """A runner that keeps the rows it was given (their pieces, padding cut)."""
+    """A runner that keeps the rows it was given (their pieces, padding cut) and each batch's
+    shape."""
 
     def __init__(self, runner):
-        self.runner, self.rows = runner, []
+        self.runner, self.rows, self.shapes = runner, [], []
 
     def __call__(self, ids, mask):
         self.rows += [tuple(int(t) for t in row[m > 0]) for row, m in zip(ids, mask)]
+        self.shapes.append(tuple(ids.shape))
         return self.runner(ids, mask)
 
 
@@ -186,13 +188,19 @@ def test_the_checked_scorer_gives_the_exact_runners_scores(exports, kind):
     windows = sorted(tuple(plan.window_ids(w)) for plan, n in zip(plans, near) if n
                      for w in range(len(plan.windows)))
     assert sorted(exact.rows) == windows and sum(near) == checked.rescored
-    # the HTTP batcher: fast windows in any batches, each essay finished (and checked) alone
+    # the HTTP batcher: fast windows in any batches, each essay finished (and checked) alone,
+    # its windows re-scored in batches of the token budget score_windows was given
     pairs = [(plan, w) for plan in reversed(plans) for w in range(len(plan.windows))]
+    budget = 2 * checked.config.window
     outs = dict(zip(((id(p), w) for p, w in pairs), checked.score_windows(pairs,
-                                                                           token_budget=200)))
+                                                                           token_budget=budget)))
+    exact.shapes.clear()
+    rescored = checked.rescored
     finished = [checked.finish_essay(p, [outs[id(p), w] for w in range(len(p.windows))])
                 for p in plans]
     assert finished == want.tolist()
+    assert all(b * t <= budget for b, t in exact.shapes)
+    assert len(exact.shapes) > checked.rescored - rescored > 0  # an essay's windows split
     # the negative control: the fast runner alone, and a margin below its error, change scores
     assert fast_only.exact is None
     assert fast_only.predict_scores(texts, prompts, token_budget=256).tolist() != want.tolist()

@@ -72,6 +72,7 @@ from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
                           ExportValidationError, OnnxRunner, eager_attention)
+from .options import default_token_budget
 
 __all__ = ["CHECK_FILE", "EXPORT_FORMAT", "OUTPUT_NAME", "VALIDATION_ESSAYS", "CheckedScorer",
            "ExportedScorerConfig", "read_check_margins", "write_check_margins",
@@ -498,12 +499,22 @@ class CheckedScorer(OnnxScorer):
         self.dtype = getattr(fast, "dtype", None)
         self.essays = self.rescored = 0
         self._count = threading.Lock()
+        # finish_essay's re-scoring budget: the one score_windows was last given (the HTTP
+        # batcher's score_token_budget), else the exact runner's device default
+        self._budget = default_token_budget(getattr(exact, "device", None) or "cpu")
 
     def __repr__(self) -> str:
         margins = set(self.margins.values())
         margin = f"{margins.pop():g}" if len(margins) == 1 else repr(self.margins)
         return (f"CheckedScorer({str(self.path)!r}, fast={self.runner!r}, "
                 f"exact={self.exact!r}, margin={margin})")
+
+    def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
+                      ) -> list[np.ndarray]:
+        """As :meth:`OnnxScorer.score_windows`; ``token_budget`` is also the one
+        :meth:`finish_essay` re-scores an essay's windows with."""
+        self._budget = int(token_budget)
+        return super().score_windows(pairs, token_budget=token_budget)
 
     def _near(self, mean: np.ndarray, prompt: int) -> np.ndarray:
         cfg = self.config
@@ -550,8 +561,7 @@ class CheckedScorer(OnnxScorer):
         if not again:
             return score
         exact = self._outputs([plan.window_ids(w) for w in range(len(plan.windows))],
-                              [plan.prompt] * len(plan.windows),
-                              8192, runner=self.exact)  # one essay's windows: a batch or two
+                              [plan.prompt] * len(plan.windows), self._budget, runner=self.exact)
         return self._plan_score(plan, exact)[0]
 
 
