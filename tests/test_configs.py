@@ -162,24 +162,40 @@ def test_aes_training_flags_name_config_fields():
 # ------------------------------------------------------------------ files on disk
 
 
-def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs():
-    """Their config.json files are in the flat layout; outputs as recorded before issue 15."""
+def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs(tmp_path):
+    """The shipped tagger (grouped layout since its re-ship of 2026-12-01) and the same model
+    with its config.json in the flat layout of before issue 15 load to one config and give the
+    recorded outputs; the scorer's config.json is in the flat layout, outputs as recorded."""
+    import shutil
+
     from mhmla_fast.aes.model import EssayScorer
     from mhmla_fast.aes.model import default_model_path as scorer_path
     from mhmla_fast.ged.model import GedTagger, encode_words, load_tokenizer
     from mhmla_fast.ged.predict import default_model_path
 
     path = default_model_path()
-    assert "num_heads" in json.loads((path / "config.json").read_text())  # the old layout
-    tagger, tok = GedTagger.load(path), load_tokenizer(path)
-    assert tagger.config.layer_attention == LayerAttentionConfig(num_heads=12)
-    assert tagger.config.encoder_spec == EncoderSpec(max_length=128, freeze="word_embeddings")
+    grouped = json.loads((path / "config.json").read_text())
+    la, es = grouped["layer_attention"], grouped["encoder_spec"]
+    flat = {k: v for k, v in grouped.items() if k not in ("layer_attention", "encoder_spec")}
+    flat.update(encoder=es["name_or_path"], head=la["mode"], num_heads=la["num_heads"],
+                key_size=la["key_size"], dropout=la["dropout"], max_length=es["max_length"])
+    # the flat layout kept the freeze in the training record only
+    flat["training"] = {**grouped["training"],
+                        "config": {"freeze_word_embeddings": es["freeze"] != "none"}}
+    old = tmp_path / "flat"
+    shutil.copytree(path, old)
+    (old / "config.json").write_text(json.dumps(flat))
+    assert "num_heads" in json.loads((old / "config.json").read_text())  # the old layout
     words = "He go to school every days .".split()
-    batch = encode_words(tok, [words], 128)
-    with torch.no_grad():
-        p = tagger(batch["input_ids"], batch["attention_mask"]).softmax(-1)[0, :, 1]
-    before = [0.036088, 0.662749, 0.004002, 0.002243, 0.003602, 0.8593, 0.002008]
-    np.testing.assert_allclose(p[batch["word_index"][0] >= 0].numpy(), before, atol=2e-6)
+    recorded = [0.024448, 0.898818, 0.012344, 0.008845, 0.03793, 0.635626, 0.016586]
+    for folder in (path, old):
+        tagger, tok = GedTagger.load(folder), load_tokenizer(folder)
+        assert tagger.config.layer_attention == LayerAttentionConfig(num_heads=12)
+        assert tagger.config.encoder_spec == EncoderSpec(max_length=128, freeze="none")
+        batch = encode_words(tok, [words], 128)
+        with torch.no_grad():
+            p = tagger(batch["input_ids"], batch["attention_mask"]).softmax(-1)[0, :, 1]
+        np.testing.assert_allclose(p[batch["word_index"][0] >= 0].numpy(), recorded, atol=2e-6)
 
     scorer = EssayScorer.load(scorer_path())
     assert scorer.config.encoder_spec == EncoderSpec(max_length=512, freeze="all")
