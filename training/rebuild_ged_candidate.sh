@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GED tagger that issue 13 would re-ship, rebuilt from nothing. Trained runs live under the
-# ignored runs/ of one machine and are gone on the next, so the session that re-ships rebuilds
-# the candidate with this script, then ships it:
+# The GED tagger of issue 13's re-ship (shipped since 2026-12-01), rebuilt from nothing. Trained
+# runs live under the ignored runs/ of one machine and are gone on the next, so the session that
+# re-shipped rebuilt the candidate with this script, then shipped it:
 #
 #   MPNET=/path/to/all-mpnet-base-v2 [EPOCHS=8] training/rebuild_ged_candidate.sh [SEED]
 #   python training/ship_ged_model.py runs/ged-minilm-mhmla-kd-mpnetlast-w0.5-lin-lr1e-4-unfrozen-asap14k-8ep-seed1/best
