@@ -2,7 +2,7 @@
 # Issue 13 on a lent GPU: Table 2 on the paper's encoder shape (all-mpnet-base-v2, 12 x 768).
 # Its weights (438 MB in fp32, 219 MB in fp16) travel in parts of at most $PART_MB MiB (default:
 # what is left of the 64 MiB a call carries beside the tree, less the GED data of part 1 and a
-# 1 MiB margin; about 14 MiB with the 40 MiB tree of 2026-12-01, so 15 parts), one device call
+# 1 MiB margin; 14 MiB with the 40 MiB tree of 2026-12-01, so 16 parts), one device call
 # per part while the machine stays warm (30 s idle), then a call trains and evaluates.
 #
 # Here (a machine with the shared data folder, a package index and this repository's venv):
