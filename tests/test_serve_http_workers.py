@@ -110,7 +110,12 @@ def test_two_workers_answer_on_one_port_and_sum_their_metrics(tiny_tagger_dir, t
         m = _samples(url)  # from whichever worker answers: the sums over both
         assert m[("mhmla_texts_tagged_total", ())] == len(texts)
         assert m[("mhmla_http_requests_total", (("path", "/v1/tag"), ("status", "200")))] == 14
-        assert m[("mhmla_queue_depth", ())] == 0
+        # a worker's queue gauge is a file it refreshes every GAUGE_REFRESH_S (0.5 s): one set
+        # while the last request waited reads 3 until the next refresh, so the sum settles to 0
+        deadline = time.monotonic() + 10
+        while (depth := _samples(url)[("mhmla_queue_depth", ())]) != 0:
+            assert time.monotonic() < deadline, f"queue depth {depth} long after the last answer"
+            time.sleep(0.1)
 
         # a worker killed outright is replaced; its counts stay in the sums
         os.kill(first["pid"], signal.SIGKILL)
