@@ -320,7 +320,9 @@ PY
     cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv .gpu/a/data/fce/
     du -sh .gpu/a .gpu/b
     # since the tagger's re-ship (2026-12-01) the tree is ~41 MiB and a 22 MiB shard with FCE no
-    # longer fits beside it: this fails until real-a/real-b take three shards over three calls
+    # longer fits beside it, so this fails. Three shards do not help: shard 1 is then the word
+    # embeddings alone (one 22.4 MiB tensor, 63 MiB with the tree and no margin); the tensor
+    # would have to travel split by rows and be joined in real-b's merge (not done)
     travel_check .gpu/a && travel_check .gpu/b ;;
   real-a)  # device call 1 (carry .gpu/a): shard 1 and FCE into /tmp/mhmla_real, kept while the
     # machine stays warm; then the tasks of $REAL_A_TASKS (default "tests"):
