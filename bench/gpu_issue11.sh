@@ -50,6 +50,7 @@
 #   installed here; the http stage installs them into /tmp/site.
 set -euo pipefail  # pipefail: a failed or timed-out benchmark fails the stage despite tee
 cd "$(dirname "$0")/.."
+source bench/travel.sh  # travel_check: what a device call carries
 stage=${1:?stage: pack, pack-wheels, pack-minilm, pack-aes, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, aes-epoch, real-a, real-b}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
@@ -118,18 +119,6 @@ PY2
   head -c 2500 "$OUT/train_profile.txt"
 }
 
-travel_check() {  # here: CARRIED... -> the tree (tracked + untracked, not ignored) plus the
-  # carried folders of one device call, which must stay under its 64 MiB (a margin of 1 MiB)
-  local tree carried
-  tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-  carried=$(du -cb "$@" | tail -1 | cut -f1)
-  echo "travels: tree $(( tree / 1048576 )) MiB + $* $(( carried / 1048576 )) MiB"
-  if (( tree + carried > 63 * 1048576 )); then
-    echo "that is over the 63 MiB this script allows a device call (64 MiB, less a margin)" >&2
-    return 1
-  fi
-}
-
 exclude() {  # here: keep a folder out of git (and so out of the tree that travels unless carried)
   local file; file=$(git rev-parse --git-path info/exclude)
   mkdir -p "$(dirname "$file")"
@@ -174,7 +163,7 @@ for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.tx
              "special_tokens_map.json"):
     if (src / name).is_file():
         shutil.copy(src / name, dst / name)
-from mhmla_fast.model_dir import DELTA_PARTS, row_delta
+from mhmla_fast.model_dir import row_delta
 key = "embeddings.word_embeddings.weight"
 emb = load_file(src / "model.safetensors")[key]
 # int8 with one scale per row (a row delta against zeros: 11.8 MB, where fp16 took 23.4 MB and

@@ -24,6 +24,7 @@
 # with the machine. The fp16 rounding of MPNet's weights is recorded in the stage's note.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/travel.sh  # tree_bytes, travel_check, TRAVEL_LIMIT: what a device call carries
 stage=${1:?stage: pack-mpnet, put K, train}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
@@ -43,9 +44,9 @@ case "$stage" in
     mkdir -p "$tmp/data"
     cp -r "$SHARED"/fce "$SHARED"/conll2014 "$SHARED"/jfleg "$tmp/data/"
     rm -f "$tmp"/data/*/*.zip
-    tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    tree=$(tree_bytes)
     data=$(du -sb "$tmp/data" | cut -f1)
-    part_mb=${PART_MB:-$(( (63 * 1048576 - tree - data) / 1048576 - 1 ))}
+    part_mb=${PART_MB:-$(( (TRAVEL_LIMIT - tree - data) / 1048576 - 1 ))}
     (( part_mb >= 4 )) || { echo "only $part_mb MiB left for a part beside the tree: too little" >&2; exit 2; }
     echo "parts of at most $part_mb MiB (tree $(( tree / 1048576 )) MiB, GED data $(( data / 1048576 )) MiB)"
     python bench/weight_parts.py split "$src" .gpu/mpnet --part-mb "$part_mb"
@@ -53,8 +54,7 @@ case "$stage" in
     rm -rf "$tmp"
     du -sh .gpu/mpnet/*
     for part in .gpu/mpnet/*; do  # each call carries one part beside the tree
-      carried=$(du -sb "$part" | cut -f1)
-      (( tree + carried <= 63 * 1048576 )) || { echo "$part: $(( (tree + carried) / 1048576 )) MiB with the tree, over 63" >&2; exit 2; }
+      travel_check "$part" > /dev/null || exit 2
     done ;;
   put)  # device: part K (carried) into /tmp/mpnet
     k=${2:?put K}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -29,8 +30,6 @@ def test_shipped_model_is_small_and_complete():
 
 def test_the_shipped_models_scores_file_is_of_the_shipped_model():
     # README quotes bench/results/ged_shipped_minilm_mhmla12.json as the shipped model's scores
-    from pathlib import Path
-
     path = default_model_path()
     config = json.loads((path / "config.json").read_text())
     results = Path(__file__).resolve().parents[1] / "bench/results/ged_shipped_minilm_mhmla12.json"
