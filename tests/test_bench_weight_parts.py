@@ -1,9 +1,11 @@
 """bench/weight_parts.py: a model's weights split into bounded fp16 parts and merged back give
-the original rounded to fp16, exactly; a missing part is an error naming the count."""
+the original rounded to fp16, exactly; a missing part is an error naming the count; and
+gpu_issue11.sh puts such parts on the device one call at a time."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,3 +57,48 @@ def test_merge_refuses_a_wrong_tensor_count():
     wp = load_bench_script("weight_parts")
     with pytest.raises(ValueError, match="1 tensors rebuilt, 2 expected"):
         wp.merge_state([{"a": torch.zeros(2)}], expected=2)
+
+
+def test_gpu_issue11_puts_minilm_parts_one_call_at_a_time(tmp_path):
+    """``gpu_issue11.sh real-put`` as the device runs it: each call's tree holds only the part it
+    carries; part 1 starts the device folder afresh, later parts add to it, a later part on a
+    cold machine (no part 1 there) stops with exit 3; the parts then merge to the model."""
+    import shutil
+    import subprocess
+
+    from bench_scripts import BENCH
+
+    wp = load_bench_script("weight_parts")
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    state = {"embeddings.word_embeddings.weight": torch.randn(600, 32),  # row blocks
+             "pooler.weight": torch.randn(32, 32)}
+    src = tmp_path / "minilm"
+    src.mkdir()
+    save_file(state, str(src / "model.safetensors"))
+    (src / "config.json").write_text('{"model_type": "bert"}')
+    folders = wp.split(src, tmp_path / "parts", 20_000 / 2**20)
+    assert len(folders) >= 3
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    for name in ("gpu_issue11.sh", "travel.sh", "weight_parts.py"):
+        shutil.copy(BENCH / name, tree / "bench" / name)
+
+    def put(part, real):  # one device call carrying .gpu/real/<part>
+        shutil.rmtree(tree / ".gpu", ignore_errors=True)
+        shutil.copytree(part, tree / ".gpu" / "real" / part.name)
+        return subprocess.run(["bash", "bench/gpu_issue11.sh", "real-put"], cwd=tree, text=True,
+                              capture_output=True, env={**os.environ, "MHMLA_REAL_DIR": str(real)})
+
+    real = tmp_path / "device"
+    for k, part in enumerate(folders, 1):
+        done = put(part, real)
+        assert done.returncode == 0, done.stderr
+        assert f"MiniLM: {k} of {len(folders)} parts here" in done.stdout
+    assert (real / "model" / "config.json").is_file()
+    merged = load_file(str(wp.merge(real)))
+    assert all(torch.equal(merged[k], v.half().float()) for k, v in state.items())
+
+    cold = put(folders[1], tmp_path / "cold")
+    assert cold.returncode == 3 and "part 1 is not here" in cold.stderr
