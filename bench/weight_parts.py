@@ -4,10 +4,10 @@ device call travels to a lent GPU (``bench/gpu_issue13.sh``).
     python bench/weight_parts.py split MODEL_DIR OUT_DIR [--part-mb 28]   # OUT_DIR/1..K/part-K.safetensors
     python bench/weight_parts.py merge DIR                                # DIR/part-*.safetensors -> DIR/model/model.safetensors
 
-``split``: every floating tensor in fp16; a tensor larger than half a part cut into row blocks
-named ``<name>@<first row>``; the pieces packed greedily, in order, into parts of at most
-``--part-mb`` MiB; part 1 also gets ``parts.json`` {"parts": K, "tensors": N} and the model's
-other files (config, tokenizer) under ``model/``. ``merge``: every part present (else an error
+``split``: every floating tensor in fp16, packed in order into parts of at most ``--part-mb``
+MiB; a tensor larger than half a part that does not fit whole is cut into row blocks named
+``<name>@<first row>`` that fill each part's room; part 1 also gets ``parts.json`` {"parts":
+K, "tensors": N} and the model's other files (config, tokenizer) under ``model/``. ``merge``: every part present (else an error
 naming how many are missing), the row blocks concatenated in row order, floating tensors
 upcast to fp32, N tensors checked, written as one ``model.safetensors``; the parts are removed.
 The merged weights are the original's rounded to fp16, exactly.
@@ -27,27 +27,44 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".h5", ".onnx", ".msgpack", ".ot")
 
 def split_state(state: dict[str, torch.Tensor], limit_bytes: float
                 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """The parts of ``state`` (fp16 where floating), each at most ``limit_bytes`` (a tensor
-    larger than half of it cut into row blocks ``<name>@<first row>``)."""
-    pieces: list[tuple[str, torch.Tensor]] = []
+    """The parts of ``state`` (fp16 where floating), each at most ``limit_bytes``, packed in
+    order. A tensor that does not fit in the current part's room and is larger than half a
+    part is cut into row blocks ``<name>@<first row>`` that fill the room left, part by part;
+    a smaller one starts the next part whole."""
+    parts: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+
+    def add(name: str, t: torch.Tensor) -> None:
+        nonlocal size
+        parts[-1].append((name, t))
+        size += t.numel() * t.element_size()
+
+    def next_part() -> None:
+        nonlocal size
+        parts.append([])
+        size = 0
+
     for name, t in state.items():
         t = (t.half() if t.is_floating_point() else t).contiguous()
         n = t.numel() * t.element_size()
-        if t.dim() and n > limit_bytes // 2:
-            rows = max(1, int(limit_bytes // 2 // (t[0].numel() * t.element_size())))
-            pieces += [(f"{name}@{a}", t[a:a + rows].clone()) for a in range(0, t.shape[0], rows)]
+        if size + n <= limit_bytes:
+            add(name, t)
+        elif not t.dim() or n <= limit_bytes // 2:
+            next_part()
+            add(name, t)
         else:
-            pieces.append((name, t))
-    parts: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in pieces:
-        n = t.numel() * t.element_size()
-        if parts[-1] and size + n > limit_bytes:
-            parts.append([])
-            size = 0
-        parts[-1].append((name, t))
-        size += n
-    return parts
+            row = t[0].numel() * t.element_size()
+            first = 0
+            while first < t.shape[0]:
+                rows = min(int((limit_bytes - size) // row), t.shape[0] - first)
+                if rows < 1 and size == 0:
+                    raise ValueError(f"{name}: one row ({row} bytes) is larger than a part")
+                if rows < 1 or (rows < t.shape[0] - first and rows * row < limit_bytes // 8):
+                    next_part()  # no room, or only a sliver of it: a fresh part
+                    continue
+                add(f"{name}@{first}", t[first:first + rows].clone())
+                first += rows
+    return [part for part in parts if part]
 
 
 def merge_state(parts: list[dict[str, torch.Tensor]], expected: int) -> dict[str, torch.Tensor]:

@@ -102,3 +102,17 @@ def test_gpu_issue11_puts_minilm_parts_one_call_at_a_time(tmp_path):
 
     cold = put(folders[1], tmp_path / "cold")
     assert cold.returncode == 3 and "part 1 is not here" in cold.stderr
+
+
+def test_row_blocks_fill_each_part():
+    """A large tensor's row blocks fill the room each part has left, so the parts are as few
+    as the bytes allow (half-part blocks would take 4 parts here, not 3); a row larger than a
+    part is an error."""
+    wp = load_bench_script("weight_parts")
+    state = {"small": torch.zeros(10, 100), "big": torch.zeros(1000, 10)}  # 2,000 + 20,000 B in fp16
+    parts = wp.split_state(state, 8000)
+    sizes = [sum(t.numel() * t.element_size() for _, t in part) for part in parts]
+    assert sizes == [8000, 8000, 6000]
+    assert [n for n, _ in parts[0]] == ["small", "big@0"]
+    with pytest.raises(ValueError, match="big: one row"):
+        wp.split_state({"big": torch.zeros(4, 5000)}, 8000)
