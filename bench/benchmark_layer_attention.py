@@ -1088,21 +1088,9 @@ def resolve_out_path(out: str | None, device_name: str, today: datetime.date) ->
     return dated_results_path(out, f"layer_attention_{gpu_slug(device_name)}", DEFAULT_OUT_DIR, today)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a rate in [0, 1), got {text}")
-    return value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from mhmla_fast.commands.argtypes import positive_int, rate
+
     p = argparse.ArgumentParser(
         prog="benchmark_layer_attention.py",
         description="Time mhmla_fast.layer_attention (eager, torch.compile default and max-autotune, fused "
@@ -1121,19 +1109,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
                    help="head shapes (default: bert-base minilm)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPE_NAMES, default=None, help="default: bf16 fp16")
-    p.add_argument("--n", nargs="+", type=_positive_int, default=None, dest="ns",
+    p.add_argument("--n", nargs="+", type=positive_int, default=None, dest="ns",
                    help=f"token counts N (default: {' '.join(map(str, N_SWEEP))})")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
                    help=f"default: {' '.join(PROVIDERS)} (compile-max autotunes for minutes per shape, dtype and N)")
     p.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
                    help="default: forward backward full ('inference' = forward under no_grad, opt-in)")
-    p.add_argument("--dropout", type=_rate, default=0.0,
+    p.add_argument("--dropout", type=rate, default=0.0,
                    help="train-mode dropout rate on h, k and p (default 0: no dropout; > 0 skips the "
                         "comparison with eager, whose masks differ)")
     p.add_argument("--seed", type=int, default=0, help="input seed (each N adds N to it)")
-    p.add_argument("--warmup-ms", type=_positive_int, default=25, help="do_bench warm-up budget, ms")
-    p.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench repetition budget, ms")
-    p.add_argument("--bwd-group-elements", type=_positive_int, default=None,
+    p.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up budget, ms")
+    p.add_argument("--rep-ms", type=positive_int, default=100, help="do_bench repetition budget, ms")
+    p.add_argument("--bwd-group-elements", type=positive_int, default=None,
                    help="the fused backward's layer-group budget (kernels.layer_attention."
                         "BWD_GROUP_ELEMENTS; default: the module's, 2^27): fewer elements use less "
                         "memory and more launches; recorded in the header")

@@ -25,10 +25,34 @@ from typing import Any
 from .encoder import EMBEDDED_ENCODER
 
 __all__ = ["MODES", "FREEZE", "LayerAttentionConfig", "EncoderSpec", "nest_flat",
-           "accepts_flat_keywords", "flat_items", "config_diff", "GROUPS"]
+           "accepts_flat_keywords", "flat_items", "config_diff", "GROUPS", "check_counts",
+           "check_positive"]
 
 MODES = ("mhmla", "shmla", "avgl", "last")
 FREEZE = ("none", "word_embeddings", "all")
+
+
+
+def check_counts(config: Any, *names: str, optional: tuple[str, ...] = ()) -> None:
+    """ValueError naming the first field of ``names`` whose value is not a whole number >= 1
+    (epochs, batch sizes); a field in ``optional`` may also be None."""
+    for name in names:
+        value = getattr(config, name)
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a whole number of at least 1, got {value!r}")
+
+
+def check_positive(config: Any, *names: str, or_zero: bool = False) -> None:
+    """ValueError naming the first field of ``names`` whose value is not a finite number > 0
+    (learning rates), or >= 0 with ``or_zero`` (weight decay)."""
+    for name in names:
+        value = getattr(config, name)
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not number or not (0 <= value if or_zero else 0 < value) or value == float("inf"):
+            raise ValueError(f"{name}: expected a finite number {'>=' if or_zero else '>'} 0, "
+                             f"got {value!r}")
 
 
 @dataclass

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from ..checkpoint import (check_same_inputs, load_checkpoint,
                           precision_recorded, recover_run_dir, run_lock, save_checkpoint)
-from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff
+from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, check_counts,
+                       check_positive, config_diff)
 from ..devices import (TRAIN_COMPILE_MODES, applied_compile, applied_precision,
                        check_same_compile, check_train_precision, compiled_step, fused_optimizer,
                        padded_length, training_autocast)
@@ -83,6 +84,8 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
+        check_counts(self, "epochs", "batch_size")
+        check_positive(self, "lr", "head_lr")
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
         if self.batching not in BATCHINGS:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords
+from ..configs import EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, check_counts, check_positive
 from ..packing import cut_length_pools
 from .data import SCORE_RANGES
 from .model import ScorerConfig, ScorerHead, combine_windows
@@ -43,6 +43,11 @@ class HeadTrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_counts(self, "epochs", "patience", "batch_size")
+        check_positive(self, "lr")
+        check_positive(self, "weight_decay", or_zero=True)
 
     def scorer_config(self, prompts: Sequence[int], encoder: str) -> ScorerConfig:
         """The scorer this head belongs to: ``encoder`` frozen whole, ``[CLS]`` pooling."""

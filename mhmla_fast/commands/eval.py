@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .aes import add_eval_parser as add_aes_parser
 from .aes import run_eval as run_aes
+from .argtypes import non_negative_int, positive_int
 
 
 def _load(model_dir: str | None):
@@ -186,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", default=None, help="tagger directory (default: the shipped one)")
         p.add_argument("--data", required=True,
                        help="FCE .tsv, M2 (.m2) or JFLEG (.src file, split folder or prefix)")
-        p.add_argument("--annotator", type=int, default=0,
+        p.add_argument("--annotator", type=non_negative_int, default=0,
                        help="M2 annotator id (the CoNLL-14 per-annotator files both use 0)")
-        p.add_argument("--batch-size", type=int, default=64)
+        p.add_argument("--batch-size", type=positive_int, default=64)
         p.add_argument("--json", default=None, help="also write the result as JSON here")
         if name == "ged-layers":
             p.add_argument("--png", default=None,
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="results JSON (e.g. bench/results/ged_<name>.json)")
     p.add_argument("--data-dir", default=None, help="the shared data folder (default "
                    "$MHMLA_SHARED_DATA or ../shared/data)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     add_aes_parser(sub)
     args = parser.parse_args(argv)
     return {"ged": run_ged, "ged-layers": run_layers, "ged-suite": run_suite,

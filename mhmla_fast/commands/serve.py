@@ -101,6 +101,7 @@ from pathlib import Path
 from typing import Any
 
 from ..serve.pipeline import PrettyWriter, format_pretty, tag_records  # noqa: F401
+from .argtypes import non_negative_float, non_negative_int, positive_int, probability
 
 PROG = "mhmla-serve"
 EXIT_OK, EXIT_BAD_LINES, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
@@ -110,34 +111,6 @@ EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 
 class UsageError(Exception):
     """A problem with the arguments, the model or the files: message for the user, exit 2."""
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return n
-
-
-def _probability(value: str) -> float:
-    x = float(value)
-    if not 0.0 <= x <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a probability from 0 to 1, got {value}")
-    return x
-
-
-def _non_negative_int(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return n
-
-
-def _non_negative_float(value: str) -> float:
-    x = float(value)
-    if not 0 <= x < float("inf"):  # NaN and infinity fail
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value}")
-    return x
 
 
 # ------------------------------------------------------------------------------------ model
@@ -274,7 +247,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="the checked bfloat16 pass (openvino, or auto on a CPU with AMX): rows "
                    "with a word whose bf16 probability lies within M of the threshold are "
                    "tagged again in fp32 (default 0.05; 0: bf16 alone)")
-    g.add_argument("--threshold", type=_probability, default=None,
+    g.add_argument("--threshold", type=probability, default=None,
                    help="error-probability threshold (default: the model's tuned one)")
     g.add_argument("--no-cache", action="store_true",
                    help="backend auto: neither read nor write the ONNX export cache (run torch); "
@@ -306,10 +279,10 @@ def _add_compute_options(g) -> None:
                    help="the layer-attention head's implementation: auto (default: what was "
                    "measured faster, the fused Triton forward for large batches on cuda, else "
                    "eager), torch (eager), triton (fused)")
-    g.add_argument("--token-budget", type=_positive, default=None,
+    g.add_argument("--token-budget", type=positive_int, default=None,
                    help="padded word pieces per forward pass (default: 1024 on the CPU, 8192 "
                    "on a GPU, the faster measured)")
-    g.add_argument("--threads", type=_positive, default=None,
+    g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads of the runtime (torch or ONNX Runtime intra-op; default: "
                    "the runtime's choice; fewer on a shared machine)")
 
@@ -340,7 +313,7 @@ def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> 
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted --output made from the same input, model and "
                    "options (anything else is refused) instead of refusing to touch it")
-    p.add_argument("--max-chars", type=_positive, default=None, metavar="N",
+    p.add_argument("--max-chars", type=positive_int, default=None, metavar="N",
                    help="records longer than N characters are skipped (an error record) or, with "
                    "--over-long cap, cut to their first N characters (default: no limit)")
     p.add_argument("--over-long", default=None, choices=("skip", "cap"),
@@ -647,10 +620,10 @@ def _add_ray_options(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"{what} on Ray Data: a cluster at ADDRESS (auto, HOST:PORT, "
                    "ray://HOST:PORT), or a local Ray without one; needs --output FILE, writes "
                    "FILE.shards/ and resumes by shard")
-    g.add_argument("--ray-workers", type=_positive, default=None, metavar="N",
+    g.add_argument("--ray-workers", type=positive_int, default=None, metavar="N",
                    help="with --ray: actors, one engine each (default 2; each takes --threads "
                    "CPU cores, or one GPU on --device cuda)")
-    g.add_argument("--shard-size", type=_positive, default=None, metavar="N",
+    g.add_argument("--shard-size", type=positive_int, default=None, metavar="N",
                    help="with --ray: records per committed shard (default 8192 for tag, 512 "
                    "for score; a resumed job keeps its own)")
 
@@ -903,16 +876,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_file_options(p, formats=("auto", "text", "jsonl"))
     p.add_argument("--pretty", action="store_true",
                    help="print a readable view to standard output instead of JSONL")
-    p.add_argument("--batch-size", type=_positive, default=2048,
+    p.add_argument("--batch-size", type=positive_int, default=2048,
                    help="records per engine call, packed together and written together "
                    "(default 2048; the first calls are smaller, so the first results come "
                    "soon)")
-    p.add_argument("--host-workers", type=_non_negative_int, default=0,
+    p.add_argument("--host-workers", type=non_negative_int, default=0,
                    help="processes that word-tokenise and word-piece each engine call in "
                    "parallel (default 0: this process; for a GPU that outruns one CPU core; "
                    "not with --ray)")
     _add_cuda_graphs_option(p)
-    p.add_argument("--lanes", type=_positive, default=None,
+    p.add_argument("--lanes", type=positive_int, default=None,
                    help="CPU only: forward passes at a time, --threads split between them "
                    "(default: one per thread, each pass single-threaded: on 2 cores 1.14x the "
                    "runtime's throughput in process, 1.02-1.07x of the whole command; not with "
@@ -929,7 +902,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_file_options(p, formats=("auto", "jsonl"))
     p.add_argument("-i", "--input", metavar="FILE", default=None,
                    help="the input file (the same as one FILE argument; - is stdin)")
-    p.add_argument("--batch-essays", type=_positive, default=64,
+    p.add_argument("--batch-essays", type=positive_int, default=64,
                    help="essays per scorer call; all their windows are encoded together "
                    "(default 64)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -965,37 +938,37 @@ def build_parser() -> argparse.ArgumentParser:
                        "/metrics with dynamic micro-batching across concurrent requests.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", type=_positive, default=1,
+    p.add_argument("--workers", type=positive_int, default=1,
                    help="server processes on the one port, each with its own copy of the models "
                    "and its own batching and limits (default 1; more when one process's HTTP "
                    "handling is the bound; needs uvicorn >= 0.50; --threads defaults to the "
                    "physical cores shared out among them)")
-    p.add_argument("--max-batch-tokens", type=_positive, default=8192,
+    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
                    help="estimated word pieces per engine batch (default 8192)")
     _add_cuda_graphs_option(p)
-    p.add_argument("--max-wait-ms", type=_non_negative_float, default=5.0,
+    p.add_argument("--max-wait-ms", type=non_negative_float, default=5.0,
                    help="how long a batch waits for more requests (default 5)")
-    p.add_argument("--max-queue", type=_positive, default=1024,
+    p.add_argument("--max-queue", type=positive_int, default=1024,
                    help="texts waiting at most; beyond it requests get 503 (default 1024)")
-    p.add_argument("--max-request-bytes", type=_positive, default=1_000_000,
+    p.add_argument("--max-request-bytes", type=positive_int, default=1_000_000,
                    help="largest request body (default 1000000); larger: 413")
-    p.add_argument("--max-texts-per-request", type=_positive, default=256,
+    p.add_argument("--max-texts-per-request", type=positive_int, default=256,
                    help="texts or sentences per request (default 256); more: 413")
-    p.add_argument("--max-essays-per-request", type=_positive, default=64,
+    p.add_argument("--max-essays-per-request", type=positive_int, default=64,
                    help="essays per /v1/score request (default 64); more: 413")
-    p.add_argument("--max-text-chars", type=_non_negative_int, default=500_000,
+    p.add_argument("--max-text-chars", type=non_negative_int, default=500_000,
                    help="characters per text, sentence or essay (default 500000; 0: no cap); "
                    "longer: 413")
-    p.add_argument("--max-queue-pieces", type=_positive, default=1_000_000,
+    p.add_argument("--max-queue-pieces", type=positive_int, default=1_000_000,
                    help="estimated word pieces admitted and not yet answered (default "
                    "1000000); beyond it 503, a request alone over it 413")
-    p.add_argument("--request-timeout", type=_non_negative_float, default=60.0,
+    p.add_argument("--request-timeout", type=non_negative_float, default=60.0,
                    help="seconds from admission to answer (default 60; 0: none); later: 504, "
                    "and the request's remaining work is dropped")
-    p.add_argument("--limit-concurrency", type=_non_negative_int, default=512,
+    p.add_argument("--limit-concurrency", type=non_negative_int, default=512,
                    help="open connections and requests at most, beyond which uvicorn answers "
                    "503 (default 512; 0: no limit)")
-    p.add_argument("--max-buffered-bytes", type=_non_negative_int, default=64_000_000,
+    p.add_argument("--max-buffered-bytes", type=non_negative_int, default=64_000_000,
                    help="request-body bytes held in memory by all requests together (default "
                    "64000000; 0: no cap); beyond it 503")
     g = p.add_mutually_exclusive_group()
@@ -1003,7 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="essay scorer for /v1/score (default: the shipped one, if installed)")
     g.add_argument("--no-scorer", action="store_true",
                    help="serve tagging only (/v1/score answers 404)")
-    p.add_argument("--graceful-timeout", type=int, default=None,
+    p.add_argument("--graceful-timeout", type=non_negative_int, default=None,
                    help="seconds to wait for open requests on shutdown (default: no limit)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))

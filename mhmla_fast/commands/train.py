@@ -9,6 +9,7 @@ import sys
 from ..paths import shared_data_dir
 from .aes import add_train_parser as add_aes_parser
 from .aes import run_train as run_aes
+from .argtypes import positive_int
 from .config_flags import add_config_flags, config_from_args
 
 
@@ -24,7 +25,7 @@ def add_ged_parser(sub) -> None:
     p = sub.add_parser("ged", help="train a grammatical error detection tagger",
                        description="Train a GED tagger (defaults: the paper's recipe on FCE).")
     add_config_flags(p, TrainConfig, optional=("train", "dev"))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
 
 def run_ged(args) -> int:

@@ -40,8 +40,8 @@ from torch import Tensor
 from ..checkpoint import (CheckpointWriter, check_same_inputs, checkpoint_meta,
                           load_checkpoint, precision_recorded, recover_run_dir, run_lock)
 from ..durable import atomic_write_bytes, atomic_write_text
-from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, config_diff,
-                       same_file)
+from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, check_counts,
+                       check_positive, config_diff, same_file)
 from ..devices import (COMPILE_PAD_TO, TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, applied_compile,
                        applied_precision, check_same_compile, check_train_precision,
                        compiled_step, fused_optimizer, padded_length, training_autocast)
@@ -147,12 +147,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
-        for name in ("epochs", "batch_size", "eval_batch_size", "checkpoint_every",
-                     "max_train_sentences"):
-            value = getattr(self, name)
-            if (value is not None or name != "max_train_sentences") and (
-                    not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}: expected a whole number of at least 1, got {value!r}")
+        check_counts(self, "epochs", "batch_size", "eval_batch_size", "checkpoint_every",
+                     "max_train_sentences", optional=("max_train_sentences",))
+        check_positive(self, "lr")
+        check_positive(self, "weight_decay", or_zero=True)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule: expected one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
