@@ -19,6 +19,7 @@ Importing this module imports neither torch nor transformers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -30,7 +31,6 @@ __all__ = ["MODES", "FREEZE", "LayerAttentionConfig", "EncoderSpec", "nest_flat"
 
 MODES = ("mhmla", "shmla", "avgl", "last")
 FREEZE = ("none", "word_embeddings", "all")
-
 
 
 def check_counts(config: Any, *names: str, optional: tuple[str, ...] = ()) -> None:
@@ -50,7 +50,7 @@ def check_positive(config: Any, *names: str, or_zero: bool = False) -> None:
     for name in names:
         value = getattr(config, name)
         number = not isinstance(value, bool) and isinstance(value, (int, float))
-        if not number or not (0 <= value if or_zero else 0 < value) or value == float("inf"):
+        if not number or not math.isfinite(value) or value < 0 or (value == 0 and not or_zero):
             raise ValueError(f"{name}: expected a finite number {'>=' if or_zero else '>'} 0, "
                              f"got {value!r}")
 
