@@ -144,7 +144,6 @@ put_real() {  # on the device: the carried parts (.gpu/real/K) into $REAL, kept 
   fi
 }
 
-
 # the device call's limit is 10 minutes: stop the benchmark first, so that the log comes back
 bench() { timeout "${STAGE_TIMEOUT:-570}" python3 bench/benchmark_serve.py --device cuda "$@"; }
 

@@ -108,7 +108,6 @@ EXIT_OK, EXIT_BAD_LINES, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 
 
-
 class UsageError(Exception):
     """A problem with the arguments, the model or the files: message for the user, exit 2."""
 
