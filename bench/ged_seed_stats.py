@@ -45,7 +45,8 @@ MHMLA J: J, seeds, dev and FCE test F0.5; J = 1 is SHMLA unless MHMLA J = 1 runs
 against J = ``--mhmla-j`` as above, paired on common seeds, on dev and FCE test F0.5 at argmax,
 with Holm's adjustment over the J's of one encoder and score),
 ``notes``, ``provenance``; the J-sweep plot
-(``--j-sweep-png``, when there is a sweep); and Markdown tables on stdout, beside the
+(``--j-sweep-png``, when there is a sweep); every seed's Table 2 scores (``--table2-png``,
+when asked for); and Markdown tables on stdout, beside the
 paper's Table 2, ready for the README.
 """
 
@@ -706,6 +707,61 @@ def plot_j_sweep(sweep: dict[str, list[dict]], png: str | Path) -> Path:
     return png
 
 
+def table2_systems(summary: dict) -> dict[str, list[dict]]:
+    """{encoder: its Table 2 systems in head order}: the baselines and MHMLA at J = ``mhmla_j``
+    (the J sweep's other J left out)."""
+    out: dict[str, list[dict]] = {}
+    for s in summary["systems"].values():
+        if s["head"] != "mhmla" or s["J"] == summary["mhmla_j"]:
+            out.setdefault(s["encoder"], []).append(s)
+    return out
+
+
+def plot_table2(summary: dict, png: str | Path, metric: str = "f05") -> Path:
+    """Every seed's test F0.5 per Table 2 system (dots; a thin line joins one seed across the
+    heads, so the pairing of the tests shows), the mean over seeds (a bar) and, where the
+    paper has the head, its BERT-base value (a cross): one row of panels per encoder, one
+    panel per test set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = table2_systems(summary)
+    paper = dict(zip(("last", "avgl", "mhmla"), (v for _, v in PAPER_TABLE2)))
+    fig, axes = plt.subplots(len(rows), len(SETS), figsize=(3.4 * len(SETS), 3.2 * len(rows)),
+                             squeeze=False)
+    for ax_row, (encoder, systems) in zip(axes, rows.items()):
+        names = [HEAD_LABELS[s["head"]] + (f" J={s['J']}" if s["J"] else "") for s in systems]
+        seeds = sorted({k for s in systems for k in s["sets"]["fce_test"][metric]["per_seed"]})
+        for col, (ax, test_set) in enumerate(zip(ax_row, SETS)):
+            per_seed = [s["sets"][test_set][metric]["per_seed"] for s in systems]
+            for k, seed in enumerate(seeds):
+                pts = [(i, v[str(seed)]) for i, v in enumerate(per_seed) if str(seed) in v]
+                ax.plot([i for i, _ in pts], [y for _, y in pts], "o-", lw=0.6, ms=4, alpha=0.8,
+                        color=f"C{k % 10}", label=f"seed {seed}")
+            for i, s in enumerate(systems):
+                ax.hlines(s["sets"][test_set][metric]["mean"], i - 0.25, i + 0.25, color="k", lw=2,
+                          label="mean" if i == 0 else None)
+                if metric == "f05" and s["head"] in paper:
+                    ax.plot(i + 0.3, paper[s["head"]][col], "x", color="0.4", ms=7,
+                            label="paper, BERT-base" if s["head"] == "last" else None)
+            ax.set_xticks(range(len(systems)), names, fontsize=8)
+            ax.set_xlim(-0.5, len(systems) - 0.3)
+            ax.set_title(f"{ENCODER_LABELS.get(encoder, encoder)}, {SET_LABELS[test_set]}",
+                         fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+            if col == 0:
+                ax.set_ylabel(f"{METRIC_LABELS[metric]} (%)", fontsize=8)
+        ax_row[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
 # ---------------------------------------------------------------- CLI
 
 def _shown(path: str) -> str:
@@ -750,6 +806,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=str(DEFAULT_OUT), help="summary JSON")
     p.add_argument("--j-sweep-png", default=str(DEFAULT_PNG),
                    help="plot of F0.5 against J (written when some encoder has two or more J)")
+    p.add_argument("--table2-png", default=None,
+                   help="plot of every seed's test F0.5 per Table 2 system (off by default)")
     p.add_argument("--mhmla-j", type=int, default=12, help="the MHMLA J compared with the baselines")
     p.add_argument("--common-seeds", action="store_true",
                    help="pair on the seeds both systems have (default: unmatched seeds are an error)")
@@ -768,10 +826,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if summary["j_sweep"] and args.j_sweep_png:
         summary["j_sweep_png"] = str(plot_j_sweep(summary["j_sweep"], args.j_sweep_png))
+    if args.table2_png:
+        summary["table2_png"] = str(plot_table2(summary, args.table2_png))
     write_summary(summary, args.out, [input_record(r, system=system_key(r.system)) for r in runs])
     print(markdown(summary))
-    png = summary.get("j_sweep_png")
-    print(f"\nwrote {args.out}" + (f" and {png}" if png else ""))
+    pngs = [summary[k] for k in ("j_sweep_png", "table2_png") if k in summary]
+    print(f"\nwrote {args.out}" + "".join(f" and {x}" for x in pngs))
     return 0
 
 

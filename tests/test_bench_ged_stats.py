@@ -172,11 +172,15 @@ def test_table2_statistics_match_numpy_and_scipy(gs, tmp_path, capsys):
     assert "not confirmed" in out["claim"]["minilm"]  # higher than last, not than AvgL everywhere
     assert out["j_sweep"] == {}  # one J only
 
-    # the CLI: JSON with inputs and provenance, the Markdown beside the paper, no sweep plot
-    dest, png = tmp_path / "stats.json", tmp_path / "sweep.png"
+    # the CLI: JSON with inputs and provenance, the Markdown beside the paper, no sweep plot,
+    # the per-seed Table 2 plot when asked for
+    dest, png, seeds_png = tmp_path / "stats.json", tmp_path / "sweep.png", tmp_path / "t2.png"
     assert gs.main(["--inputs", str(tmp_path / "ged_*_seed*.json"), "--out", str(dest),
-                    "--j-sweep-png", str(png), "--common-seeds"]) == 0
+                    "--j-sweep-png", str(png), "--table2-png", str(seeds_png),
+                    "--common-seeds"]) == 0
+    assert seeds_png.stat().st_size > 5000 and seeds_png.read_bytes()[:8] == PNG_MAGIC
     written = json.loads(dest.read_text())
+    assert written["table2_png"] == str(seeds_png)
     assert len(written["inputs"]) == 17 and {x["commit"] for x in written["inputs"]} == {
         f"c{s}" for s in range(5)}
     assert "command" in written["provenance"] and not png.exists()
@@ -217,6 +221,10 @@ def test_grouping_j_sweep_and_its_plot(gs, tmp_path, capsys):
                                     "minilm/mhmla/J12", "mpnet/last", "mpnet/shmla",
                                     "mpnet/mhmla/J4", "mpnet/mhmla/J12"]
     assert out["systems"]["mpnet/mhmla/J12"]["label"] == "MHMLA J = 12 (MPNet)"
+    # Table 2 (the per-seed plot's systems): the baselines and MHMLA at J = 12, no other J
+    assert {e: [(x["head"], x["J"]) for x in v] for e, v in gs.table2_systems(out).items()} == {
+        "bert": [("mhmla", 12)], "minilm": [("mhmla", 12)],
+        "mpnet": [("last", None), ("shmla", None), ("mhmla", 12)]}
     assert [c["baseline"] for c in out["comparisons"]] == ["mpnet/last", "mpnet/shmla"]
     assert list(out["j_sweep"]) == ["minilm", "mpnet"]
     assert [(r["J"], r["head"]) for r in out["j_sweep"]["mpnet"]] == [

@@ -152,7 +152,8 @@ layers() {  # MHMLA J = 12 seed 0 of this encoder on FCE test, then every encode
 
 stats() {  # ARGS...: bench/ged_seed_stats.py over this encoder's results files
   python bench/ged_seed_stats.py --inputs "$RESULTS/ged_${TAG}_*_seed*.json" \
-    --out "$RESULTS/ged_${TAG}_seed_stats.json" --j-sweep-png "$RESULTS/ged_${TAG}_j_sweep.png" "$@"
+    --out "$RESULTS/ged_${TAG}_seed_stats.json" --j-sweep-png "$RESULTS/ged_${TAG}_j_sweep.png" \
+    --table2-png "$RESULTS/ged_${TAG}_table2_seeds.png" "$@"
 }
 
 case "${1:-}" in
