@@ -23,6 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ged_seed_stats as gs  # noqa: E402 - the sibling script, by file name
+
 
 def load_layers(path: str | Path) -> dict:
     """One ged-layers JSON -> {"layers": [L], "weights": array [L, J], "model", "data"};
@@ -72,12 +75,7 @@ def plot_layers(panels: Sequence[dict], labels: Sequence[str], png: str | Path) 
     data = {Path(str(p["data"])).name for p in panels if p.get("data")}
     if len(data) == 1:
         fig.suptitle(f"MHMLA layer weights, averaged over the tokens of {data.pop()}", fontsize=10)
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return gs.save_png(fig, png)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -670,6 +670,18 @@ def markdown(summary: dict) -> str:
     return "\n\n".join(parts)
 
 
+def save_png(fig, png: str | Path) -> Path:
+    """Lay out ``fig``, write it to ``png`` (120 dpi, folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
 def plot_j_sweep(sweep: dict[str, list[dict]], png: str | Path) -> Path:
     """F0.5 against J (log axis, error bars: sample std over seeds), dev and FCE test, one panel
     per encoder."""
@@ -699,12 +711,7 @@ def plot_j_sweep(sweep: dict[str, list[dict]], png: str | Path) -> Path:
                      f"{'/'.join(map(str, n))} seeds")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return save_png(fig, png)
 
 
 def table2_systems(summary: dict) -> dict[str, list[dict]]:
@@ -754,12 +761,7 @@ def plot_table2(summary: dict, png: str | Path, metric: str = "f05") -> Path:
             if col == 0:
                 ax.set_ylabel(f"{METRIC_LABELS[metric]} (%)", fontsize=8)
         ax_row[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return save_png(fig, png)
 
 
 # ---------------------------------------------------------------- CLI
