@@ -747,12 +747,14 @@ def plot_table2(summary: dict, png: str | Path, metric: str = "f05") -> Path:
                 pts = [(i, v[str(seed)]) for i, v in enumerate(per_seed) if str(seed) in v]
                 ax.plot([i for i, _ in pts], [y for _, y in pts], "o-", lw=0.6, ms=4, alpha=0.8,
                         color=f"C{k % 10}", label=f"seed {seed}")
+            crossed = False
             for i, s in enumerate(systems):
                 ax.hlines(s["sets"][test_set][metric]["mean"], i - 0.25, i + 0.25, color="k", lw=2,
                           label="mean" if i == 0 else None)
-                if metric == "f05" and s["head"] in paper:
+                if metric == "f05" and s["head"] in paper and s["J"] in (None, 12):  # paper: J 12
                     ax.plot(i + 0.3, paper[s["head"]][col], "x", color="0.4", ms=7,
-                            label="paper, BERT-base" if s["head"] == "last" else None)
+                            label=None if crossed else "paper, BERT-base")
+                    crossed = True
             ax.set_xticks(range(len(systems)), names, fontsize=8)
             ax.set_xlim(-0.5, len(systems) - 0.3)
             ax.set_title(f"{ENCODER_LABELS.get(encoder, encoder)}, {SET_LABELS[test_set]}",
