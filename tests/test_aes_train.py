@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mhmla_fast.aes.data import SCORE_RANGES, Essay
+from mhmla_fast.aes.ged_features import GED_FEATURES
 from mhmla_fast.aes.metrics import quadratic_weighted_kappa
 from mhmla_fast.aes.train import (
     FeatureSplit, HeadTrainConfig, _ridge_path, greedy_ensemble, human_agreement, majority_vote,
@@ -365,9 +366,13 @@ def test_cache_only_builds_each_pooling_the_models_need(tiny_encoder, tmp_path, 
 
 def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     data = write_asap(tmp_path / "data")
+    from mhmla_fast.ged.predict import default_model_path
+    from test_aes_cutpoints import _WordTagger
+
+    tagger = _WordTagger(default_model_path())  # stands in for the shipped GED tagger
     kw = dict(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run",
               folds=[0], prompts=[3, 4], encoder=tiny_encoder, backend="torch", log=None,
-              overrides={"epochs": 3, "lr": 3e-3, "num_heads": 4})
+              overrides={"epochs": 3, "lr": 3e-3, "num_heads": 4}, ged_tagger=lambda: tagger)
     result = run_cpu_protocol(results=tmp_path / "aes.json", **kw)
     assert result["protocol"] == "cpu-frozen-encoder"
     assert json.loads((tmp_path / "aes.json").read_text())["protocol"] == "cpu-frozen-encoder"
@@ -377,7 +382,9 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
                            "avgl-reg", "mhmla-joint-cls",
                            "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
                            "ridge-layers-mean", "ridge-layers-mean-surface",
-                           "ridge-layers-both-surface", "tfidf-ridge", "surface-ridge"}
+                           "ridge-layers-both-surface", "ridge-layers-both-surface-cuts",
+                           "ridge-layers-both-surface-ged", "ridge-layers-both-surface-ged-cuts",
+                           "tfidf-ridge", "surface-ridge", "surface-ged-ridge"}
     assert "lrs" not in models["last-cls"]["settings"]  # an lr override fixes the lr
     assert "features" not in models["ridge-layers"]["settings"]  # "cls": old units still match
     assert models["ridge-layers-mean"]["settings"]["features"] == "mean"
@@ -394,7 +401,14 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 13 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 17 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert tagger.calls == 1 and len(list((tmp_path / "cache").glob("ged-*.safetensors"))) == 1
+    ged = models["ridge-layers-both-surface-ged-cuts"]["settings"]
+    assert ged["ged"] == list(GED_FEATURES) and ged["cuts"] and len(ged["ged_tagger_sha256"]) == 64
+    for k in ("ged", "cuts"):  # the other ridge units' settings are as before: they still match
+        assert k not in models["ridge-layers-both-surface"]["settings"]
+    for p in ("3", "4"):
+        assert len(models["ridge-layers-both-surface-cuts"]["selected"]["0"][p]["cutpoints"]) == 3
     # a second run reuses every unit: same numbers
     again = run_cpu_protocol(results=None, **kw)
     assert again["models"] == result["models"] and again["ensembles"] == result["ensembles"]
@@ -775,6 +789,8 @@ def test_ensemble_members_must_be_models_that_run(tmp_path):
         run_cpu_protocol(members=["tfidf-ridge", "mhmla-cls", "nope"], **kw)
     with pytest.raises(ValueError, match="an ensemble needs two at the least"):
         run_cpu_protocol(members=["tfidf-ridge"], **kw)
+    with pytest.raises(ValueError, match=r"\['surface-ged-ridge'\]: models with grammatical"):
+        run_cpu_protocol(**{**kw, "models": ["ridge-layers", "surface-ged-ridge"]})
     assert not (tmp_path / "cache").exists()  # refused before any work
 
 

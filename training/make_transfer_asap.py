@@ -27,29 +27,8 @@ import sys
 from pathlib import Path
 
 from mhmla_fast.aes.data import read_asap
+from mhmla_fast.serve.essays import essay_sentences
 from mhmla_fast.durable import atomic_write_text
-from mhmla_fast.serve.tokenize import word_tokenize_lists
-
-_ENDS = frozenset(".!?")
-_CLOSERS = frozenset("”’»)")
-
-
-def essay_sentences(text: str) -> list[list[str]]:
-    """``text``'s tokens, cut after each token made only of ``.``, ``!`` and ``?`` (a closing
-    quote or bracket right after the cut stays with the sentence it closes)."""
-    tokens, _ = word_tokenize_lists(text)
-    out, current = [], []
-    for tok in tokens:
-        if not current and out and tok in _CLOSERS:  # a closing quote ends the last sentence
-            out[-1].append(tok)
-            continue
-        current.append(tok)
-        if set(tok) <= _ENDS:
-            out.append(current)
-            current = []
-    if current:
-        out.append(current)
-    return out
 
 
 def main(argv=None) -> int:

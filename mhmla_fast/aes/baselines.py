@@ -7,13 +7,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .data import Essay, normalise_score
+from .cutpoints import apply_cutpoints, fit_cutpoints, out_of_fold_predictions
+from .data import SCORE_RANGES, Essay, normalise_score
 from .metrics import exact_agreement, quadratic_weighted_kappa
 from .model import combine_windows
 from .splits import FeatureSplit, qwk
+from .windows import average_windows
 
-__all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select", "ridge_layers",
-           "surface_ridge", "tfidf_select", "human_agreement"]
+__all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select",
+           "ridge_select_cutpoints", "ridge_layers", "surface_ridge", "tfidf_select",
+           "human_agreement"]
 
 RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))  # 0.1 .. 1e5, half decades
 TFIDF_ALPHAS = tuple(float(a) for a in np.logspace(-2, 2, 9))
@@ -66,6 +69,56 @@ def ridge_select(Xtr: np.ndarray, ytr: np.ndarray, Xdev: np.ndarray, dev_index: 
     return predict, best[1], best[0]
 
 
+def _score_scale(normalised: np.ndarray, prompt: int) -> np.ndarray:
+    """Normalised essay predictions -> the prompt's score scale, unrounded."""
+    lo, hi = SCORE_RANGES[int(prompt)]
+    return lo + np.asarray(normalised, dtype=np.float64) * (hi - lo)
+
+
+def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.ndarray,
+                           train_gold: np.ndarray, Xdev: np.ndarray, dev_index: np.ndarray,
+                           dev_gold: np.ndarray, prompt: int,
+                           alphas: Sequence[float] = RIDGE_ALPHAS, n_folds: int = 5,
+                           ) -> tuple[Callable[..., np.ndarray], float, float, np.ndarray]:
+    """:func:`ridge_select` with the essay predictions cut into scores at cutpoints fitted for
+    QWK (:mod:`.cutpoints`) instead of rounded.
+
+    For every alpha the cutpoints are fitted on out-of-fold predictions of the training essays
+    (``n_folds`` folds of essays, each predicted by a ridge fitted on the others), so neither
+    the dev split, which then chooses alpha by its QWK, nor the test split is seen by the fit.
+    ``train_index`` [W_tr] gives each training window's essay, ``train_gold`` [E_tr] their
+    scores. Returns ``(predict(X, index, n_essays) -> scores, alpha, dev QWK, cutpoints)``;
+    ties in dev QWK go to the larger alpha, as in :func:`ridge_select`.
+    """
+    train_index = np.asarray(train_index)
+    n_train = len(train_gold)
+
+    def fit(rows: np.ndarray):
+        path = _ridge_path(Xtr[rows], ytr[rows], alphas)
+        W = np.stack([w for w, _ in path], axis=1)  # [F, A]
+        b = np.array([b for _, b in path])
+        return lambda held: Xtr[held] @ W + b
+
+    oof = out_of_fold_predictions(fit, train_index, n_folds=n_folds)  # [W_tr, A]
+    oof_essays = _score_scale(average_windows(oof, train_index, n_train), prompt)  # [E_tr, A]
+    best = None
+    for a, (alpha, (w, b)) in sorted(enumerate(zip(alphas, _ridge_path(Xtr, ytr, alphas))),
+                                     key=lambda t: -t[1][0]):
+        cuts = fit_cutpoints(oof_essays[:, a], train_gold, prompt)
+        x_dev = _score_scale(average_windows(Xdev @ w + b, dev_index, len(dev_gold)), prompt)
+        score = qwk(dev_gold, apply_cutpoints(x_dev, cuts, prompt), prompt)
+        if best is None or score > best[0]:
+            best = (score, alpha, (w, b), cuts)
+    assert best is not None
+    dev_q, alpha, (w, b), cuts = best
+
+    def predict(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
+        x = _score_scale(average_windows(X @ w + b, index, n_essays), prompt)
+        return apply_cutpoints(x, cuts, prompt)
+
+    return predict, alpha, dev_q, cuts
+
+
 def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
                   std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[W, L*H] concatenated vectors of layers 1..L, standardised (train statistics)."""
@@ -83,12 +136,15 @@ def _standardise(X: np.ndarray, mean: np.ndarray | None = None, std: np.ndarray 
 
 def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, prompt: int,
                  alphas: Sequence[float] = RIDGE_ALPHAS,
-                 surface: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict:
+                 surface: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 cuts: bool = False) -> dict:
     """``ridge-layers`` for one prompt: test/dev predictions, chosen alpha, dev QWK.
 
-    ``surface``: per-essay surface features (:func:`~.surface.surface_features`) of the
-    train, dev and test essays, standardised on train and appended to every window's row
-    (``ridge-layers-surface``).
+    ``surface``: per-essay features (:func:`~.surface.surface_features`, and with them any
+    other per-essay features such as :mod:`.ged_features`) of the train, dev and test essays,
+    standardised on train and appended to every window's row (``ridge-layers-surface``).
+    ``cuts``: scores cut at cutpoints fitted for QWK on out-of-fold training predictions
+    (:func:`ridge_select_cutpoints`) instead of rounded.
     """
     Xtr, mu, sd = _layer_matrix(train)
     ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
@@ -100,10 +156,18 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
         Xtr = np.hstack([Xtr, s_tr[train.essay_index]])
         Xdev = np.hstack([Xdev, s_dev[dev.essay_index]])
         Xte = np.hstack([Xte, s_te[test.essay_index]])
-    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev.essay_index, dev.scores, prompt, alphas)
+    selected: dict = {}
+    if cuts:
+        predict, alpha, dev_q, c = ridge_select_cutpoints(
+            Xtr, ytr, train.essay_index, train.scores, Xdev, dev.essay_index, dev.scores,
+            prompt, alphas)
+        selected["cutpoints"] = c.tolist()
+    else:
+        predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev.essay_index, dev.scores,
+                                             prompt, alphas)
     return {"dev_pred": predict(Xdev, dev.essay_index, len(dev.ids)),
             "test_pred": predict(Xte, test.essay_index, len(test.ids)),
-            "dev_qwk": dev_q, "selected": {"alpha": alpha}}
+            "dev_qwk": dev_q, "selected": {"alpha": alpha, **selected}}
 
 
 def surface_ridge(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, np.ndarray],

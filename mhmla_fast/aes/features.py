@@ -50,7 +50,7 @@ from .model import collate_windows, encode_essay_windows, token_budget_batches
 
 __all__ = ["CachedFeatures", "POOLINGS", "cache_path", "encode_window_features",
            "encode_window_poolings", "build_feature_caches",
-           "load_feature_cache", "encoder_window"]
+           "load_feature_cache", "encoder_window", "encoder_fingerprint", "files_fingerprint"]
 
 POOLINGS = ("cls", "mean")
 
@@ -125,12 +125,17 @@ def _poolings(poolings: Sequence[str]) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=8)
 def encoder_fingerprint(encoder: str) -> str:
-    """sha256 of the encoder's files as loaded (its folder's config, tokenizer and weight files:
-    names, sizes and contents), so that a cache made with other weights under the same name is
-    never taken for this encoder's. Once per process and encoder."""
+    """sha256 of the encoder's files as loaded (:func:`files_fingerprint` of its folder), so
+    that a cache made with other weights under the same name is never taken for this
+    encoder's. Once per process and encoder."""
     from ..encoder import resolve_encoder
 
-    root = Path(resolve_encoder(encoder))
+    return files_fingerprint(Path(resolve_encoder(encoder)))
+
+
+def files_fingerprint(root: Path) -> str:
+    """sha256 of a model folder's config, tokenizer and weight files (``.json``,
+    ``.safetensors``, ``.bin``, ``.txt``, ``.model``): their names, sizes and contents."""
     h = hashlib.sha256()
     files = sorted(p for p in root.iterdir() if p.is_file() and (
         p.suffix in (".json", ".safetensors", ".bin", ".txt", ".model")))

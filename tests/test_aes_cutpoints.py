@@ -1,0 +1,189 @@
+"""Score cutpoints fitted for QWK (``mhmla_fast.aes.cutpoints``) and the ridge that uses them,
+and the grammatical-error features of essays (``mhmla_fast.aes.ged_features``) with the
+serving engine's essay tagger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhmla_fast.aes.baselines import ridge_layers, ridge_select_cutpoints
+from mhmla_fast.aes.cutpoints import (apply_cutpoints, fit_cutpoints, out_of_fold_predictions,
+                                      rounding_cutpoints)
+from mhmla_fast.aes.data import SCORE_RANGES, denormalise_scores
+from mhmla_fast.aes.ged_features import (GED_FEATURES, features_from_probs, ged_feature_cache,
+                                         ged_features)
+from mhmla_fast.aes.metrics import quadratic_weighted_kappa
+from test_aes_train import synthetic_split
+
+
+@pytest.mark.parametrize("prompt", [1, 3, 8])
+def test_rounding_cutpoints_round_half_up_as_denormalise(prompt):
+    lo, hi = SCORE_RANGES[prompt]
+    rng = np.random.default_rng(prompt)
+    a = rng.uniform(-0.2, 1.2, 500)
+    a = a[np.abs((a * (hi - lo)) % 1 - 0.5) > 1e-6]  # no exact ties: float rounding may differ
+    x = lo + a * (hi - lo)
+    got = apply_cutpoints(x, rounding_cutpoints(prompt), prompt)
+    assert got.tolist() == denormalise_scores(a, prompt).tolist()
+
+
+def test_apply_cutpoints_refuses_bad_cutpoints_and_scores():
+    with pytest.raises(ValueError, match="expected 3 cutpoints"):
+        apply_cutpoints(np.zeros(2), np.zeros(2), 3)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        apply_cutpoints(np.zeros(2), np.array([0.5, 2.5, 1.5]), 3)
+    with pytest.raises(ValueError, match="non-finite"):
+        apply_cutpoints(np.array([np.nan]), rounding_cutpoints(3), 3)
+
+
+def test_fitted_cutpoints_undo_a_shrunk_prediction():
+    """Predictions pulled toward the middle (as a ridge's are) round into the middle scores;
+    fitted cutpoints recover the order exactly, and never score below rounding."""
+    rng = np.random.default_rng(0)
+    gold = rng.integers(0, 4, 300)  # prompt 3: 0..3
+    x = 1.5 + 0.3 * (gold - 1.5) + rng.uniform(-0.1, 0.1, 300)  # ordered, but squeezed
+    rounded = quadratic_weighted_kappa(gold, apply_cutpoints(x, rounding_cutpoints(3), 3), 0, 3)
+    cuts = fit_cutpoints(x, gold, 3)
+    fitted = quadratic_weighted_kappa(gold, apply_cutpoints(x, cuts, 3), 0, 3)
+    assert rounded < 0.8 and fitted == 1.0
+    assert np.all(np.diff(cuts) >= 0)
+    # where rounding is already perfect, the cutpoints stay where rounding puts them
+    exact = gold + rng.uniform(-0.3, 0.3, 300)
+    np.testing.assert_array_equal(fit_cutpoints(exact, gold, 3), rounding_cutpoints(3))
+
+
+def test_fit_cutpoints_reaches_the_best_single_cut_found_by_brute_force():
+    """Two scores (one cutpoint): coordinate ascent is exhaustive over the candidates, so it
+    must equal a brute-force search over every cut between two sorted predictions."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=80)
+    gold = (x + rng.normal(scale=1.0, size=80) > 0.8).astype(int)
+    # prompt 3 has 4 scores; use two of them by putting the other cuts out of reach
+    best = max(quadratic_weighted_kappa(gold, (x >= c).astype(int), 0, 3)
+               for c in np.concatenate([[x.min() - 1], (np.sort(x)[1:] + np.sort(x)[:-1]) / 2]))
+    cuts = fit_cutpoints(x, gold, 3)
+    got = quadratic_weighted_kappa(gold, apply_cutpoints(x, cuts, 3), 0, 3)
+    assert got >= best - 1e-12
+
+
+def test_out_of_fold_predictions_never_predict_a_group_from_itself():
+    groups = np.repeat(np.arange(23), 1 + np.arange(23) % 3)  # 1-3 windows per essay
+    seen = {}
+
+    def fit(train_rows):
+        train_groups = set(groups[train_rows].tolist())
+
+        def predict(held):
+            for g in groups[held]:
+                assert g not in train_groups  # an essay's windows stay in one fold
+                seen[g] = seen.get(g, 0) + 1
+            return np.stack([held.astype(float), -held.astype(float)], axis=1)
+        return predict
+
+    out = out_of_fold_predictions(fit, groups, n_folds=5)
+    assert out.shape == (len(groups), 2)
+    np.testing.assert_array_equal(out[:, 0], np.arange(len(groups)))  # every row, once
+    assert sorted(seen) == list(range(23))
+    with pytest.raises(ValueError, match="3 groups for 5 folds"):
+        out_of_fold_predictions(fit, np.array([0, 1, 2]), n_folds=5)
+
+
+def test_ridge_with_cutpoints_beats_rounding_a_heavily_shrunk_ridge():
+    """At a large alpha the ridge's predictions shrink toward the mean score, and rounding
+    then loses the extremes; cutpoints fitted on out-of-fold training predictions (dev and
+    test unseen) put them back."""
+    tr, dv, te = (synthetic_split(n, 1, s) for n, s in ((300, 0), (100, 1), (100, 2)))
+    alphas = (3e4,)
+    plain = ridge_layers(tr, dv, te, 1, alphas=alphas)
+    cut = ridge_layers(tr, dv, te, 1, alphas=alphas, cuts=True)
+    q = lambda r: quadratic_weighted_kappa(te.scores, r["test_pred"], 2, 12)  # noqa: E731
+    assert q(cut) > q(plain) + 0.05 and cut["dev_qwk"] > plain["dev_qwk"]
+    assert len(cut["selected"]["cutpoints"]) == 10
+    lo, hi = SCORE_RANGES[1]
+    assert cut["test_pred"].min() >= lo and cut["test_pred"].max() <= hi
+
+
+def test_ridge_cutpoints_choose_alpha_on_dev_and_ties_go_to_the_larger():
+    tr, dv, te = (synthetic_split(n, 3, s) for n, s in ((120, 0), (40, 1), (40, 2)))
+    X = lambda s: s.features[:, 1:].reshape(len(s.features), -1).double().numpy()  # noqa: E731
+    y = (tr.scores[tr.essay_index] - 0) / 3.0
+    predict, alpha, dev_q, cuts = ridge_select_cutpoints(
+        X(tr), y, tr.essay_index, tr.scores, X(dv), dv.essay_index, dv.scores, 3,
+        alphas=(0.1, 1.0, 10.0))
+    assert dev_q == 1.0 and alpha == 10.0  # all three perfect on dev: the simplest
+    assert predict(X(te), te.essay_index, len(te.ids)).tolist() == te.scores.tolist()
+    assert cuts.shape == (3,)
+
+
+# ------------------------------------------------------------ grammatical-error features
+
+
+def test_features_from_probs_by_hand():
+    probs = [np.array([0.1, 0.9, 0.2]), np.array([0.6]), np.array([0.0, 0.3])]
+    f = dict(zip(GED_FEATURES, features_from_probs(probs, 0.5)))
+    assert f["error_share"] == pytest.approx(2 / 6)
+    assert f["mean_error_prob"] == pytest.approx(2.1 / 6)
+    assert f["log_errors"] == pytest.approx(np.log1p(2))
+    assert f["error_sentence_share"] == pytest.approx(2 / 3)
+    assert f["errors_per_sentence"] == pytest.approx(2 / 3)
+    assert features_from_probs([], 0.5).tolist() == [0.0] * len(GED_FEATURES)
+
+
+class _WordTagger:
+    """A stand-in tagger: a word's error probability is 0.9 if it is "goes", else 0.1."""
+
+    def __init__(self, model_dir):
+        self.model_dir, self.threshold, self.calls = Path(model_dir), 0.5, 0
+
+    def __call__(self, texts, progress=None):
+        self.calls += 1
+        return [[np.array([0.9 if w == "goes" else 0.1 for w in s.split()])
+                 for s in t.split(".") if s.strip()] for t in texts]
+
+
+def test_ged_feature_cache_computes_once_per_tagger_and_essays(tmp_path):
+    model = tmp_path / "tagger"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    tagger = _WordTagger(model)
+    texts = ["he goes home. she goes", "we go home. they go"]
+    a = ged_feature_cache([1, 2], texts, tmp_path / "cache", tagger)
+    np.testing.assert_array_equal(a, ged_features(texts, tagger))
+    assert a[0, 0] == pytest.approx(2 / 5) and a[1, 0] == 0.0
+    calls = tagger.calls
+    b = ged_feature_cache([1, 2], texts, tmp_path / "cache", tagger)
+    assert tagger.calls == calls and np.array_equal(a, b)  # read back, not recomputed
+    ged_feature_cache([1, 2], [texts[0], "they goes"], tmp_path / "cache", tagger)
+    assert tagger.calls == calls + 1  # another essay text: computed afresh
+    (model / "config.json").write_text('{"changed": 1}')
+    ged_feature_cache([1, 2], texts, tmp_path / "cache", tagger)
+    assert tagger.calls == calls + 2  # another tagger under the same folder: afresh
+    maker_calls = []
+    ged_feature_cache([1, 2], texts, tmp_path / "cache",
+                      lambda: maker_calls.append(1) or tagger, model_dir=model)
+    assert maker_calls == []  # a maker is called only when the cache lacks the essays
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not"):
+        ged_feature_cache([3], ["x"], tmp_path / "cache", lambda: tagger, model_dir=other)
+
+
+def test_engine_essay_tagger_gives_the_engines_probabilities_per_sentence(tiny_tagger_dir):
+    from mhmla_fast.serve.engine import Engine
+    from mhmla_fast.serve.essays import EngineEssayTagger, essay_sentences
+
+    tagger = EngineEssayTagger(tiny_tagger_dir, backend="torch", chunk=3)
+    texts = ["He go to school . She like it ! Why ?", "", "One sentence without an end"]
+    got = tagger(texts)
+    assert [len(g) for g in got] == [3, 0, 1]
+    engine = Engine.load(tiny_tagger_dir, backend="torch")
+    for text, per_sentence in zip(texts, got):
+        want = engine.tag_tokens(essay_sentences(text)) if essay_sentences(text) else []
+        assert len(per_sentence) == len(want)
+        for q, r in zip(per_sentence, want):
+            np.testing.assert_allclose(q, r.probs, rtol=0, atol=1e-6)
+    assert tagger.threshold == engine.threshold
