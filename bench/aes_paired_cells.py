@@ -1,0 +1,109 @@
+"""Paired comparison of two AES protocol models over their (fold, prompt) cells.
+
+    python bench/aes_paired_cells.py bench/results/aes_cpu-frozen-encoder-ged-cuts.json \\
+        --pair ridge-layers-both-surface-cuts:ridge-layers-both-surface \\
+        --pair ridge-layers-both-surface-ged:ridge-layers-both-surface
+
+For each ``A:B`` pair of models in one results file of ``mhmla-train aes`` (the same essays in
+every cell: one run, or runs over the same folds), with ``d_c = QWK_A(c) - QWK_B(c)`` over the
+``n`` cells ``c`` = (fold, prompt) both hold::
+
+    mean_diff = mean_c d_c            (QWK points x 100 in the table; fractions in the JSON)
+    wins, losses, ties = #{d_c > 0}, #{d_c < 0}, #{d_c = 0}
+    p_wilcoxon = scipy.stats.wilcoxon(d).pvalue   (two-sided signed-rank test, zeros dropped)
+    p_holm     = Holm's step-down adjustment over the pairs of the call
+
+The cells are not independent draws (a prompt's five folds share essays' neighbours), so the
+test is a guide, not a guarantee; the per-prompt means say where a difference comes from.
+
+JSON (``--out``, default ``bench/results/aes_paired_cells.json``): ``input``, ``pairs`` (per
+pair: ``n``, ``mean_diff``, ``wins``, ``losses``, ``ties``, ``p_wilcoxon``, ``p_holm``,
+``per_prompt_diff``), ``provenance``. A table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "aes_paired_cells.json"
+
+
+def cells(result: dict, model: str) -> dict[tuple[str, str], float]:
+    """{(fold, prompt): test QWK} of ``model`` (a model or an ensemble of the results)."""
+    entry = result["models"].get(model) or result.get("ensembles", {}).get(model)
+    if entry is None:
+        known = sorted([*result["models"], *result.get("ensembles", {})])
+        raise ValueError(f"no model {model!r} in the results; known: {known}")
+    return {(k, p): q for k, per in entry["qwk"].items() for p, q in per.items() if q is not None}
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    out, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def compare(result: dict, a: str, b: str) -> dict:
+    """One pair ``a`` against ``b`` (see the module doc), without the Holm adjustment."""
+    from scipy import stats
+
+    ca, cb = cells(result, a), cells(result, b)
+    common = sorted(set(ca) & set(cb))
+    if not common:
+        raise ValueError(f"{a} and {b} share no (fold, prompt) cell")
+    d = [ca[c] - cb[c] for c in common]
+    nonzero = [x for x in d if x != 0]
+    p = float(stats.wilcoxon(nonzero).pvalue) if nonzero else 1.0
+    prompts = sorted({p for _, p in common}, key=int)
+    per_prompt = {p: sum(x for c, x in zip(common, d) if c[1] == p)
+                  / sum(1 for c in common if c[1] == p) for p in prompts}
+    return {"a": a, "b": b, "n": len(d), "mean_diff": sum(d) / len(d),
+            "wins": sum(x > 0 for x in d), "losses": sum(x < 0 for x in d),
+            "ties": sum(x == 0 for x in d), "p_wilcoxon": p, "per_prompt_diff": per_prompt}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", help="a results file of mhmla-train aes")
+    ap.add_argument("--pair", action="append", required=True, metavar="A:B",
+                    help="model A against model B (repeatable)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    try:
+        result = json.loads(Path(args.results).read_text())
+        pairs = []
+        for spec in args.pair:
+            a, sep, b = spec.partition(":")
+            if not sep or not a or not b:
+                raise ValueError(f"--pair: expected A:B, got {spec!r}")
+            pairs.append(compare(result, a, b))
+    except (OSError, ValueError, KeyError) as err:
+        print(f"aes_paired_cells: {err}", file=sys.stderr)
+        return 2
+    for pair, p in zip(pairs, holm([x["p_wilcoxon"] for x in pairs])):
+        pair["p_holm"] = p
+    sys.path.insert(0, str(REPO_ROOT))
+    from mhmla_fast.provenance import provenance
+
+    out = {"input": args.results, "pairs": pairs, "provenance": provenance()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    for x in pairs:
+        print(f"{x['a']} - {x['b']}: {100 * x['mean_diff']:+.2f} QWK points over {x['n']} cells "
+              f"({x['wins']} won, {x['losses']} lost, {x['ties']} tied), Wilcoxon p "
+              f"{x['p_wilcoxon']:.2g}, Holm {x['p_holm']:.2g}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

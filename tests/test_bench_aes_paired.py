@@ -1,0 +1,52 @@
+"""bench/aes_paired_cells.py: paired per-cell comparison of AES models, against scipy and a
+hand-computed Holm adjustment."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from bench_scripts import load_bench_script
+
+
+def _result(qwk: dict[str, np.ndarray]) -> dict:
+    return {"models": {m: {"qwk": {str(k): {str(p): float(v[k, i]) for i, p in enumerate((3, 4))}
+                                   for k in range(v.shape[0])}} for m, v in qwk.items()},
+            "ensembles": {}}
+
+
+def test_pairs_match_scipy_and_holm(tmp_path, capsys):
+    bench = load_bench_script("aes_paired_cells")
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.6, 0.8, size=(5, 2))
+    better = base + rng.uniform(0.0, 0.03, size=(5, 2))
+    same = base.copy()
+    same[0, 0] += 0.01
+    same[1, 1] -= 0.02
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_result({"base": base, "better": better, "same": same})))
+    out = tmp_path / "pairs.json"
+    assert bench.main([str(path), "--pair", "better:base", "--pair", "same:base",
+                       "--out", str(out)]) == 0
+    pairs = json.loads(out.read_text())["pairs"]
+    d = (better - base).ravel()
+    assert pairs[0]["mean_diff"] == pytest.approx(d.mean())
+    assert pairs[0]["wins"] == 10 and pairs[0]["n"] == 10
+    assert pairs[0]["p_wilcoxon"] == pytest.approx(stats.wilcoxon(d).pvalue)
+    assert pairs[0]["per_prompt_diff"]["3"] == pytest.approx((better - base)[:, 0].mean())
+    assert (pairs[1]["wins"], pairs[1]["losses"], pairs[1]["ties"]) == (1, 1, 8)
+    p = sorted([pairs[0]["p_wilcoxon"], pairs[1]["p_wilcoxon"]])
+    assert pairs[0]["p_holm"] == pytest.approx(min(1.0, 2 * p[0]))
+    assert pairs[1]["p_holm"] == pytest.approx(max(min(1.0, 2 * p[0]), min(1.0, p[1])))
+    assert bench.main([str(path), "--pair", "base:nope", "--out", str(out)]) == 2
+    assert "no model 'nope'" in capsys.readouterr().err
+    assert bench.main([str(path), "--pair", "base", "--out", str(out)]) == 2
+
+
+def test_holm_is_monotone_and_capped():
+    bench = load_bench_script("aes_paired_cells")
+    assert bench.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert bench.holm([0.6, 0.9]) == [1.0, 1.0]
