@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The AES CPU frozen-encoder protocol on ASAP, end to end, and the shipped scorer.
 # Resumable: every step reuses what an earlier (interrupted) run left under runs/.
-# About 70 minutes on 2 cores: the two feature caches ~25 each, the units ~20.
+# About 80 minutes on 2 cores: the two feature caches ~25 each (one encoder pass since
+# 2026-11-28), the GED features of the error-feature models ~12, the units ~20.
 set -euo pipefail
 THREADS=${THREADS:-2}
 # 1. per-layer [CLS] and token-mean vectors of every window of all 12,978 essays (two
