@@ -117,8 +117,10 @@ class Calibration:
         self.seconds = {"onnxruntime float32": round(s32, 2), "openvino bfloat16": round(s16, 2)}
         w32 = prompt_columns(out32, window_prompts, fp32_scorer.columns, regression)
         w16 = prompt_columns(out16, window_prompts, fp32_scorer.columns, regression)
-        self.sc32, mean32 = essay_scores(w32, essay_index, prompts, cfg.objective, cfg.decision)
-        self.sc16, mean16 = essay_scores(w16, essay_index, prompts, cfg.objective, cfg.decision)
+        self.sc32, mean32 = essay_scores(w32, essay_index, prompts, cfg.objective, cfg.decision,
+                                         cfg.cutpoints)
+        self.sc16, mean16 = essay_scores(w16, essay_index, prompts, cfg.objective, cfg.decision,
+                                         cfg.cutpoints)
         self.mean16 = mean16
         self.prompts = np.asarray(prompts)
         self.essay_index = np.asarray(essay_index)
@@ -157,7 +159,8 @@ class Calibration:
             ep = essays[self.prompts[essays] == p]
             m = margin[p] if isinstance(margin, dict) else margin
             near[ep] = near_boundary(np.stack([self.mean16[e] for e in ep]), p, cfg.objective,
-                                     cfg.decision, margin=m)
+                                     cfg.decision, margin=m,
+                                     cutpoints=cfg.cutpoints.get(p))
         changed = self.sc32[essays] != self.sc16[essays]
         return {"essays_rescored": int(near[essays].sum()),
                 "share_essays": round(float(near[essays].mean()), 4),

@@ -16,7 +16,7 @@ from mhmla_fast.aes.data import SCORE_RANGES, denormalise_scores
 from mhmla_fast.aes.ged_features import (GED_FEATURES, features_from_probs, ged_feature_cache,
                                          ged_features)
 from mhmla_fast.aes.metrics import quadratic_weighted_kappa
-from test_aes_train import synthetic_split
+from test_aes_train import synthetic_split, tiny_encoder  # noqa: F401 - tiny_encoder: the fixture
 
 
 @pytest.mark.parametrize("prompt", [1, 3, 8])
@@ -187,3 +187,103 @@ def test_engine_essay_tagger_gives_the_engines_probabilities_per_sentence(tiny_t
         for q, r in zip(per_sentence, want):
             np.testing.assert_allclose(q, r.probs, rtol=0, atol=1e-6)
     assert tagger.threshold == engine.threshold
+
+
+# ------------------------------------------------------------------ a scorer's cutpoints
+
+
+def test_scorer_config_cutpoints_are_validated_and_round_trip():
+    from mhmla_fast.aes.model import ScorerConfig
+
+    cfg = ScorerConfig(objective="regression", prompts=(3, 4),
+                       cutpoints={"3": [0.4, 1.6, 2.5], 4: (0.5, 1.5, 2.5)})
+    assert cfg.cutpoints == {3: (0.4, 1.6, 2.5), 4: (0.5, 1.5, 2.5)}
+    assert ScorerConfig.from_json(cfg.to_json()).cutpoints == cfg.cutpoints
+    assert "cutpoints" not in ScorerConfig(objective="regression").to_json()  # as before
+    for bad, message in (
+            (dict(objective="classification", cutpoints={3: [0.5, 1.5, 2.5]}), "only a regression"),
+            (dict(objective="regression", prompts=(4,), cutpoints={3: [0.5, 1.5, 2.5]}),
+             "prompt 3 is not among"),
+            (dict(objective="regression", cutpoints={3: [0.5, 1.5]}), "expected 3 finite"),
+            (dict(objective="regression", cutpoints={3: [0.5, 2.5, 1.5]}), "non-decreasing"),
+            (dict(objective="regression", cutpoints={3: [0.5, float("nan"), 2.5]}), "finite")):
+        with pytest.raises(ValueError, match=message):
+            ScorerConfig(**bad)
+
+
+def test_combine_windows_and_near_boundary_with_cutpoints():
+    from mhmla_fast.aes.scoring import combine_windows, near_boundary
+
+    rng = np.random.default_rng(0)
+    mean = rng.uniform(0, 1, 200)
+    mean = mean[np.abs((mean * 3) % 1 - 0.5) > 1e-6]
+    index = np.arange(len(mean))
+    rounding = rounding_cutpoints(3)
+    assert (combine_windows(mean, index, 3, "regression", cutpoints=rounding).tolist()
+            == combine_windows(mean, index, 3, "regression").tolist())
+    np.testing.assert_array_equal(
+        near_boundary(mean, 3, "regression", margin=0.05, cutpoints=rounding),
+        near_boundary(mean, 3, "regression", margin=0.05))
+    cuts = np.array([0.2, 0.9, 2.9])
+    got = combine_windows(mean, index, 3, "regression", cutpoints=cuts)
+    assert got.tolist() == apply_cutpoints(mean * 3, cuts, 3).tolist()
+    near = near_boundary(mean, 3, "regression", margin=0.02, cutpoints=cuts)
+    assert near.tolist() == (np.abs(mean[:, None] * 3 - cuts).min(1) <= 0.06).tolist()
+    # a move below the margin never changes a score that is not near a cutpoint
+    moved = combine_windows(np.clip(mean + 0.019, 0, 1), index, 3, "regression", cutpoints=cuts)
+    assert (moved[~near] == got[~near]).all()
+    with pytest.raises(ValueError, match="only a regression"):
+        combine_windows(np.full((2, 4), 0.25), [0, 1], 3, "classification", cutpoints=cuts)
+
+
+def test_fit_cutpoints_of_a_saved_scorer_and_score_with_them(tiny_encoder, tmp_path, capsys):
+    """``mhmla-train aes --fit-cutpoints``: out-of-fold heads of the scorer's training config,
+    cutpoints for each of its prompts in config.json with the dev record, and every scoring
+    path (the torch scorer, the feature cache's head, the ONNX export) cuts with them."""
+    import json
+
+    from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.commands.eval import main as mhmla_eval
+    from mhmla_fast.commands.train import main as mhmla_train
+    from mhmla_fast.serve.score_onnx import OnnxScorer, export_scorer
+    from test_aes_train import write_asap
+
+    data = write_asap(tmp_path / "data", n_per_prompt=40)
+    common = ["--prompt", "3,4", "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"),
+              "--backend", "torch"]
+    scorer_dir = tmp_path / "scorer"
+    assert mhmla_train(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
+                        "--export-shipped", str(scorer_dir), "--epochs", "2",
+                        "--objective", "regression", "--quiet"]) == 0
+    before = json.loads((scorer_dir / "config.json").read_text())
+    assert "cutpoints" not in before
+    capsys.readouterr()
+    assert mhmla_train(["aes", "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"),
+                        "--backend", "torch", "--fit-cutpoints", str(scorer_dir), "--quiet"]) == 0
+    assert "dev mean QWK" in capsys.readouterr().out
+    cfg = json.loads((scorer_dir / "config.json").read_text())
+    assert set(cfg["cutpoints"]) == {"3", "4"} and all(len(c) == 3 for c in cfg["cutpoints"].values())
+    record = cfg["training"]["cutpoints"]
+    assert set(record["dev_qwk_cut"]) == {"3", "4"} and "out-of-fold" in record["method"]
+    assert cfg["training"]["test_qwk"] == before["training"]["test_qwk"]  # the rest as it was
+    scorer = EssayScorer.load(scorer_dir, backend="torch")
+    assert scorer.config.cutpoints == {int(p): tuple(c) for p, c in cfg["cutpoints"].items()}
+    texts = ["the cat goes to school every day", "a dog", "they went home and she sees the house"]
+    scores, outputs = scorer.predict_scores(texts, 3, return_outputs=True)
+    want = apply_cutpoints(np.array([float(o) for o in outputs]) * 3, cfg["cutpoints"]["3"], 3)
+    assert scores.tolist() == want.tolist()
+    export_scorer(scorer_dir, tmp_path / "onnx")  # validated against torch with the cutpoints
+    onnx = OnnxScorer(tmp_path / "onnx")
+    assert onnx.config.cutpoints == scorer.config.cutpoints
+    assert onnx.predict_scores(texts, 3).tolist() == scores.tolist()
+    out = tmp_path / "eval.json"  # the feature cache's head cuts as the scorer does
+    assert mhmla_eval(["aes", *common, "--model", str(scorer_dir), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["prompts"]["3"]["via"] == "feature cache"
+    with pytest.raises(ValueError, match="regression scorer with a frozen encoder"):
+        cls_dir = tmp_path / "cls"
+        assert mhmla_train(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
+                            "--export-shipped", str(cls_dir), "--epochs", "1",
+                            "--objective", "classification", "--quiet"]) == 0
+        from mhmla_fast.aes.shipped import fit_scorer_cutpoints
+
+        fit_scorer_cutpoints(cls_dir, data_dir=data, cache_dir=tmp_path / "cache", log=None)

@@ -772,6 +772,7 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     (["--joint"], "--joint: with --finetune"),
     (["--freeze", "word_embeddings"], "--freeze: --finetune only"),
     (["--finetune", "--joint", "--prompt", "3"], "--joint: give two or more prompts"),
+    (["--fit-cutpoints", "x", "--epochs", "3"], "--epochs: not used by --fit-cutpoints"),
 ])
 def test_aes_options_the_chosen_path_does_not_use_are_errors(tmp_path, capsys, extra, message):
     from mhmla_fast.commands.train import main as mhmla_train

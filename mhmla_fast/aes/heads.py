@@ -104,7 +104,8 @@ def predict_split(head: ScorerHead, split: FeatureSplit, batch_size: int = 2048)
             local = np.searchsorted(essays, split.essay_index[rows])
             scores[essays] = combine_windows(torch.cat(outs).double().numpy(), local, int(p),
                                              head.config.objective, head.config.decision,
-                                             n_essays=len(essays))
+                                             n_essays=len(essays),
+                                             cutpoints=head.config.cutpoints.get(int(p)))
     finally:
         head.train(was_training)
     return scores

@@ -41,6 +41,7 @@ encoder tensors of the embedded MiniLM are not stored but read from the
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,7 +84,9 @@ class ScorerConfig:
     ("argmax" | "expected"); base_tensors: state-dict keys read from the base encoder
     package instead of ``model.safetensors`` (plus a row delta the file stores, if any:
     :func:`~mhmla_fast.model_dir.row_delta`); training: what and how it was trained (incl.
-    test QWK).
+    test QWK); cutpoints: a regression scorer's thresholds per prompt on the score scale
+    (``{prompt: [hi - lo values]}``, fitted for QWK: :mod:`.cutpoints`), where its averaged
+    outputs are cut into scores instead of rounded (none: rounded).
 
     Files and keyword arguments in the flat layout of before (``encoder``, ``head``,
     ``num_heads``, ``key_size``, ``dropout``, ``window``, ``freeze_encoder``) are read into
@@ -100,6 +103,7 @@ class ScorerConfig:
     encoder_config: dict = field(default_factory=dict)
     base_tensors: dict[str, str] = field(default_factory=dict)
     training: dict = field(default_factory=dict)
+    cutpoints: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
@@ -112,6 +116,20 @@ class ScorerConfig:
         bad = [p for p in self.prompts if p not in SCORE_RANGES]
         if bad or not self.prompts:
             raise ValueError(f"prompts: expected ASAP prompts 1-8, got {list(self.prompts)}")
+        self.cutpoints = {int(p): tuple(float(c) for c in cuts)
+                          for p, cuts in (self.cutpoints or {}).items()}
+        if self.cutpoints and self.objective != "regression":
+            raise ValueError(f"cutpoints: only a regression scorer has them, not "
+                             f"{self.objective!r}")
+        for p, cuts in self.cutpoints.items():
+            if p not in self.prompts:
+                raise ValueError(f"cutpoints: prompt {p} is not among the scorer's "
+                                 f"{list(self.prompts)}")
+            lo, hi = SCORE_RANGES[p]
+            if (len(cuts) != hi - lo or any(b < a for a, b in zip(cuts, cuts[1:]))
+                    or not all(math.isfinite(c) for c in cuts)):
+                raise ValueError(f"cutpoints of prompt {p}: expected {hi - lo} finite, "
+                                 f"non-decreasing values, got {list(cuts)}")
 
     @property
     def encoder(self) -> str:
@@ -132,6 +150,10 @@ class ScorerConfig:
     def to_json(self) -> str:
         data = asdict(self)
         data["prompts"] = list(self.prompts)
+        if not self.cutpoints:  # a scorer without them writes the file as before
+            del data["cutpoints"]
+        else:
+            data["cutpoints"] = {str(p): list(c) for p, c in sorted(self.cutpoints.items())}
         return json.dumps({"format": FORMAT, **data}, indent=2)
 
     @classmethod
@@ -298,7 +320,8 @@ class EssayScorer(ModelDirMixin, nn.Module):
         preds = self._window_outputs(windows, [prompts[e] for e in essay_index],
                                      tokenizer.pad_token_id, token_budget)
         scores, outputs = essay_scores([p.numpy() for p in preds], essay_index, prompts,
-                                       self.config.objective, self.config.decision)
+                                       self.config.objective, self.config.decision,
+                                       self.config.cutpoints)
         return (scores, outputs) if return_outputs else scores
 
     @torch.no_grad()
@@ -353,7 +376,8 @@ class EssayScorer(ModelDirMixin, nn.Module):
             raise ValueError(f"{len(outputs)} window outputs for {len(plan.windows)} windows")
         window_out = torch.stack(list(outputs)).double().numpy()
         return int(combine_windows(window_out, [0] * len(outputs), plan.prompt,
-                                   self.config.objective, self.config.decision, n_essays=1)[0])
+                                   self.config.objective, self.config.decision, n_essays=1,
+                                   cutpoints=self.config.cutpoints.get(plan.prompt))[0])
 
     # --------------------------------------------------------------- save / load
 

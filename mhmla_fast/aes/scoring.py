@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cutpoints import apply_cutpoints
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
@@ -84,11 +85,12 @@ def piece_windows(pieces: Sequence[Sequence[int]], window: int, cls_id: int, sep
 
 def essay_scores(window_outputs: Sequence[np.ndarray], essay_index: Sequence[int],
                  prompts: Sequence[int], objective: str = "classification",
-                 decision: str = "argmax") -> tuple[np.ndarray, list[np.ndarray]]:
+                 decision: str = "argmax", cutpoints: dict[int, Sequence[float]] | None = None,
+                 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Integer scores [n_essays] and averaged window outputs of essays of ``prompts`` [n_essays]
     from the outputs of their windows (``window_outputs[j]``: window j's output for its essay's
     prompt, probabilities [C_p] or a value; ``essay_index[j]``: its essay), by
-    :func:`combine_windows` per prompt (in float64)."""
+    :func:`combine_windows` per prompt (in float64), with ``cutpoints[p]`` where given."""
     scores = np.zeros(len(prompts), dtype=np.int64)
     outputs: list[np.ndarray] = [np.zeros(0)] * len(prompts)
     for p in sorted(set(prompts)):
@@ -97,7 +99,8 @@ def essay_scores(window_outputs: Sequence[np.ndarray], essay_index: Sequence[int
         ws = [j for j, e in enumerate(essay_index) if prompts[e] == p]
         window_out = np.stack([np.asarray(window_outputs[j]) for j in ws]).astype(np.float64)
         got, mean = combine_windows(window_out, [local[essay_index[j]] for j in ws], p,
-                                    objective, decision, n_essays=len(idx), return_mean=True)
+                                    objective, decision, n_essays=len(idx), return_mean=True,
+                                    cutpoints=(cutpoints or {}).get(p))
         scores[idx] = got
         for k, i in enumerate(idx):
             outputs[i] = mean[k]
@@ -108,6 +111,7 @@ def combine_windows(
     window_outputs: np.ndarray, essay_index: Sequence[int] | np.ndarray, prompt: int,
     objective: str = "classification", decision: str = "argmax", *,
     n_essays: int | None = None, return_mean: bool = False,
+    cutpoints: Sequence[float] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Window outputs -> integer essay scores in ``SCORE_RANGES[prompt]``.
 
@@ -115,9 +119,13 @@ def combine_windows(
     (``window_outputs`` [W, C_p] probabilities): ``lo + argmax(mean_e)`` (ties to the
     lower score), or with ``decision="expected"`` ``round_half_up(sum_k mean_e[k] (lo + k))``;
     regression (``[W]`` values in [0, 1]): ``denormalise(mean_e)`` (clip, scale, round
-    half up). With ``return_mean`` also ``mean_e``.
+    half up), or with ``cutpoints`` (regression only; [hi - lo] on the score scale)
+    ``lo + #{i : lo + mean_e (hi - lo) >= cutpoints_i}`` (:mod:`.cutpoints`). With
+    ``return_mean`` also ``mean_e``.
     """
     lo, hi = SCORE_RANGES[int(prompt)]
+    if cutpoints is not None and objective != "regression":
+        raise ValueError(f"cutpoints: only a regression scorer has them, not {objective!r}")
     mean = average_windows(np.asarray(window_outputs, dtype=np.float64), essay_index, n_essays)
     if objective == "classification":
         if mean.ndim != 2 or mean.shape[1] != hi - lo + 1:
@@ -134,7 +142,8 @@ def combine_windows(
         if mean.ndim != 1:
             raise ValueError(f"regression window outputs must be [W], got "
                              f"{list(np.shape(window_outputs))}")
-        scores = denormalise_scores(mean, prompt)
+        scores = (denormalise_scores(mean, prompt) if cutpoints is None else
+                  apply_cutpoints(lo + np.clip(mean, 0.0, 1.0) * (hi - lo), cutpoints, prompt))
     else:
         raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
     scores = np.clip(np.asarray(scores, dtype=np.int64), lo, hi)
@@ -142,7 +151,8 @@ def combine_windows(
 
 
 def near_boundary(mean: np.ndarray, prompt: int, objective: str = "classification",
-                  decision: str = "argmax", *, margin: float) -> np.ndarray:
+                  decision: str = "argmax", *, margin: float,
+                  cutpoints: Sequence[float] | None = None) -> np.ndarray:
     """Whether each essay's integer score (:func:`combine_windows` on ``mean``, its averaged
     window outputs) could change if every window output moved by less than ``margin``: bool [n].
 
@@ -150,7 +160,8 @@ def near_boundary(mean: np.ndarray, prompt: int, objective: str = "classificatio
     ``d = margin``, [lo, hi] = ``SCORE_RANGES[prompt]``:
 
     regression (``mean`` [n] in [0, 1])  |lo + mean (hi - lo) - (k + 1/2)| <= d (hi - lo)
-                                         for the nearest k (the rounding boundary)
+                                         for the nearest k (the rounding boundary), or
+                                         with ``cutpoints`` for the nearest cutpoint
     argmax (``mean`` [n, C_p])           p_(1) - p_(2) <= 2 d (the two largest)
     expected (``mean`` [n, C_p])         |E - (k + 1/2)| <= d sum_k |s_k - E| / (P - C_p d),
                                          E = sum_k p_k s_k / P, P = sum_k p_k, s_k = lo + k
@@ -167,7 +178,12 @@ def near_boundary(mean: np.ndarray, prompt: int, objective: str = "classificatio
         return np.zeros(len(mean), dtype=bool)
     if objective == "regression":
         x = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
+        if cutpoints is not None:
+            cuts = np.asarray(cutpoints, dtype=np.float64)
+            return np.abs(x[:, None] - cuts[None, :]).min(axis=1) <= margin * (hi - lo)
         return np.abs(x - np.floor(x) - 0.5) <= margin * (hi - lo)
+    if cutpoints is not None:
+        raise ValueError(f"cutpoints: only a regression scorer has them, not {objective!r}")
     if objective != "classification":
         raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
     if mean.ndim != 2 or mean.shape[1] != hi - lo + 1:

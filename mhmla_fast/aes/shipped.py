@@ -16,7 +16,7 @@ from .model import EssayScorer
 from .registry import MODELS
 from .splits import PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split, load_prompt_caches, split_qwk
 
-__all__ = ["train_joint_scorer"]
+__all__ = ["train_joint_scorer", "fit_scorer_cutpoints"]
 
 
 def train_joint_scorer(
@@ -82,3 +82,101 @@ def train_joint_scorer(
         "log": res.log,
     }
     return scorer
+
+
+def _essay_values(head, split: FeatureSplit) -> np.ndarray:
+    """A regression head's averaged window outputs per essay, on each prompt's score scale
+    (unrounded) [E]."""
+    from .data import SCORE_RANGES
+    from .windows import average_windows
+
+    head.eval()
+    out = np.zeros(len(split.ids))
+    with torch.no_grad():
+        for p in np.unique(split.prompts):
+            essays = np.flatnonzero(split.prompts == p)
+            rows = np.flatnonzero(split.window_prompts == p)
+            values = head.window_outputs(head.forward_cls(
+                split.features[torch.as_tensor(rows)].float(), int(p))).double().numpy()
+            lo, hi = SCORE_RANGES[int(p)]
+            mean = average_windows(values, np.searchsorted(essays, split.essay_index[rows]),
+                                   len(essays))
+            out[essays] = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
+    return out
+
+
+def _essays_of(split: FeatureSplit, essays: np.ndarray) -> FeatureSplit:
+    """The sub-split of the essays ``essays`` (sorted indices) with all their windows."""
+    keep = np.flatnonzero(np.isin(split.essay_index, essays))
+    return FeatureSplit(split.features[torch.as_tensor(keep)],
+                        np.searchsorted(essays, split.essay_index[keep]), split.scores[essays],
+                        split.prompts[essays], split.ids[essays])
+
+
+def fit_scorer_cutpoints(
+    scorer_dir: str | os.PathLike, *, data_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike, n_folds: int = 5, backend: str = "auto",
+    log: Log | None = print,
+) -> dict:
+    """Fit the cutpoints of a saved regression scorer with a frozen encoder and ``[CLS]``
+    pooling (the shipped scorer's kind) and write them into its ``config.json``.
+
+    The scorer's fold (``config.training["fold"]``) has its training essays dealt into
+    ``n_folds`` folds; a head of the scorer's training configuration
+    (``config.training["config"]``) is trained on all but one fold (epoch chosen on the dev
+    split, as the scorer's was) and predicts that fold, so every training essay gets an
+    out-of-fold prediction; each prompt's cutpoints are fitted for QWK on them
+    (:func:`~.cutpoints.fit_cutpoints`). The test split is not read. Returns the record
+    written to ``config.training["cutpoints"]``: the method and the scorer's own dev QWK per
+    prompt, rounded and cut, so that a caller can keep the cutpoints only where dev gains.
+    """
+    from ..durable import atomic_write_text
+    from .cutpoints import apply_cutpoints, fit_cutpoints, out_of_fold_predictions, rounding_cutpoints
+    from .model import ScorerConfig
+    from .splits import qwk
+
+    path = os.path.join(os.fspath(scorer_dir), "config.json")
+    config = ScorerConfig.from_json(open(path, encoding="utf-8").read())
+    if config.objective != "regression" or not config.freeze_encoder or config.pooling != "cls":
+        raise ValueError(f"{scorer_dir}: cutpoints are fitted for a regression scorer with a "
+                         f"frozen encoder and [CLS] pooling, not {config.objective} with "
+                         f"{config.encoder_spec.freeze!r} freezing and {config.pooling} pooling")
+    if "config" not in config.training or "fold" not in config.training:
+        raise ValueError(f"{scorer_dir}: its config records no training configuration and fold")
+    cfg = HeadTrainConfig(**config.training["config"])
+    fold, prompts = int(config.training["fold"]), list(config.prompts)
+    tsv, folds_dir = asap_files(data_dir)
+    essays = read_asap(tsv)
+    caches = load_prompt_caches(essays, prompts, cache_dir, config.encoder, log=log)["cls"]
+    splits = {p: split_essays(essays, read_folds(folds_dir), fold, prompt=p) for p in prompts}
+    train, dev = (FeatureSplit.concat([feature_split(caches[p], splits[p][s]) for p in prompts])
+                  for s in ("train", "dev"))
+
+    def fit(rows: np.ndarray):
+        if log:
+            log(f"out-of-fold head on {len(rows)} of {len(train.ids)} training essays")
+        res = train_head(_essays_of(train, rows), dev, cfg, encoder=config.encoder,
+                         backend=backend)
+        return lambda held: _essay_values(res.head, _essays_of(train, held))
+
+    oof = out_of_fold_predictions(fit, np.arange(len(train.ids)), n_folds=n_folds)
+    scorer = EssayScorer.load(scorer_dir, backend=backend)
+    dev_x = _essay_values(scorer.head, dev)
+    cuts, rounded, cut = {}, {}, {}
+    for p in prompts:
+        tr, dv = train.prompts == p, dev.prompts == p
+        cuts[p] = fit_cutpoints(oof[tr], train.scores[tr], p)
+        rounded[str(p)] = qwk(dev.scores[dv], apply_cutpoints(dev_x[dv], rounding_cutpoints(p), p),
+                              p)
+        cut[str(p)] = qwk(dev.scores[dv], apply_cutpoints(dev_x[dv], cuts[p], p), p)
+    record = {"method": f"fitted for QWK on out-of-fold predictions of the fold's training "
+                        f"essays ({n_folds} folds, heads of the scorer's training config)",
+              "dev_qwk_rounded": rounded, "dev_qwk_cut": cut,
+              "dev_mean_qwk_rounded": float(np.mean(list(rounded.values()))),
+              "dev_mean_qwk_cut": float(np.mean(list(cut.values())))}
+    config.cutpoints = {p: tuple(c.tolist()) for p, c in cuts.items()}
+    config.training = {**config.training, "cutpoints": record}
+    text = config.to_json()
+    ScorerConfig.from_json(text)  # validated as a loaded config is, before it is written
+    atomic_write_text(path, text)
+    return record

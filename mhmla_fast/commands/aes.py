@@ -5,7 +5,9 @@ feature cache, MHMLA heads, ridge and TF-IDF baselines, human agreement and ense
 the chosen prompts and folds, written to ``bench/results/aes_cpu-frozen-encoder.json``
 (full runs) or ``<out>/results.json``. ``--finetune`` runs full fine-tuning instead (a GPU
 protocol, results in ``aes_gpu-finetune.json``); ``--export-shipped DIR`` trains the
-shipped scorer. ``mhmla-eval aes`` scores a saved scorer on a fold's split.
+shipped scorer; ``--fit-cutpoints DIR`` fits a saved regression scorer's score cutpoints
+(:func:`mhmla_fast.aes.shipped.fit_scorer_cutpoints`). ``mhmla-eval aes`` scores a saved
+scorer on a fold's split.
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ def add_train_parser(sub) -> None:
     p.add_argument("--export-shipped", default=None, metavar="DIR",
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
+    p.add_argument("--fit-cutpoints", default=None, metavar="DIR",
+                   help="fit the score cutpoints of the saved regression scorer in DIR (frozen "
+                   "encoder, [CLS] pooling, e.g. the shipped one copied out) on out-of-fold "
+                   "predictions of its fold's training essays, and write them into its "
+                   "config.json; prints its dev QWK rounded and cut")
     p.add_argument("--cache-only", action="store_true",
                    help="only build (or resume) the feature caches that the chosen prompts and "
                    "--models need (not with --finetune)")
@@ -150,6 +157,16 @@ def run_train(args) -> int:
         prompts = parse_prompts(args.prompt)
         folds = parse_folds(args.fold)
         _check_mode_options(args)
+        if args.fit_cutpoints:
+            from ..aes.shipped import fit_scorer_cutpoints
+
+            rec = fit_scorer_cutpoints(args.fit_cutpoints, data_dir=args.data_dir,
+                                       cache_dir=args.cache_dir, backend=args.backend,
+                                       log=_log(args))
+            print(f"cutpoints written to {args.fit_cutpoints}/config.json; dev mean QWK "
+                  f"{100 * rec['dev_mean_qwk_rounded']:.2f} rounded, "
+                  f"{100 * rec['dev_mean_qwk_cut']:.2f} cut")
+            return 0
         if args.export_shipped:
             path = export_shipped_scorer(args.export_shipped, data_dir=args.data_dir,
                                          cache_dir=args.cache_dir,
@@ -226,6 +243,11 @@ def _check_mode_options(args) -> None:
             raise ValueError(f"--num-heads: J of --mode mhmla only (--mode {args.mode} has one "
                              "head)")
         return
+    if args.fit_cutpoints:
+        refuse(("finetune", "export_shipped", "models", "members", "cache_only", "objective",
+                "epochs", "patience", "lr", "batch_size"),
+               "not used by --fit-cutpoints (the scorer's own training config, prompts and "
+               "fold)")
     if args.export_shipped:
         refuse(("models", "members", "cache_only"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")

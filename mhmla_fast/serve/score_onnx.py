@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -302,6 +302,7 @@ class ExportedScorerConfig:
     objective: str
     decision: str
     window: int
+    cutpoints: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 class OnnxScorer:
@@ -329,9 +330,10 @@ class OnnxScorer:
             raise ValueError(f"{self.path / EXPORT_META}: not a scorer export (format "
                              f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r})")
         self.meta = meta
-        self.config = ExportedScorerConfig(tuple(int(p) for p in meta["prompts"]),
-                                           meta["objective"], meta["decision"],
-                                           int(meta["window"]))
+        self.config = ExportedScorerConfig(
+            tuple(int(p) for p in meta["prompts"]), meta["objective"], meta["decision"],
+            int(meta["window"]),
+            {int(p): tuple(c) for p, c in meta.get("cutpoints", {}).items()})
         self.columns = {int(p): tuple(c) for p, c in meta["columns"].items()}
         self.width = max(end for _, end in self.columns.values())  # K
         self.cls_id, self.sep_id, self.pad_id = (int(meta["special_ids"][k])
@@ -395,7 +397,7 @@ class OnnxScorer:
         """Essays' integer scores and averaged outputs from their ``windows``."""
         preds = self._outputs(windows, [prompts[e] for e in essay_index], token_budget)
         return essay_scores(preds, essay_index, prompts, self.config.objective,
-                            self.config.decision)
+                            self.config.decision, self.config.cutpoints)
 
     # ------------------------------------------------ window by window (the HTTP batcher)
 
@@ -426,7 +428,8 @@ class OnnxScorer:
         window_out = np.stack([np.asarray(o) for o in outputs]).astype(np.float64)
         score, mean = combine_windows(window_out, [0] * len(outputs), plan.prompt,
                                       self.config.objective, self.config.decision, n_essays=1,
-                                      return_mean=True)
+                                      return_mean=True,
+                                      cutpoints=self.config.cutpoints.get(plan.prompt))
         return int(score[0]), mean
 
 
@@ -519,7 +522,8 @@ class CheckedScorer(OnnxScorer):
     def _near(self, mean: np.ndarray, prompt: int) -> np.ndarray:
         cfg = self.config
         return near_boundary(mean, prompt, cfg.objective, cfg.decision,
-                             margin=self.margins[int(prompt)])
+                             margin=self.margins[int(prompt)],
+                             cutpoints=cfg.cutpoints.get(int(prompt)))
 
     def _counted(self, essays: int, rescored: int) -> None:
         with self._count:
@@ -535,7 +539,8 @@ class CheckedScorer(OnnxScorer):
         window_prompts = [prompts[e] for e in essay_index]
         preds = self._outputs(windows, window_prompts, token_budget)
         cfg = self.config
-        scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective, cfg.decision)
+        scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective, cfg.decision,
+                                       cfg.cutpoints)
         again = np.zeros(len(prompts), dtype=bool)
         if self.exact is not None:
             for p in sorted(set(prompts)):
@@ -548,7 +553,7 @@ class CheckedScorer(OnnxScorer):
             for j, out in zip(redo, exact):
                 preds[j] = out
             scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective,
-                                           cfg.decision)
+                                           cfg.decision, cfg.cutpoints)
         self._counted(len(prompts), int(again.sum()))
         return scores, outputs
 
@@ -569,25 +574,27 @@ class CheckedScorer(OnnxScorer):
 
 
 def _per_prompt_scores(outputs: np.ndarray, essay_index: Sequence[int], n_essays: int,
-                       columns: dict, objective: str, decision: str) -> dict[int, np.ndarray]:
+                       columns: dict, objective: str, decision: str,
+                       cutpoints: dict | None = None) -> dict[int, np.ndarray]:
     """Integer scores of ``n_essays`` essays under every prompt, from all prompts' window
-    outputs [W, K]."""
+    outputs [W, K] (cut at ``cutpoints[p]`` where the scorer has them)."""
     out = {}
     for p, (a, b) in columns.items():
         cols = outputs[:, a] if objective == "regression" else outputs[:, a:b]
         out[p] = combine_windows(cols.astype(np.float64), essay_index, p, objective, decision,
-                                 n_essays=n_essays)
+                                 n_essays=n_essays, cutpoints=(cutpoints or {}).get(p))
     return out
 
 
 def _compare(got: np.ndarray, want: np.ndarray, essay_index: Sequence[int], n_essays: int,
-             columns: dict, objective: str, decision: str) -> tuple[float, int, int]:
+             columns: dict, objective: str, decision: str, cutpoints: dict | None = None,
+             ) -> tuple[float, int, int]:
     """(max abs difference, (essay, prompt) scores compared, how many differ)."""
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
     worst = float(diff.max()) if diff.size and not np.isnan(diff).any() else (
         0.0 if not diff.size else float("nan"))
-    a = _per_prompt_scores(got, essay_index, n_essays, columns, objective, decision)
-    b = _per_prompt_scores(want, essay_index, n_essays, columns, objective, decision)
+    a = _per_prompt_scores(got, essay_index, n_essays, columns, objective, decision, cutpoints)
+    b = _per_prompt_scores(want, essay_index, n_essays, columns, objective, decision, cutpoints)
     differ = sum(int((a[p] != b[p]).sum()) for p in columns)
     return worst, n_essays * len(columns), differ
 
@@ -640,9 +647,10 @@ def validate_scorer(export_dir: Path, scorer, tokenizer, reference, columns: dic
     order = [j for batch in essay_batches for j in batch]  # the essay windows' rows, in order
     essay_rows = np.empty(len(windows), dtype=np.int64)
     essay_rows[order] = n_random + np.arange(len(windows))
-    worst, n_w, d_w = _compare(got, want, range(len(got)), len(got), columns, objective, decision)
+    worst, n_w, d_w = _compare(got, want, range(len(got)), len(got), columns, objective, decision,
+                               cfg.cutpoints)
     _, n_e, d_e = _compare(got[essay_rows], want[essay_rows], essay_index, len(texts), columns,
-                           objective, decision)
+                           objective, decision, cfg.cutpoints)
     report["windows"] = {"batches": rows, "random": n_random, "essay_windows": len(windows),
                          "max_abs_diff": worst,
                          "window_scores": {"compared": n_w, "differing": d_w},
@@ -762,6 +770,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             "columns": {str(p): list(c) for p, c in columns.items()},
             "graph": graph, "attention": attention,
             "objective": cfg.objective, "decision": cfg.decision, "pooling": cfg.pooling,
+            "cutpoints": {str(p): list(c) for p, c in sorted(cfg.cutpoints.items())},
             "window": int(cfg.window), "max_length": int(cfg.encoder_spec.max_length),
             "special_ids": {"cls": int(tokenizer.cls_token_id),
                             "sep": int(tokenizer.sep_token_id), "pad": pad_id},
