@@ -130,6 +130,8 @@ def fit_scorer_cutpoints(
     written to ``config.training["cutpoints"]``: the method and the scorer's own dev QWK per
     prompt, rounded and cut, so that a caller can keep the cutpoints only where dev gains.
     """
+    import json
+
     from ..durable import atomic_write_text
     from .cutpoints import apply_cutpoints, fit_cutpoints, out_of_fold_predictions, rounding_cutpoints
     from .model import ScorerConfig
@@ -174,9 +176,11 @@ def fit_scorer_cutpoints(
               "dev_qwk_rounded": rounded, "dev_qwk_cut": cut,
               "dev_mean_qwk_rounded": float(np.mean(list(rounded.values()))),
               "dev_mean_qwk_cut": float(np.mean(list(cut.values())))}
-    config.cutpoints = {p: tuple(c.tolist()) for p, c in cuts.items()}
-    config.training = {**config.training, "cutpoints": record}
-    text = config.to_json()
+    # the file as it was (an older flat layout stays flat), with the cutpoints and their record
+    raw = json.loads(open(path, encoding="utf-8").read())
+    raw["cutpoints"] = {str(p): c.tolist() for p, c in sorted(cuts.items())}
+    raw["training"] = {**raw.get("training", {}), "cutpoints": record}
+    text = json.dumps(raw, indent=2)
     ScorerConfig.from_json(text)  # validated as a loaded config is, before it is written
     atomic_write_text(path, text)
     return record
