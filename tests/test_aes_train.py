@@ -888,16 +888,22 @@ def test_ship_aes_scorer_ships_a_joint_cell_only_when_it_beats_the_shipped_on_de
     cell = tmp_path / "ft" / "mhmla-joint-reg-finetuned" / "fold0-p3_4"
     record = json.loads((cell / "test.json").read_text())
 
-    def shipped(dev: float, prompts=(3, 4)) -> str:
-        folder = tmp_path / f"shipped-{dev}-{len(prompts)}"
+    def shipped(dev: float, prompts=(3, 4), cut: float | None = None) -> str:
+        folder = tmp_path / f"shipped-{dev}-{len(prompts)}-{cut}"
         folder.mkdir(exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(
-            {"training": {"fold": 0, "dev_qwk": {str(p): dev for p in prompts}}}))
+        training = {"fold": 0, "dev_qwk": {str(p): dev for p in prompts}}
+        config = {"training": training}
+        if cut is not None:  # a scorer with cutpoints is judged by its cut scores
+            config["cutpoints"] = {str(p): [0.5, 1.5, 2.5] for p in prompts}
+            training["cutpoints"] = {"dev_qwk_cut": {str(p): cut for p in prompts}}
+        (folder / "config.json").write_text(json.dumps(config))
         return str(folder)
 
     out = tmp_path / "package" / "aes"
     args = ["--data-dir", str(data), "--out", str(out)]
     assert ship.main([str(cell), *args, "--shipped", shipped(record["dev_qwk"])]) == 1
+    assert "not shipped: the candidate does not beat" in capsys.readouterr().out
+    assert ship.main([str(cell), *args, "--shipped", shipped(-1.0, cut=record["dev_qwk"])]) == 1
     assert "not shipped: the candidate does not beat" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="only a --joint cell can replace it"):
         ship.main([str(tmp_path / "ft" / "mhmla-reg-finetuned" / "fold0-p3"), *args,

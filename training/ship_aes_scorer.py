@@ -8,7 +8,9 @@ written), trained on fold 0 for every prompt the shipped scorer scores. The rule
 
     mean_p dev_QWK_p(candidate, fold 0) > mean_p dev_QWK_p(shipped, fold 0)
 
-with the shipped scorer's dev QWKs read from its ``config.json`` training record. Only then is
+with the shipped scorer's dev QWKs read from its ``config.json`` training record (those of its
+cut scores where it has cutpoints: ``training["cutpoints"]["dev_qwk_cut"]``, how it scores;
+``mhmla-train aes --fit-cutpoints`` may give the candidate its own). Only then is
 the candidate written to ``--out`` (default: the shipped scorer's folder, replaced as a whole):
 fp16 weights, the embedded MiniLM's word embeddings read from its package where they were
 frozen (else a row delta, as for the GED tagger), at most 30 MB. The written model is read back and
@@ -73,7 +75,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"{cell}: a one-prompt cell; the shipped scorer scores every prompt, so "
                          "only a --joint cell can replace it")
     shipped = json.loads((shipped_dir / "config.json").read_text(encoding="utf-8"))
-    shipped_dev = shipped["training"]["dev_qwk"]
+    shipped_dev = (shipped["training"]["cutpoints"]["dev_qwk_cut"]  # how it scores
+                   if shipped.get("cutpoints") else shipped["training"]["dev_qwk"])
     fold = record["settings"]["fold"]
     prompts = sorted(int(p) for p in record["prompts"])
     if fold != shipped["training"]["fold"] or prompts != sorted(int(p) for p in shipped_dev):
