@@ -10,7 +10,8 @@ written), trained on fold 0 for every prompt the shipped scorer scores. The rule
 
 with the shipped scorer's dev QWKs read from its ``config.json`` training record (those of its
 cut scores where it has cutpoints: ``training["cutpoints"]["dev_qwk_cut"]``, how it scores;
-``mhmla-train aes --fit-cutpoints`` may give the candidate its own). Only then is
+``mhmla-train aes --fit-cutpoints`` fits them for a frozen-encoder scorer only, whose
+out-of-fold heads train on cached features). Only then is
 the candidate written to ``--out`` (default: the shipped scorer's folder, replaced as a whole):
 fp16 weights, the embedded MiniLM's word embeddings read from its package where they were
 frozen (else a row delta, as for the GED tagger), at most 30 MB. The written model is read back and
