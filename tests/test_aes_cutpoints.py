@@ -262,7 +262,8 @@ def test_fit_cutpoints_of_a_saved_scorer_and_score_with_them(tiny_encoder, tmp_p
                         "--backend", "torch", "--fit-cutpoints", str(scorer_dir), "--quiet"]) == 0
     assert "dev mean QWK" in capsys.readouterr().out
     cfg = json.loads((scorer_dir / "config.json").read_text())
-    assert set(cfg["cutpoints"]) == {"3", "4"} and all(len(c) == 3 for c in cfg["cutpoints"].values())
+    assert set(cfg["cutpoints"]) == {"3", "4"}
+    assert all(len(c) == 3 for c in cfg["cutpoints"].values())
     record = cfg["training"]["cutpoints"]
     assert set(record["dev_qwk_cut"]) == {"3", "4"} and "out-of-fold" in record["method"]
     assert cfg["training"]["test_qwk"] == before["training"]["test_qwk"]  # the rest as it was

@@ -41,6 +41,7 @@ __all__ = ["GED_FEATURES", "EssayTagger", "features_from_probs", "ged_features",
 GED_FEATURES = ("error_share", "mean_error_prob", "log_errors", "error_sentence_share",
                 "errors_per_sentence")
 
+
 def features_from_probs(sentence_probs: Sequence[np.ndarray], threshold: float) -> np.ndarray:
     """One essay's :data:`GED_FEATURES` [F] from its sentences' word error probabilities."""
     n = sum(len(q) for q in sentence_probs)

@@ -133,7 +133,8 @@ def fit_scorer_cutpoints(
     import json
 
     from ..durable import atomic_write_text
-    from .cutpoints import apply_cutpoints, fit_cutpoints, out_of_fold_predictions, rounding_cutpoints
+    from .cutpoints import (apply_cutpoints, fit_cutpoints, out_of_fold_predictions,
+                            rounding_cutpoints)
     from .model import ScorerConfig
     from .splits import qwk
 

@@ -1,5 +1,6 @@
 """Essays through the tagging engine: sentences cut from an essay's words, and their word
-error probabilities (the grammatical-error features of essay scoring, :mod:`mhmla_fast.aes.ged_features`)."""
+error probabilities (the grammatical-error features of essay scoring,
+:mod:`mhmla_fast.aes.ged_features`)."""
 
 from __future__ import annotations
 
