@@ -380,7 +380,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     models = result["models"]
     assert set(models) == {"mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg",
                            "avgl-reg", "mhmla-joint-cls",
-                           "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
+                           "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers", "ridge-layers-surface",
                            "ridge-layers-mean", "ridge-layers-mean-surface",
                            "ridge-layers-both-surface", "ridge-layers-both-surface-cuts",
                            "ridge-layers-both-surface-ged", "ridge-layers-both-surface-ged-cuts",
@@ -401,7 +401,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 17 * 2 + 2 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 17 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
     assert tagger.calls == 1 and len(list((tmp_path / "cache").glob("ged-*.safetensors"))) == 1
     ged = models["ridge-layers-both-surface-ged-cuts"]["settings"]
     assert ged["ged"] == list(GED_FEATURES) and ged["cuts"] and len(ged["ged_tagger_sha256"]) == 64
@@ -409,6 +409,10 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert k not in models["ridge-layers-both-surface"]["settings"]
     for p in ("3", "4"):
         assert len(models["ridge-layers-both-surface-cuts"]["selected"]["0"][p]["cutpoints"]) == 3
+        joint = models["mhmla-joint-reg-cuts"]["selected"]["0"][p]
+        assert len(joint["cutpoints"][p]) == 3 and joint["epoch"] >= 1
+    assert models["mhmla-joint-reg-cuts"]["settings"]["cuts"]
+    assert "cuts" not in models["mhmla-joint-reg"]["settings"]
     # a second run reuses every unit: same numbers
     again = run_cpu_protocol(results=None, **kw)
     assert again["models"] == result["models"] and again["ensembles"] == result["ensembles"]

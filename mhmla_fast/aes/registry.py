@@ -21,8 +21,8 @@ class ModelSpec:
     ``features``: the per-layer vectors a ridge model reads, "cls", "mean" or "cls+mean"
     (head models read "cls"); ``ged``: ridge and surface models append the essay's
     grammatical-error features (:mod:`.ged_features`, from the shipped GED tagger);
-    ``cuts``: a ridge model's scores are cut at cutpoints fitted for QWK on out-of-fold
-    training predictions (:mod:`.cutpoints`) instead of rounded.
+    ``cuts``: a ridge or joint regression model's scores are cut at cutpoints fitted for QWK
+    on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded.
     """
 
     kind: str
@@ -65,6 +65,11 @@ MODELS: dict[str, ModelSpec] = {
     "mhmla-joint-reg": ModelSpec("joint", "one MHMLA (J=12) shared by the 8 prompts, a sigmoid "
                                  "regression output per prompt, trained on all prompts",
                                  _head(mode="mhmla", objective="regression")),
+    "mhmla-joint-reg-cuts": ModelSpec("joint", "mhmla-joint-reg with its scores cut at "
+                                      "cutpoints fitted for QWK on out-of-fold training "
+                                      "predictions (five more joint heads per fold) instead "
+                                      "of rounded: the shipped scorer's configuration",
+                                      _head(mode="mhmla", objective="regression"), cuts=True),
     "ridge-layers": ModelSpec("ridge", "ridge regression on the concatenated [CLS] vectors of "
                               "layers 1..L (standardised), alpha by dev QWK"),
     "ridge-layers-surface": ModelSpec("ridge", "ridge regression on the concatenated [CLS] "
@@ -101,8 +106,8 @@ MODELS: dict[str, ModelSpec] = {
                                    ged=True),
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", "avgl-reg",
-                  "mhmla-joint-cls", "mhmla-joint-reg", "ridge-layers", "ridge-layers-surface",
-                  "ridge-layers-mean", "ridge-layers-mean-surface", "ridge-layers-both-surface",
+                  "mhmla-joint-cls", "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers",
+                  "ridge-layers-surface", "ridge-layers-mean", "ridge-layers-mean-surface", "ridge-layers-both-surface",
                   "ridge-layers-both-surface-cuts", "ridge-layers-both-surface-ged",
                   "ridge-layers-both-surface-ged-cuts", "tfidf-ridge", "surface-ridge",
                   "surface-ged-ridge")

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from .data import read_asap, read_folds, split_essays
-from .heads import HeadResult, HeadTrainConfig, predict_split, train_head
+from .heads import (HeadResult, HeadTrainConfig, essay_values, head_cutpoints, predict_split,
+                    train_head)
 from .metrics import exact_agreement
 from .model import EssayScorer
 from .registry import MODELS
@@ -84,35 +85,6 @@ def train_joint_scorer(
     return scorer
 
 
-def _essay_values(head, split: FeatureSplit) -> np.ndarray:
-    """A regression head's averaged window outputs per essay, on each prompt's score scale
-    (unrounded) [E]."""
-    from .data import SCORE_RANGES
-    from .windows import average_windows
-
-    head.eval()
-    out = np.zeros(len(split.ids))
-    with torch.no_grad():
-        for p in np.unique(split.prompts):
-            essays = np.flatnonzero(split.prompts == p)
-            rows = np.flatnonzero(split.window_prompts == p)
-            values = head.window_outputs(head.forward_cls(
-                split.features[torch.as_tensor(rows)].float(), int(p))).double().numpy()
-            lo, hi = SCORE_RANGES[int(p)]
-            mean = average_windows(values, np.searchsorted(essays, split.essay_index[rows]),
-                                   len(essays))
-            out[essays] = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
-    return out
-
-
-def _essays_of(split: FeatureSplit, essays: np.ndarray) -> FeatureSplit:
-    """The sub-split of the essays ``essays`` (sorted indices) with all their windows."""
-    keep = np.flatnonzero(np.isin(split.essay_index, essays))
-    return FeatureSplit(split.features[torch.as_tensor(keep)],
-                        np.searchsorted(essays, split.essay_index[keep]), split.scores[essays],
-                        split.prompts[essays], split.ids[essays])
-
-
 def fit_scorer_cutpoints(
     scorer_dir: str | os.PathLike, *, data_dir: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike, n_folds: int = 5, backend: str = "auto",
@@ -133,8 +105,7 @@ def fit_scorer_cutpoints(
     import json
 
     from ..durable import atomic_write_text
-    from .cutpoints import (apply_cutpoints, fit_cutpoints, out_of_fold_predictions,
-                            rounding_cutpoints)
+    from .cutpoints import apply_cutpoints, rounding_cutpoints
     from .model import ScorerConfig
     from .splits import qwk
 
@@ -154,21 +125,13 @@ def fit_scorer_cutpoints(
     splits = {p: split_essays(essays, read_folds(folds_dir), fold, prompt=p) for p in prompts}
     train, dev = (FeatureSplit.concat([feature_split(caches[p], splits[p][s]) for p in prompts])
                   for s in ("train", "dev"))
-
-    def fit(rows: np.ndarray):
-        if log:
-            log(f"out-of-fold head on {len(rows)} of {len(train.ids)} training essays")
-        res = train_head(_essays_of(train, rows), dev, cfg, encoder=config.encoder,
-                         backend=backend)
-        return lambda held: _essay_values(res.head, _essays_of(train, held))
-
-    oof = out_of_fold_predictions(fit, np.arange(len(train.ids)), n_folds=n_folds)
+    cuts = head_cutpoints(train, dev, cfg, encoder=config.encoder, backend=backend,
+                          n_folds=n_folds, log=log)
     scorer = EssayScorer.load(scorer_dir, backend=backend)
-    dev_x = _essay_values(scorer.head, dev)
-    cuts, rounded, cut = {}, {}, {}
+    dev_x = essay_values(scorer.head, dev)
+    rounded, cut = {}, {}
     for p in prompts:
-        tr, dv = train.prompts == p, dev.prompts == p
-        cuts[p] = fit_cutpoints(oof[tr], train.scores[tr], p)
+        dv = dev.prompts == p
         rounded[str(p)] = qwk(dev.scores[dv], apply_cutpoints(dev_x[dv], rounding_cutpoints(p), p),
                               p)
         cut[str(p)] = qwk(dev.scores[dv], apply_cutpoints(dev_x[dv], cuts[p], p), p)
