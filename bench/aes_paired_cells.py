@@ -29,6 +29,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ged_seed_stats import holm  # noqa: E402 - the sibling script's Holm adjustment
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "aes_paired_cells.json"
 
@@ -40,16 +43,6 @@ def cells(result: dict, model: str) -> dict[tuple[str, str], float]:
         known = sorted([*result["models"], *result.get("ensembles", {})])
         raise ValueError(f"no model {model!r} in the results; known: {known}")
     return {(k, p): q for k, per in entry["qwk"].items() for p, q in per.items() if q is not None}
-
-
-def holm(pvalues: Sequence[float]) -> list[float]:
-    """Holm's step-down adjusted p-values, in the order given."""
-    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
-    out, running = [0.0] * len(pvalues), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
-        out[i] = running
-    return out
 
 
 def compare(result: dict, a: str, b: str) -> dict:

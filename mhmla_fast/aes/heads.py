@@ -88,28 +88,35 @@ def _targets(split: FeatureSplit, rows: np.ndarray, prompt: int, objective: str)
     return torch.as_tensor((gold - lo) / (hi - lo), dtype=torch.float32)
 
 
-@torch.no_grad()
+def _prompt_outputs(head: ScorerHead, split: FeatureSplit, batch_size: int):
+    """Per prompt of ``split``, in eval mode (the head's mode restored after): ``(p, essays,
+    outputs, local)``: the prompt's essays (indices), its windows' outputs (float64, in
+    ``batch_size`` batches) and each window's essay among ``essays``."""
+    was_training = head.training
+    head.eval()
+    wp = split.window_prompts
+    try:
+        with torch.no_grad():
+            for p in np.unique(split.prompts):
+                essays = np.flatnonzero(split.prompts == p)
+                rows = np.flatnonzero(wp == p)
+                outs = [head.window_outputs(head.forward_cls(
+                    split.features[torch.as_tensor(rows[k:k + batch_size])].float(), int(p)))
+                    for k in range(0, len(rows), batch_size)]
+                local = np.searchsorted(essays, split.essay_index[rows])
+                yield int(p), essays, torch.cat(outs).double().numpy(), local
+    finally:
+        head.train(was_training)
+
+
 def predict_split(head: ScorerHead, split: FeatureSplit, batch_size: int = 2048) -> np.ndarray:
     """Integer essay scores [E]: window outputs of each prompt combined by
     :func:`~.model.combine_windows` (probabilities or values averaged per essay)."""
-    was_training = head.training
-    head.eval()
     scores = np.zeros(len(split.ids), dtype=np.int64)
-    wp = split.window_prompts
-    try:
-        for p in np.unique(split.prompts):
-            essays = np.flatnonzero(split.prompts == p)
-            rows = np.flatnonzero(wp == p)
-            outs = [head.window_outputs(head.forward_cls(
-                split.features[torch.as_tensor(rows[k:k + batch_size])].float(), int(p)))
-                for k in range(0, len(rows), batch_size)]
-            local = np.searchsorted(essays, split.essay_index[rows])
-            scores[essays] = combine_windows(torch.cat(outs).double().numpy(), local, int(p),
-                                             head.config.objective, head.config.decision,
-                                             n_essays=len(essays),
-                                             cutpoints=head.config.cutpoints.get(int(p)))
-    finally:
-        head.train(was_training)
+    for p, essays, outputs, local in _prompt_outputs(head, split, batch_size):
+        scores[essays] = combine_windows(outputs, local, p, head.config.objective,
+                                         head.config.decision, n_essays=len(essays),
+                                         cutpoints=head.config.cutpoints.get(p))
     return scores
 
 
@@ -167,30 +174,15 @@ def train_head(train: FeatureSplit, dev: FeatureSplit, cfg: HeadTrainConfig, *,
     return HeadResult(head, best["epoch"], best["dev"], history)
 
 
-def essay_values(head, split: FeatureSplit) -> np.ndarray:
+def essay_values(head: ScorerHead, split: FeatureSplit, batch_size: int = 2048) -> np.ndarray:
     """A regression head's averaged window outputs per essay, on each prompt's score scale
     (unrounded) [E]: what :func:`predict_split` rounds or cuts."""
-    head.eval()
     out = np.zeros(len(split.ids))
-    with torch.no_grad():
-        for p in np.unique(split.prompts):
-            essays = np.flatnonzero(split.prompts == p)
-            rows = np.flatnonzero(split.window_prompts == p)
-            values = head.window_outputs(head.forward_cls(
-                split.features[torch.as_tensor(rows)].float(), int(p))).double().numpy()
-            lo, hi = SCORE_RANGES[int(p)]
-            mean = average_windows(values, np.searchsorted(essays, split.essay_index[rows]),
-                                   len(essays))
-            out[essays] = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
+    for p, essays, outputs, local in _prompt_outputs(head, split, batch_size):
+        lo, hi = SCORE_RANGES[p]
+        mean = average_windows(outputs, local, len(essays))
+        out[essays] = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
     return out
-
-
-def _essays_of(split: FeatureSplit, essays: np.ndarray) -> FeatureSplit:
-    """The sub-split of the essays ``essays`` (sorted indices) with all their windows."""
-    keep = np.flatnonzero(np.isin(split.essay_index, essays))
-    return FeatureSplit(split.features[torch.as_tensor(keep)],
-                        np.searchsorted(essays, split.essay_index[keep]), split.scores[essays],
-                        split.prompts[essays], split.ids[essays])
 
 
 def head_cutpoints(train: FeatureSplit, dev: FeatureSplit, cfg: HeadTrainConfig, *,
@@ -208,8 +200,8 @@ def head_cutpoints(train: FeatureSplit, dev: FeatureSplit, cfg: HeadTrainConfig,
     def fit(rows: np.ndarray):
         if log:
             log(f"out-of-fold head on {len(rows)} of {len(train.ids)} training essays")
-        res = train_head(_essays_of(train, rows), dev, cfg, encoder=encoder, backend=backend)
-        return lambda held: essay_values(res.head, _essays_of(train, held))
+        res = train_head(train.of_essays(rows), dev, cfg, encoder=encoder, backend=backend)
+        return lambda held: essay_values(res.head, train.of_essays(held))
 
     oof = out_of_fold_predictions(fit, np.arange(len(train.ids)), n_folds=n_folds)
     return {int(p): fit_cutpoints(oof[train.prompts == p], train.scores[train.prompts == p],

@@ -115,9 +115,10 @@ def _joint_unit(fs: dict, prompts: Sequence[int], cfg: HeadTrainConfig, encoder:
         fitted = head_cutpoints(joined["train"], joined["dev"], cfg, encoder=encoder,
                                 backend=backend)
         res.head.config = replace(res.head.config, cutpoints=fitted)
-        res.dev_qwk = split_qwk(joined["dev"], predict_split(res.head, joined["dev"]))
         selected = {**selected, "cutpoints": {str(p): c.tolist() for p, c in fitted.items()}}
     dev_pred, test_pred = predict_split(res.head, joined["dev"]), predict_split(res.head, joined["test"])
+    if cuts:  # the dev QWK of the scores as cut
+        res.dev_qwk = split_qwk(joined["dev"], dev_pred)
     out = {}
     for p in prompts:
         dm, tm = joined["dev"].prompts == p, joined["test"].prompts == p

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -109,8 +110,9 @@ def fit_scorer_cutpoints(
     from .model import ScorerConfig
     from .splits import qwk
 
-    path = os.path.join(os.fspath(scorer_dir), "config.json")
-    config = ScorerConfig.from_json(open(path, encoding="utf-8").read())
+    path = Path(scorer_dir) / "config.json"
+    text = path.read_text(encoding="utf-8")
+    config = ScorerConfig.from_json(text)
     if config.objective != "regression" or not config.freeze_encoder or config.pooling != "cls":
         raise ValueError(f"{scorer_dir}: cutpoints are fitted for a regression scorer with a "
                          f"frozen encoder and [CLS] pooling, not {config.objective} with "
@@ -141,7 +143,7 @@ def fit_scorer_cutpoints(
               "dev_mean_qwk_rounded": float(np.mean(list(rounded.values()))),
               "dev_mean_qwk_cut": float(np.mean(list(cut.values())))}
     # the file as it was (an older flat layout stays flat), with the cutpoints and their record
-    raw = json.loads(open(path, encoding="utf-8").read())
+    raw = json.loads(text)
     raw["cutpoints"] = {str(p): c.tolist() for p, c in sorted(cuts.items())}
     raw["training"] = {**raw.get("training", {}), "cutpoints": record}
     text = json.dumps(raw, indent=2)

@@ -66,6 +66,13 @@ class FeatureSplit:
     def window_prompts(self) -> np.ndarray:
         return self.prompts[self.essay_index]
 
+    def of_essays(self, essays: np.ndarray) -> FeatureSplit:
+        """The split of the essays ``essays`` (sorted indices) with all their windows."""
+        keep = np.flatnonzero(np.isin(self.essay_index, essays))
+        return FeatureSplit(self.features[torch.as_tensor(keep)],
+                            np.searchsorted(essays, self.essay_index[keep]), self.scores[essays],
+                            self.prompts[essays], self.ids[essays])
+
     @classmethod
     def concat(cls, parts: Sequence[FeatureSplit]) -> FeatureSplit:
         offsets = np.cumsum([0] + [len(p.ids) for p in parts])
