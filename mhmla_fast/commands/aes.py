@@ -135,6 +135,10 @@ def add_train_parser(sub) -> None:
                    "encoder, [CLS] pooling, e.g. the shipped one copied out) on out-of-fold "
                    "predictions of its fold's training essays, and write them into its "
                    "config.json; prints its dev QWK rounded and cut")
+    p.add_argument("--feature-precision", default=None, choices=("fp32", "bf16"),
+                   help="the frozen protocol's encoder pass that makes the feature caches "
+                   "(default fp32; bf16: the encoder's weights in bf16, about 2.5x faster on "
+                   "CPUs with bf16 instructions, caches and units of their own)")
     p.add_argument("--cache-only", action="store_true",
                    help="only build (or resume) the feature caches that the chosen prompts and "
                    "--models need (not with --finetune)")
@@ -184,7 +188,8 @@ def run_train(args) -> int:
 
             essays = read_asap(asap_files(args.data_dir)[0])
             load_prompt_caches(essays, prompts, args.cache_dir, args.encoder,
-                               poolings=poolings_of(_models(args)), log=_log(args))
+                               poolings=poolings_of(_models(args)), log=_log(args),
+                               precision=args.feature_precision or "fp32")
             print(f"feature caches ready in {args.cache_dir}")
             return 0
         from ..aes.train import run_cpu_protocol
@@ -201,7 +206,8 @@ def run_train(args) -> int:
                          results=results, folds=folds, prompts=prompts, models=models,
                          members=members, encoder=args.encoder, overrides=_overrides(args),
                          backend=args.backend, log=_log(args),
-                         ged_tagger=lambda: _essay_tagger(args))
+                         ged_tagger=lambda: _essay_tagger(args),
+                         precision=args.feature_precision or "fp32")
         print(f"wrote {results}")
     except (FileNotFoundError, FileExistsError, ValueError, KeyError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
@@ -234,8 +240,8 @@ def _check_mode_options(args) -> None:
         raise ValueError("--joint: with --finetune (the CPU protocol names its joint heads in "
                          "--models, e.g. mhmla-joint-reg)")
     if args.finetune:
-        refuse(("patience", "cache_only", "models", "members", "export_shipped"),
-               "not used by --finetune")
+        refuse(("patience", "cache_only", "models", "members", "export_shipped",
+                "feature_precision"), "not used by --finetune")
         if args.joint and len(parse_prompts(args.prompt)) < 2:
             raise ValueError("--joint: give two or more prompts in --prompt (a joint scorer "
                              "of one prompt is the per-prompt one)")
@@ -245,11 +251,11 @@ def _check_mode_options(args) -> None:
         return
     if args.fit_cutpoints:
         refuse(("finetune", "export_shipped", "models", "members", "cache_only", "objective",
-                "epochs", "patience", "lr", "batch_size"),
+                "epochs", "patience", "lr", "batch_size", "feature_precision"),
                "not used by --fit-cutpoints (the scorer's own training config, prompts and "
                "fold)")
     if args.export_shipped:
-        refuse(("models", "members", "cache_only"),
+        refuse(("models", "members", "cache_only", "feature_precision"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
     refuse(("precision", "head_lr", "freeze", "batching", "compile"), "--finetune only (the other paths "
            "train heads on cached float32 features with one lr)")
