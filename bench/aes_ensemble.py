@@ -3,6 +3,9 @@
     python bench/aes_ensemble.py --units runs/aes-cpu/units \\
         --finetuned runs/aes-ft/mhmla-cls-finetuned --fold 0 --prompt 3,4,5,6,7 \\
         --out bench/results/aes_finetune_cpu_bf16/aes_ensemble_fold0.json
+    # two encoders' frozen protocol runs, all five folds, no fine-tuned model
+    python bench/aes_ensemble.py --units minilm=runs/aes-cpu/units \\
+        mpnet=runs/aes-cpu-mpnet/units --fold all --out ens.json
 
 Members of a cell: every unit of the CPU protocol's run folder for that fold and prompt
 (``<units>/<model>-fold<k>-p<p>.json``; a joint model's unit ``<model>-fold<k>-p3_4_...json``
@@ -24,6 +27,12 @@ A prompt without a fine-tuned cell still counts, with its frozen members only (i
 rows are then its ``-frozen`` rows); ``prompts_finetuned`` lists the prompts that have one.
 A prompt without frozen members is skipped.
 
+Several ``--units`` folders (the frozen protocol run with other encoders) pool their members,
+named ``LABEL/model`` (``--units LABEL=DIR``; a plain ``DIR`` is labelled by its run folder's
+name). ``--fold all`` (or a list) runs every fold: the file then holds each fold's result under
+``folds``, and ``mean_test_qwk`` / ``per_prompt_test_qwk`` average over the folds (a row missing
+in a fold is left out of the means).
+
 The test split is never used to choose. Means over the prompts run are reported for each row.
 """
 
@@ -43,10 +52,11 @@ UNIT = re.compile(r"^(?P<name>.+)-fold(?P<fold>\d+)-p(?P<prompts>\d+(?:_\d+)*)\.
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--units", required=True, help="the CPU protocol run's units folder")
-    p.add_argument("--finetuned", nargs="+", required=True,
+    p.add_argument("--units", nargs="+", required=True,
+                   help="the CPU protocol run's units folder; several (LABEL=DIR) pool members")
+    p.add_argument("--finetuned", nargs="*", default=[],
                    help="fine-tuned model folders (OUT/<model name> of aes --finetune)")
-    p.add_argument("--fold", type=int, default=0)
+    p.add_argument("--fold", default="0", help="a fold, a list (0,1) or all")
     p.add_argument("--prompt", default="1,2,3,4,5,6,7,8")
     p.add_argument("--joint-prompts", default=None,
                    help="the prompt set of the joint units (and joint fine-tuned cells) to use "
@@ -153,56 +163,128 @@ def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.nd
     return row
 
 
+def units_folders(entries: Sequence[str]) -> dict[str, Path]:
+    """``{label: folder}`` of ``--units``: one folder is unlabelled (members keep their model
+    names); several are ``LABEL=DIR`` or labelled by the run folder's name, each label once."""
+    if len(entries) == 1 and "=" not in entries[0]:
+        return {"": Path(entries[0])}
+    out: dict[str, Path] = {}
+    for entry in entries:
+        label, _, folder = entry.rpartition("=")
+        path = Path(folder)
+        label = label or path.resolve().parent.name
+        if label in out:
+            raise ValueError(f"--units: the label {label!r} is given twice; name them LABEL=DIR")
+        out[label] = path
+    return out
+
+
+def fold_cells(units: dict[str, Path], finetuned_dirs: Sequence[str], essays, fold_ids,
+               fold: int, prompts: Sequence[int], joint: Sequence[int]) -> tuple[dict, list[int]]:
+    """``({prompt: ensemble_cell row}, prompts with a fine-tuned cell)`` of one fold."""
+    from mhmla_fast.aes.data import split_essays
+
+    cells, with_ft = {}, []
+    for p in prompts:
+        dev = split_essays(essays, fold_ids, fold, prompt=p)["dev"]
+        members, files = {}, {}
+        for label, folder in units.items():
+            got, names = frozen_members(folder, fold, p, joint)
+            prefix = f"{label}/" if label else ""
+            members.update({prefix + n: u for n, u in got.items()})
+            files.update({prefix + n: f for n, f in names.items()})
+        finetuned = set()
+        for folder in finetuned_dirs:
+            got = finetuned_member(Path(folder), fold, p, joint)
+            if got is not None:
+                members[got[0]] = got[1]
+                finetuned.add(got[0])
+        if len(members) == len(finetuned):
+            print(f"fold {fold} prompt {p}: skipped (no frozen member in "
+                  f"{', '.join(map(str, units.values()))})", file=sys.stderr)
+            continue
+        if finetuned:
+            with_ft.append(p)
+        elif finetuned_dirs:
+            print(f"fold {fold} prompt {p}: no fine-tuned cell; its rows are the frozen "
+                  "members'", file=sys.stderr)
+        cells[p] = ensemble_cell(members, finetuned, np.array([e.score for e in dev]),
+                                 [e.essay_id for e in dev], p)
+        cells[p]["unit_files"] = files
+    return cells, with_ft
+
+
+ROWS = ("best-by-dev-frozen", "greedy-frozen", "best-by-dev-all", "greedy-all")
+
+
+def cell_means(cells: dict) -> dict[str, float]:
+    """Mean test QWK over the prompts of every ensemble row, and of every member that all
+    prompts have."""
+    means = {r: float(np.mean([c[r]["test_qwk"] for c in cells.values()])) for r in ROWS}
+    for n in sorted({n for c in cells.values() for n in c["members"]}):
+        if all(n in c["members"] for c in cells.values()):
+            means[n] = float(np.mean([c["members"][n]["test_qwk"] for c in cells.values()]))
+    return means
+
+
+def _test_qwk(cell: dict, row: str) -> float | None:
+    if row in ROWS:
+        return cell[row]["test_qwk"]
+    return cell["members"][row]["test_qwk"] if row in cell["members"] else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+    from mhmla_fast.aes.data import read_asap, read_folds
     from mhmla_fast.aes.train import asap_files
     from mhmla_fast.provenance import provenance
 
     prompts = [int(x) for x in args.prompt.split(",")]
     joint = [int(x) for x in (args.joint_prompts or args.prompt).split(",")]
+    try:
+        units = units_folders(args.units)
+    except ValueError as err:
+        print(f"aes_ensemble: {err}", file=sys.stderr)
+        return 2
     tsv, folds_dir = asap_files(args.data_dir)
     essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
-    cells, with_ft = {}, []
-    for p in prompts:
-        dev = split_essays(essays, fold_ids, args.fold, prompt=p)["dev"]
-        members, files = frozen_members(Path(args.units), args.fold, p, joint)
-        finetuned = set()
-        for folder in args.finetuned:
-            got = finetuned_member(Path(folder), args.fold, p, joint)
-            if got is not None:
-                members[got[0]] = got[1]
-                finetuned.add(got[0])
-        if len(members) == len(finetuned):
-            print(f"prompt {p}: skipped (no frozen member in {args.units})", file=sys.stderr)
-            continue
-        if finetuned:
-            with_ft.append(p)
-        else:
-            print(f"prompt {p}: no fine-tuned cell; its rows are the frozen members'",
-                  file=sys.stderr)
-        cells[p] = ensemble_cell(members, finetuned, np.array([e.score for e in dev]),
-                                 [e.essay_id for e in dev], p)
-        cells[p]["unit_files"] = files
-    if not cells:
-        print("no prompt has frozen members", file=sys.stderr)
-        return 1
-    rows = ["best-by-dev-frozen", "greedy-frozen", "best-by-dev-all", "greedy-all"]
-    names = sorted({n for c in cells.values() for n in c["members"]})
-    means = {r: float(np.mean([c[r]["test_qwk"] for c in cells.values()])) for r in rows}
-    for n in names:
-        if all(n in c["members"] for c in cells.values()):
-            means[n] = float(np.mean([c["members"][n]["test_qwk"] for c in cells.values()]))
-    result = {"fold": args.fold, "prompts": list(cells), "prompts_finetuned": with_ft,
-              "units": str(args.units), "finetuned": [str(f) for f in args.finetuned],
-              "cells": cells, "mean_test_qwk": means, "provenance": provenance(),
-              "note": "test QWK; members and ensembles chosen on the dev split only"}
+    folds = (sorted(fold_ids) if args.fold == "all"
+             else [int(x) for x in args.fold.split(",")])
+    per_fold = {}
+    for k in folds:
+        cells, with_ft = fold_cells(units, args.finetuned, essays, fold_ids, k, prompts, joint)
+        if not cells:
+            print(f"fold {k}: no prompt has frozen members", file=sys.stderr)
+            return 1
+        per_fold[k] = {"fold": k, "prompts": list(cells), "prompts_finetuned": with_ft,
+                       "cells": cells, "mean_test_qwk": cell_means(cells)}
+    common = {"units": {label: str(f) for label, f in units.items()} if len(units) > 1
+              else str(units[""]), "finetuned": [str(f) for f in args.finetuned]}
+    note = "test QWK; members and ensembles chosen on the dev split only"
+    if len(folds) == 1:
+        result = {**per_fold[folds[0]], **common, "provenance": provenance(), "note": note}
+        means = result["mean_test_qwk"]
+    else:
+        rows = sorted({r for f in per_fold.values() for r in f["mean_test_qwk"]})
+        means = {r: float(np.mean([f["mean_test_qwk"][r] for f in per_fold.values()
+                                   if r in f["mean_test_qwk"]])) for r in rows}
+        per_prompt = {}
+        for r in rows:
+            per_prompt[r] = {}
+            for p in prompts:
+                vals = [_test_qwk(f["cells"][p], r) for f in per_fold.values()
+                        if p in f["cells"]]
+                vals = [v for v in vals if v is not None]
+                if vals:
+                    per_prompt[r][str(p)] = float(np.mean(vals))
+        result = {"folds": {str(k): v for k, v in per_fold.items()}, "prompts": prompts,
+                  **common, "mean_test_qwk": means, "per_prompt_test_qwk": per_prompt,
+                  "provenance": provenance(), "note": note + "; means over folds, then prompts"}
     if args.out:  # written before the summary, so a closed standard output loses nothing
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"fold {args.fold}, prompts {list(cells)} (fine-tuned cells: {with_ft}): "
-          "mean test QWK")
+    print(f"folds {folds}, prompts {prompts}: mean test QWK")
     for k, v in sorted(means.items(), key=lambda kv: -kv[1]):
         print(f"  {k:28s} {100 * v:.2f}")
     if args.out:

@@ -212,3 +212,54 @@ def test_joint_fine_tuned_cells_give_each_prompt_its_share(run, tmp_path):
     gold = np.array(records["3"]["gold"])
     assert got["test_qwk"] == pytest.approx(qwk(gold, np.array(records["3"]["pred"][::-1]), 3),
                                             abs=1e-12)
+
+
+def test_units_of_two_encoders_over_all_folds(tmp_path):
+    """Several --units folders pool their members as LABEL/model; --fold all holds each fold's
+    result (equal to a run of that fold alone) and means over the folds; a label twice is
+    refused."""
+    bench = load_bench_script("aes_ensemble")
+    data = write_asap(tmp_path / "data", n_per_prompt=40, folds=2)
+    tsv, folds = asap_files(data)
+    essays, fold_ids = read_asap(tsv), read_folds(folds)
+    rng = np.random.default_rng(1)
+    dirs = {"minilm": tmp_path / "a" / "units", "mpnet": tmp_path / "b" / "units"}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    for k in (0, 1):
+        for p in (3, 4):
+            sp = split_essays(essays, fold_ids, k, prompt=p)
+            test_gold, dev_gold = [e.score for e in sp["test"]], [e.score for e in sp["dev"]]
+            for label, d in dirs.items():
+                for name, flip in (("ridge-layers", 0.4), ("surface-ridge", 0.6)):
+                    unit = {"ids": [e.essay_id for e in sp["test"]], "gold": test_gold,
+                            "settings": {}, "pred": _noisy(test_gold, rng, flip),
+                            "dev_pred": _noisy(dev_gold, rng, flip)}
+                    (d / f"{name}-fold{k}-p{p}.json").write_text(json.dumps(unit))
+    units = [f"{label}={d}" for label, d in dirs.items()]
+    out = tmp_path / "all.json"
+    assert bench.main(["--units", *units, "--fold", "all", "--prompt", "3,4", "--data-dir",
+                       str(data), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["folds"]) == {"0", "1"} and result["units"]["mpnet"] == str(dirs["mpnet"])
+    for k in ("0", "1"):
+        one = tmp_path / f"fold{k}.json"
+        assert bench.main(["--units", *units, "--fold", k, "--prompt", "3,4", "--data-dir",
+                           str(data), "--out", str(one)]) == 0
+        alone = json.loads(one.read_text())
+        assert result["folds"][k]["cells"] == alone["cells"]
+        assert set(alone["cells"]["3"]["members"]) == {
+            "minilm/ridge-layers", "minilm/surface-ridge", "mpnet/ridge-layers",
+            "mpnet/surface-ridge"}
+    for row in ("greedy-frozen", "mpnet/ridge-layers"):
+        cells = [result["folds"][k]["cells"][p] for k in ("0", "1") for p in ("3", "4")]
+        want = np.mean([c[row]["test_qwk"] if row in c else c["members"][row]["test_qwk"]
+                        for c in cells])
+        assert result["mean_test_qwk"][row] == pytest.approx(want, abs=1e-12)
+        assert result["per_prompt_test_qwk"][row]["3"] == pytest.approx(np.mean(
+            [cells[0][row]["test_qwk"] if row in cells[0] else
+             cells[0]["members"][row]["test_qwk"],
+             cells[2][row]["test_qwk"] if row in cells[2] else
+             cells[2]["members"][row]["test_qwk"]]), abs=1e-12)
+    assert bench.main(["--units", f"x={dirs['minilm']}", f"x={dirs['mpnet']}", "--fold", "0",
+                       "--prompt", "3", "--data-dir", str(data)]) == 2
