@@ -415,7 +415,8 @@ def test_units_of_bf16_features_are_kept_apart(tiny_encoder, tmp_path):
                             **{**kw, "run_dir": tmp_path / "run-bf16"})
     assert bf16["feature_precision"] == "bf16" and fp32["feature_precision"] == "fp32"
     assert bf16["models"]["ridge-layers"]["settings"]["feature_precision"] == "bf16"
-    assert bf16["models"]["surface-ridge"]["settings"] == fp32["models"]["surface-ridge"]["settings"]
+    surface = fp32["models"]["surface-ridge"]["settings"]
+    assert bf16["models"]["surface-ridge"]["settings"] == surface
     assert list((tmp_path / "cache").glob("*-bf16-*.safetensors"))
 
 

@@ -22,10 +22,11 @@ missing ones are made together, from one pass of the encoder (:func:`build_featu
 An interrupted run continues from the shards on disk (the shard folder's name holds
 ``shard_size``, so a run with another size starts afresh). When every essay is encoded the
 shards are merged into one file ``<cache>`` (``.safetensors``) and removed. The cache's name
-holds the encoder's name, the window, the pooling (``-mean``; nothing for "cls") and a
-digest of the essay ids and texts, so another encoder or other data never reads a wrong cache. Tensors in the file: ``features`` [W, L+1, H] fp16, ``essay_ids`` [E] int64
-and ``n_windows`` [E] int64 (windows of essay e are a contiguous run, essays in
-``essay_ids`` order).
+holds the encoder's name, the window, the pooling (``-mean``; nothing for "cls"), the
+precision of the encoder's pass (``-bf16``; nothing for fp32) and a digest of the essay ids
+and texts, so another encoder or other data never reads a wrong cache. Tensors in the file:
+``features`` [W, L+1, H] fp16, ``essay_ids`` [E] int64 and ``n_windows`` [E] int64 (windows
+of essay e are a contiguous run, essays in ``essay_ids`` order).
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def cache_path(cache_dir: str | os.PathLike, encoder: str, essay_ids: Sequence[i
         h.update(f"{int(e)}\0".encode())
         h.update(t.encode("utf-8", "surrogatepass"))
         h.update(b"\0")
-    tag = ("" if pooling == "cls" else f"-{pooling}") + ("" if precision == "fp32" else f"-{precision}")
+    tag = "" if pooling == "cls" else f"-{pooling}"
+    tag += "" if precision == "fp32" else f"-{precision}"
     return Path(cache_dir) / f"{_slug(encoder)}-w{window}{tag}-{h.hexdigest()[:16]}.safetensors"
 
 
@@ -224,7 +226,8 @@ def encode_window_poolings(
                     pooled = torch.stack([h[:, 0] for h in hs], 1)  # [B, L+1, H]
                 else:
                     m = mask.to(hs[0].device, torch.float32)[:, :, None]  # [B, T, 1]
-                    pooled = torch.stack([(h.float() * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
+                    sums = torch.stack([(h.float() * m).sum(1) for h in hs], 1)
+                    pooled = sums / m.sum(1)[:, None]
                 pooled = pooled.to("cpu", torch.float16)
                 rows = out[pooling]
                 for row, j in enumerate(batch):
@@ -276,9 +279,9 @@ def build_feature_caches(
     is done). ``window`` defaults to :func:`encoder_window`. Features come in ``essay_ids``
     order. ``precision`` "bf16" runs the encoder with its weights in bf16 (about 2.5x faster
     than fp32 on a CPU with bf16 instructions; the vectors differ from fp32's by bf16 rounding),
-    and its caches are files of their own (``-bf16``). ``stop_after_shards`` ends the call after encoding that many new
-    chunks (to test resuming) and returns the essays done so far (any other call that finds
-    shards missing raises ValueError). One process builds a cache at a time (a ``flock`` on
+    and its caches are files of their own (``-bf16``). ``stop_after_shards`` ends the call
+    after encoding that many new chunks (to test resuming) and returns the essays done so far
+    (any other call that finds shards missing raises ValueError). One process builds a cache at a time (a ``flock`` on
     ``<cache>.lock``, taken in path order): a second one waits, then reads the finished file.
     """
     if len(essay_ids) != len(texts):
