@@ -57,6 +57,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--finetuned", nargs="*", default=[],
                    help="fine-tuned model folders (OUT/<model name> of aes --finetune)")
     p.add_argument("--fold", default="0", help="a fold, a list (0,1) or all")
+    p.add_argument("--members", default=None,
+                   help="comma-separated frozen members to pool (LABEL/model with several "
+                   "--units; default: every unit found)")
     p.add_argument("--prompt", default="1,2,3,4,5,6,7,8")
     p.add_argument("--joint-prompts", default=None,
                    help="the prompt set of the joint units (and joint fine-tuned cells) to use "
@@ -163,6 +166,10 @@ def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.nd
     return row
 
 
+class MissingMembers(ValueError):
+    """A member asked for by ``--members`` has no unit in a cell."""
+
+
 def units_folders(entries: Sequence[str]) -> dict[str, Path]:
     """``{label: folder}`` of ``--units``: one folder is unlabelled (members keep their model
     names); several are ``LABEL=DIR`` or labelled by the run folder's name, each label once."""
@@ -180,8 +187,10 @@ def units_folders(entries: Sequence[str]) -> dict[str, Path]:
 
 
 def fold_cells(units: dict[str, Path], finetuned_dirs: Sequence[str], essays, fold_ids,
-               fold: int, prompts: Sequence[int], joint: Sequence[int]) -> tuple[dict, list[int]]:
-    """``({prompt: ensemble_cell row}, prompts with a fine-tuned cell)`` of one fold."""
+               fold: int, prompts: Sequence[int], joint: Sequence[int],
+               wanted: set[str] | None = None) -> tuple[dict, list[int]]:
+    """``({prompt: ensemble_cell row}, prompts with a fine-tuned cell)`` of one fold;
+    ``wanted``: the frozen members to pool (each must be found), None for every one."""
     from mhmla_fast.aes.data import split_essays
 
     cells, with_ft = {}, []
@@ -193,6 +202,12 @@ def fold_cells(units: dict[str, Path], finetuned_dirs: Sequence[str], essays, fo
             prefix = f"{label}/" if label else ""
             members.update({prefix + n: u for n, u in got.items()})
             files.update({prefix + n: f for n, f in names.items()})
+        if wanted is not None:
+            missing = sorted(wanted - set(members))
+            if missing:
+                raise MissingMembers(f"fold {fold} prompt {p}: no unit of {missing}")
+            members = {n: u for n, u in members.items() if n in wanted}
+            files = {n: f for n, f in files.items() if n in wanted}
         finetuned = set()
         for folder in finetuned_dirs:
             got = finetuned_member(Path(folder), fold, p, joint)
@@ -250,16 +265,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
     folds = (sorted(fold_ids) if args.fold == "all"
              else [int(x) for x in args.fold.split(",")])
+    wanted = {m for m in args.members.split(",") if m} if args.members else None
     per_fold = {}
     for k in folds:
-        cells, with_ft = fold_cells(units, args.finetuned, essays, fold_ids, k, prompts, joint)
+        try:
+            cells, with_ft = fold_cells(units, args.finetuned, essays, fold_ids, k, prompts,
+                                        joint, wanted)
+        except MissingMembers as err:
+            print(f"aes_ensemble: {err}", file=sys.stderr)
+            return 2
         if not cells:
             print(f"fold {k}: no prompt has frozen members", file=sys.stderr)
             return 1
         per_fold[k] = {"fold": k, "prompts": list(cells), "prompts_finetuned": with_ft,
                        "cells": cells, "mean_test_qwk": cell_means(cells)}
     common = {"units": {label: str(f) for label, f in units.items()} if len(units) > 1
-              else str(units[""]), "finetuned": [str(f) for f in args.finetuned]}
+              else str(units[""]), "finetuned": [str(f) for f in args.finetuned],
+              **({"members": sorted(wanted)} if wanted else {})}
     note = "test QWK; members and ensembles chosen on the dev split only"
     if len(folds) == 1:
         result = {**per_fold[folds[0]], **common, "provenance": provenance(), "note": note}

@@ -4,8 +4,15 @@
         --pair ridge-layers-both-surface-cuts:ridge-layers-both-surface \\
         --pair ridge-layers-both-surface-ged:ridge-layers-both-surface
 
+    # two encoders' runs, and dev-chosen ensembles of bench/aes_ensemble.py --fold all
+    python bench/aes_paired_cells.py minilm=bench/results/aes_cpu-frozen-encoder-ged-cuts.json \\
+        mpnet=bench/results/aes_cpu-frozen-mpnet-bf16.json \\
+        --pair mpnet/ridge-layers-both-surface-cuts:minilm/ridge-layers-both-surface-cuts
+
 For each ``A:B`` pair of models in one results file of ``mhmla-train aes`` (the same essays in
-every cell: one run, or runs over the same folds), with ``d_c = QWK_A(c) - QWK_B(c)`` over the
+every cell: one run, or runs over the same folds), or in several (``LABEL=FILE``, models named
+``LABEL/model``; the files must hold the same folds and prompts; a file of
+``bench/aes_ensemble.py --fold all`` gives its rows, e.g. ``LABEL/greedy-frozen``), with ``d_c = QWK_A(c) - QWK_B(c)`` over the
 ``n`` cells ``c`` = (fold, prompt) both hold::
 
     mean_diff = mean_c d_c            (QWK points x 100 in the table; fractions in the JSON)
@@ -37,7 +44,18 @@ DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "aes_paired_cells.json"
 
 
 def cells(result: dict, model: str) -> dict[tuple[str, str], float]:
-    """{(fold, prompt): test QWK} of ``model`` (a model or an ensemble of the results)."""
+    """{(fold, prompt): test QWK} of ``model`` (a model or an ensemble of the results, or a row
+    or member of a ``bench/aes_ensemble.py`` file of several folds)."""
+    if "folds" in result and isinstance(result["folds"], dict):  # aes_ensemble.py --fold all
+        out = {}
+        for k, fold in result["folds"].items():
+            for p, cell in fold["cells"].items():
+                row = cell.get(model) or cell["members"].get(model)
+                if row is not None:
+                    out[(k, p)] = row["test_qwk"]
+        if not out:
+            raise ValueError(f"no row or member {model!r} in the ensemble results")
+        return out
     entry = result["models"].get(model) or result.get("ensembles", {}).get(model)
     if entry is None:
         known = sorted([*result["models"], *result.get("ensembles", {})])
@@ -64,15 +82,52 @@ def compare(result: dict, a: str, b: str) -> dict:
             "ties": sum(x == 0 for x in d), "p_wilcoxon": p, "per_prompt_diff": per_prompt}
 
 
+def read_results(paths: Sequence[str]) -> dict:
+    """One results file as it is; several (``LABEL=FILE``) as one file whose models (and
+    ensembles, and aes_ensemble.py rows) are named ``LABEL/name``."""
+    if len(paths) == 1 and "=" not in paths[0]:
+        return json.loads(Path(paths[0]).read_text())
+    merged: dict = {"models": {}}
+    shape = None
+    for spec in paths:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"results: expected LABEL=FILE with several files, got {spec!r}")
+        result = json.loads(Path(path).read_text())
+        if "folds" in result and isinstance(result["folds"], dict):  # aes_ensemble.py
+            folds = sorted(result["folds"], key=int)
+            prompts = sorted({p for f in result["folds"].values() for p in f["cells"]}, key=int)
+            names = {r for f in result["folds"].values() for c in f["cells"].values()
+                     for r in [*c["members"], *(k for k in c if k not in ("members",
+                                                                            "unit_files"))]}
+            entries = {n: cells(result, n) for n in names}
+        else:
+            folds = [str(k) for k in result["folds"]]
+            prompts = [str(p) for p in result["prompts"]]
+            names = [*result["models"], *result.get("ensembles", {})]
+            entries = {n: cells(result, n) for n in names}
+        if shape is not None and shape != (folds, prompts):
+            raise ValueError(f"{path}: folds {folds} and prompts {prompts}, not those of the "
+                             f"first file {shape}")
+        shape = (folds, prompts)
+        for n, per in entries.items():
+            qwk: dict = {}
+            for (k, p), q in per.items():
+                qwk.setdefault(k, {})[p] = q
+            merged["models"][f"{label}/{n}"] = {"qwk": qwk}
+    return merged
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", help="a results file of mhmla-train aes")
+    ap.add_argument("results", nargs="+",
+                    help="a results file of mhmla-train aes, or several as LABEL=FILE")
     ap.add_argument("--pair", action="append", required=True, metavar="A:B",
                     help="model A against model B (repeatable)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     try:
-        result = json.loads(Path(args.results).read_text())
+        result = read_results(args.results)
         pairs = []
         for spec in args.pair:
             a, sep, b = spec.partition(":")

@@ -263,3 +263,14 @@ def test_units_of_two_encoders_over_all_folds(tmp_path):
              cells[2]["members"][row]["test_qwk"]]), abs=1e-12)
     assert bench.main(["--units", f"x={dirs['minilm']}", f"x={dirs['mpnet']}", "--fold", "0",
                        "--prompt", "3", "--data-dir", str(data)]) == 2
+    chosen = tmp_path / "chosen.json"  # --members pools only those named
+    assert bench.main(["--units", *units, "--fold", "all", "--prompt", "3,4", "--data-dir",
+                       str(data), "--members", "minilm/ridge-layers,mpnet/surface-ridge",
+                       "--out", str(chosen)]) == 0
+    picked = json.loads(chosen.read_text())
+    assert picked["members"] == ["minilm/ridge-layers", "mpnet/surface-ridge"]
+    for fold in picked["folds"].values():
+        for cell in fold["cells"].values():
+            assert set(cell["members"]) == {"minilm/ridge-layers", "mpnet/surface-ridge"}
+    assert bench.main(["--units", *units, "--fold", "0", "--prompt", "3", "--data-dir",
+                       str(data), "--members", "minilm/ridge-layers,mpnet/tfidf-ridge"]) == 2

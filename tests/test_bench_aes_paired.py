@@ -50,3 +50,36 @@ def test_holm_is_monotone_and_capped():
     bench = load_bench_script("aes_paired_cells")
     assert bench.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert bench.holm([0.6, 0.9]) == [1.0, 1.0]
+
+
+def test_models_of_several_files_and_ensemble_rows_pair_by_cell(tmp_path, capsys):
+    """LABEL=FILE results (two protocol runs, and a file of aes_ensemble.py --fold all) pair
+    LABEL/model by (fold, prompt) as one file would; other folds are refused."""
+    bench = load_bench_script("aes_paired_cells")
+    rng = np.random.default_rng(1)
+    a, b, ens = (rng.uniform(0.6, 0.8, size=(5, 2)) for _ in range(3))
+    for name, v in (("a", a), ("b", b)):
+        r = {**_result({"ridge": v}), "folds": list(range(5)), "prompts": [3, 4]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    folds = {str(k): {"cells": {str(p): {"greedy-frozen": {"test_qwk": float(ens[k, i])},
+                                         "members": {"x/ridge": {"test_qwk": 0.5}}}
+                                for i, p in enumerate((3, 4))}} for k in range(5)}
+    (tmp_path / "ens.json").write_text(json.dumps({"folds": folds}))
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(_result({"a": a, "b": b, "ens": ens})))
+    out, want = tmp_path / "pairs.json", tmp_path / "want.json"
+    files = [f"A={tmp_path / 'a.json'}", f"B={tmp_path / 'b.json'}", f"E={tmp_path / 'ens.json'}"]
+    assert bench.main([*files, "--pair", "A/ridge:B/ridge", "--pair", "E/greedy-frozen:A/ridge",
+                       "--out", str(out)]) == 0
+    assert bench.main([str(one), "--pair", "a:b", "--pair", "ens:a", "--out", str(want)]) == 0
+    got, expected = json.loads(out.read_text())["pairs"], json.loads(want.read_text())["pairs"]
+    for g, w in zip(got, expected):
+        for key in ("n", "mean_diff", "wins", "losses", "p_wilcoxon", "p_holm", "per_prompt_diff"):
+            assert g[key] == w[key], key
+    short = {**_result({"ridge": a[:4]}), "folds": list(range(4)), "prompts": [3, 4]}
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    assert bench.main([files[0], f"S={tmp_path / 'short.json'}", "--pair", "A/ridge:S/ridge",
+                       "--out", str(out)]) == 2
+    assert "not those of the first file" in capsys.readouterr().err
+    assert bench.main([files[0], str(tmp_path / "b.json"), "--pair", "x:y",
+                       "--out", str(out)]) == 2
