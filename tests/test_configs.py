@@ -142,6 +142,20 @@ def test_num_heads_is_one_name_from_the_flag_to_the_module(tmp_path):
             "word_embeddings"
 
 
+def test_aes_feature_precision_choices_are_the_caches():
+    """``--feature-precision`` offers exactly the cache precisions (written out in the parser,
+    which imports no torch)."""
+    from mhmla_fast.aes.features import PRECISIONS
+    from mhmla_fast.commands.aes import add_train_parser
+
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="task"))
+    for value in PRECISIONS:
+        assert parser.parse_args(["aes", "--feature-precision", value]).feature_precision == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["aes", "--feature-precision", "fp16"])
+
+
 def test_aes_training_flags_name_config_fields():
     """The ``mhmla-train aes`` flags that set head or fine-tuning fields name real fields."""
     from mhmla_fast.aes.train import FinetuneConfig, HeadTrainConfig

@@ -66,7 +66,7 @@ def tagger_fingerprint(model_dir: str | os.PathLike) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _fingerprint(model_dir: str, stamp: tuple) -> str:
-    from .features import files_fingerprint
+    from .fingerprints import files_fingerprint
 
     return files_fingerprint(Path(model_dir))
 

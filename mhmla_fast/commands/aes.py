@@ -137,8 +137,8 @@ def add_train_parser(sub) -> None:
                    "config.json; prints its dev QWK rounded and cut")
     p.add_argument("--feature-precision", default=None, choices=("fp32", "bf16"),
                    help="the frozen protocol's encoder pass that makes the feature caches "
-                   "(default fp32; bf16: the encoder's weights in bf16, about 2.5x faster on "
-                   "CPUs with bf16 instructions, caches and units of their own)")
+                   "(default fp32; bf16: the encoder's weights in bf16, 2-3x faster on CPUs "
+                   "with bf16 instructions, caches and units of their own)")
     p.add_argument("--cache-only", action="store_true",
                    help="only build (or resume) the feature caches that the chosen prompts and "
                    "--models need (not with --finetune)")
