@@ -12,8 +12,8 @@
 For each ``A:B`` pair of models in one results file of ``mhmla-train aes`` (the same essays in
 every cell: one run, or runs over the same folds), or in several (``LABEL=FILE``, models named
 ``LABEL/model``; the files must hold the same folds and prompts; a file of
-``bench/aes_ensemble.py --fold all`` gives its rows, e.g. ``LABEL/greedy-frozen``), with ``d_c = QWK_A(c) - QWK_B(c)`` over the
-``n`` cells ``c`` = (fold, prompt) both hold::
+``bench/aes_ensemble.py --fold all`` gives its rows, e.g. ``LABEL/greedy-frozen``), with
+``d_c = QWK_A(c) - QWK_B(c)`` over the ``n`` cells ``c`` = (fold, prompt) both hold::
 
     mean_diff = mean_c d_c            (QWK points x 100 in the table; fractions in the JSON)
     wins, losses, ties = #{d_c > 0}, #{d_c < 0}, #{d_c = 0}
@@ -43,10 +43,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "aes_paired_cells.json"
 
 
+def _ensemble_file(result: dict) -> bool:
+    """A file of ``bench/aes_ensemble.py --fold all`` (its folds hold cells of rows)."""
+    return isinstance(result.get("folds"), dict)
+
+
+def _names(result: dict) -> list[str]:
+    """Every model and ensemble of a results file, or every row and member of an ensemble file."""
+    if not _ensemble_file(result):
+        return [*result["models"], *result.get("ensembles", {})]
+    return sorted({n for f in result["folds"].values() for c in f["cells"].values()
+                   for n in [*c["members"], *(k for k in c if k not in ("members", "unit_files"))]})
+
+
 def cells(result: dict, model: str) -> dict[tuple[str, str], float]:
     """{(fold, prompt): test QWK} of ``model`` (a model or an ensemble of the results, or a row
     or member of a ``bench/aes_ensemble.py`` file of several folds)."""
-    if "folds" in result and isinstance(result["folds"], dict):  # aes_ensemble.py --fold all
+    if _ensemble_file(result):
         out = {}
         for k, fold in result["folds"].items():
             for p, cell in fold["cells"].items():
@@ -94,25 +107,19 @@ def read_results(paths: Sequence[str]) -> dict:
         if not sep or not label or not path:
             raise ValueError(f"results: expected LABEL=FILE with several files, got {spec!r}")
         result = json.loads(Path(path).read_text())
-        if "folds" in result and isinstance(result["folds"], dict):  # aes_ensemble.py
+        if _ensemble_file(result):
             folds = sorted(result["folds"], key=int)
             prompts = sorted({p for f in result["folds"].values() for p in f["cells"]}, key=int)
-            names = {r for f in result["folds"].values() for c in f["cells"].values()
-                     for r in [*c["members"], *(k for k in c if k not in ("members",
-                                                                            "unit_files"))]}
-            entries = {n: cells(result, n) for n in names}
         else:
             folds = [str(k) for k in result["folds"]]
             prompts = [str(p) for p in result["prompts"]]
-            names = [*result["models"], *result.get("ensembles", {})]
-            entries = {n: cells(result, n) for n in names}
         if shape is not None and shape != (folds, prompts):
             raise ValueError(f"{path}: folds {folds} and prompts {prompts}, not those of the "
                              f"first file {shape}")
         shape = (folds, prompts)
-        for n, per in entries.items():
+        for n in _names(result):
             qwk: dict = {}
-            for (k, p), q in per.items():
+            for (k, p), q in cells(result, n).items():
                 qwk.setdefault(k, {})[p] = q
             merged["models"][f"{label}/{n}"] = {"qwk": qwk}
     return merged

@@ -137,19 +137,19 @@ def _head_config(spec: ModelSpec, overrides: dict) -> HeadTrainConfig:
 def _settings(spec: ModelSpec, encoder: str, overrides: dict, precision: str = "fp32") -> dict:
     """What a unit of ``spec`` depends on (stored with it; a unit of other settings is not
     reused). ``precision``: of the encoder pass that made the feature caches."""
-    cuts = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
-    if spec.kind in ("head", "joint", "ridge") and precision != "fp32":
-        cuts = {"feature_precision": precision, **cuts}
+    extra = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
+    if spec.kind in ("head", "joint", "ridge") and precision != "fp32":  # models on the caches
+        extra["feature_precision"] = precision
     if spec.head is not None:
         lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
-        return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **cuts}
+        return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **extra}
     alphas = {"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS, "surface": SURFACE_ALPHAS}[spec.kind]
     surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
     features = {"features": spec.features} if spec.features != "cls" else {}
     ged = ({"ged": list(GED_FEATURES), "ged_tagger_sha256": tagger_fingerprint(_ged_tagger())}
            if spec.ged else {})
     return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas),
-            **surface, **features, **ged, **cuts}
+            **surface, **features, **ged, **extra}
 
 
 def _ged_tagger() -> Path:
