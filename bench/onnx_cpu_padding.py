@@ -1,7 +1,5 @@
 """bench/results/onnx_cpu_discrepancy.md, section 1: padding of the engine's packing of FCE dev+test for record chunks of N (the CLI's --batch-size)."""
 import os
-import sys
-from pathlib import Path
 from mhmla_fast.ged.data import read_ged
 from mhmla_fast.paths import shared_data_dir
 from mhmla_fast.serve.engine import load_tokenizer

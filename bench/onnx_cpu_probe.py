@@ -8,8 +8,6 @@ NOSLACK=1 packs without the padding cap (the packer before it). Prints per pass:
 the runner, calls, padding, CPU seconds and cores busy.
 """
 import os, resource, sys, time
-from pathlib import Path
-import numpy as np
 from mhmla_fast.ged.data import read_ged
 from mhmla_fast.paths import shared_data_dir
 from mhmla_fast.ged.predict import default_model_path

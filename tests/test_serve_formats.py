@@ -6,7 +6,6 @@ per line with ``--encoding``."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
