@@ -46,12 +46,12 @@ from torch import Tensor
 
 from .. import filelock
 from ..durable import replace_durably
-from .fingerprints import encoder_fingerprint, files_fingerprint
+from .fingerprints import encoder_fingerprint
 from .model import collate_windows, encode_essay_windows, token_budget_batches
 
 __all__ = ["CachedFeatures", "POOLINGS", "PRECISIONS", "cache_path", "encode_window_features",
            "encode_window_poolings", "build_feature_caches",
-           "load_feature_cache", "encoder_window", "encoder_fingerprint", "files_fingerprint"]
+           "load_feature_cache", "encoder_window", "encoder_fingerprint"]
 
 POOLINGS = ("cls", "mean")
 PRECISIONS = ("fp32", "bf16")  # of the encoder's pass; bf16: its weights cast, pooling in fp32
