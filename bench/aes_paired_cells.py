@@ -9,6 +9,11 @@
         mpnet=bench/results/aes_cpu-frozen-mpnet-bf16.json \\
         --pair mpnet/ridge-layers-both-surface-cuts:minilm/ridge-layers-both-surface-cuts
 
+    # seeds averaged per cell first: LABEL=FILE+FILE+... (runs that differ only in the seed)
+    python bench/aes_paired_cells.py \
+        seeds=bench/results/aes_cpu-frozen-mpnet-bf16.json+...-seed1.json+...-seed2.json \
+        --pair seeds/mhmla-reg:seeds/avgl-reg
+
 For each ``A:B`` pair of models in one results file of ``mhmla-train aes`` (the same essays in
 every cell: one run, or runs over the same folds), or in several (``LABEL=FILE``, models named
 ``LABEL/model``; the files must hold the same folds and prompts; a file of
@@ -20,7 +25,10 @@ every cell: one run, or runs over the same folds), or in several (``LABEL=FILE``
     p_wilcoxon = scipy.stats.wilcoxon(d).pvalue   (two-sided signed-rank test, zeros dropped)
     p_holm     = Holm's step-down adjustment over the pairs of the call
 
-The cells are not independent draws (a prompt's five folds share essays' neighbours), so the
+With ``LABEL=F1+F2+...+FS`` a model's QWK in a cell is its mean over the S files,
+``QWK(c) = (1/S) sum_s QWK_s(c)``, for the models and cells every file holds (the files: runs
+of one protocol that differ only in the seed, so the test sees the seeds' average, not one
+seed's draw). The cells are not independent draws (a prompt's five folds share essays' neighbours), so the
 test is a guide, not a guarantee; the per-prompt means say where a difference comes from.
 
 JSON (``--out``, default ``bench/results/aes_paired_cells.json``): ``input``, ``pairs`` (per
@@ -95,31 +103,64 @@ def compare(result: dict, a: str, b: str) -> dict:
             "ties": sum(x == 0 for x in d), "p_wilcoxon": p, "per_prompt_diff": per_prompt}
 
 
+def _shape(result: dict) -> tuple[list[str], list[str]]:
+    """(folds, prompts) of a results file or of an aes_ensemble.py file."""
+    if _ensemble_file(result):
+        return (sorted(result["folds"], key=int),
+                sorted({p for f in result["folds"].values() for p in f["cells"]}, key=int))
+    return [str(k) for k in result["folds"]], [str(p) for p in result["prompts"]]
+
+
+def _without_seed(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k != "seed"}
+
+
+def _seed_mean(paths: Sequence[str]) -> tuple[dict[str, dict], tuple[list[str], list[str]]]:
+    """{name: {(fold, prompt): QWK averaged over ``paths``}} for the names and cells every file
+    holds, and the files' (folds, prompts), which must agree."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    shape = _shape(results[0])
+    for path, r in zip(paths[1:], results[1:]):
+        if _shape(r) != shape:
+            raise ValueError(f"{path}: folds and prompts {_shape(r)}, not those of {paths[0]}")
+    others = [set(_names(r)) for r in results[1:]]
+    names = [n for n in _names(results[0]) if all(n in o for o in others)]
+    out = {}
+    for n in names:
+        settings = [_without_seed(r["models"][n]["settings"]) for r in results
+                    if "settings" in r.get("models", {}).get(n, {})]
+        if any(x != settings[0] for x in settings[1:]):
+            raise ValueError(f"{n}: settings differ in more than the seed across {list(paths)}")
+        per_file = [cells(r, n) for r in results]
+        common = set(per_file[0]).intersection(*per_file[1:])
+        out[n] = {c: sum(f[c] for f in per_file) / len(per_file) for c in sorted(common)}
+    return out, shape
+
+
 def read_results(paths: Sequence[str]) -> dict:
-    """One results file as it is; several (``LABEL=FILE``) as one file whose models (and
-    ensembles, and aes_ensemble.py rows) are named ``LABEL/name``."""
+    """One results file as it is; several (``LABEL=FILE``, or ``LABEL=FILE+FILE+...`` for the
+    per-cell mean over seeds) as one file whose models (and ensembles, and aes_ensemble.py
+    rows) are named ``LABEL/name``."""
     if len(paths) == 1 and "=" not in paths[0]:
         return json.loads(Path(paths[0]).read_text())
     merged: dict = {"models": {}}
     shape = None
     for spec in paths:
         label, sep, path = spec.partition("=")
-        if not sep or not label or not path:
-            raise ValueError(f"results: expected LABEL=FILE with several files, got {spec!r}")
-        result = json.loads(Path(path).read_text())
-        if _ensemble_file(result):
-            folds = sorted(result["folds"], key=int)
-            prompts = sorted({p for f in result["folds"].values() for p in f["cells"]}, key=int)
-        else:
-            folds = [str(k) for k in result["folds"]]
-            prompts = [str(p) for p in result["prompts"]]
-        if shape is not None and shape != (folds, prompts):
-            raise ValueError(f"{path}: folds {folds} and prompts {prompts}, not those of the "
+        files = path.split("+")
+        if not sep or not label or not all(files):
+            raise ValueError(f"results: expected LABEL=FILE or LABEL=FILE+FILE+... with several "
+                             f"files, got {spec!r}")
+        if len(set(files)) != len(files):
+            raise ValueError(f"{spec!r}: a file given twice")
+        by_name, this = _seed_mean(files)
+        if shape is not None and shape != this:
+            raise ValueError(f"{path}: folds {this[0]} and prompts {this[1]}, not those of the "
                              f"first file {shape}")
-        shape = (folds, prompts)
-        for n in _names(result):
+        shape = this
+        for n, per_cell in by_name.items():
             qwk: dict = {}
-            for (k, p), q in cells(result, n).items():
+            for (k, p), q in per_cell.items():
                 qwk.setdefault(k, {})[p] = q
             merged["models"][f"{label}/{n}"] = {"qwk": qwk}
     return merged
@@ -128,7 +169,8 @@ def read_results(paths: Sequence[str]) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+",
-                    help="a results file of mhmla-train aes, or several as LABEL=FILE")
+                    help="a results file of mhmla-train aes, or several as LABEL=FILE "
+                         "(LABEL=FILE+FILE+...: each cell averaged over the files' seeds)")
     ap.add_argument("--pair", action="append", required=True, metavar="A:B",
                     help="model A against model B (repeatable)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))

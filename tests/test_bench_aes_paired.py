@@ -83,3 +83,41 @@ def test_models_of_several_files_and_ensemble_rows_pair_by_cell(tmp_path, capsys
     assert "not those of the first file" in capsys.readouterr().err
     assert bench.main([files[0], str(tmp_path / "b.json"), "--pair", "x:y",
                        "--out", str(out)]) == 2
+
+
+def test_seed_mean_files_average_each_cell_before_the_test(tmp_path, capsys):
+    """LABEL=F1+F2+F3 pairs the per-cell mean over the three runs (as one file holding those
+    means would); runs whose settings differ beyond the seed, or of other folds, are refused."""
+    bench = load_bench_script("aes_paired_cells")
+    rng = np.random.default_rng(2)
+    a, b = rng.uniform(0.6, 0.8, size=(2, 3, 5, 2))  # model x seed x fold x prompt
+    paths = []
+    for s in range(3):
+        r = {**_result({"a": a[s], "b": b[s]}), "folds": list(range(5)), "prompts": [3, 4]}
+        for m in r["models"].values():
+            m["settings"] = {"lr": 1e-3, "seed": s}
+        paths.append(tmp_path / f"s{s}.json")
+        paths[-1].write_text(json.dumps(r))
+    mean = tmp_path / "mean.json"
+    mean.write_text(json.dumps(_result({"a": a.mean(0), "b": b.mean(0)})))
+    out, want = tmp_path / "pairs.json", tmp_path / "want.json"
+    spec = "S=" + "+".join(map(str, paths))
+    assert bench.main([spec, "--pair", "S/a:S/b", "--out", str(out)]) == 0
+    assert bench.main([str(mean), "--pair", "a:b", "--out", str(want)]) == 0
+    got, expected = json.loads(out.read_text())["pairs"][0], json.loads(want.read_text())["pairs"][0]
+    assert got["mean_diff"] == pytest.approx((a - b).mean())
+    for key in ("n", "wins", "losses", "p_wilcoxon", "per_prompt_diff"):
+        assert got[key] == pytest.approx(expected[key]), key
+
+    r = json.loads(paths[2].read_text())
+    r["models"]["a"]["settings"]["lr"] = 1e-2
+    paths[2].write_text(json.dumps(r))
+    assert bench.main([spec, "--pair", "S/a:S/b", "--out", str(out)]) == 2
+    assert "a: settings differ in more than the seed" in capsys.readouterr().err
+    assert bench.main([f"S={paths[0]}+{paths[0]}", "--pair", "S/a:S/b", "--out", str(out)]) == 2
+    assert "given twice" in capsys.readouterr().err
+    short = {**_result({"a": a[0, :4], "b": b[0, :4]}), "folds": list(range(4)), "prompts": [3, 4]}
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    assert bench.main([f"S={paths[0]}+{tmp_path / 'short.json'}", "--pair", "S/a:S/b",
+                       "--out", str(out)]) == 2
+    assert "not those of" in capsys.readouterr().err
