@@ -24,6 +24,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ged_seed_stats import save_png  # noqa: E402 - the sibling script's figure writer
+
 HEADS = (("last", "last layer"), ("avgl", "AvgL"), ("mhmla", "MHMLA"))
 OBJECTIVES = (("cls", "classification"), ("reg", "regression"))
 
@@ -75,12 +78,7 @@ def plot_heads(summaries: Mapping[str, dict], png: str | Path) -> Path:
     lows = [r["mean"] - r["std"] for v in values.values() for r in v.values()]
     axes[0].set_ylim(max(0.0, 5 * (min(lows) // 5) - 5), None)
     axes[0].legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return save_png(fig, png)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,8 +10,8 @@
         --pair mpnet/ridge-layers-both-surface-cuts:minilm/ridge-layers-both-surface-cuts
 
     # seeds averaged per cell first: LABEL=FILE+FILE+... (runs that differ only in the seed)
-    python bench/aes_paired_cells.py \
-        seeds=bench/results/aes_cpu-frozen-mpnet-bf16.json+...-seed1.json+...-seed2.json \
+    python bench/aes_paired_cells.py \\
+        seeds=bench/results/aes_cpu-frozen-mpnet-bf16.json+...-seed1.json+...-seed2.json \\
         --pair seeds/mhmla-reg:seeds/avgl-reg
 
 For each ``A:B`` pair of models in one results file of ``mhmla-train aes`` (the same essays in
@@ -28,7 +28,9 @@ every cell: one run, or runs over the same folds), or in several (``LABEL=FILE``
 With ``LABEL=F1+F2+...+FS`` a model's QWK in a cell is its mean over the S files,
 ``QWK(c) = (1/S) sum_s QWK_s(c)``, for the models and cells every file holds (the files: runs
 of one protocol that differ only in the seed, so the test sees the seeds' average, not one
-seed's draw). The cells are not independent draws (a prompt's five folds share essays' neighbours), so the
+seed's draw; a model whose settings differ in more than the seed is refused).
+
+The cells are not independent draws (a prompt's five folds share essays' neighbours), so the
 test is a guide, not a guarantee; the per-prompt means say where a difference comes from.
 
 JSON (``--out``, default ``bench/results/aes_paired_cells.json``): ``input``, ``pairs`` (per

@@ -34,7 +34,8 @@ def test_values_plot_and_refusals(tmp_path, capsys):
 
     pytest.importorskip("matplotlib")
     paths = {}
-    for name, s in (("a", _summary(0.0)), ("b", _summary(0.05)), ("bad", _summary(0.0, "avgl-cls"))):
+    inputs = (("a", _summary(0.0)), ("b", _summary(0.05)), ("bad", _summary(0.0, "avgl-cls")))
+    for name, s in inputs:
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(s))
     png = tmp_path / "out" / "heads.png"

@@ -104,7 +104,8 @@ def test_seed_mean_files_average_each_cell_before_the_test(tmp_path, capsys):
     spec = "S=" + "+".join(map(str, paths))
     assert bench.main([spec, "--pair", "S/a:S/b", "--out", str(out)]) == 0
     assert bench.main([str(mean), "--pair", "a:b", "--out", str(want)]) == 0
-    got, expected = json.loads(out.read_text())["pairs"][0], json.loads(want.read_text())["pairs"][0]
+    got = json.loads(out.read_text())["pairs"][0]
+    expected = json.loads(want.read_text())["pairs"][0]
     assert got["mean_diff"] == pytest.approx((a - b).mean())
     for key in ("n", "wins", "losses", "p_wilcoxon", "per_prompt_diff"):
         assert got[key] == pytest.approx(expected[key]), key
