@@ -48,14 +48,13 @@ def head_values(summaries: Mapping[str, dict]) -> dict[str, dict[str, dict]]:
     return out
 
 
-def plot_heads(summaries: Mapping[str, dict], png: str | Path) -> Path:
-    """Draw :func:`head_values` of ``summaries`` (the module doc) to ``png``; returns its path."""
+def plot_heads(values: Mapping[str, dict[str, dict]], png: str | Path) -> Path:
+    """Draw ``values`` (of :func:`head_values`; the module doc) to ``png``; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values = head_values(summaries)
     encoders = list(values)
     width = 0.8 / len(encoders)
     fig, axes = plt.subplots(1, len(OBJECTIVES), figsize=(5.5 * len(OBJECTIVES), 4), sharey=True)
@@ -96,11 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name in summaries:
                 raise ValueError(f"{name!r} given twice")
             summaries[name] = json.loads(Path(path).read_text())
-        png = plot_heads(summaries, args.out)
+        values = head_values(summaries)
+        png = plot_heads(values, args.out)
     except (OSError, ValueError, KeyError) as err:
         print(f"aes_heads_plot: {err}", file=sys.stderr)
         return 2
-    for encoder, models in head_values(summaries).items():
+    for encoder, models in values.items():
         print(encoder + ": " + ", ".join(f"{m} {v['mean']:.2f} ± {v['std']:.2f}"
                                          for m, v in models.items()))
     print(f"wrote {png}")

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aes_seed_summary import without_seed  # noqa: E402 - what counts as one model's seeds
 from ged_seed_stats import holm  # noqa: E402 - the sibling script's Holm adjustment
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -113,10 +114,6 @@ def _shape(result: dict) -> tuple[list[str], list[str]]:
     return [str(k) for k in result["folds"]], [str(p) for p in result["prompts"]]
 
 
-def _without_seed(settings: dict) -> dict:
-    return {k: v for k, v in settings.items() if k != "seed"}
-
-
 def _seed_mean(paths: Sequence[str]) -> tuple[dict[str, dict], tuple[list[str], list[str]]]:
     """{name: {(fold, prompt): QWK averaged over ``paths``}} for the names and cells every file
     holds, and the files' (folds, prompts), which must agree."""
@@ -129,7 +126,7 @@ def _seed_mean(paths: Sequence[str]) -> tuple[dict[str, dict], tuple[list[str], 
     names = [n for n in _names(results[0]) if all(n in o for o in others)]
     out = {}
     for n in names:
-        settings = [_without_seed(r["models"][n]["settings"]) for r in results
+        settings = [without_seed(r["models"][n]["settings"]) for r in results
                     if "settings" in r.get("models", {}).get(n, {})]
         if any(x != settings[0] for x in settings[1:]):
             raise ValueError(f"{n}: settings differ in more than the seed across {list(paths)}")

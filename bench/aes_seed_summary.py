@@ -37,7 +37,8 @@ def _seed_of(result: dict) -> int:
     return int(result.get("head_overrides", {}).get("seed", 0))
 
 
-def _without_seed(settings: dict) -> dict:
+def without_seed(settings: dict) -> dict:
+    """A model's settings but its seed (runs of one model differ in nothing else)."""
     return {k: v for k, v in settings.items() if k != "seed"}
 
 
@@ -62,9 +63,9 @@ def summarise(results: Sequence[dict]) -> dict[str, Any]:
     common = [m for m in first["models"] if all(m in r["models"] for r in results)]
     models: dict[str, Any] = {}
     for m in common:
-        ref = _without_seed(first["models"][m]["settings"])
+        ref = without_seed(first["models"][m]["settings"])
         for r in results[1:]:
-            if _without_seed(r["models"][m]["settings"]) != ref:
+            if without_seed(r["models"][m]["settings"]) != ref:
                 raise ValueError(f"{m}: settings differ in more than the seed")
         per_seed = [r["models"][m]["mean_qwk"] for r in results]
         per_prompt = {}
