@@ -106,3 +106,61 @@ def test_ddp_finetune_writes_once_and_every_rank_returns_the_best(tmp_path, tiny
     assert [r["epoch"] for r in log] == [1, 2] and all(np.isfinite(r["loss"]) for r in log)
     assert (out / "best" / "config.json").is_file()
     assert json.loads((out / "checkpoint.json").read_text())["epoch"] == 2
+
+
+def _killed_worker(rank: int, port: int, encoder: str, out: str, kill_at: int | None) -> None:
+    """Two epochs of 4 steps, a checkpoint every 3; with ``kill_at``, every rank is stopped in
+    that step (as a kill of the job) and the job started again in the same processes."""
+    from mhmla_fast.aes import finetune as ft
+
+    _env(rank, port)
+    cfg = _cfg(encoder, out, epochs=2, dropout=0.3, checkpoint_every=3)
+    train, dev = essays(24, 2), essays(8, 3)
+    if kill_at is not None:
+        real, calls = ft._window_loss, []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == kill_at:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        ft._window_loss = counted
+        try:
+            ft.finetune(cfg, train, dev, log=None)
+        except KeyboardInterrupt:
+            pass
+        ft._window_loss = real
+        if rank == 0:
+            meta = json.loads(open(f"{out}/checkpoint.json").read())
+            with open(f"{out}/killed.json", "w") as f:
+                json.dump([meta["epoch"], meta["step_in_epoch"]], f)
+    _, state = ft.finetune(cfg, train, dev, log=None)
+    if rank == 0:
+        with open(f"{out}/rank0_log.json", "w") as f:
+            json.dump(state["log"], f)
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_finetune_killed_mid_epoch_resumes_with_the_epoch_loss_counted_once(tmp_path,
+                                                                                tiny_encoder):
+    """Stopped in epoch 2's third step, the job resumes from rank 0's checkpoint after its
+    second step (the steps before it, summed over both ranks, counted once in the epoch loss)
+    and ends with the log and weights of an uninterrupted job."""
+    runs = {}
+    for name, kill_at in (("whole", None), ("cut", 7)):
+        out = tmp_path / name
+        mp.spawn(_killed_worker, args=(free_port(), tiny_encoder, str(out), kill_at),
+                 nprocs=WORLD, join=True)
+        runs[name] = json.loads((out / "rank0_log.json").read_text())
+    assert json.loads((tmp_path / "cut" / "killed.json").read_text()) == [1, 2]
+    whole, cut = runs["whole"], runs["cut"]
+    assert [r["epoch"] for r in cut] == [1, 2]
+    for a, b in zip(whole, cut):
+        assert abs(a["loss"] - b["loss"]) <= 1e-9 * a["loss"], (a["loss"], b["loss"])
+        assert a["dev_qwk"] == b["dev_qwk"]
+    names = [json.loads((tmp_path / n / "checkpoint.json").read_text())["tensors"] for n in runs]
+    a, b = (load_file(tmp_path / n / f) for n, f in zip(runs, names))
+    assert names[0] == names[1] == "checkpoint-8.safetensors"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=k)

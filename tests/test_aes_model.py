@@ -247,19 +247,21 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
                         dev, log=None)
     finetune(FinetuneConfig(out=str(tmp_path / "first"), epochs=1, **base), train, dev, log=None)
     first = json.loads((tmp_path / "first" / "checkpoint.json").read_text())
-    assert first["epoch"] == 1 and first["tensors"] == "checkpoint-1.safetensors"
+    # 16 one-window essays in batches of 4: the checkpoint is named by its optimizer step
+    assert first["epoch"] == 1 and first["tensors"] == "checkpoint-4.safetensors"
+    assert first["step_in_epoch"] == 0 and first["open_epoch"] is None  # between epochs
     (tmp_path / "first").rename(tmp_path / "parts")  # a moved run folder resumes
     _, parts = finetune(FinetuneConfig(out=str(tmp_path / "parts"), epochs=2, **base), train,
                         dev, log=None)
     strip = lambda log: [{k: v for k, v in r.items() if k != "seconds"} for r in log]  # noqa: E731
     assert strip(parts["log"]) == strip(whole["log"])
-    a = load_file(tmp_path / "whole" / "checkpoint-2.safetensors")
-    b = load_file(tmp_path / "parts" / "checkpoint-2.safetensors")
+    a = load_file(tmp_path / "whole" / "checkpoint-8.safetensors")
+    b = load_file(tmp_path / "parts" / "checkpoint-8.safetensors")
     assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
     assert not list((tmp_path / "parts").glob("*.pt")) and not list(
-        (tmp_path / "parts").glob("checkpoint-1.*"))  # the older checkpoint was removed
+        (tmp_path / "parts").glob("checkpoint-4.*"))  # the older checkpoint was removed
     other = FinetuneConfig(out=str(tmp_path / "parts"), epochs=3, **{**base, "lr": 5e-4})
     with pytest.raises(ValueError, match="different run"):
         finetune(other, train, dev, log=None)
@@ -287,6 +289,55 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
                  log=None)
 
 
+@pytest.mark.parametrize("killed_at, saved", [(4, (0, 3)), (8, (1, 2)), (5, (1, 0))])
+def test_finetuning_killed_mid_epoch_resumes_from_its_last_step_checkpoint(
+        tiny_encoder, tmp_path, monkeypatch, killed_at, saved):
+    """Killed in its ``killed_at``-th step (two epochs of 4 steps, a checkpoint every 3 steps
+    and at each epoch's end), a run has a checkpoint of (epoch, step_in_epoch) ``saved``
+    (mid-epoch, or (1, 0): the first epoch's end); resumed, it runs only the steps after that
+    checkpoint and ends with the weights, optimizer state and log (epoch losses included) of
+    an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from mhmla_fast.aes import finetune as ft
+    from mhmla_fast.aes.train import FinetuneConfig
+
+    rng = random.Random(4)
+    train = [Essay(i, 3, " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))),
+                   i % 4, i % 4, i % 4, i + 1) for i in range(16)]
+    dev = train[:6]
+    base = dict(prompts=(3,), encoder=tiny_encoder, num_heads=4, dropout=0.3, batch_size=4,
+                lr=1e-3, head_lr=3e-3, backend="torch", epochs=2, checkpoint_every=3)
+    _, whole = ft.finetune(FinetuneConfig(out=str(tmp_path / "whole"), **base), train, dev,
+                           log=None)
+    real, calls = ft._window_loss, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == killed_at:
+            raise KeyboardInterrupt  # as a kill in the middle of the step
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ft, "_window_loss", counted)
+    cut = FinetuneConfig(out=str(tmp_path / "cut"), **base)
+    with pytest.raises(KeyboardInterrupt):
+        ft.finetune(cut, train, dev, log=None)
+    meta = json.loads((tmp_path / "cut" / "checkpoint.json").read_text())
+    assert (meta["epoch"], meta["step_in_epoch"]) == saved
+    assert (meta["open_epoch"] is None) == (saved[1] == 0)
+    calls.clear()
+    killed_at = None  # the resumed run goes to its end; a larger checkpoint_every is free
+    _, resumed = ft.finetune(dataclasses.replace(cut, checkpoint_every=200), train, dev, log=None)
+    assert len(calls) == 8 - 4 * saved[0] - saved[1]  # only the steps after the checkpoint
+    strip = lambda log: [{k: v for k, v in r.items() if k != "seconds"} for r in log]  # noqa: E731
+    assert strip(resumed["log"]) == strip(whole["log"]) and len(whole["log"]) == 2
+    a = load_file(tmp_path / "whole" / "checkpoint-8.safetensors")
+    b = load_file(tmp_path / "cut" / "checkpoint-8.safetensors")
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
+
+
 def test_finetuning_precision_is_honoured_on_the_cpu_and_old_checkpoints_resume(tiny_encoder,
                                                                                 tmp_path,
                                                                                 monkeypatch):
@@ -308,8 +359,8 @@ def test_finetuning_precision_is_honoured_on_the_cpu_and_old_checkpoints_resume(
     finetune(FinetuneConfig(out=str(tmp_path / "auto"), epochs=1, **base), train, train[:4], log=None)
     finetune(FinetuneConfig(out=str(tmp_path / "bf16"), epochs=1, precision="bf16", **base), train,
              train[:4], log=None)
-    a = load_file(tmp_path / "auto" / "checkpoint-1.safetensors")
-    b = load_file(tmp_path / "bf16" / "checkpoint-1.safetensors")
+    a, b = (load_file(tmp_path / run / json.loads((tmp_path / run / "checkpoint.json")
+                                                  .read_text())["tensors"]) for run in ("auto", "bf16"))
     assert any(not torch.equal(a[k], b[k]) for k in a)  # bf16 was not dropped on the CPU
     meta_file = tmp_path / "auto" / "checkpoint.json"
     meta = json.loads(meta_file.read_text())
@@ -504,3 +555,7 @@ def test_finetune_compile_is_checked_and_needs_finetune(tmp_path, capsys):
         FinetuneConfig(out=str(tmp_path), compile="fast")
     assert mhmla_train(["aes", "--compile", "off", "--out", str(tmp_path / "x")]) == 2
     assert "--compile: --finetune only" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        FinetuneConfig(out=str(tmp_path), checkpoint_every=0)
+    assert mhmla_train(["aes", "--checkpoint-every", "50", "--out", str(tmp_path / "x")]) == 2
+    assert "--checkpoint-every: --finetune only" in capsys.readouterr().err

@@ -787,6 +787,15 @@ def test_commands_finetune_reuses_a_cell_of_the_same_settings_only(tiny_encoder,
     assert result["models"]["mhmla-reg-finetuned"]["qwk"]["0"]["3"] != 0.123
     assert mhmla_train([*args, "--epochs", "1"]) == 0  # the same settings: reused
     assert len(calls) == 1
+    # and under another --checkpoint-every (how often it saved, no setting of the model), or
+    # as a cell made before the option (its settings without checkpoint_every)
+    assert mhmla_train([*args, "--epochs", "1", "--checkpoint-every", "7"]) == 0
+    stored = json.loads((cell / "test.json").read_text())
+    assert "checkpoint_every" in stored["settings"]
+    del stored["settings"]["checkpoint_every"]
+    (cell / "test.json").write_text(json.dumps(stored))
+    assert mhmla_train([*args, "--epochs", "1"]) == 0
+    assert len(calls) == 1
     (tmp_path / "ft").rename(tmp_path / "moved")  # and in a moved folder
     moved = [a if a != str(tmp_path / "ft") else str(tmp_path / "moved") for a in args]
     assert mhmla_train([*moved, "--epochs", "1"]) == 0

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import (check_same_inputs, load_checkpoint,
-                          precision_recorded, recover_run_dir, run_lock, save_checkpoint)
+from ..checkpoint import (CheckpointWriter, check_same_inputs, load_checkpoint,
+                          precision_recorded, recover_run_dir, run_lock)
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, check_counts,
                        check_positive, config_diff)
 from ..devices import (TRAIN_COMPILE_MODES, applied_compile, applied_precision,
@@ -49,12 +49,15 @@ class FinetuneConfig:
     5e-6), ``head_lr`` for the randomly initialised head; batches of ``batch_size``
     windows of one prompt (``batching``: of similar lengths, or shuffled only); best epoch by
     mean dev QWK; training steps compiled by ``compile`` (default "off"; ``devices.applied_compile``:
-    "auto" is CUDA graphs on CUDA in one process, eager elsewhere); a checkpoint after every epoch
-    (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``) so a killed run resumes at
-    the last finished epoch, with the same batches, dropout masks and weights as an
-    uninterrupted run (a larger ``epochs`` may extend a finished run, and the run folder may
-    move; any other change of the config is refused). ``encoder_spec.max_length``: the window
-    with ``[CLS]``/``[SEP]`` (None: min(512, encoder positions)).
+    "auto" is CUDA graphs on CUDA in one process, eager elsewhere); a checkpoint
+    (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``, written beside the
+    training) every ``checkpoint_every`` optimizer steps, after each epoch's last step (before
+    its dev scoring) and after its dev scoring, so a killed run resumes at the last of them,
+    mid-epoch too, with the same batches, dropout masks, weights and epoch loss as an
+    uninterrupted run (a larger ``epochs`` may extend a finished run, ``checkpoint_every`` may
+    change, and the run folder may move; any other change of the config is refused).
+    ``encoder_spec.max_length``: the window with ``[CLS]``/``[SEP]`` (None: min(512, encoder
+    positions)).
     """
 
     out: str
@@ -81,10 +84,12 @@ class FinetuneConfig:
     # batch to batch_size windows of a multiple of devices.COMPILE_PAD_TO pieces. "off" by
     # default until a GPU has measured "auto" here (bench/gpu_issue11.sh aes-epoch)
     compile: str = "off"
+    # optimizer steps between checkpoints (how often, not what is trained: free on resume)
+    checkpoint_every: int = 200
 
     def __post_init__(self) -> None:
         check_train_precision(self.precision)
-        check_counts(self, "epochs", "batch_size")
+        check_counts(self, "epochs", "batch_size", "checkpoint_every")
         check_positive(self, "lr", "head_lr")
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
@@ -127,11 +132,13 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     with run_lock(Path(cfg.out), held=rank_from_env() == 0):
         if rank_from_env() == 0:
             recover_run_dir(Path(cfg.out))
-        return _finetune(cfg, train_essays, dev_essays, log=log)
+        # every checkpoint is complete on return (the writer waits for its last write)
+        with CheckpointWriter(Path(cfg.out)) as writer:
+            return _finetune(cfg, train_essays, dev_essays, log=log, writer=writer)
 
 
 def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Sequence[Essay], *,
-              log: Log | None) -> tuple[EssayScorer, dict]:
+              log: Log | None, writer: CheckpointWriter) -> tuple[EssayScorer, dict]:
     from .model import encode_essay_windows
 
     out = Path(cfg.out)
@@ -159,8 +166,11 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays)}
     precision = applied_precision(cfg.precision, device)
     compile_mode = applied_compile(cfg.compile, device, distributed=dist_ctx is not None)
-    state = {"epoch": 0, "best": -math.inf, "best_epoch": 0, "log": [], "config": config,
-             "data": data, "precision_applied": precision, "compile_applied": compile_mode}
+    # step_in_epoch: the optimizer steps done of epoch + 1; open_epoch: their loss sum, windows
+    # and seconds (None between epochs)
+    state = {"epoch": 0, "step_in_epoch": 0, "open_epoch": None, "best": -math.inf,
+             "best_epoch": 0, "log": [], "config": config, "data": data,
+             "precision_applied": precision, "compile_applied": compile_mode}
 
     def same_run(saved: dict) -> None:  # before the checkpoint's tensors are loaded
         stored = dict(saved["config"])
@@ -170,7 +180,8 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         stored.setdefault("batching", "random")
         # precision and compile are compared as what they mean, below ("auto" on the CPU is
         # "fp32" and "off"); the run folder may have moved (as for GED)
-        free = ("epochs", "out", "compile") + (("precision",) if precision_recorded(saved) else ())
+        free = ("epochs", "out", "compile", "checkpoint_every") + (
+            ("precision",) if precision_recorded(saved) else ())
         diff = config_diff(cfg, stored, free=free)  # old layouts read too
         if diff:
             raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
@@ -182,8 +193,10 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     saved = load_checkpoint(out, model, opt, check=same_run)
     if saved is not None:
         state = {k: saved[k] for k in ("epoch", "best", "best_epoch", "log")}
-        state.update(config=config, data=data, precision_applied=precision,
-                     compile_applied=compile_mode)
+        # (a checkpoint from before mid-epoch checkpoints is an epoch's end)
+        state.update(step_in_epoch=saved.get("step_in_epoch", 0),
+                     open_epoch=saved.get("open_epoch"), config=config, data=data,
+                     precision_applied=precision, compile_applied=compile_mode)
         if state["epoch"] > cfg.epochs:
             raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already "
                              f"(epoch {state['epoch']})")
@@ -206,16 +219,39 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
 
     win_len = [len(w) for w in windows]
     win_lengths = np.asarray(win_len, dtype=np.int64)
+    lengths = win_lengths if cfg.batching == "length" else None
+    steps_per_epoch = len(_epoch_batches(win_prompt, cfg.batch_size, cfg.seed, 0, lengths=lengths))
+
+    def checkpoint() -> None:  # rank 0 writes; every rank holds the same weights and optimizer
+        if main_rank:
+            writer.save(model, opt, state, state["epoch"] * steps_per_epoch
+                        + state["step_in_epoch"])
+
     while state["epoch"] < cfg.epochs:
         model.train()
-        t0, n = time.perf_counter(), 0
-        total_t = torch.zeros((), dtype=torch.float64, device=device)  # read once per epoch
         batches = _epoch_batches(win_prompt, cfg.batch_size, cfg.seed, state["epoch"],
-                                 lengths=win_lengths if cfg.batching == "length" else None)
+                                 lengths=lengths)  # as many in every epoch
+        opened = state["open_epoch"] or {"loss_sum": 0.0, "windows": 0, "seconds": 0.0}
+        first = state["step_in_epoch"]
+        t0, n = time.perf_counter() - opened["seconds"], opened["windows"]
+        # the epoch's loss, read at checkpoints and once at its end; the steps done before a
+        # resume count once (on rank 0: an all-reduce over the ranks sums it once)
+        total_t = torch.full((), opened["loss_sum"] if main_rank else 0.0, dtype=torch.float64,
+                             device=device)
+
+        def open_epoch() -> dict:
+            loss_sum = total_t.clone()
+            if dist_ctx is not None:  # (every rank reaches it at the same step)
+                torch.distributed.all_reduce(loss_sum)
+            return {"loss_sum": float(loss_sum.item()), "windows": n,
+                    "seconds": time.perf_counter() - t0}
+
         # a bar per epoch where there is a log (not under --quiet), on the main rank only
-        bar = progress_bar(total=len(batches), desc=f"epoch {state['epoch'] + 1}/{cfg.epochs}",
+        bar = progress_bar(total=len(batches), initial=first,
+                           desc=f"epoch {state['epoch'] + 1}/{cfg.epochs}",
                            disable=log is None or not main_rank, unit="batch")
-        for step, rows in enumerate(batches):
+        for step in range(first, len(batches)):
+            rows = batches[step]
             p = int(win_prompt[rows[0]])
             opt.zero_grad(set_to_none=True)
             if dist_ctx is None:
@@ -240,13 +276,18 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             n += len(rows)
             bar.update(1)
             bar.set_postfix(windows_s=f"{n / (time.perf_counter() - t0):.1f}", refresh=False)
+            state["step_in_epoch"] = step + 1
+            # every checkpoint_every steps, and the epoch's last steps before its dev scoring
+            # (a kill there loses no training: a resumed run goes straight to the scoring)
+            if ((state["epoch"] * steps_per_epoch + step + 1) % cfg.checkpoint_every == 0
+                    or step + 1 == len(batches)):
+                state["open_epoch"] = open_epoch()
+                checkpoint()
         bar.close()
-        if dist_ctx is not None:  # the epoch's loss over every rank's windows
-            torch.distributed.all_reduce(total_t)
-        total = float(total_t.item())
+        opened = state["open_epoch"]  # the epoch's last step's (or the resumed checkpoint's)
         if dist_ctx is not None and not main_rank:  # rank 0 evaluates and saves; the others wait
             torch.distributed.barrier()
-            state["epoch"] += 1
+            state.update(epoch=state["epoch"] + 1, step_in_epoch=0, open_epoch=None)
             continue
         dev_q = {}
         for p in sorted({e.prompt for e in dev_essays}):
@@ -254,20 +295,22 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             pred = model.predict_scores([e.text for e in es], p, tokenizer=tokenizer)
             dev_q[p] = qwk(np.array([e.score for e in es]), pred, p)
         score = float(np.mean(list(dev_q.values())))
-        state["epoch"] += 1
-        state["log"].append({"epoch": state["epoch"], "loss": total / max(1, n),
+        loss_mean = opened["loss_sum"] / max(1, opened["windows"])
+        state.update(epoch=state["epoch"] + 1, step_in_epoch=0, open_epoch=None)
+        state["log"].append({"epoch": state["epoch"], "loss": loss_mean,
                              "dev_qwk": {str(k): v for k, v in dev_q.items()},
                              "dev_mean_qwk": score, "seconds": time.perf_counter() - t0})
         if log:
-            log(f"epoch {state['epoch']}: loss {total / max(1, n):.4f} dev QWK {score:.4f}")
+            log(f"epoch {state['epoch']}: loss {loss_mean:.4f} dev QWK {score:.4f}")
         if score > state["best"]:
             state["best"], state["best_epoch"] = score, state["epoch"]
             model.config.training = {"protocol": "finetune", "config": asdict(cfg),
                                      "epoch": state["epoch"], "dev_qwk": {str(k): v for k, v in dev_q.items()}}
             model.save(out / "best", tokenizer=tokenizer)
-        save_checkpoint(out, model, opt, state, state["epoch"])
+        checkpoint()
         if dist_ctx is not None:
             torch.distributed.barrier()
+    writer.wait()  # (rank 0's last write, before the other ranks read the best scorer)
     best = EssayScorer.load(out / "best", device=device, backend=cfg.backend)
     return best, state
 

@@ -26,6 +26,8 @@ __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
 CPU_RESULTS = "bench/results/aes_cpu-frozen-encoder.json"
 GPU_RESULTS = "bench/results/aes_gpu-finetune.json"
 MAX_SHIPPED_BYTES = 30 * 1024 * 1024
+# fine-tuning settings of how a run goes, not of what it trains (not compared between cells)
+RUN_ONLY = ("checkpoint_every",)
 
 
 def parse_prompts(value: str) -> list[int]:
@@ -127,6 +129,9 @@ def add_train_parser(sub) -> None:
                    "replayed as CUDA graphs, on CUDA in one process, off on the CPU and under "
                    "torchrun); a compiled run pads batches to --batch-size windows of a "
                    "multiple of 32 pieces")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
+                   help="--finetune: optimizer steps between checkpoints (default 200; each "
+                   "epoch's end has one as well), so that a killed run resumes mid-epoch")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
@@ -257,8 +262,9 @@ def _check_mode_options(args) -> None:
     if args.export_shipped:
         refuse(("models", "members", "cache_only", "feature_precision"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
-    refuse(("precision", "head_lr", "freeze", "batching", "compile"), "--finetune only (the other paths "
-           "train heads on cached float32 features with one lr)")
+    refuse(("precision", "head_lr", "freeze", "batching", "compile", "checkpoint_every"),
+           "--finetune only (the other paths train heads on cached float32 features with one "
+           "lr)")
     refuse(("mode", "num_heads"), "--finetune only (the CPU protocol names its heads in "
            "--models, the shipped scorer is MHMLA)")
     if args.objective is not None and not args.export_shipped:
@@ -303,10 +309,11 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
                           epochs=args.epochs or 10, batch_size=args.batch_size or 8,
                           lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
                           precision=args.precision or "auto", backend=args.backend,
-                          batching=args.batching or "length", compile=args.compile or "off")
+                          batching=args.batching or "length", compile=args.compile or "off",
+                          checkpoint_every=args.checkpoint_every or 200)
     name = model_name(base)
     settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
-                if key not in ("out", "prompts", "fold")}
+                if key not in ("out", "prompts", "fold", *RUN_ONLY)}
     path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
                                  else Path(args.out) / "results-finetune.json"))
     header = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
@@ -450,14 +457,15 @@ def _epoch_log(cell: Path, epochs: int) -> list[dict] | None:
 
 
 def _without_out(settings: dict | None) -> dict | None:
-    """A cell's settings for comparison: without its folder and its compile mode (how its
+    """A cell's settings for comparison: without its folder, its compile mode (how its
     steps ran, as the device: a finished cell is reused under any; one that trains on is
-    checked by ``finetune``, which resumes only under the mode it began with), and with the
+    checked by ``finetune``, which resumes only under the mode it began with) and
+    :data:`RUN_ONLY` (how often it saved), and with the
     batching of a cell made before the option (shuffled only: "random")."""
     if settings is None:
         return None
     return {"batching": "random",
-            **{k: v for k, v in settings.items() if k not in ("out", "compile")}}
+            **{k: v for k, v in settings.items() if k not in ("out", "compile", *RUN_ONLY)}}
 
 
 def _read_results(path: Path, header: dict) -> dict:
