@@ -289,14 +289,17 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
                  log=None)
 
 
-@pytest.mark.parametrize("killed_at, saved", [(4, (0, 3)), (8, (1, 2)), (5, (1, 0))])
+@pytest.mark.parametrize("every, killed_in, saved", [
+    (3, ("step", 4), (0, 3)), (3, ("step", 8), (1, 2)), (3, ("step", 5), (1, 0)),
+    (2, ("dev scoring", 1), (0, 4))])
 def test_finetuning_killed_mid_epoch_resumes_from_its_last_step_checkpoint(
-        tiny_encoder, tmp_path, monkeypatch, killed_at, saved):
-    """Killed in its ``killed_at``-th step (two epochs of 4 steps, a checkpoint every 3 steps
-    and at each epoch's end), a run has a checkpoint of (epoch, step_in_epoch) ``saved``
-    (mid-epoch, or (1, 0): the first epoch's end); resumed, it runs only the steps after that
-    checkpoint and ends with the weights, optimizer state and log (epoch losses included) of
-    an uninterrupted run."""
+        tiny_encoder, tmp_path, monkeypatch, every, killed_in, saved):
+    """Killed in its n-th step or its n-th dev scoring (``killed_in``; two epochs of 4 steps, a
+    checkpoint every ``every`` steps and after each epoch's dev scoring), a run has a
+    checkpoint of (epoch, step_in_epoch) ``saved``: mid-epoch, (1, 0) the first epoch's end,
+    or (0, 4) all its steps but not its dev scoring; resumed, it runs only the steps after
+    that checkpoint and ends with the weights, optimizer state and log (epoch losses
+    included) of an uninterrupted run."""
     from safetensors.torch import load_file
 
     from mhmla_fast.aes import finetune as ft
@@ -307,28 +310,31 @@ def test_finetuning_killed_mid_epoch_resumes_from_its_last_step_checkpoint(
                    i % 4, i % 4, i % 4, i + 1) for i in range(16)]
     dev = train[:6]
     base = dict(prompts=(3,), encoder=tiny_encoder, num_heads=4, dropout=0.3, batch_size=4,
-                lr=1e-3, head_lr=3e-3, backend="torch", epochs=2, checkpoint_every=3)
+                lr=1e-3, head_lr=3e-3, backend="torch", epochs=2, checkpoint_every=every)
     _, whole = ft.finetune(FinetuneConfig(out=str(tmp_path / "whole"), **base), train, dev,
                            log=None)
-    real, calls = ft._window_loss, []
+    calls: dict[str, list] = {"step": [], "dev scoring": []}
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == killed_at:
-            raise KeyboardInterrupt  # as a kill in the middle of the step
-        return real(*args, **kwargs)
+    def killed(name, real):
+        def call(*args, **kwargs):
+            calls[name].append(1)
+            if killed_in == (name, len(calls[name])):
+                raise KeyboardInterrupt  # as a kill in the middle of it
+            return real(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(ft, "_window_loss", counted)
+    monkeypatch.setattr(ft, "_window_loss", killed("step", ft._window_loss))
+    monkeypatch.setattr(ft, "qwk", killed("dev scoring", ft.qwk))
     cut = FinetuneConfig(out=str(tmp_path / "cut"), **base)
     with pytest.raises(KeyboardInterrupt):
         ft.finetune(cut, train, dev, log=None)
     meta = json.loads((tmp_path / "cut" / "checkpoint.json").read_text())
     assert (meta["epoch"], meta["step_in_epoch"]) == saved
     assert (meta["open_epoch"] is None) == (saved[1] == 0)
-    calls.clear()
-    killed_at = None  # the resumed run goes to its end; a larger checkpoint_every is free
+    calls["step"].clear()
+    killed_in = None  # the resumed run goes to its end; a larger checkpoint_every is free
     _, resumed = ft.finetune(dataclasses.replace(cut, checkpoint_every=200), train, dev, log=None)
-    assert len(calls) == 8 - 4 * saved[0] - saved[1]  # only the steps after the checkpoint
+    assert len(calls["step"]) == 8 - 4 * saved[0] - saved[1]  # only the steps after it
     strip = lambda log: [{k: v for k, v in r.items() if k != "seconds"} for r in log]  # noqa: E731
     assert strip(resumed["log"]) == strip(whole["log"]) and len(whole["log"]) == 2
     a = load_file(tmp_path / "whole" / "checkpoint-8.safetensors")

@@ -51,9 +51,8 @@ class FinetuneConfig:
     mean dev QWK; training steps compiled by ``compile`` (default "off"; ``devices.applied_compile``:
     "auto" is CUDA graphs on CUDA in one process, eager elsewhere); a checkpoint
     (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``, written beside the
-    training) every ``checkpoint_every`` optimizer steps, after each epoch's last step (before
-    its dev scoring) and after its dev scoring, so a killed run resumes at the last of them,
-    mid-epoch too, with the same batches, dropout masks, weights and epoch loss as an
+    training) every ``checkpoint_every`` optimizer steps and after each epoch's dev scoring,
+    so a killed run resumes at the last of them, mid-epoch too, with the same batches, dropout masks, weights and epoch loss as an
     uninterrupted run (a larger ``epochs`` may extend a finished run, ``checkpoint_every`` may
     change, and the run folder may move; any other change of the config is refused).
     ``encoder_spec.max_length``: the window with ``[CLS]``/``[SEP]`` (None: min(512, encoder
@@ -277,14 +276,13 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             bar.update(1)
             bar.set_postfix(windows_s=f"{n / (time.perf_counter() - t0):.1f}", refresh=False)
             state["step_in_epoch"] = step + 1
-            # every checkpoint_every steps, and the epoch's last steps before its dev scoring
-            # (a kill there loses no training: a resumed run goes straight to the scoring)
-            if ((state["epoch"] * steps_per_epoch + step + 1) % cfg.checkpoint_every == 0
-                    or step + 1 == len(batches)):
+            # (none before the dev scoring as well: a GPU epoch is short, and each checkpoint
+            # copies the weights and the optimizer's state out of the device)
+            if (state["epoch"] * steps_per_epoch + step + 1) % cfg.checkpoint_every == 0:
                 state["open_epoch"] = open_epoch()
                 checkpoint()
         bar.close()
-        opened = state["open_epoch"]  # the epoch's last step's (or the resumed checkpoint's)
+        opened = state["open_epoch"] = open_epoch()  # (an all-reduce on every rank)
         if dist_ctx is not None and not main_rank:  # rank 0 evaluates and saves; the others wait
             torch.distributed.barrier()
             state.update(epoch=state["epoch"] + 1, step_in_epoch=0, open_epoch=None)

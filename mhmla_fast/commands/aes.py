@@ -130,8 +130,8 @@ def add_train_parser(sub) -> None:
                    "torchrun); a compiled run pads batches to --batch-size windows of a "
                    "multiple of 32 pieces")
     p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
-                   help="--finetune: optimizer steps between checkpoints (default 200; each "
-                   "epoch's end has one as well), so that a killed run resumes mid-epoch")
+                   help="--finetune: optimizer steps between checkpoints (default 200; one after "
+                   "each epoch's dev scoring as well), so that a killed run resumes mid-epoch")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
