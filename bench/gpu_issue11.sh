@@ -26,8 +26,9 @@
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-a     # carry .gpu/real/1: part 1 + FCE kept in /tmp;
 #       the tasks of REAL_A_TASKS (default "tests": the engine's GPU tests; also probe), see the stage
 #   bash bench/gpu_issue11.sh real-put                      # carry .gpu/real/K, AT ONCE, each middle part
+#   bash bench/gpu_issue11.sh aes-put                       # carry .gpu/aes, AT ONCE, for REAL_TASKS=aes
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh real-b     # carry the last part, AT ONCE: MiniLM merged;
-#       then the tasks of REAL_TASKS (default "train engine"; also train-profile), see the stage (<= 9 min)
+#       then the tasks of REAL_TASKS (default "train engine"; also train-profile, aes), see the stage (<= 9 min)
 # Back here:
 #   python bench/benchmark_serve.py --merge <the fetched *.json> --out bench/results/
 #
@@ -64,6 +65,12 @@ device_env() {  # on the device, every stage: the importable tree, $OUT, the GPU
   unset TRITON_INTERPRET
   export PYTHONUNBUFFERED=1 MHMLA_COMMIT=${MHMLA_COMMIT:-unknown}
   [ "$MHMLA_COMMIT" != unknown ] || echo "warning: MHMLA_COMMIT is not set: results say commit unknown" >&2
+}
+
+put_aes() {  # on the device: ASAP (carried in .gpu/aes, `pack-aes` here) into /tmp/aes_data
+  rm -rf /tmp/aes_data && mkdir -p /tmp/aes_data
+  gunzip -c .gpu/aes/training_set_rel3.nea_utf8.tsv.gz > /tmp/aes_data/training_set_rel3.nea_utf8.tsv
+  cp -r .gpu/aes/nea_folds /tmp/aes_data/
 }
 
 prepare() {  # on the device: the stand-in MiniLM, the data folder, the commit
@@ -297,9 +304,8 @@ PY
     # folds x 10 epochs; goal <= 20 minutes) is about 50 such epochs plus the dev and test
     # scoring each cell does
     device_env
-    rm -rf /tmp/aes_data /tmp/aes_minilm && mkdir -p /tmp/aes_data
-    gunzip -c .gpu/aes/training_set_rel3.nea_utf8.tsv.gz > /tmp/aes_data/training_set_rel3.nea_utf8.tsv
-    cp -r .gpu/aes/nea_folds /tmp/aes_data/
+    rm -rf /tmp/aes_minilm
+    put_aes
     python3 - <<'PY'
 import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
@@ -317,6 +323,9 @@ PY
         --results "$OUT/aes_epoch_${b}_$c.json" > "$OUT/aes_epoch_${b}_$c.log" 2>&1 || true
       tail -2 "$OUT/aes_epoch_${b}_$c.log"
     done ;;
+  aes-put)  # device, at once after real-a (carry [".gpu/aes"], `pack-aes` here): ASAP into
+    # /tmp/aes_data, kept while the machine stays warm, for real-b's aes task
+    put_aes ;;
   pack-minilm)  # here: the real MiniLM's weights in fp16 parts (bench/weight_parts.py: tensors
     # larger than half a part, the 22.4 MiB word embeddings among them, cut into row blocks),
     # each part sized to travel beside the tree: .gpu/real/1 (part 1, parts.json, the config and
@@ -373,6 +382,15 @@ PY
     #                  a cProfile pass per row ($T_TAG, default 200 s)
     #   train-profile  2 epochs of seed 0 under cProfile: where a compiled step's host time goes
     #                  ($T_PROFILE, default 200 s)
+    #   aes            issue 13's AES protocol on the real MiniLM (`aes-put` first): per-prompt
+    #                  fine-tuned cells with the study's settings and the default flags, heads
+    #                  $AES_MODES (default "mhmla"), folds $AES_FOLDS (default 0,1,2,3,4) fold by
+    #                  fold, prompts 1-8, boxed at $T_AES_CELLS s (default 420) per head; every
+    #                  finished cell's test.json and checkpoint.json come back in
+    #                  aes_cells.tar.gz. Here: unpack it into runs/aes-gpu (a later session's
+    #                  cells go beside), and once a head has all 40 cells, `mhmla-train aes
+    #                  --finetune --mode M --collect --out runs/aes-gpu` writes
+    #                  results/aes_gpu-finetune.json from them, training nothing
     put_real
     device_env
     if [ ! -f "$REAL/model/model.safetensors" ]; then
@@ -407,6 +425,19 @@ PY
             --out "$OUT/tag_engine_real.json" > "$OUT/tag_engine_real.log" 2>&1 || true
           grep -E "^  tag" "$OUT/tag_engine_real.log" || tail -3 "$OUT/tag_engine_real.log" ;;
         train-profile) train_profile ;;
+        aes)
+          [ -d /tmp/aes_data/nea_folds ] || { echo "aes: no /tmp/aes_data (aes-put first)"; continue; }
+          for mode in ${AES_MODES:-mhmla}; do
+            # (checkpoints only after each epoch: nothing on the device outlives the session)
+            timeout "${T_AES_CELLS:-420}" python3 -m mhmla_fast.commands.train aes --finetune \
+              --mode "$mode" --prompt 1,2,3,4,5,6,7,8 --fold "${AES_FOLDS:-0,1,2,3,4}" \
+              --checkpoint-every 1000000 --data-dir /tmp/aes_data --out /tmp/aes_gpu --quiet \
+              --results "$OUT/aes_gpu_$mode.json" > "$OUT/aes_gpu_$mode.log" 2>&1 || true
+            tail -2 "$OUT/aes_gpu_$mode.log"
+          done
+          (cd /tmp/aes_gpu 2>/dev/null && find . \( -name test.json -o -name checkpoint.json \) \
+             | tar czf "$OUT/aes_cells.tar.gz" -T -) || true
+          echo "aes: $(tar tzf "$OUT/aes_cells.tar.gz" 2>/dev/null | grep -c test.json) cells finished" ;;
         *) echo "unknown real-b task $task" >&2 ;;
       esac
     done ;;

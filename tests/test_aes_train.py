@@ -663,6 +663,48 @@ def test_commands_finetune_protocol(tiny_encoder, tmp_path, capsys):
     assert [e["epoch"] for e in result["models"]["mhmla-cls-finetuned"]["epochs"]["0"]["3"]] == [1, 2]
 
 
+def test_commands_finetune_collect_gathers_finished_cells_and_trains_nothing(
+        tiny_encoder, tmp_path, finetune_calls, capsys):
+    """--collect writes the results file from cells finished elsewhere (here: copied from
+    other run folders, as cells trained on a GPU over two sessions are), trains nothing, and
+    with a cell missing or made with other settings fails naming every such cell, writing
+    nothing."""
+    import shutil
+
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+
+    def args(out, prompts, *extra):
+        return ["aes", "--prompt", prompts, "--fold", "0", "--data-dir", str(data),
+                "--encoder", tiny_encoder, "--out", str(out), "--finetune", "--epochs", "1",
+                "--backend", "torch", "--quiet", *extra]
+
+    name = "mhmla-cls-finetuned"
+    assert mhmla_train(args(tmp_path / "session1", "3")) == 0
+    assert mhmla_train(args(tmp_path / "session2", "4", "--checkpoint-every", "5")) == 0
+    assert len(finetune_calls) == 2
+    both = tmp_path / "both"
+    shutil.copytree(tmp_path / "session1" / name / "fold0-p3", both / name / "fold0-p3")
+    collect = args(both, "3,4", "--collect")
+    capsys.readouterr()
+    assert mhmla_train(collect) == 2  # prompt 4's cell is not there yet
+    err = capsys.readouterr().err
+    assert "--collect: 1 of 2 cells are not finished" in err and "fold0-p4" in err
+    assert "fold0-p3" not in err and not (both / "results-finetune.json").exists()
+    shutil.copytree(tmp_path / "session2" / name / "fold0-p4", both / name / "fold0-p4")
+    assert mhmla_train(args(both, "3,4", "--collect", "--lr", "3e-5")) == 2  # other settings
+    assert "2 of 2 cells" in capsys.readouterr().err
+    assert mhmla_train(collect) == 0
+    assert len(finetune_calls) == 2  # nothing trained
+    got = json.loads((both / "results-finetune.json").read_text())["models"][name]
+    for prompt, session in (("3", "session1"), ("4", "session2")):
+        alone = json.loads((tmp_path / session / "results-finetune.json").read_text())
+        assert got["qwk"]["0"][prompt] == alone["models"][name]["qwk"]["0"][prompt]
+    assert mhmla_train(["aes", "--collect", "--out", str(tmp_path / "x")]) == 2
+    assert "--collect: --finetune only" in capsys.readouterr().err
+
+
 def test_commands_finetune_joint_trains_one_scorer_for_all_prompts(tiny_encoder, tmp_path,
                                                                   finetune_calls):
     """--joint: one cell per fold for all the prompts (one encoder, an output layer per

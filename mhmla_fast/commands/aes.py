@@ -132,6 +132,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
                    help="--finetune: optimizer steps between checkpoints (default 200; one after "
                    "each epoch's dev scoring as well), so that a killed run resumes mid-epoch")
+    p.add_argument("--collect", action="store_true",
+                   help="--finetune: train nothing; write the results file from the finished "
+                   "cells in --out (those of these settings and essays, e.g. trained on a GPU "
+                   "over several sessions), or fail naming every cell that is missing")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
                    help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
                    "prompts, fold 0) and save it to DIR")
@@ -262,7 +266,8 @@ def _check_mode_options(args) -> None:
     if args.export_shipped:
         refuse(("models", "members", "cache_only", "feature_precision"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
-    refuse(("precision", "head_lr", "freeze", "batching", "compile", "checkpoint_every"),
+    refuse(("precision", "head_lr", "freeze", "batching", "compile", "checkpoint_every",
+            "collect"),
            "--finetune only (the other paths train heads on cached float32 features with one "
            "lr)")
     refuse(("mode", "num_heads"), "--finetune only (the CPU protocol names its heads in "
@@ -322,16 +327,22 @@ def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
     tsv, folds_dir = asap_files(args.data_dir)
     essays = read_asap(tsv)
     fold_ids = read_folds(folds_dir)
-    cells: dict[int, dict[int, dict]] = {}
-    cell_dirs: dict[int, dict[int, Path]] = {}
+    todo = []  # (fold, the cell's config, its prompts' splits)
     for k in folds:
-        cells[k], cell_dirs[k] = {}, {}
         for group in groups:
-            splits = {p: split_essays(essays, fold_ids, k, prompt=p) for p in group}
             out = Path(args.out) / name / f"fold{k}-p{'_'.join(map(str, group))}"
-            cfg = replace(base, out=str(out), prompts=group, fold=k)
-            for p, cell in _finetune_cell(cfg, splits, args).items():
-                cells[k][p], cell_dirs[k][p] = cell, out
+            todo.append((k, replace(base, out=str(out), prompts=group, fold=k),
+                         {p: split_essays(essays, fold_ids, k, prompt=p) for p in group}))
+    if args.collect:  # every missing cell named at once, before anything is written
+        missing = [str(cfg.out) for _, cfg, splits in todo if _stored_cell(cfg, splits) is None]
+        if missing:
+            raise ValueError(f"--collect: {len(missing)} of {len(todo)} cells are not finished "
+                             f"with these settings and essays: {', '.join(missing)}")
+    cells: dict[int, dict[int, dict]] = {k: {} for k in folds}
+    cell_dirs: dict[int, dict[int, Path]] = {k: {} for k in folds}
+    for k, cfg, splits in todo:
+        for p, cell in _finetune_cell(cfg, splits, args).items():
+            cells[k][p], cell_dirs[k][p] = cell, Path(cfg.out)
     entry = {**_aggregate(cells, folds, prompts), "settings": settings,
              # each cell's epochs: dev QWK and seconds (from its checkpoint), the curve behind
              # the selected epoch (a joint cell's mean dev QWK, for each of its prompts)
@@ -366,16 +377,14 @@ def _finetune_cell(cfg, splits: dict[int, dict], args) -> dict[int, dict]:
     cell_settings = json.loads(json.dumps(asdict(cfg)))
     data = data_digest(splits, list(group))  # the cell's train, dev and test essays
     done = out / "test.json"
-    if done.is_file():
-        cell = json.loads(done.read_text())
-        if _without_out(cell.get("settings")) == _without_out(cell_settings) \
-                and cell.get("data") == data:
-            if len(group) > 1:
-                return {int(p): c for p, c in cell["prompts"].items()}
-            if "pred" not in cell or "dev_pred" not in cell:  # a cell made before them
-                cell = _with_predictions(cell, out, splits[group[0]], group[0])
-                atomic_write_text(done, json.dumps(cell))
-            return {group[0]: cell}
+    cell = _stored_cell(cfg, splits)
+    if cell is not None:
+        if len(group) > 1:
+            return {int(p): c for p, c in cell["prompts"].items()}
+        if "pred" not in cell or "dev_pred" not in cell:  # a cell made before them
+            cell = _with_predictions(cell, out, splits[group[0]], group[0])
+            atomic_write_text(done, json.dumps(cell))
+        return {group[0]: cell}
     train = [e for p in group for e in splits[p]["train"]]
     dev = [e for p in group for e in splits[p]["dev"]]
     model, state = finetune(cfg, train, dev, log=_log(args))
@@ -397,6 +406,21 @@ def _finetune_cell(cfg, splits: dict[int, dict], args) -> dict[int, dict]:
                   "prompts": {str(p): r for p, r in records.items()}}
     atomic_write_text(done, json.dumps(stored))
     return records
+
+
+def _stored_cell(cfg, splits: dict[int, dict]) -> dict | None:
+    """The finished cell ``<cfg.out>/test.json`` when it was made with ``cfg``'s settings
+    (:func:`_without_out`) on the essays of ``splits``; None otherwise."""
+    from dataclasses import asdict
+
+    from ..aes.units import data_digest
+
+    done = Path(cfg.out) / "test.json"
+    if not done.is_file():
+        return None
+    cell = json.loads(done.read_text())
+    same = _without_out(cell.get("settings")) == _without_out(json.loads(json.dumps(asdict(cfg))))
+    return cell if same and cell.get("data") == data_digest(splits, list(cfg.prompts)) else None
 
 
 def _prompt_value(per_prompt: dict | None, prompt: int) -> float | None:
