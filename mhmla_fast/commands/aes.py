@@ -7,7 +7,8 @@ the chosen prompts and folds, written to ``bench/results/aes_cpu-frozen-encoder.
 protocol, results in ``aes_gpu-finetune.json``); ``--export-shipped DIR`` trains the
 shipped scorer; ``--fit-cutpoints DIR`` fits a saved regression scorer's score cutpoints
 (:func:`mhmla_fast.aes.shipped.fit_scorer_cutpoints`). ``mhmla-eval aes`` scores a saved
-scorer on a fold's split.
+scorer on a fold's split. The fine-tuning cells and their results file:
+:mod:`mhmla_fast.commands.aes_finetune`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
            "export_shipped_scorer", "parse_prompts", "parse_folds"]
 
 CPU_RESULTS = "bench/results/aes_cpu-frozen-encoder.json"
-GPU_RESULTS = "bench/results/aes_gpu-finetune.json"
 MAX_SHIPPED_BYTES = 30 * 1024 * 1024
-# fine-tuning settings of how a run goes, not of what it trains (not compared between cells)
-RUN_ONLY = ("checkpoint_every",)
 
 
 def parse_prompts(value: str) -> list[int]:
@@ -190,7 +188,9 @@ def run_train(args) -> int:
             print(f"shipped scorer: {path}")
             return 0
         if args.finetune:
-            return _run_finetune(args, prompts, folds)
+            from .aes_finetune import run_finetune
+
+            return run_finetune(args, prompts, folds, log=_log(args))
         if args.cache_only:
             from ..aes.data import read_asap
             from ..aes.train import asap_files, load_prompt_caches, poolings_of
@@ -288,253 +288,6 @@ def _overrides(args) -> dict:
     if getattr(args, "objective", None) and getattr(args, "export_shipped", None):
         out["objective"] = args.objective
     return out
-
-
-def _run_finetune(args, prompts: list[int], folds: list[int]) -> int:
-    """Full fine-tuning, one scorer per (fold, prompt), or with ``--joint`` one per fold for all
-    the prompts, scored on the test split (GPU). Cells live in ``<out>/<model
-    name>/fold<k>-p<p>`` (joint: ``fold<k>-p3_4_...``); the results file gains (or replaces) the
-    model's entry and keeps the other models' (another head, objective or seed)."""
-    from dataclasses import asdict, replace
-
-    from ..aes.data import read_asap, read_folds, split_essays
-    from ..aes.finetune import model_name
-    from ..aes.train import FinetuneConfig, _aggregate, asap_files
-    from ..configs import LayerAttentionConfig
-    from ..provenance import provenance
-
-    head = LayerAttentionConfig(mode=args.mode or "mhmla",
-                                num_heads=12 if args.num_heads is None else args.num_heads)
-    groups = [tuple(prompts)] if args.joint else [(p,) for p in prompts]
-    # the settings every cell shares; each cell's config differs in out, prompts and fold only
-    base = FinetuneConfig(out=str(Path(args.out)), prompts=groups[0], fold=folds[0],
-                          encoder=args.encoder, freeze=args.freeze or "none",
-                          layer_attention=head,
-                          objective=args.objective or "classification",
-                          epochs=args.epochs or 10, batch_size=args.batch_size or 8,
-                          lr=args.lr or 1e-5, head_lr=args.head_lr or 1e-3, seed=args.seed,
-                          precision=args.precision or "auto", backend=args.backend,
-                          batching=args.batching or "length", compile=args.compile or "off",
-                          checkpoint_every=args.checkpoint_every or 200)
-    name = model_name(base)
-    settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
-                if key not in ("out", "prompts", "fold", *RUN_ONLY)}
-    path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
-                                 else Path(args.out) / "results-finetune.json"))
-    header = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
-              "prompts": prompts}
-    _read_results(path, header)  # refused before any training, not after it
-    tsv, folds_dir = asap_files(args.data_dir)
-    essays = read_asap(tsv)
-    fold_ids = read_folds(folds_dir)
-    todo = []  # (fold, the cell's config, its prompts' splits)
-    for k in folds:
-        for group in groups:
-            out = Path(args.out) / name / f"fold{k}-p{'_'.join(map(str, group))}"
-            todo.append((k, replace(base, out=str(out), prompts=group, fold=k),
-                         {p: split_essays(essays, fold_ids, k, prompt=p) for p in group}))
-    if args.collect:  # every missing cell named at once, before anything is written
-        missing = [str(cfg.out) for _, cfg, splits in todo if _stored_cell(cfg, splits) is None]
-        if missing:
-            raise ValueError(f"--collect: {len(missing)} of {len(todo)} cells are not finished "
-                             f"with these settings and essays: {', '.join(missing)}")
-    cells: dict[int, dict[int, dict]] = {k: {} for k in folds}
-    cell_dirs: dict[int, dict[int, Path]] = {k: {} for k in folds}
-    for k, cfg, splits in todo:
-        for p, cell in _finetune_cell(cfg, splits, args).items():
-            cells[k][p], cell_dirs[k][p] = cell, Path(cfg.out)
-    entry = {**_aggregate(cells, folds, prompts), "settings": settings,
-             # each cell's epochs: dev QWK and seconds (from its checkpoint), the curve behind
-             # the selected epoch (a joint cell's mean dev QWK, for each of its prompts)
-             "epochs": {str(k): {str(p): _epoch_log(cell_dirs[k][p], base.epochs)
-                                 for p in prompts} for k in folds}}
-    _add_results_entry(path, header, name, entry, provenance())
-    print(f"wrote {path} ({name})")
-    return 0
-
-
-def _finetune_cell(cfg, splits: dict[int, dict], args) -> dict[int, dict]:
-    """Train (or reuse) the fine-tuning cell ``cfg`` on the essays of ``splits`` (prompt ->
-    train/dev/test) and return each prompt's record: test ``qwk`` and ``exact``, ``dev_qwk`` of
-    the selected epoch, ``selected``, ``settings``, ``data`` and the predictions
-    (:func:`_cell_predictions`). They are stored in ``<cfg.out>/test.json``: a one-prompt cell
-    is its prompt's record; a joint cell holds ``{"settings", "data", "dev_qwk" (the mean
-    dev QWK it was selected on), "selected", "prompts": {p: record}}``. A stored cell of the
-    same settings and essays is reused (where the folder lies is no setting: a moved one is
-    reused); others train on: ``finetune`` resumes a longer run and refuses any other change
-    of its config or of its train and dev essays; a changed test split is scored again."""
-    from dataclasses import asdict
-
-    import numpy as np
-
-    from ..aes.metrics import exact_agreement
-    from ..aes.train import finetune, qwk
-    from ..aes.units import data_digest
-    from ..durable import atomic_write_text
-
-    group = tuple(cfg.prompts)
-    out = Path(cfg.out)
-    cell_settings = json.loads(json.dumps(asdict(cfg)))
-    data = data_digest(splits, list(group))  # the cell's train, dev and test essays
-    done = out / "test.json"
-    cell = _stored_cell(cfg, splits)
-    if cell is not None:
-        if len(group) > 1:
-            return {int(p): c for p, c in cell["prompts"].items()}
-        if "pred" not in cell or "dev_pred" not in cell:  # a cell made before them
-            cell = _with_predictions(cell, out, splits[group[0]], group[0])
-            atomic_write_text(done, json.dumps(cell))
-        return {group[0]: cell}
-    train = [e for p in group for e in splits[p]["train"]]
-    dev = [e for p in group for e in splits[p]["dev"]]
-    model, state = finetune(cfg, train, dev, log=_log(args))
-    best = next((r for r in state["log"] if r["epoch"] == state["best_epoch"]), {})
-    records = {}
-    for p in group:
-        preds = _cell_predictions(model, splits[p], p)
-        gold = np.array(preds["gold"])
-        dev_qwk = state["best"] if len(group) == 1 else _prompt_value(best.get("dev_qwk"), p)
-        records[p] = {"qwk": qwk(gold, np.array(preds["pred"]), p),
-                      "exact": exact_agreement(gold, np.array(preds["pred"])),
-                      "dev_qwk": dev_qwk, "selected": {"epoch": state["best_epoch"]},
-                      "settings": cell_settings, "data": data, **preds}
-    if len(group) == 1:
-        stored = records[group[0]]
-    else:
-        stored = {"settings": cell_settings, "data": data, "dev_qwk": state["best"],
-                  "selected": {"epoch": state["best_epoch"]},
-                  "prompts": {str(p): r for p, r in records.items()}}
-    atomic_write_text(done, json.dumps(stored))
-    return records
-
-
-def _stored_cell(cfg, splits: dict[int, dict]) -> dict | None:
-    """The finished cell ``<cfg.out>/test.json`` when it was made with ``cfg``'s settings
-    (:func:`_without_out`) on the essays of ``splits``; None otherwise."""
-    from dataclasses import asdict
-
-    from ..aes.units import data_digest
-
-    done = Path(cfg.out) / "test.json"
-    if not done.is_file():
-        return None
-    cell = json.loads(done.read_text())
-    same = _without_out(cell.get("settings")) == _without_out(json.loads(json.dumps(asdict(cfg))))
-    return cell if same and cell.get("data") == data_digest(splits, list(cfg.prompts)) else None
-
-
-def _prompt_value(per_prompt: dict | None, prompt: int) -> float | None:
-    """``per_prompt[prompt]`` of a log's per-prompt dict, whose keys are ints in memory and
-    strings once read back from JSON."""
-    if not per_prompt:
-        return None
-    return per_prompt.get(prompt, per_prompt.get(str(prompt)))
-
-
-def _cell_predictions(model, split: dict, prompt: int) -> dict:
-    """A fine-tuned cell's predictions in the layout of the CPU protocol's units
-    (``aes.protocol``), so that ensembles can combine them with frozen-feature models chosen
-    on dev: the test essays' ``ids``, ``gold`` and ``pred``, and the dev essays' ``dev_ids``
-    and ``dev_pred`` (integer scores, in the split's order)."""
-    test, dev = split["test"], split["dev"]
-    return {"ids": [e.essay_id for e in test], "gold": [e.score for e in test],
-            "pred": [int(x) for x in model.predict_scores([e.text for e in test], prompt)],
-            "dev_ids": [e.essay_id for e in dev],
-            "dev_pred": [int(x) for x in model.predict_scores([e.text for e in dev], prompt)]}
-
-
-def _with_predictions(cell: dict, out: Path, split: dict, prompt: int) -> dict:
-    """``cell`` (a finished cell from before predictions were stored) with
-    :func:`_cell_predictions` of its selected model (``out/best``). Its test QWK must come out
-    as stored, else ValueError: the folder's model is not the one that was scored."""
-    import numpy as np
-
-    from ..aes.model import EssayScorer
-    from ..aes.train import qwk
-    from ..devices import resolve_device
-
-    best = out / "best"
-    if not (best / "config.json").is_file():
-        raise ValueError(f"{out}: a finished cell without its predictions or its selected "
-                         f"model ({best}); remove {out / 'test.json'} to train it again")
-    model = EssayScorer.load(best, device=resolve_device(None),
-                             backend=cell["settings"].get("backend", "auto"))
-    preds = _cell_predictions(model, split, prompt)
-    again = qwk(np.array(preds["gold"]), np.array(preds["pred"]), prompt)
-    if abs(again - cell["qwk"]) > 1e-9:
-        raise ValueError(f"{out}: its selected model scores test QWK {again:.6f}, not the "
-                         f"{cell['qwk']:.6f} the cell records; remove {out / 'test.json'} to "
-                         f"train it again")
-    return {**cell, **preds}
-
-
-def _epoch_log(cell: Path, epochs: int) -> list[dict] | None:
-    """A fine-tuning cell's per-epoch record (epoch, loss, mean dev QWK, seconds) from its
-    checkpoint, up to ``epochs`` (the run's; a longer run stopped early may have gone further);
-    None when it has none (a cell copied without it)."""
-    try:
-        log = json.loads((cell / "checkpoint.json").read_text(encoding="utf-8"))["log"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return [{k: r.get(k) for k in ("epoch", "loss", "dev_mean_qwk", "seconds")} for r in log
-            if r.get("epoch", 0) <= epochs]
-
-
-def _without_out(settings: dict | None) -> dict | None:
-    """A cell's settings for comparison: without its folder, its compile mode (how its
-    steps ran, as the device: a finished cell is reused under any; one that trains on is
-    checked by ``finetune``, which resumes only under the mode it began with) and
-    :data:`RUN_ONLY` (how often it saved), and with the
-    batching of a cell made before the option (shuffled only: "random")."""
-    if settings is None:
-        return None
-    return {"batching": "random",
-            **{k: v for k, v in settings.items() if k not in ("out", "compile", *RUN_ONLY)}}
-
-
-def _read_results(path: Path, header: dict) -> dict:
-    """The fine-tuning results file ``path`` (an empty one with ``header`` when it does not
-    exist). A file of another protocol, encoder, folds or prompts (``header``), or one that
-    cannot be read, is a ValueError and is left as it is."""
-    if not path.exists():
-        return {**header, "models": {}}
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable results file ({err}); move it, or pass "
-                         "--results") from err
-    if not isinstance(old, dict) or {k: old.get(k) for k in header} != header \
-            or not isinstance(old.get("models"), dict):
-        raise ValueError(f"{path}: holds results of another run ("
-                         f"{ {k: old.get(k) for k in header} if isinstance(old, dict) else old}"
-                         f", not {header}); pass --results to write elsewhere")
-    return old
-
-
-def _add_results_entry(path: Path, header: dict, name: str, entry: dict, prov: dict) -> None:
-    """Add (or replace, said on stderr when its settings differ) ``name``'s entry in the results
-    file ``path``, keeping the other models' (:func:`_read_results`). The update holds a lock on
-    the file's folder, so two runs (two heads on two GPUs) both land."""
-    import os
-
-    from .. import filelock
-    from ..durable import atomic_write_text
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        filelock.lock(fd)
-        result = _read_results(path, header)
-        before = (result["models"].get(name) or {}).get("settings")
-        if before is not None and before != entry["settings"]:  # said, not silently replaced
-            changed = sorted(k for k in entry["settings"] if before.get(k) != entry["settings"][k])
-            print(f"{path}: {name}'s entry, made with other settings ({', '.join(changed)}), is "
-                  "replaced", file=sys.stderr)
-        result["models"][name] = entry
-        result["provenance"] = prov
-        atomic_write_text(path, json.dumps(result, indent=1))
-    finally:
-        os.close(fd)
 
 
 def export_shipped_scorer(out_dir: str | Path, *, data_dir: str | Path | None = None,
