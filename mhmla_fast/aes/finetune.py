@@ -52,9 +52,10 @@ class FinetuneConfig:
     "auto" is CUDA graphs on CUDA in one process, eager elsewhere); a checkpoint
     (:mod:`mhmla_fast.checkpoint`: safetensors + JSON in ``<out>``, written beside the
     training) every ``checkpoint_every`` optimizer steps and after each epoch's dev scoring,
-    so a killed run resumes at the last of them, mid-epoch too, with the same batches, dropout masks, weights and epoch loss as an
-    uninterrupted run (a larger ``epochs`` may extend a finished run, ``checkpoint_every`` may
-    change, and the run folder may move; any other change of the config is refused).
+    so a killed run resumes at the last of them, mid-epoch too, with the same batches, dropout
+    masks, weights and epoch loss as an uninterrupted run (a larger ``epochs`` may extend a
+    finished run, ``checkpoint_every`` may change, and the run folder may move; any other
+    change of the config is refused).
     ``encoder_spec.max_length``: the window with ``[CLS]``/``[SEP]`` (None: min(512, encoder
     positions)).
     """
