@@ -333,7 +333,11 @@ def test_finetuning_killed_mid_epoch_resumes_from_its_last_step_checkpoint(
     assert (meta["open_epoch"] is None) == (saved[1] == 0)
     calls["step"].clear()
     killed_in = None  # the resumed run goes to its end; a larger checkpoint_every is free
-    _, resumed = ft.finetune(dataclasses.replace(cut, checkpoint_every=200), train, dev, log=None)
+    lines: list[str] = []
+    _, resumed = ft.finetune(dataclasses.replace(cut, checkpoint_every=200), train, dev,
+                             log=lines.append)
+    assert lines[0].endswith(f"from its checkpoint: epoch {saved[0] + 1}, after step "
+                             f"{saved[1]} of the epoch")
     assert len(calls["step"]) == 8 - 4 * saved[0] - saved[1]  # only the steps after it
     strip = lambda log: [{k: v for k, v in r.items() if k != "seconds"} for r in log]  # noqa: E731
     assert strip(resumed["log"]) == strip(whole["log"]) and len(whole["log"]) == 2

@@ -3,6 +3,7 @@ its checkpoint ends exactly where an uninterrupted one does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -129,7 +130,7 @@ def test_length_bucketed_batches_cover_every_sentence_once():
     assert spread < naive / 3, "bucketing groups similar lengths"
 
 
-def test_training_learns_and_resume_equals_uninterrupted(tmp_path, tiny_encoder):
+def test_training_learns_and_resume_equals_uninterrupted(tmp_path, tiny_encoder, capsys):
     full = train(config(tmp_path, tiny_encoder, tmp_path / "full"))
     log = json.loads((tmp_path / "full" / "log.json").read_text())
     assert [r["epoch"] for r in log] == [1, 2, 3]
@@ -141,7 +142,10 @@ def test_training_learns_and_resume_equals_uninterrupted(tmp_path, tiny_encoder)
     train(cfg, stop_after_steps=7)  # stops mid-epoch 1, right after a checkpoint
     assert not (tmp_path / "resumed" / "log.json").exists()
     train(cfg, stop_after_steps=25)  # stops after epoch 2's last step (16 per epoch), before dev
-    resumed = train(cfg)
+    capsys.readouterr()
+    resumed = train(dataclasses.replace(cfg, progress=True))  # (progress: free on resume)
+    assert capsys.readouterr().out.startswith(
+        f"resuming {tmp_path / 'resumed'} from its checkpoint: epoch 2, after step 16 of the epoch")
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:

@@ -200,6 +200,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         if state["epoch"] > cfg.epochs:
             raise ValueError(f"{out}: the checkpoint is past epoch {cfg.epochs} already "
                              f"(epoch {state['epoch']})")
+        if log and main_rank and state["epoch"] < cfg.epochs:
+            log(f"resuming {out} from its checkpoint: epoch {state['epoch'] + 1}, after step "
+                f"{state['step_in_epoch']} of the epoch")
     state["world_size"] = dist_ctx.world_size if dist_ctx else 1
     autocast = training_autocast(cfg.precision, device)
     # a batch is one prompt's: the other prompts' output layers get no gradient

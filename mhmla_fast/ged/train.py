@@ -521,6 +521,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if meta is not None:
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
         log, best = meta["log"], meta["best"]
+        if cfg.progress and main_rank and epoch < cfg.epochs:
+            print(f"resuming {out} from its checkpoint: epoch {epoch + 1}, after step "
+                  f"{step_in_epoch} of the epoch", flush=True)
     else:
         epoch, step_in_epoch, global_step, log, best = 0, 0, 0, [], {"f05": -1.0, "epoch": None}
 
