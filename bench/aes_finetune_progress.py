@@ -24,11 +24,15 @@ from pathlib import Path
 def progress(cell: Path) -> dict:
     """The record of ``cell``'s checkpoint (see the module docstring); ValueError when it
     has none or it cannot be read."""
+    from mhmla_fast.checkpoint import checkpoint_meta
+
+    meta = checkpoint_meta(cell)  # (an unreadable one: ValueError naming the folder)
+    if meta is None:
+        raise ValueError(f"{cell}: no readable fine-tuning checkpoint (no checkpoint.json)")
     try:
-        meta = json.loads((cell / "checkpoint.json").read_text(encoding="utf-8"))
         log, config = meta["log"], meta["config"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{cell}: no readable fine-tuning checkpoint ({err})") from err
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{cell}: no readable fine-tuning checkpoint ({err!r})") from err
     epochs = [{"epoch": r["epoch"], "loss": r["loss"], "seconds": r["seconds"],
                "dev_mean_qwk": 100 * r["dev_mean_qwk"],
                "dev_qwk": {p: 100 * q for p, q in r["dev_qwk"].items()}} for r in log]

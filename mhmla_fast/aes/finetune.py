@@ -312,7 +312,6 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
         checkpoint()
         if dist_ctx is not None:
             torch.distributed.barrier()
-    writer.wait()  # (rank 0's last write, before the other ranks read the best scorer)
     best = EssayScorer.load(out / "best", device=device, backend=cfg.backend)
     return best, state
 

@@ -31,6 +31,7 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
     from ..aes.data import read_asap, read_folds, split_essays
     from ..aes.finetune import model_name
     from ..aes.train import FinetuneConfig, _aggregate, asap_files
+    from ..aes.units import data_digest
     from ..configs import LayerAttentionConfig
     from ..provenance import provenance
 
@@ -65,7 +66,8 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
             todo.append((k, replace(base, out=str(out), prompts=group, fold=k),
                          {p: split_essays(essays, fold_ids, k, prompt=p) for p in group}))
     if args.collect:  # every missing cell named at once, before anything is written
-        missing = [str(cfg.out) for _, cfg, splits in todo if _stored_cell(cfg, splits) is None]
+        missing = [str(cfg.out) for _, cfg, splits in todo
+                   if _stored_cell(cfg, data_digest(splits, list(cfg.prompts))) is None]
         if missing:
             raise ValueError(f"--collect: {len(missing)} of {len(todo)} cells are not finished "
                              f"with these settings and essays: {', '.join(missing)}")
@@ -109,7 +111,7 @@ def _finetune_cell(cfg, splits: dict[int, dict], log) -> dict[int, dict]:
     cell_settings = json.loads(json.dumps(asdict(cfg)))
     data = data_digest(splits, list(group))  # the cell's train, dev and test essays
     done = out / "test.json"
-    cell = _stored_cell(cfg, splits)
+    cell = _stored_cell(cfg, data)
     if cell is not None:
         if len(group) > 1:
             return {int(p): c for p, c in cell["prompts"].items()}
@@ -140,19 +142,18 @@ def _finetune_cell(cfg, splits: dict[int, dict], log) -> dict[int, dict]:
     return records
 
 
-def _stored_cell(cfg, splits: dict[int, dict]) -> dict | None:
+def _stored_cell(cfg, data: dict) -> dict | None:
     """The finished cell ``<cfg.out>/test.json`` when it was made with ``cfg``'s settings
-    (:func:`_without_out`) on the essays of ``splits``; None otherwise."""
+    (:func:`_without_out`) on the essays whose digest is ``data``
+    (:func:`~mhmla_fast.aes.units.data_digest`); None otherwise."""
     from dataclasses import asdict
-
-    from ..aes.units import data_digest
 
     done = Path(cfg.out) / "test.json"
     if not done.is_file():
         return None
     cell = json.loads(done.read_text())
     same = _without_out(cell.get("settings")) == _without_out(json.loads(json.dumps(asdict(cfg))))
-    return cell if same and cell.get("data") == data_digest(splits, list(cfg.prompts)) else None
+    return cell if same and cell.get("data") == data else None
 
 
 def _prompt_value(per_prompt: dict | None, prompt: int) -> float | None:
