@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mhmla_fast.aes.baselines import ridge_layers, ridge_select_cutpoints
-from mhmla_fast.aes.cutpoints import (apply_cutpoints, fit_cutpoints, out_of_fold_predictions,
-                                      rounding_cutpoints)
+from mhmla_fast.aes.cutpoints import (apply_cutpoints, cross_fitted_cut_scores, fit_cutpoints,
+                                      out_of_fold_predictions, rounding_cutpoints)
 from mhmla_fast.aes.data import SCORE_RANGES, denormalise_scores
 from mhmla_fast.aes.ged_features import (GED_FEATURES, features_from_probs, ged_feature_cache,
                                          ged_features)
@@ -89,6 +89,34 @@ def test_out_of_fold_predictions_never_predict_a_group_from_itself():
     assert sorted(seen) == list(range(23))
     with pytest.raises(ValueError, match="3 groups for 5 folds"):
         out_of_fold_predictions(fit, np.array([0, 1, 2]), n_folds=5)
+
+
+def test_cross_fitted_cut_scores_never_see_an_essays_own_score():
+    """Each essay is cut at cutpoints fitted on the other folds: changing one essay's gold
+    score changes no score of its own fold, while the squeezed predictions of
+    test_fitted_cutpoints_undo_a_shrunk_prediction still get back far above rounding."""
+    rng = np.random.default_rng(1)
+    gold = rng.integers(0, 4, 120)
+    x = 1.5 + 0.3 * (gold - 1.5) + rng.uniform(-0.1, 0.1, 120)
+    got = cross_fitted_cut_scores(x, gold, 3)
+    assert got.dtype == np.int64 and got.shape == (120,)
+    rounded = quadratic_weighted_kappa(gold, apply_cutpoints(x, rounding_cutpoints(3), 3), 0, 3)
+    assert quadratic_weighted_kappa(gold, got, 0, 3) > max(0.95, rounded + 0.2)
+    fold = out_of_fold_predictions(lambda rows: (lambda held: np.full(held.size, float(
+        held.min()))), np.arange(120))  # a row's fold, named by the fold's first row
+    for i in (0, 7, 63):
+        moved = gold.copy()
+        moved[i] = 3 - gold[i]
+        again = cross_fitted_cut_scores(x, moved, 3)
+        same_fold = np.flatnonzero(fold == fold[i])
+        np.testing.assert_array_equal(again[same_fold], got[same_fold])
+    # the same folds as fitting by hand on the rest of each fold
+    held = np.flatnonzero(fold == fold[0])
+    rest = np.setdiff1d(np.arange(120), held)
+    by_hand = apply_cutpoints(x[held], fit_cutpoints(x[rest], gold[rest], 3), 3)
+    np.testing.assert_array_equal(got[held], by_hand)
+    with pytest.raises(ValueError, match="one length"):
+        cross_fitted_cut_scores(x, gold[:-1], 3)
 
 
 def test_ridge_with_cutpoints_beats_rounding_a_heavily_shrunk_ridge():

@@ -1011,7 +1011,7 @@ def test_ship_aes_scorer_ships_a_joint_cell_only_when_it_beats_the_shipped_on_de
         return str(folder)
 
     out = tmp_path / "package" / "aes"
-    args = ["--data-dir", str(data), "--out", str(out)]
+    args = ["--data-dir", str(data), "--out", str(out), "--cutpoints", "none"]
     assert ship.main([str(cell), *args, "--shipped", shipped(record["dev_qwk"])]) == 1
     assert "not shipped: the candidate does not beat" in capsys.readouterr().out
     assert ship.main([str(cell), *args, "--shipped", shipped(-1.0, cut=record["dev_qwk"])]) == 1
@@ -1042,3 +1042,57 @@ def test_ship_aes_scorer_ships_a_joint_cell_only_when_it_beats_the_shipped_on_de
     assert ship.main([str(cell), *args, "--shipped", shipped(-0.9)]) == 1
     assert "no longer beats" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def test_ship_aes_scorer_with_cutpoints_judges_the_cross_fitted_dev_qwk(tiny_encoder, tmp_path,
+                                                                         capsys):
+    """--cutpoints dev (the default): the candidate is judged by the dev QWK of its cut scores
+    cross-fitted over dev (the shipped scorer's rule: never cutpoints that saw the essay's own
+    score); the written scorer cuts at cutpoints fitted on all of dev, and its record carries
+    the cross-fitted dev QWKs and the final test check. A classification cell is refused."""
+    from bench_scripts import load_script
+
+    from mhmla_fast.aes.cutpoints import apply_cutpoints
+    from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    ship = load_script("training/ship_aes_scorer.py")
+    data = write_asap(tmp_path / "data", n_per_prompt=40)  # 8 dev essays a prompt
+    common = ["aes", "--fold", "0", "--data-dir", str(data), "--encoder", tiny_encoder,
+              "--finetune", "--epochs", "1", "--backend", "torch", "--quiet", "--prompt", "3,4",
+              "--joint"]
+    assert mhmla_train([*common, "--out", str(tmp_path / "ft"), "--objective", "regression"]) == 0
+    cell = tmp_path / "ft" / "mhmla-joint-reg-finetuned" / "fold0-p3_4"
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "config.json").write_text(json.dumps(
+        {"training": {"fold": 0, "dev_qwk": {"3": -0.9, "4": -0.9}}}))
+    out = tmp_path / "package" / "aes"
+    args = ["--data-dir", str(data), "--out", str(out), "--shipped", str(shipped)]
+    assert ship.main([str(cell), *args]) == 0
+    printed = capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    cut = config["training"]["cutpoints"]
+    assert set(cut["dev_qwk_cut"]) == {"3", "4"} and set(cut["test_qwk_cut"]) == {"3", "4"}
+    assert config["training"]["dev_mean_qwk_selected"] == pytest.approx(cut["dev_mean_qwk_cut"])
+    assert f"cut (cross-fitted) {100 * cut['dev_mean_qwk_cut']:.2f}" in printed
+    # the figures are those of the candidate's own dev predictions, recomputed here
+    candidate = EssayScorer.load(cell / "best")
+    sp = ship.asap_splits(str(data), 0, [3, 4])
+    outputs = ship.split_outputs(candidate, sp, [3, 4])
+    crossfit, cuts, _ = ship.cut_dev(outputs)
+    assert crossfit == pytest.approx(cut["dev_qwk_cut"])
+    written = EssayScorer.load(out)
+    for p in (3, 4):
+        assert written.config.cutpoints[p] == pytest.approx(cuts[p])
+        scores, x, _ = ship.split_outputs(written, sp, [p])[p]
+        np.testing.assert_array_equal(scores, apply_cutpoints(x, written.config.cutpoints[p], p))
+    # a candidate whose cross-fitted cut QWK does not beat the shipped one is not shipped,
+    # whatever its rounded or in-sample cut QWK
+    (shipped / "config.json").write_text(json.dumps({"training": {"fold": 0, "dev_qwk": {
+        p: cut["dev_mean_qwk_cut"] for p in ("3", "4")}}}))
+    assert ship.main([str(cell), *args, "--dry-run"]) == 1
+    assert "not shipped" in capsys.readouterr().out
+    assert mhmla_train([*common, "--out", str(tmp_path / "cls")]) == 0
+    with pytest.raises(SystemExit, match="classification cell has no cutpoints"):
+        ship.main([str(tmp_path / "cls" / "mhmla-joint-cls-finetuned" / "fold0-p3_4"), *args])

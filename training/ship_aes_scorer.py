@@ -11,12 +11,19 @@ written), trained on fold 0 for every prompt the shipped scorer scores. The rule
 with the shipped scorer's dev QWKs read from its ``config.json`` training record (those of its
 cut scores where it has cutpoints: ``training["cutpoints"]["dev_qwk_cut"]``, how it scores;
 ``mhmla-train aes --fit-cutpoints`` fits them for a frozen-encoder scorer only, whose
-out-of-fold heads train on cached features). Only then is
+out-of-fold heads train on cached features). The candidate is judged as it would be
+shipped: with ``--cutpoints dev`` (the default, a regression cell) its continuous dev
+predictions are cut at cutpoints fitted for QWK on the fold's dev essays (out-of-fold training
+predictions would need five more fine-tuned models), and its dev QWK is that of
+5-fold cross-fitted cut scores (each dev essay cut at cutpoints fitted on the other folds of
+dev, ``cross_fitted_cut_scores``), never of cutpoints that saw the essay's own score; with
+``--cutpoints none`` it rounds, judged by the cell's dev QWK. Only then is
 the candidate written to ``--out`` (default: the shipped scorer's folder, replaced as a whole):
 fp16 weights, the embedded MiniLM's word embeddings read from its package where they were
 frozen (else a row delta, as for the GED tagger), at most 30 MB. The written model is read back and
-scores fold 0's dev split again; its mean dev QWK must still beat the shipped one's (fp16 may
-move it), else the old scorer is put back. The cell's test QWKs go into the training record,
+scores fold 0's dev split again; its mean dev QWK (cross-fitted again where it cuts) must still
+beat the shipped one's (fp16 may move it), else the old scorer is put back. The cell's test
+QWKs (rounded) and, where it cuts, the written scorer's test QWKs go into the training record,
 as the final check: they play no part in the decision. Nothing is written with ``--dry-run``.
 """
 
@@ -36,34 +43,84 @@ MAX_MB = 30
 EMBEDDINGS = "encoder.embeddings.word_embeddings.weight"
 
 
-def dev_qwks(scorer, splits: dict, prompts) -> dict[str, float]:
-    """Dev QWK per prompt of ``scorer`` on ``splits`` (prompt -> train/dev/test essays)."""
-    from mhmla_fast.aes.train import qwk
+def split_outputs(scorer, splits: dict, prompts, split: str = "dev"
+                  ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per prompt, ``scorer``'s scores [E], its continuous predictions on the score scale [E]
+    (regression) and the gold scores [E] of ``split`` (``splits``: prompt -> train/dev/test)."""
+    from mhmla_fast.aes.data import SCORE_RANGES
 
     out = {}
     for p in prompts:
-        dev = splits[p]["dev"]
-        pred = scorer.predict_scores([e.text for e in dev], p)
-        out[str(p)] = float(qwk(np.array([e.score for e in dev]), np.asarray(pred), p))
+        essays = splits[p][split]
+        scores, means = scorer.predict_scores([e.text for e in essays], p, return_outputs=True)
+        lo, hi = SCORE_RANGES[p]
+        x = (lo + np.clip(np.asarray(means, dtype=np.float64), 0.0, 1.0) * (hi - lo)
+             if scorer.config.objective == "regression" else np.full(len(essays), np.nan))
+        out[p] = (np.asarray(scores), x, np.array([e.score for e in essays]))
     return out
 
 
-def main(argv=None) -> int:
+def cut_dev(outputs: dict) -> tuple[dict[str, float], dict[int, np.ndarray], dict[str, float]]:
+    """From :func:`split_outputs` of dev: per prompt the QWK of 5-fold cross-fitted cut scores,
+    the cutpoints fitted on all of dev, and their in-sample dev QWK (for the record only)."""
+    from mhmla_fast.aes.cutpoints import apply_cutpoints, cross_fitted_cut_scores, fit_cutpoints
+    from mhmla_fast.aes.train import qwk
+
+    crossfit, cuts, in_sample = {}, {}, {}
+    for p, (_, x, gold) in outputs.items():
+        if gold.size < 2:
+            raise SystemExit(f"prompt {p}: {gold.size} dev essay(s); cutpoints fitted on dev "
+                             "need two at least (or --cutpoints none)")
+        crossfit[str(p)] = float(qwk(gold, cross_fitted_cut_scores(
+            x, gold, p, n_folds=min(5, gold.size)), p))
+        cuts[p] = fit_cutpoints(x, gold, p)
+        in_sample[str(p)] = float(qwk(gold, apply_cutpoints(x, cuts[p], p), p))
+    return crossfit, cuts, in_sample
+
+
+def asap_splits(data_dir: str | None, fold: int, prompts) -> dict:
+    """Prompt -> train/dev/test essays of ``fold`` (:func:`split_essays`) for ``prompts``."""
     from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+    from mhmla_fast.aes.train import asap_files
+
+    tsv, folds_dir = asap_files(data_dir)
+    essays, folds = read_asap(tsv), read_folds(folds_dir)
+    return {p: split_essays(essays, folds, fold, prompt=p) for p in prompts}
+
+
+def dev_qwks(scorer, splits: dict, prompts) -> dict[str, float]:
+    """Dev QWK per prompt of ``scorer`` on ``splits`` (prompt -> train/dev/test essays): of its
+    scores, or where it has cutpoints (fitted on these dev essays) of its cross-fitted cut
+    scores (:func:`cut_dev`)."""
+    from mhmla_fast.aes.train import qwk
+
+    outputs = split_outputs(scorer, splits, prompts)
+    if scorer.config.cutpoints:
+        return cut_dev(outputs)[0]
+    return {str(p): float(qwk(gold, scores, p)) for p, (scores, _, gold) in outputs.items()}
+
+
+def main(argv=None) -> int:
     from mhmla_fast.aes.model import EssayScorer
     from mhmla_fast.aes.scoring import default_model_path
-    from mhmla_fast.aes.train import asap_files
+    from mhmla_fast.aes.train import qwk
     from mhmla_fast.durable import atomic_write_text
     from mhmla_fast.encoder import EMBEDDED_ENCODER
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cell", help="a finished joint fine-tuning cell (OUT/<model>/fold0-p1_2_...)")
+    parser.add_argument("cell",
+                        help="a finished joint fine-tuning cell (OUT/<model>/fold0-p1_2_...)")
     parser.add_argument("--out", default=str(default_model_path()))
     parser.add_argument("--shipped", default=str(default_model_path()),
                         help="the scorer to beat (default: the one in the package)")
     parser.add_argument("--data-dir", default=None,
                         help="the shared data folder or its asap_aes folder (default: "
                         "$MHMLA_SHARED_DATA or ../shared/data)")
+    parser.add_argument("--cutpoints", choices=("dev", "none"), default="dev",
+                        help="dev (default; a regression cell): cut the candidate's scores at "
+                        "cutpoints fitted for QWK on the fold's dev essays, judged by their "
+                        "5-fold cross-fitted dev QWK; none: round half up, judged by the "
+                        "cell's dev QWK")
     parser.add_argument("--dry-run", action="store_true", help="decide and report, write nothing")
     args = parser.parse_args(argv)
 
@@ -85,7 +142,29 @@ def main(argv=None) -> int:
                          f"on fold {shipped['training']['fold']} for prompts "
                          f"{sorted(int(p) for p in shipped_dev)}")
     old = float(np.mean(list(shipped_dev.values())))
-    new = float(record["dev_qwk"])
+    model = EssayScorer.load(cell / "best")
+    splits = asap_splits(args.data_dir, fold, prompts)
+    cut = None
+    if args.cutpoints == "dev":
+        if model.config.objective != "regression":
+            raise SystemExit(f"{cell}: a {model.config.objective} cell has no cutpoints; "
+                             "use --cutpoints none")
+        print(f"scoring fold {fold}'s dev essays to fit cutpoints ...", flush=True)
+        outputs = split_outputs(model, splits, prompts)
+        crossfit, cuts, in_sample = cut_dev(outputs)
+        rounded = {str(p): float(qwk(gold, scores, p)) for p, (scores, _, gold) in outputs.items()}
+        cut = {"method": "fitted for QWK on the fold's dev essays (the scorer's continuous dev "
+                         "predictions); dev_qwk_cut: each dev essay cut at cutpoints fitted on "
+                         "the other folds of a 5-fold split of dev (cross-fitted)",
+               "dev_qwk_rounded": rounded, "dev_qwk_cut": crossfit,
+               "dev_qwk_cut_in_sample": in_sample,
+               "dev_mean_qwk_rounded": float(np.mean(list(rounded.values()))),
+               "dev_mean_qwk_cut": float(np.mean(list(crossfit.values())))}
+        new = cut["dev_mean_qwk_cut"]
+        print(f"fold {fold} dev mean QWK of the candidate: rounded "
+              f"{100 * cut['dev_mean_qwk_rounded']:.2f}, cut (cross-fitted) {100 * new:.2f}")
+    else:
+        new = float(record["dev_qwk"])
     print(f"fold {fold} dev mean QWK: candidate {100 * new:.2f}, shipped {100 * old:.2f}")
     if not new > old:
         print("not shipped: the candidate does not beat the shipped scorer on dev")
@@ -94,14 +173,12 @@ def main(argv=None) -> int:
         print("would ship (--dry-run: nothing written)")
         return 0
 
-    model = EssayScorer.load(cell / "best")
     deltas: tuple[str, ...] = ()
     if model.config.encoder_spec.freeze != "word_embeddings" \
             and model.config.encoder_spec.name_or_path == EMBEDDED_ENCODER:
         deltas = (EMBEDDINGS,)  # trained: a row delta against the package's
-    tsv, folds_dir = asap_files(args.data_dir)
-    splits = {p: split_essays(read_asap(tsv), read_folds(folds_dir), fold, prompt=p)
-              for p in prompts}
+    if cut is not None:
+        model.config.cutpoints = {p: tuple(float(c) for c in c_p) for p, c_p in cuts.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -117,6 +194,7 @@ def main(argv=None) -> int:
             "test_qwk": {str(p): record["prompts"][str(p)]["qwk"] for p in prompts},
             "test_mean_qwk": float(np.mean([record["prompts"][str(p)]["qwk"] for p in prompts])),
             "test_exact": {str(p): record["prompts"][str(p)]["exact"] for p in prompts},
+            **({"cutpoints": cut} if cut is not None else {}),
         }
         written = model.save(out, dtype=torch.float16, tokenizer=model.tokenizer,
                              row_deltas=deltas)
@@ -136,6 +214,15 @@ def main(argv=None) -> int:
             return 1
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
         config["training"]["dev_qwk_fp16"] = dev
+        if cut is not None:  # the final check: the written scorer's cut scores on test
+            test = {str(p): float(qwk(gold, scores, p)) for p, (scores, _, gold)
+                    in split_outputs(back, splits, prompts, "test").items()}
+            config["training"]["cutpoints"]["test_qwk_cut"] = test
+            config["training"]["cutpoints"]["test_mean_qwk_cut"] = float(
+                np.mean(list(test.values())))
+            print(f"final check, fold {fold} test mean QWK: cut "
+                  f"{100 * np.mean(list(test.values())):.2f}, rounded (the cell) "
+                  f"{100 * model.config.training['test_mean_qwk']:.2f}")
         atomic_write_text(out / "config.json", json.dumps(config, indent=2))
     return 0
 

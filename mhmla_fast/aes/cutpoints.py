@@ -17,7 +17,10 @@ rounding wherever rounding is already optimal.
 
 The fit is only as honest as the predictions it sees: fit on out-of-sample predictions
 (:func:`out_of_fold_predictions` gives them for the training split), never on the split that
-is scored.
+is scored. Where the cutpoints are fitted on the split that is scored (a fine-tuned scorer's
+dev split: out-of-fold training predictions would need a fine-tuned model per fold),
+:func:`cross_fitted_cut_scores` gives that split's honest scores: each essay cut at
+cutpoints fitted on the other folds of the split.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import numpy as np
 from .data import SCORE_RANGES
 from .metrics import quadratic_weighted_kappa
 
-__all__ = ["rounding_cutpoints", "fit_cutpoints", "apply_cutpoints", "out_of_fold_predictions"]
+__all__ = ["rounding_cutpoints", "fit_cutpoints", "apply_cutpoints", "out_of_fold_predictions",
+           "cross_fitted_cut_scores"]
 
 
 def rounding_cutpoints(prompt: int) -> np.ndarray:
@@ -117,3 +121,23 @@ def out_of_fold_predictions(fit: Callable[[np.ndarray], Callable[[np.ndarray], n
         out[held] = pred
     assert out is not None
     return out
+
+
+def cross_fitted_cut_scores(x: np.ndarray, gold: np.ndarray, prompt: int, *, n_folds: int = 5,
+                            seed: int = 0) -> np.ndarray:
+    """Int scores [E] of continuous predictions ``x`` [E] (on the score scale), each essay's
+    cut at cutpoints fitted (:func:`fit_cutpoints`) on the gold scores ``gold`` [E] of the
+    other ``n_folds - 1`` folds (a fixed shuffle, ``seed``): the QWK of these scores estimates,
+    without looking at an essay's own score, that of cutpoints fitted on all ``E`` essays and
+    applied to new ones (:func:`out_of_fold_predictions` with one essay a group)."""
+    x = np.asarray(x, dtype=np.float64)
+    gold = np.asarray(gold)
+    if x.ndim != 1 or x.shape != gold.shape:
+        raise ValueError(f"x and gold: expected two 1-D arrays of one length, got {x.shape} "
+                         f"and {gold.shape}")
+
+    def fit(rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        cuts = fit_cutpoints(x[rows], gold[rows], prompt)
+        return lambda held: apply_cutpoints(x[held], cuts, prompt)
+
+    return out_of_fold_predictions(fit, np.arange(x.size), n_folds, seed).astype(np.int64)
