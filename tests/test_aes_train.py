@@ -1074,6 +1074,7 @@ def test_ship_aes_scorer_with_cutpoints_judges_the_cross_fitted_dev_qwk(tiny_enc
     config = json.loads((out / "config.json").read_text())
     cut = config["training"]["cutpoints"]
     assert set(cut["dev_qwk_cut"]) == {"3", "4"} and set(cut["test_qwk_cut"]) == {"3", "4"}
+    assert 0.0 <= cut["dev_scores_as_trained"] <= 1.0
     assert config["training"]["dev_mean_qwk_selected"] == pytest.approx(cut["dev_mean_qwk_cut"])
     assert f"cut (cross-fitted) {100 * cut['dev_mean_qwk_cut']:.2f}" in printed
     # the figures are those of the candidate's own dev predictions, recomputed here

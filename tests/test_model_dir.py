@@ -143,6 +143,46 @@ def test_trained_word_embeddings_are_stored_as_a_row_delta_and_load_back(tmp_pat
         GedTagger.load(path, backend="torch")
 
 
+def test_a_fine_tuned_encoders_matrices_as_row_deltas_beat_an_fp16_copy(tmp_path):
+    """Every matrix of a fine-tuned encoder moved a little (as fine-tuning moves them): stored
+    as int8 row deltas against the embedded encoder they load back within half an int8 step,
+    closer than the fp16 copy, in about half its bytes; vectors stay in the file's dtype."""
+    from mhmla_fast.aes.model import EssayScorer, ScorerConfig
+    from mhmla_fast.configs import EncoderSpec
+
+    torch.manual_seed(0)
+    model = EssayScorer(ScorerConfig(encoder_spec=EncoderSpec(freeze="word_embeddings"),
+                                     objective="regression", prompts=(3,)),
+                        backend="torch").eval()
+    keys = model.trained_encoder_matrices()
+    params = dict(model.named_parameters())
+    assert keys and "encoder.embeddings.word_embeddings.weight" not in keys  # frozen: not stored
+    assert all(params[k].dim() == 2 and params[k].requires_grad for k in keys)
+    assert {k for k, p in params.items() if k.startswith("encoder.") and p.requires_grad
+            and p.dim() == 2} == set(keys)
+    with torch.no_grad():
+        for k in keys:
+            params[k] += 0.01 * params[k].abs().mean() * torch.randn_like(params[k])
+    trained = {k: params[k].detach().clone() for k in keys}
+    dense = model.save(tmp_path / "fp16", dtype=torch.float16)
+    delta = model.save(tmp_path / "delta", dtype=torch.float16, row_deltas=keys)
+    size = {p: (p / "model.safetensors").stat().st_size for p in (dense, delta)}
+    assert size[delta] < 0.6 * size[dense]
+    state = load_file(delta / "model.safetensors")
+    assert not set(keys) & set(state) and all(state[f"{k}:delta_q"].dtype == torch.int8
+                                              for k in keys)
+    assert {v.dtype for k, v in state.items() if ":" not in k} == {torch.float16}
+    back16 = dict(EssayScorer.load(dense, backend="torch").named_parameters())
+    back8 = dict(EssayScorer.load(delta, backend="torch").named_parameters())
+    with torch.no_grad():
+        err16 = sum(float(((back16[k] - trained[k]) ** 2).sum()) for k in keys)
+        err8 = sum(float(((back8[k] - trained[k]) ** 2).sum()) for k in keys)
+        assert err8 < err16
+        for k in keys:
+            step = state[f"{k}:delta_scale"].max()
+            assert (back8[k] - trained[k]).abs().max() <= step / 2 + 1e-6
+
+
 def test_row_deltas_are_refused_where_they_cannot_be_honoured(tmp_path):
     from mhmla_fast.ged.model import GedTagger, TaggerConfig
 

@@ -19,8 +19,10 @@ predictions would need five more fine-tuned models), and its dev QWK is that of
 dev, ``cross_fitted_cut_scores``), never of cutpoints that saw the essay's own score; with
 ``--cutpoints none`` it rounds, judged by the cell's dev QWK. Only then is
 the candidate written to ``--out`` (default: the shipped scorer's folder, replaced as a whole):
-fp16 weights, the embedded MiniLM's word embeddings read from its package where they were
-frozen (else a row delta, as for the GED tagger), at most 30 MB. The written model is read back and
+the embedded MiniLM's word embeddings read from its package where they were frozen, its other
+trained matrices (and the word embeddings where trained) as int8 row deltas against the
+package's (closer to the trained weights than fp16, in half the bytes: ``mhmla_fast.model_dir``),
+fp16 elsewhere, at most 30 MB. The written model is read back and
 scores fold 0's dev split again; its mean dev QWK (cross-fitted again where it cuts) must still
 beat the shipped one's (fp16 may move it), else the old scorer is put back. The cell's test
 QWKs (rounded) and, where it cuts, the written scorer's test QWKs go into the training record,
@@ -40,7 +42,6 @@ import numpy as np
 import torch
 
 MAX_MB = 30
-EMBEDDINGS = "encoder.embeddings.word_embeddings.weight"
 
 
 def split_outputs(scorer, splits: dict, prompts, split: str = "dev"
@@ -88,19 +89,20 @@ def asap_splits(data_dir: str | None, fold: int, prompts) -> dict:
     return {p: split_essays(essays, folds, fold, prompt=p) for p in prompts}
 
 
-def dev_qwks(scorer, splits: dict, prompts) -> dict[str, float]:
+def dev_qwks(scorer, splits: dict, prompts, outputs: dict | None = None) -> dict[str, float]:
     """Dev QWK per prompt of ``scorer`` on ``splits`` (prompt -> train/dev/test essays): of its
     scores, or where it has cutpoints (fitted on these dev essays) of its cross-fitted cut
-    scores (:func:`cut_dev`)."""
+    scores (:func:`cut_dev`); ``outputs``: its :func:`split_outputs` of dev, if at hand."""
     from mhmla_fast.aes.train import qwk
 
-    outputs = split_outputs(scorer, splits, prompts)
+    outputs = outputs or split_outputs(scorer, splits, prompts)
     if scorer.config.cutpoints:
         return cut_dev(outputs)[0]
     return {str(p): float(qwk(gold, scores, p)) for p, (scores, _, gold) in outputs.items()}
 
 
 def main(argv=None) -> int:
+    from mhmla_fast.aes.cutpoints import apply_cutpoints
     from mhmla_fast.aes.model import EssayScorer
     from mhmla_fast.aes.scoring import default_model_path
     from mhmla_fast.aes.train import qwk
@@ -173,10 +175,10 @@ def main(argv=None) -> int:
         print("would ship (--dry-run: nothing written)")
         return 0
 
-    deltas: tuple[str, ...] = ()
-    if model.config.encoder_spec.freeze != "word_embeddings" \
-            and model.config.encoder_spec.name_or_path == EMBEDDED_ENCODER:
-        deltas = (EMBEDDINGS,)  # trained: a row delta against the package's
+    # the embedded encoder's trained matrices as int8 row deltas against the package's (closer
+    # to the trained weights than fp16, half the bytes: mhmla_fast.model_dir); the rest fp16
+    embedded = model.config.encoder_spec.name_or_path == EMBEDDED_ENCODER
+    deltas = model.trained_encoder_matrices() if embedded else ()
     if cut is not None:
         model.config.cutpoints = {p: tuple(float(c) for c in c_p) for p, c_p in cuts.items()}
     out = Path(args.out)
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
         model.config.training = {
             "protocol": "finetune", "data": "ASAP training_set_rel3, Taghipour & Ng folds",
             "fold": fold, "cell": str(cell), "weights_dtype": "float16",
+            **({"encoder_matrices": "int8 row deltas against the embedded encoder"}
+               if deltas else {}),
             "settings": record["settings"], "selected_epoch": record["selected"]["epoch"],
             "dev_mean_qwk_selected": new, "replaced_dev_mean_qwk": old,
             "dev_qwk": {str(p): record["prompts"][str(p)]["dev_qwk"] for p in prompts},
@@ -200,9 +204,10 @@ def main(argv=None) -> int:
                              row_deltas=deltas)
         size = sum(f.stat().st_size for f in Path(written).iterdir()) / 2**20
         back = EssayScorer.load(written)
-        dev = dev_qwks(back, splits, prompts)
+        back_dev = split_outputs(back, splits, prompts)
+        dev = dev_qwks(back, splits, prompts, back_dev)
         again = float(np.mean(list(dev.values())))
-        print(f"wrote {written} ({size:.1f} MB); read back in fp16, dev mean QWK {100 * again:.2f}")
+        print(f"wrote {written} ({size:.1f} MB); read back, dev mean QWK {100 * again:.2f}")
         reason = (f"{size:.1f} MB, over the {MAX_MB} MB budget" if size > MAX_MB else
                   f"in fp16 its dev mean QWK {100 * again:.2f} no longer beats {100 * old:.2f}"
                   if not again > old else None)
@@ -214,7 +219,12 @@ def main(argv=None) -> int:
             return 1
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
         config["training"]["dev_qwk_fp16"] = dev
-        if cut is not None:  # the final check: the written scorer's cut scores on test
+        if cut is not None:  # dev scores the stored weights change; then the final check on test
+            same = [back_dev[p][0] == apply_cutpoints(outputs[p][1], cuts[p], p) for p in prompts]
+            config["training"]["cutpoints"]["dev_scores_as_trained"] = float(
+                np.concatenate(same).mean())
+            print(f"{100 * np.concatenate(same).mean():.2f}% of dev essays scored as by the "
+                  "trained fp32 weights with the same cutpoints")
             test = {str(p): float(qwk(gold, scores, p)) for p, (scores, _, gold)
                     in split_outputs(back, splits, prompts, "test").items()}
             config["training"]["cutpoints"]["test_qwk_cut"] = test
