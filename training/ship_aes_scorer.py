@@ -144,10 +144,10 @@ def main(argv=None) -> int:
                          f"on fold {shipped['training']['fold']} for prompts "
                          f"{sorted(int(p) for p in shipped_dev)}")
     old = float(np.mean(list(shipped_dev.values())))
-    model = EssayScorer.load(cell / "best")
-    splits = asap_splits(args.data_dir, fold, prompts)
     cut = None
-    if args.cutpoints == "dev":
+    if args.cutpoints == "dev":  # the candidate's dev predictions decide: load it now
+        model = EssayScorer.load(cell / "best")
+        splits = asap_splits(args.data_dir, fold, prompts)
         if model.config.objective != "regression":
             raise SystemExit(f"{cell}: a {model.config.objective} cell has no cutpoints; "
                              "use --cutpoints none")
@@ -175,6 +175,9 @@ def main(argv=None) -> int:
         print("would ship (--dry-run: nothing written)")
         return 0
 
+    if cut is None:
+        model = EssayScorer.load(cell / "best")
+        splits = asap_splits(args.data_dir, fold, prompts)
     # the embedded encoder's trained matrices as int8 row deltas against the package's (closer
     # to the trained weights than fp16, half the bytes: mhmla_fast.model_dir); the rest fp16
     embedded = model.config.encoder_spec.name_or_path == EMBEDDED_ENCODER
