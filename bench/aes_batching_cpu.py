@@ -40,18 +40,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from mhmla_fast.aes.data import read_asap, read_folds, split_essays
+    from mhmla_fast.aes.data import split_essays
     from mhmla_fast.aes.finetune import FinetuneConfig, _window_loss
     from mhmla_fast.aes.heads import _epoch_batches
     from mhmla_fast.aes.model import EssayScorer, ScorerConfig, encode_essay_windows
-    from mhmla_fast.aes.train import asap_files
+    from mhmla_fast.aes.train import read_asap_folds
     from mhmla_fast.devices import training_autocast
     from mhmla_fast.encoder import load_tokenizer
     from mhmla_fast.provenance import cpu_info, dated_results_path, load_average, provenance
 
     torch.set_num_threads(args.threads)
-    tsv, folds_dir = asap_files(None)
-    essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
+    essays, fold_ids = read_asap_folds(None)
     train = [e for p in range(1, 9) for e in split_essays(essays, fold_ids, args.fold, prompt=p)["train"]]
     cfg = FinetuneConfig(out="unused", precision=args.precision)
     tokenizer = load_tokenizer(cfg.encoder_spec)

@@ -250,8 +250,7 @@ def _test_qwk(cell: dict, row: str) -> float | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from mhmla_fast.aes.data import read_asap, read_folds
-    from mhmla_fast.aes.train import asap_files
+    from mhmla_fast.aes.train import read_asap_folds
     from mhmla_fast.provenance import provenance
 
     prompts = [int(x) for x in args.prompt.split(",")]
@@ -261,8 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"aes_ensemble: {err}", file=sys.stderr)
         return 2
-    tsv, folds_dir = asap_files(args.data_dir)
-    essays, fold_ids = read_asap(tsv), read_folds(folds_dir)
+    essays, fold_ids = read_asap_folds(args.data_dir)
     folds = (sorted(fold_ids) if args.fold == "all"
              else [int(x) for x in args.fold.split(",")])
     wanted = {m for m in args.members.split(",") if m} if args.members else None

@@ -81,11 +81,10 @@ def cut_dev(outputs: dict) -> tuple[dict[str, float], dict[int, np.ndarray], dic
 
 def asap_splits(data_dir: str | None, fold: int, prompts) -> dict:
     """Prompt -> train/dev/test essays of ``fold`` (:func:`split_essays`) for ``prompts``."""
-    from mhmla_fast.aes.data import read_asap, read_folds, split_essays
-    from mhmla_fast.aes.train import asap_files
+    from mhmla_fast.aes.data import split_essays
+    from mhmla_fast.aes.train import read_asap_folds
 
-    tsv, folds_dir = asap_files(data_dir)
-    essays, folds = read_asap(tsv), read_folds(folds_dir)
+    essays, folds = read_asap_folds(data_dir)
     return {p: split_essays(essays, folds, fold, prompt=p) for p in prompts}
 
 

@@ -64,14 +64,14 @@ import numpy as np
 from ..dispatch import BACKENDS
 from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
                         surface_ridge, tfidf_select)
-from .data import Essay, read_asap, read_folds, split_essays
+from .data import Essay, split_essays
 from .ensembles import greedy_ensemble, majority_vote, mean_ensemble
 from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
 from .heads import HeadResult, HeadTrainConfig, head_cutpoints, predict_split, train_head
 from .metrics import exact_agreement
 from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolings_of
 from .results import _aggregate, summary_table
-from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split,
+from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, feature_split, read_asap_folds,
                      joined_features, load_prompt_caches, qwk, split_qwk)
 from .surface import SURFACE_FEATURES, surface_features
 from ..durable import atomic_write_text
@@ -331,9 +331,7 @@ def run_cpu_protocol(
     prompts = [int(p) for p in prompts]
     folds = [int(k) for k in folds]
     models = list(models)
-    tsv, folds_dir = asap_files(data_dir)
-    essays = read_asap(tsv)
-    fold_ids = read_folds(folds_dir)
+    essays, fold_ids = read_asap_folds(data_dir)
     run = Path(run_dir)
     (run / "units").mkdir(parents=True, exist_ok=True)
     caches = load_prompt_caches(essays, prompts, cache_dir, encoder,

@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import read_asap, read_folds, split_essays
+from .data import split_essays
 from .heads import (HeadResult, HeadTrainConfig, essay_values, head_cutpoints, predict_split,
                     train_head)
 from .metrics import exact_agreement
 from .model import EssayScorer
 from .registry import MODELS
-from .splits import PROMPTS, PROTOCOL, FeatureSplit, Log, asap_files, feature_split, load_prompt_caches, split_qwk
+from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, feature_split, load_prompt_caches,
+                     read_asap_folds, split_qwk)
 
 __all__ = ["train_joint_scorer", "fit_scorer_cutpoints"]
 
@@ -37,9 +38,7 @@ def train_joint_scorer(
     rounded to ``weights_dtype`` (the shipped fp16) before the test split is scored.
     """
     prompts = [int(p) for p in prompts]
-    tsv, folds_dir = asap_files(data_dir)
-    essays = read_asap(tsv)
-    fold_ids = read_folds(folds_dir)
+    essays, fold_ids = read_asap_folds(data_dir)
     caches = load_prompt_caches(essays, prompts, cache_dir, encoder, log=log)["cls"]
     splits = {p: split_essays(essays, fold_ids, fold, prompt=p) for p in prompts}
     joined = {s: FeatureSplit.concat([feature_split(caches[p], splits[p][s]) for p in prompts])
@@ -121,10 +120,9 @@ def fit_scorer_cutpoints(
         raise ValueError(f"{scorer_dir}: its config records no training configuration and fold")
     cfg = HeadTrainConfig(**config.training["config"])
     fold, prompts = int(config.training["fold"]), list(config.prompts)
-    tsv, folds_dir = asap_files(data_dir)
-    essays = read_asap(tsv)
+    essays, fold_ids = read_asap_folds(data_dir)
     caches = load_prompt_caches(essays, prompts, cache_dir, config.encoder, log=log)["cls"]
-    splits = {p: split_essays(essays, read_folds(folds_dir), fold, prompt=p) for p in prompts}
+    splits = {p: split_essays(essays, fold_ids, fold, prompt=p) for p in prompts}
     train, dev = (FeatureSplit.concat([feature_split(caches[p], splits[p][s]) for p in prompts])
                   for s in ("train", "dev"))
     cuts = head_cutpoints(train, dev, cfg, encoder=config.encoder, backend=backend,

@@ -15,8 +15,8 @@ from torch import Tensor
 from .data import SCORE_RANGES, Essay
 from .metrics import quadratic_weighted_kappa
 
-__all__ = ["PROTOCOL", "PROMPTS", "Log", "asap_files", "FeatureSplit", "feature_split",
-           "joined_features", "qwk", "split_qwk", "load_prompt_caches"]
+__all__ = ["PROTOCOL", "PROMPTS", "Log", "asap_files", "read_asap_folds", "FeatureSplit",
+           "feature_split", "joined_features", "qwk", "split_qwk", "load_prompt_caches"]
 
 PROTOCOL = "cpu-frozen-encoder"
 PROMPTS = tuple(sorted(SCORE_RANGES))
@@ -34,6 +34,16 @@ def asap_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
     if not tsv.is_file():
         tsv = root / "training_set_rel3.tsv"
     return tsv, root / "nea_folds"
+
+
+def read_asap_folds(data_dir: str | os.PathLike | None = None
+                    ) -> tuple[list[Essay], dict[int, dict[str, list[int]]]]:
+    """The essays (:func:`~.data.read_asap`) and the Taghipour & Ng fold ids
+    (:func:`~.data.read_folds`) of the data under ``data_dir`` (:func:`asap_files`)."""
+    from .data import read_asap, read_folds
+
+    tsv, folds_dir = asap_files(data_dir)
+    return read_asap(tsv), read_folds(folds_dir)
 
 
 def joined_features(splits: dict[str, FeatureSplit], features: str) -> FeatureSplit:

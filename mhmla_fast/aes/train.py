@@ -27,12 +27,13 @@ from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, HEAD_LRS, MODELS, ModelSp
 from .results import _aggregate, summary_table
 from .shipped import train_joint_scorer
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, asap_files, feature_split, joined_features,
-                     load_prompt_caches, qwk, split_qwk)
+                     load_prompt_caches, qwk, read_asap_folds, split_qwk)
 
 __all__ = [
     "PROTOCOL", "HeadTrainConfig", "FeatureSplit", "train_head", "predict_split",
     "ridge_select", "tfidf_select", "human_agreement", "mean_ensemble", "majority_vote",
-    "run_cpu_protocol", "FinetuneConfig", "finetune", "MODELS", "asap_files", "ridge_layers",
+    "run_cpu_protocol", "FinetuneConfig", "finetune", "MODELS", "asap_files", "read_asap_folds",
+    "ridge_layers",
     "feature_split", "split_qwk", "train_joint_scorer", "summary_table", "DEFAULT_MODELS",
     "DEFAULT_MEMBERS", "load_prompt_caches", "greedy_ensemble", "surface_ridge",
     "poolings_of", "joined_features", "PROMPTS", "qwk", "HeadResult", "ModelSpec", "HEAD_LRS",

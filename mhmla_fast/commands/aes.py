@@ -372,11 +372,11 @@ def run_eval(args) -> int:
     import numpy as np
     import torch
 
-    from ..aes.data import read_asap, read_folds, split_essays
+    from ..aes.data import split_essays
     from ..aes.features import cache_path, load_feature_cache
     from ..aes.metrics import exact_agreement
     from ..aes.model import EssayScorer, default_model_path
-    from ..aes.train import asap_files, feature_split, predict_split, qwk
+    from ..aes.train import feature_split, predict_split, qwk, read_asap_folds
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -384,9 +384,7 @@ def run_eval(args) -> int:
         prompts = parse_prompts(args.prompt)
         path = Path(args.model) if args.model else default_model_path()
         scorer = EssayScorer.load(path, backend=args.backend)
-        tsv, folds_dir = asap_files(args.data_dir)
-        essays = read_asap(tsv)
-        fold_ids = read_folds(folds_dir)
+        essays, fold_ids = read_asap_folds(args.data_dir)
     except (OSError, ValueError) as err:
         print(f"mhmla-eval: {err}", file=sys.stderr)
         return 2

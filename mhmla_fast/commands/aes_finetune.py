@@ -28,9 +28,9 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
     ``mhmla-train aes``'s; ``log``: each epoch's line (None: quiet). Returns the exit status."""
     from dataclasses import asdict, replace
 
-    from ..aes.data import read_asap, read_folds, split_essays
+    from ..aes.data import split_essays
     from ..aes.finetune import model_name
-    from ..aes.train import FinetuneConfig, _aggregate, asap_files
+    from ..aes.train import FinetuneConfig, _aggregate, read_asap_folds
     from ..aes.units import data_digest
     from ..configs import LayerAttentionConfig
     from ..provenance import provenance
@@ -56,9 +56,7 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
     header = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
               "prompts": prompts}
     _read_results(path, header)  # refused before any training, not after it
-    tsv, folds_dir = asap_files(args.data_dir)
-    essays = read_asap(tsv)
-    fold_ids = read_folds(folds_dir)
+    essays, fold_ids = read_asap_folds(args.data_dir)
     todo = []  # (fold, the cell's config, its prompts' splits)
     for k in folds:
         for group in groups:
