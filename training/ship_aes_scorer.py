@@ -45,9 +45,10 @@ MAX_MB = 30
 
 
 def split_outputs(scorer, splits: dict, prompts, split: str = "dev"
-                  ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                  ) -> dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray]]:
     """Per prompt, ``scorer``'s scores [E], its continuous predictions on the score scale [E]
-    (regression) and the gold scores [E] of ``split`` (``splits``: prompt -> train/dev/test)."""
+    (None for a classification scorer, which has none) and the gold scores [E] of ``split``
+    (``splits``: prompt -> train/dev/test)."""
     from mhmla_fast.aes.data import SCORE_RANGES
 
     out = {}
@@ -56,7 +57,7 @@ def split_outputs(scorer, splits: dict, prompts, split: str = "dev"
         scores, means = scorer.predict_scores([e.text for e in essays], p, return_outputs=True)
         lo, hi = SCORE_RANGES[p]
         x = (lo + np.clip(np.asarray(means, dtype=np.float64), 0.0, 1.0) * (hi - lo)
-             if scorer.config.objective == "regression" else np.full(len(essays), np.nan))
+             if scorer.config.objective == "regression" else None)
         out[p] = (np.asarray(scores), x, np.array([e.score for e in essays]))
     return out
 
@@ -69,6 +70,9 @@ def cut_dev(outputs: dict) -> tuple[dict[str, float], dict[int, np.ndarray], dic
 
     crossfit, cuts, in_sample = {}, {}, {}
     for p, (_, x, gold) in outputs.items():
+        if x is None:
+            raise ValueError(f"prompt {p}: no continuous predictions to cut (a classification "
+                             "scorer)")
         if gold.size < 2:
             raise SystemExit(f"prompt {p}: {gold.size} dev essay(s); cutpoints fitted on dev "
                              "need two at least (or --cutpoints none)")
