@@ -21,7 +21,13 @@ selection uses). Rows per cell, test QWK of:
 
 * every member alone, and the best member by dev QWK (frozen only, and all);
 * ``greedy-frozen``: ``aes.ensembles.greedy_ensemble`` over the frozen members (the CPU
-  protocol's ``ensemble-greedy``), and ``greedy-all``: over frozen and fine-tuned members.
+  protocol's ``ensemble-greedy``), and ``greedy-all``: over frozen and fine-tuned members;
+* ``greedy-blend``: ``aes.ensembles.greedy_blend`` over the frozen members whose units keep
+  continuous predictions (the cut ridges, ``...-cuts``): the mean of the picked members'
+  continuous predictions cut at cutpoints fitted on the same mean of their out-of-fold
+  training predictions, members picked on dev. Only members made from the same essays in the
+  same order blend (their units' data digests agree); a cell without two such members has no
+  such row.
 
 A prompt without a fine-tuned cell still counts, with its frozen members only (its ``-all``
 rows are then its ``-frozen`` rows); ``prompts_finetuned`` lists the prompts that have one.
@@ -129,8 +135,36 @@ def finetuned_member(folder: Path, fold: int, prompt: int,
     return folder.name, cell
 
 
+def blend_row(members: dict[str, dict], train_gold: np.ndarray, dev_gold: np.ndarray,
+              gold: np.ndarray, prompt: int) -> dict:
+    """The ``greedy-blend`` row of a cell from the members' ``continuous`` predictions."""
+    from mhmla_fast.aes.cutpoints import apply_cutpoints
+    from mhmla_fast.aes.ensembles import blend_values, greedy_blend
+    from mhmla_fast.aes.train import qwk
+
+    names = list(members)
+    digests = {members[n].get("data") for n in names}
+    if len(digests) != 1 or None in digests:
+        raise ValueError(f"prompt {prompt}: the blended members {names} were not made from "
+                         "the same essays (their units' data digests differ or are missing)")
+    x = {split: [np.asarray(members[n]["continuous"][split], dtype=np.float64) for n in names]
+         for split in ("train_oof", "dev", "test")}
+    for split, want in (("train_oof", train_gold), ("dev", dev_gold), ("test", gold)):
+        for n, v in zip(names, x[split]):
+            if v.shape != want.shape:
+                raise ValueError(f"prompt {prompt}: {n} has {v.size} continuous {split} "
+                                 f"predictions for {want.size} essays")
+    picks, cuts = greedy_blend(x["train_oof"], x["dev"], train_gold, dev_gold, prompt)
+    dev = apply_cutpoints(blend_values(x["dev"], picks), cuts, prompt)
+    test = apply_cutpoints(blend_values(x["test"], picks), cuts, prompt)
+    return {"picks": [names[i] for i in picks], "cutpoints": cuts.tolist(),
+            "dev_qwk": qwk(dev_gold, dev, prompt), "test_qwk": qwk(gold, test, prompt)}
+
+
 def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.ndarray,
-                  dev_ids: list[int], prompt: int) -> dict:
+                  dev_ids: list[int], prompt: int, train_gold: np.ndarray | None = None) -> dict:
+    """A cell's rows (module doc); ``train_gold``: the training essays' scores, which the
+    ``greedy-blend`` row needs (None: no such row)."""
     from mhmla_fast.aes.ensembles import greedy_ensemble, mean_ensemble
     from mhmla_fast.aes.train import qwk
 
@@ -163,6 +197,9 @@ def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.nd
         row[f"greedy-{label}"] = {"picks": [pool[i] for i in picks],
                                   "dev_qwk": qwk(dev_gold, dev, prompt),
                                   "test_qwk": qwk(gold, pred, prompt)}
+    blendable = {n: u for n, u in members.items() if n not in finetuned and "continuous" in u}
+    if train_gold is not None and len(blendable) >= 2:
+        row["greedy-blend"] = blend_row(blendable, train_gold, dev_gold, gold, prompt)
     return row
 
 
@@ -195,7 +232,8 @@ def fold_cells(units: dict[str, Path], finetuned_dirs: Sequence[str], essays, fo
 
     cells, with_ft = {}, []
     for p in prompts:
-        dev = split_essays(essays, fold_ids, fold, prompt=p)["dev"]
+        split = split_essays(essays, fold_ids, fold, prompt=p)
+        dev = split["dev"]
         members, files = {}, {}
         for label, folder in units.items():
             got, names = frozen_members(folder, fold, p, joint)
@@ -224,18 +262,21 @@ def fold_cells(units: dict[str, Path], finetuned_dirs: Sequence[str], essays, fo
             print(f"fold {fold} prompt {p}: no fine-tuned cell; its rows are the frozen "
                   "members'", file=sys.stderr)
         cells[p] = ensemble_cell(members, finetuned, np.array([e.score for e in dev]),
-                                 [e.essay_id for e in dev], p)
+                                 [e.essay_id for e in dev], p,
+                                 train_gold=np.array([e.score for e in split["train"]]))
         cells[p]["unit_files"] = files
     return cells, with_ft
 
 
 ROWS = ("best-by-dev-frozen", "greedy-frozen", "best-by-dev-all", "greedy-all")
+OPTIONAL_ROWS = ("greedy-blend",)  # in a cell with two blendable members
 
 
 def cell_means(cells: dict) -> dict[str, float]:
-    """Mean test QWK over the prompts of every ensemble row, and of every member that all
-    prompts have."""
-    means = {r: float(np.mean([c[r]["test_qwk"] for c in cells.values()])) for r in ROWS}
+    """Mean test QWK over the prompts of every ensemble row (an optional row where every
+    prompt has it), and of every member that all prompts have."""
+    rows = [*ROWS, *(r for r in OPTIONAL_ROWS if all(r in c for c in cells.values()))]
+    means = {r: float(np.mean([c[r]["test_qwk"] for c in cells.values()])) for r in rows}
     for n in sorted({n for c in cells.values() for n in c["members"]}):
         if all(n in c["members"] for c in cells.values()):
             means[n] = float(np.mean([c["members"][n]["test_qwk"] for c in cells.values()]))
@@ -243,8 +284,8 @@ def cell_means(cells: dict) -> dict[str, float]:
 
 
 def _test_qwk(cell: dict, row: str) -> float | None:
-    if row in ROWS:
-        return cell[row]["test_qwk"]
+    if row in ROWS or row in OPTIONAL_ROWS:
+        return cell[row]["test_qwk"] if row in cell else None
     return cell["members"][row]["test_qwk"] if row in cell["members"] else None
 
 

@@ -13,6 +13,7 @@ from mhmla_fast.aes.baselines import ridge_layers, ridge_select_cutpoints
 from mhmla_fast.aes.cutpoints import (apply_cutpoints, cross_fitted_cut_scores, fit_cutpoints,
                                       out_of_fold_predictions, rounding_cutpoints)
 from mhmla_fast.aes.data import SCORE_RANGES, denormalise_scores
+from mhmla_fast.aes.ensembles import blend_values, greedy_blend
 from mhmla_fast.aes.ged_features import (GED_FEATURES, features_from_probs, ged_feature_cache,
                                          ged_features)
 from mhmla_fast.aes.metrics import quadratic_weighted_kappa
@@ -132,18 +133,65 @@ def test_ridge_with_cutpoints_beats_rounding_a_heavily_shrunk_ridge():
     assert len(cut["selected"]["cutpoints"]) == 10
     lo, hi = SCORE_RANGES[1]
     assert cut["test_pred"].min() >= lo and cut["test_pred"].max() <= hi
+    # the continuous predictions a blend needs, the scores being them cut
+    x = cut["continuous"]
+    assert [len(x[k]) for k in ("train_oof", "dev", "test")] == [300, 100, 100]
+    for split, pred in (("dev", "dev_pred"), ("test", "test_pred")):
+        np.testing.assert_array_equal(
+            apply_cutpoints(np.array(x[split]), np.array(cut["selected"]["cutpoints"]), 1),
+            cut[pred])
+    assert "continuous" not in plain
 
 
 def test_ridge_cutpoints_choose_alpha_on_dev_and_ties_go_to_the_larger():
     tr, dv, te = (synthetic_split(n, 3, s) for n, s in ((120, 0), (40, 1), (40, 2)))
     X = lambda s: s.features[:, 1:].reshape(len(s.features), -1).double().numpy()  # noqa: E731
     y = (tr.scores[tr.essay_index] - 0) / 3.0
-    predict, alpha, dev_q, cuts = ridge_select_cutpoints(
+    r = ridge_select_cutpoints(
         X(tr), y, tr.essay_index, tr.scores, X(dv), dv.essay_index, dv.scores, 3,
         alphas=(0.1, 1.0, 10.0))
-    assert dev_q == 1.0 and alpha == 10.0  # all three perfect on dev: the simplest
-    assert predict(X(te), te.essay_index, len(te.ids)).tolist() == te.scores.tolist()
-    assert cuts.shape == (3,)
+    assert r.dev_qwk == 1.0 and r.alpha == 10.0  # all three perfect on dev: the simplest
+    assert r.predict(X(te), te.essay_index, len(te.ids)).tolist() == te.scores.tolist()
+    assert r.cutpoints.shape == (3,)
+    # the scores are the continuous values cut; the cutpoints were fitted on the out-of-fold
+    # training values, which are each essay's prediction by a ridge that did not see it
+    x_te = r.values(X(te), te.essay_index, len(te.ids))
+    np.testing.assert_array_equal(r.predict(X(te), te.essay_index, len(te.ids)),
+                                  apply_cutpoints(x_te, r.cutpoints, 3))
+    assert r.train_oof.shape == (len(tr.ids),)
+    np.testing.assert_array_equal(r.cutpoints, fit_cutpoints(r.train_oof, tr.scores, 3))
+    in_sample = r.values(X(tr), tr.essay_index, len(tr.ids))
+    assert not np.allclose(r.train_oof, in_sample)
+
+
+def test_greedy_blend_picks_on_dev_and_fits_cutpoints_on_the_training_blend():
+    """Two members with independent noise blend into a better one than either; a member of
+    pure noise is left out; the blend's cutpoints are those fitted on the same blend of the
+    members' out-of-fold training predictions (dev only picks)."""
+    rng = np.random.default_rng(0)
+    gold = {s: rng.integers(0, 4, n) for s, n in (("train", 400), ("dev", 200))}
+
+    def member(noise: float):  # shrunk toward the mean, as a ridge's predictions are
+        return [1.5 + 0.5 * (gold[s] - 1.5) + rng.normal(0, noise, gold[s].size)
+                for s in ("train", "dev")]
+
+    a, b, junk = member(0.35), member(0.35), [rng.uniform(0, 3, gold[s].size)
+                                              for s in ("train", "dev")]
+    train, dev = [m[0] for m in (junk, a, b)], [m[1] for m in (junk, a, b)]
+    picks, cuts = greedy_blend(train, dev, gold["train"], gold["dev"], 3)
+    assert {1, 2} <= set(picks) and 0 not in picks
+    np.testing.assert_array_equal(
+        cuts, fit_cutpoints(blend_values(train, picks), gold["train"], 3))
+
+    def dev_qwk(ps):
+        c = fit_cutpoints(blend_values(train, ps), gold["train"], 3)
+        return quadratic_weighted_kappa(gold["dev"], apply_cutpoints(
+            blend_values(dev, ps), c, 3), 0, 3)
+
+    assert dev_qwk(picks) > max(dev_qwk([1]), dev_qwk([2])) + 0.02
+    np.testing.assert_allclose(blend_values(dev, [1, 2, 2]), (dev[1] + 2 * dev[2]) / 3)
+    with pytest.raises(ValueError, match="greedy_blend"):
+        greedy_blend(train, dev[:2], gold["train"], gold["dev"], 3)
 
 
 # ------------------------------------------------------------ grammatical-error features

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from mhmla_fast.aes.cutpoints import apply_cutpoints
 from mhmla_fast.aes.data import SCORE_RANGES, Essay
 from mhmla_fast.aes.ged_features import GED_FEATURES
 from mhmla_fast.aes.metrics import quadratic_weighted_kappa
@@ -472,6 +473,22 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     # a second run reuses every unit: same numbers
     again = run_cpu_protocol(results=None, **kw)
     assert again["models"] == result["models"] and again["ensembles"] == result["ensembles"]
+    # a cut ridge's unit keeps its continuous predictions (what a blend needs); one from before
+    # units kept them is refitted for them, to the same scores
+    path = tmp_path / "run" / "units" / "ridge-layers-both-surface-cuts-fold0-p3.json"
+    unit = json.loads(path.read_text())
+    x = unit["continuous"]
+    assert len(x["dev"]) == len(unit["dev_pred"]) and len(x["test"]) == len(unit["pred"])
+    assert len(x["train_oof"]) > len(x["dev"])
+    cuts = np.array(unit["selected"]["cutpoints"])
+    assert apply_cutpoints(np.array(x["test"]), cuts, 3).tolist() == unit["pred"]
+    assert "continuous" not in json.loads(path.with_name(
+        "ridge-layers-both-surface-fold0-p3.json").read_text())
+    del unit["continuous"]
+    path.write_text(json.dumps(unit))
+    again = run_cpu_protocol(results=None, **kw)
+    assert again["models"] == result["models"]
+    assert json.loads(path.read_text())["continuous"] == x
     kw["overrides"] = {**kw["overrides"], "lr": 1e-2}  # other settings never reuse a unit
     with pytest.raises(ValueError, match="other settings"):
         run_cpu_protocol(results=None, **kw)
@@ -1052,7 +1069,6 @@ def test_ship_aes_scorer_with_cutpoints_judges_the_cross_fitted_dev_qwk(tiny_enc
     the cross-fitted dev QWKs and the final test check. A classification cell is refused."""
     from bench_scripts import load_script
 
-    from mhmla_fast.aes.cutpoints import apply_cutpoints
     from mhmla_fast.aes.model import EssayScorer
     from mhmla_fast.commands.train import main as mhmla_train
 

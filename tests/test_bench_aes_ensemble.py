@@ -274,3 +274,64 @@ def test_units_of_two_encoders_over_all_folds(tmp_path):
             assert set(cell["members"]) == {"minilm/ridge-layers", "mpnet/surface-ridge"}
     assert bench.main(["--units", *units, "--fold", "0", "--prompt", "3", "--data-dir",
                        str(data), "--members", "minilm/ridge-layers,mpnet/tfidf-ridge"]) == 2
+
+
+def test_greedy_blend_of_two_encoders_cut_ridges(run, tmp_path):
+    """Units that keep continuous predictions (the cut ridges) blend across --units folders:
+    the row equals ``greedy_blend`` computed here on the split's gold scores; members of other
+    essays (data digests) or of other lengths are refused; one such member gives no row."""
+    from mhmla_fast.aes.cutpoints import apply_cutpoints
+    from mhmla_fast.aes.ensembles import blend_values, greedy_blend
+
+    bench = load_bench_script("aes_ensemble")
+    data, units, ft, splits = run
+    other = tmp_path / "mpnet" / "units"
+    other.mkdir(parents=True)
+    rng = np.random.default_rng(2)
+    written = {}
+    for p, sp in splits.items():
+        gold = {s: np.array([e.score for e in sp[s]]) for s in ("train", "dev", "test")}
+        for folder in (units, other):
+            x = {key: (1.5 + 0.5 * (gold[s] - 1.5) + rng.normal(0, 0.4, gold[s].size)).tolist()
+                 for key, s in (("train_oof", "train"), ("dev", "dev"), ("test", "test"))}
+            cuts = np.arange(3) + 0.5
+            unit = {"ids": [e.essay_id for e in sp["test"]], "gold": gold["test"].tolist(),
+                    "settings": {}, "data": f"digest-p{p}", "continuous": x,
+                    "pred": apply_cutpoints(np.array(x["test"]), cuts, p).tolist(),
+                    "dev_pred": apply_cutpoints(np.array(x["dev"]), cuts, p).tolist()}
+            path = folder / f"ridge-layers-both-surface-cuts-fold0-p{p}.json"
+            path.write_text(json.dumps(unit))
+            written[(folder, p)] = (path, unit)
+    args = ["--units", f"minilm={units}", f"mpnet={other}", "--fold", "0", "--prompt", "3,4",
+            "--data-dir", str(data)]
+    out = tmp_path / "blend.json"
+    assert bench.main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for p, sp in splits.items():
+        row = result["cells"][str(p)]["greedy-blend"]
+        names = ["minilm/ridge-layers-both-surface-cuts", "mpnet/ridge-layers-both-surface-cuts"]
+        x = {key: [np.array(written[(f, p)][1]["continuous"][key]) for f in (units, other)]
+             for key in ("train_oof", "dev", "test")}
+        picks, cuts = greedy_blend(x["train_oof"], x["dev"],
+                                   np.array([e.score for e in sp["train"]]),
+                                   np.array([e.score for e in sp["dev"]]), p)
+        assert row["picks"] == [names[i] for i in picks]
+        assert row["cutpoints"] == pytest.approx(cuts.tolist())
+        want = qwk(np.array([e.score for e in sp["test"]]),
+                   apply_cutpoints(blend_values(x["test"], picks), cuts, p), p)
+        assert row["test_qwk"] == pytest.approx(want, abs=1e-12)
+    assert result["mean_test_qwk"]["greedy-blend"] == pytest.approx(np.mean(
+        [result["cells"][p]["greedy-blend"]["test_qwk"] for p in ("3", "4")]))
+    path, unit = written[(other, 3)]
+    path.write_text(json.dumps({**unit, "data": "another digest"}))
+    with pytest.raises(ValueError, match="not made from the same essays"):
+        bench.main(args)
+    short = {**unit["continuous"], "train_oof": unit["continuous"]["train_oof"][:-1]}
+    path.write_text(json.dumps({**unit, "continuous": short}))
+    with pytest.raises(ValueError, match="continuous train_oof predictions"):
+        bench.main(args)
+    path.unlink()  # one blendable member left for prompt 3: no blend row there, nor a mean
+    assert bench.main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "greedy-blend" not in result["cells"]["3"] and "greedy-blend" in result["cells"]["4"]
+    assert "greedy-blend" not in result["mean_test_qwk"]

@@ -4,6 +4,7 @@ surface features), ridge on surface features alone, TF-IDF ridge, and the human 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from .model import combine_windows
 from .splits import FeatureSplit, qwk
 from .windows import average_windows
 
-__all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select",
+__all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select", "CutRidge",
            "ridge_select_cutpoints", "ridge_layers", "surface_ridge", "tfidf_select",
            "human_agreement"]
 
@@ -75,11 +76,27 @@ def _score_scale(normalised: np.ndarray, prompt: int) -> np.ndarray:
     return lo + np.asarray(normalised, dtype=np.float64) * (hi - lo)
 
 
+class CutRidge(NamedTuple):
+    """A ridge whose essay predictions are cut at fitted cutpoints (:func:`ridge_select_cutpoints`).
+
+    ``values(X, index, n_essays)``: the essays' continuous predictions on the score scale (the
+    mean of their windows' outputs, denormalised) [E]; ``predict``: the same cut into int
+    scores [E]; ``train_oof``: the out-of-fold continuous predictions of the training essays
+    [E_tr] at the chosen alpha, on which ``cutpoints`` [k - 1] were fitted."""
+
+    predict: Callable[..., np.ndarray]
+    values: Callable[..., np.ndarray]
+    alpha: float
+    dev_qwk: float
+    cutpoints: np.ndarray
+    train_oof: np.ndarray
+
+
 def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.ndarray,
                            train_gold: np.ndarray, Xdev: np.ndarray, dev_index: np.ndarray,
                            dev_gold: np.ndarray, prompt: int,
                            alphas: Sequence[float] = RIDGE_ALPHAS, n_folds: int = 5,
-                           ) -> tuple[Callable[..., np.ndarray], float, float, np.ndarray]:
+                           ) -> CutRidge:
     """:func:`ridge_select` with the essay predictions cut into scores at cutpoints fitted for
     QWK (:mod:`.cutpoints`) instead of rounded.
 
@@ -87,8 +104,8 @@ def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.nda
     (``n_folds`` folds of essays, each predicted by a ridge fitted on the others), so neither
     the dev split, which then chooses alpha by its QWK, nor the test split is seen by the fit.
     ``train_index`` [W_tr] gives each training window's essay, ``train_gold`` [E_tr] their
-    scores. Returns ``(predict(X, index, n_essays) -> scores, alpha, dev QWK, cutpoints)``;
-    ties in dev QWK go to the larger alpha, as in :func:`ridge_select`.
+    scores. Returns a :class:`CutRidge`; ties in dev QWK go to the larger alpha, as in
+    :func:`ridge_select`.
     """
     train_index = np.asarray(train_index)
     n_train = len(train_gold)
@@ -108,15 +125,17 @@ def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.nda
         x_dev = _score_scale(average_windows(Xdev @ w + b, dev_index, len(dev_gold)), prompt)
         score = qwk(dev_gold, apply_cutpoints(x_dev, cuts, prompt), prompt)
         if best is None or score > best[0]:
-            best = (score, alpha, (w, b), cuts)
+            best = (score, alpha, (w, b), cuts, a)
     assert best is not None
-    dev_q, alpha, (w, b), cuts = best
+    dev_q, alpha, (w, b), cuts, a = best
+
+    def values(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
+        return _score_scale(average_windows(X @ w + b, index, n_essays), prompt)
 
     def predict(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
-        x = _score_scale(average_windows(X @ w + b, index, n_essays), prompt)
-        return apply_cutpoints(x, cuts, prompt)
+        return apply_cutpoints(values(X, index, n_essays), cuts, prompt)
 
-    return predict, alpha, dev_q, cuts
+    return CutRidge(predict, values, alpha, dev_q, cuts, oof_essays[:, a])
 
 
 def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
@@ -144,7 +163,10 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
     other per-essay features such as :mod:`.ged_features`) of the train, dev and test essays,
     standardised on train and appended to every window's row (``ridge-layers-surface``).
     ``cuts``: scores cut at cutpoints fitted for QWK on out-of-fold training predictions
-    (:func:`ridge_select_cutpoints`) instead of rounded.
+    (:func:`ridge_select_cutpoints`) instead of rounded; the result then also holds the
+    continuous predictions on the score scale (``continuous``: ``train_oof``, the out-of-fold
+    ones of the training essays, ``dev`` and ``test``) that a blend of members needs
+    (:func:`~.ensembles.greedy_blend`).
     """
     Xtr, mu, sd = _layer_matrix(train)
     ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
@@ -156,18 +178,22 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
         Xtr = np.hstack([Xtr, s_tr[train.essay_index]])
         Xdev = np.hstack([Xdev, s_dev[dev.essay_index]])
         Xte = np.hstack([Xte, s_te[test.essay_index]])
-    selected: dict = {}
     if cuts:
-        predict, alpha, dev_q, c = ridge_select_cutpoints(
-            Xtr, ytr, train.essay_index, train.scores, Xdev, dev.essay_index, dev.scores,
-            prompt, alphas)
-        selected["cutpoints"] = c.tolist()
-    else:
-        predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev.essay_index, dev.scores,
-                                             prompt, alphas)
+        r = ridge_select_cutpoints(Xtr, ytr, train.essay_index, train.scores, Xdev,
+                                   dev.essay_index, dev.scores, prompt, alphas)
+        x_dev = r.values(Xdev, dev.essay_index, len(dev.ids))
+        x_test = r.values(Xte, test.essay_index, len(test.ids))
+        return {"dev_pred": apply_cutpoints(x_dev, r.cutpoints, prompt),
+                "test_pred": apply_cutpoints(x_test, r.cutpoints, prompt),
+                "dev_qwk": r.dev_qwk,
+                "selected": {"alpha": r.alpha, "cutpoints": r.cutpoints.tolist()},
+                "continuous": {"train_oof": r.train_oof.tolist(), "dev": x_dev.tolist(),
+                               "test": x_test.tolist()}}
+    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev.essay_index, dev.scores, prompt,
+                                         alphas)
     return {"dev_pred": predict(Xdev, dev.essay_index, len(dev.ids)),
             "test_pred": predict(Xte, test.essay_index, len(test.ids)),
-            "dev_qwk": dev_q, "selected": {"alpha": alpha, **selected}}
+            "dev_qwk": dev_q, "selected": {"alpha": alpha}}
 
 
 def surface_ridge(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, np.ndarray],

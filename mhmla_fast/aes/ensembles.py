@@ -1,15 +1,17 @@
-"""Ensembles over the members' saved predictions: mean, majority vote, greedy selection."""
+"""Ensembles over the members' saved predictions: mean, majority vote, greedy selection, and
+a greedy blend of continuous predictions cut at fitted cutpoints."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .cutpoints import apply_cutpoints, fit_cutpoints
 from .data import SCORE_RANGES
 from .splits import qwk
 
-__all__ = ["mean_ensemble", "greedy_ensemble", "majority_vote"]
+__all__ = ["mean_ensemble", "greedy_ensemble", "majority_vote", "blend_values", "greedy_blend"]
 
 
 def mean_ensemble(preds: Sequence[np.ndarray], prompt: int) -> np.ndarray:
@@ -31,15 +33,62 @@ def greedy_ensemble(dev_preds: Sequence[np.ndarray], dev_gold: np.ndarray, promp
     def score(picks: list[int]) -> float:
         return qwk(dev_gold, mean_ensemble([dev_preds[i] for i in picks], prompt), prompt)
 
-    picks = [max(range(len(dev_preds)), key=lambda i: (score([i]), -i))]
-    best = score(picks)
+    return _forward_selection(len(dev_preds), score, rounds)
+
+
+def _forward_selection(n: int, score: Callable[[list[int]], float], rounds: int) -> list[int]:
+    """Greedy forward selection with replacement of ``n`` members by ``score(picks)`` (higher
+    is better): the best single member, then each round the member whose addition scores best,
+    until ``rounds`` picks or no addition improves the score; ties go to the earlier member."""
+    values = [score([i]) for i in range(n)]
+    picks = [max(range(n), key=lambda i: (values[i], -i))]
+    best = values[picks[0]]
     for _ in range(rounds - 1):
-        cand = max(range(len(dev_preds)), key=lambda i: (score(picks + [i]), -i))
-        value = score(picks + [cand])
-        if value <= best:
+        values = [score(picks + [i]) for i in range(n)]
+        cand = max(range(n), key=lambda i: (values[i], -i))
+        if values[cand] <= best:
             break
-        picks, best = picks + [cand], value
+        picks, best = picks + [cand], values[cand]
     return picks
+
+
+def blend_values(values: Sequence[np.ndarray], picks: Sequence[int]) -> np.ndarray:
+    """``mean_{i in picks} values[i]``: a blend of members' continuous predictions [E] (picks
+    with repeats, as weights)."""
+    return np.mean(np.stack([np.asarray(values[i], dtype=np.float64) for i in picks]), axis=0)
+
+
+def greedy_blend(train_oof: Sequence[np.ndarray], dev: Sequence[np.ndarray],
+                 train_gold: np.ndarray, dev_gold: np.ndarray, prompt: int, rounds: int = 10,
+                 ) -> tuple[list[int], np.ndarray]:
+    """Members of a blend picked on dev, and the blend's cutpoints.
+
+    A blend of picks ``S`` scores an essay ``cut(mean_{i in S} x_i)``, where ``x_i`` is
+    member ``i``'s continuous prediction on the score scale and ``cut`` applies cutpoints
+    fitted for QWK (:func:`~.cutpoints.fit_cutpoints`) on the same blend of the members'
+    out-of-fold predictions of the training essays, ``train_oof[i]`` [E_tr] against
+    ``train_gold`` [E_tr]. So the cutpoints never see dev (or test); dev, ``dev[i]`` [E_dev]
+    against ``dev_gold``, only picks the members, by forward selection with replacement as in
+    :func:`greedy_ensemble`. Returns ``(picks, cutpoints)``: score new essays with
+    ``apply_cutpoints(blend_values(x, picks), cutpoints, prompt)``.
+    """
+    if len(train_oof) != len(dev) or not dev:
+        raise ValueError(f"greedy_blend: {len(train_oof)} members' training predictions and "
+                         f"{len(dev)} members' dev predictions")
+    fitted: dict[tuple[int, ...], np.ndarray] = {}
+
+    def cuts(picks: list[int]) -> np.ndarray:
+        key = tuple(sorted(picks))
+        if key not in fitted:
+            fitted[key] = fit_cutpoints(blend_values(train_oof, picks), train_gold, prompt)
+        return fitted[key]
+
+    def score(picks: list[int]) -> float:
+        return qwk(dev_gold, apply_cutpoints(blend_values(dev, picks), cuts(picks), prompt),
+                   prompt)
+
+    picks = _forward_selection(len(dev), score, rounds)
+    return picks, cuts(picks)
 
 
 def majority_vote(preds: Sequence[np.ndarray], dev_scores: Sequence[float]) -> np.ndarray:

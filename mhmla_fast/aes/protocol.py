@@ -33,7 +33,9 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
 * ``...-cuts`` (``ridge-layers-both-surface-cuts``, ``ridge-layers-both-surface-ged-cuts``,
   ``mhmla-joint-reg-cuts``): the scores cut at cutpoints fitted for QWK on out-of-fold
   training predictions (:mod:`.cutpoints`) instead of rounded half up; alpha (epoch) still
-  chosen by dev QWK.
+  chosen by dev QWK. The ridges' units also keep their continuous predictions (``continuous``:
+  the training essays' out-of-fold ones, dev's and test's), from which
+  ``bench/aes_ensemble.py`` blends members across run folders (:func:`~.ensembles.greedy_blend`).
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
   of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
@@ -46,8 +48,8 @@ Every (model, fold, prompt) result is written to ``<run_dir>/units/`` as soon as
 done and reused by a later run, so an interrupted run continues where it stopped.
 
 Full fine-tuning (encoder trained, the study's protocol) uses the same
-:class:`~.model.EssayScorer`: :func:`~.finetune.finetune`. It is meant for a GPU and has not
-been run on ASAP here.
+:class:`~.model.EssayScorer`: :func:`~.finetune.finetune`. It is meant for a GPU (the CPU ran
+nine of its fold-0 cells and one joint scorer, README *Essay scoring*).
 """
 
 from __future__ import annotations
@@ -226,6 +228,10 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
         path = run / "units" / f"{name}-fold{k}-p{p}.json"
         data = data_digest(splits, [p])
         u = reuse_unit(path, settings, data, {p: splits[p]["test"]})
+        if u is not None and spec.kind == "ridge" and spec.cuts and "continuous" not in u:
+            if log:  # from before units kept them; the ridge is deterministic, so the rest stays
+                log(f"{name} fold {k} prompt {p}: refitted for its continuous predictions")
+            u = None
         if u is None:
             t0 = time.perf_counter()
             r = _run_prompt_unit(spec, p, splits, by_pooling, overrides, encoder, backend, ged)
@@ -233,7 +239,7 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
             u = _unit(te.ids, te.scores, r["test_pred"], p,
                       dev_pred=np.asarray(r["dev_pred"]).tolist(), dev_qwk=r["dev_qwk"],
                       selected=r["selected"], seconds=time.perf_counter() - t0, settings=settings,
-                      data=data)
+                      data=data, **{key: r[key] for key in ("continuous",) if key in r})
             atomic_write_text(path, json.dumps(u, indent=1))
             if log:
                 log(f"{name} fold {k} prompt {p}: test QWK {u['qwk']:.4f} (dev "
