@@ -22,12 +22,14 @@ selection uses). Rows per cell, test QWK of:
 * every member alone, and the best member by dev QWK (frozen only, and all);
 * ``greedy-frozen``: ``aes.ensembles.greedy_ensemble`` over the frozen members (the CPU
   protocol's ``ensemble-greedy``), and ``greedy-all``: over frozen and fine-tuned members;
-* ``greedy-blend``: ``aes.ensembles.greedy_blend`` over the frozen members whose units keep
-  continuous predictions (the cut ridges, ``...-cuts``): the mean of the picked members'
-  continuous predictions cut at cutpoints fitted on the same mean of their out-of-fold
-  training predictions, members picked on dev. Only members made from the same essays in the
-  same order blend (their units' data digests agree); a cell without two such members has no
-  such row.
+* blends of the frozen members whose units keep continuous predictions (the cut ridges,
+  ``...-cuts``): a weighted mean of their continuous predictions cut at cutpoints fitted on the
+  same mean of their out-of-fold training predictions. ``stack-blend``
+  (``aes.ensembles.stack_blend``): the weights by non-negative least squares on those
+  out-of-fold training predictions, so nothing is chosen on dev; ``greedy-blend``
+  (``aes.ensembles.greedy_blend``): members picked on dev by forward selection. Only members
+  made from the same essays in the same order blend (their units' data digests agree); a cell
+  without two such members has neither row.
 
 A prompt without a fine-tuned cell still counts, with its frozen members only (its ``-all``
 rows are then its ``-frozen`` rows); ``prompts_finetuned`` lists the prompts that have one.
@@ -135,11 +137,12 @@ def finetuned_member(folder: Path, fold: int, prompt: int,
     return folder.name, cell
 
 
-def blend_row(members: dict[str, dict], train_gold: np.ndarray, dev_gold: np.ndarray,
-              gold: np.ndarray, prompt: int) -> dict:
-    """The ``greedy-blend`` row of a cell from the members' ``continuous`` predictions."""
+def blend_rows(members: dict[str, dict], train_gold: np.ndarray, dev_gold: np.ndarray,
+               gold: np.ndarray, prompt: int) -> dict[str, dict]:
+    """The ``stack-blend`` and ``greedy-blend`` rows of a cell from the members'
+    ``continuous`` predictions."""
     from mhmla_fast.aes.cutpoints import apply_cutpoints
-    from mhmla_fast.aes.ensembles import blend_values, greedy_blend
+    from mhmla_fast.aes.ensembles import blend_values, greedy_blend, pick_weights, stack_blend
     from mhmla_fast.aes.train import qwk
 
     names = list(members)
@@ -154,17 +157,24 @@ def blend_row(members: dict[str, dict], train_gold: np.ndarray, dev_gold: np.nda
             if v.shape != want.shape:
                 raise ValueError(f"prompt {prompt}: {n} has {v.size} continuous {split} "
                                  f"predictions for {want.size} essays")
+
+    def row(weights: np.ndarray, cuts: np.ndarray, **extra) -> dict:
+        dev = apply_cutpoints(blend_values(x["dev"], weights), cuts, prompt)
+        test = apply_cutpoints(blend_values(x["test"], weights), cuts, prompt)
+        return {**extra, "weights": {n: float(w) for n, w in zip(names, weights) if w > 0},
+                "cutpoints": cuts.tolist(), "dev_qwk": qwk(dev_gold, dev, prompt),
+                "test_qwk": qwk(gold, test, prompt)}
+
     picks, cuts = greedy_blend(x["train_oof"], x["dev"], train_gold, dev_gold, prompt)
-    dev = apply_cutpoints(blend_values(x["dev"], picks), cuts, prompt)
-    test = apply_cutpoints(blend_values(x["test"], picks), cuts, prompt)
-    return {"picks": [names[i] for i in picks], "cutpoints": cuts.tolist(),
-            "dev_qwk": qwk(dev_gold, dev, prompt), "test_qwk": qwk(gold, test, prompt)}
+    return {"stack-blend": row(*stack_blend(x["train_oof"], train_gold, prompt)),
+            "greedy-blend": row(pick_weights(picks, len(names)), cuts,
+                                picks=[names[i] for i in picks])}
 
 
 def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.ndarray,
                   dev_ids: list[int], prompt: int, train_gold: np.ndarray | None = None) -> dict:
     """A cell's rows (module doc); ``train_gold``: the training essays' scores, which the
-    ``greedy-blend`` row needs (None: no such row)."""
+    blend rows need (None: no such rows)."""
     from mhmla_fast.aes.ensembles import greedy_ensemble, mean_ensemble
     from mhmla_fast.aes.train import qwk
 
@@ -199,7 +209,7 @@ def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.nd
                                   "test_qwk": qwk(gold, pred, prompt)}
     blendable = {n: u for n, u in members.items() if n not in finetuned and "continuous" in u}
     if train_gold is not None and len(blendable) >= 2:
-        row["greedy-blend"] = blend_row(blendable, train_gold, dev_gold, gold, prompt)
+        row.update(blend_rows(blendable, train_gold, dev_gold, gold, prompt))
     return row
 
 
@@ -269,7 +279,7 @@ def fold_cells(units: dict[str, Path], finetuned_dirs: Sequence[str], essays, fo
 
 
 ROWS = ("best-by-dev-frozen", "greedy-frozen", "best-by-dev-all", "greedy-all")
-OPTIONAL_ROWS = ("greedy-blend",)  # in a cell with two blendable members
+OPTIONAL_ROWS = ("stack-blend", "greedy-blend")  # in a cell with two blendable members
 
 
 def cell_means(cells: dict) -> dict[str, float]:

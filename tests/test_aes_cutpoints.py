@@ -13,7 +13,8 @@ from mhmla_fast.aes.baselines import ridge_layers, ridge_select_cutpoints
 from mhmla_fast.aes.cutpoints import (apply_cutpoints, cross_fitted_cut_scores, fit_cutpoints,
                                       out_of_fold_predictions, rounding_cutpoints)
 from mhmla_fast.aes.data import SCORE_RANGES, denormalise_scores
-from mhmla_fast.aes.ensembles import blend_values, greedy_blend
+from mhmla_fast.aes.ensembles import (blend_values, greedy_blend, pick_weights, stack_blend,
+                                      stack_weights)
 from mhmla_fast.aes.ged_features import (GED_FEATURES, features_from_probs, ged_feature_cache,
                                          ged_features)
 from mhmla_fast.aes.metrics import quadratic_weighted_kappa
@@ -181,17 +182,39 @@ def test_greedy_blend_picks_on_dev_and_fits_cutpoints_on_the_training_blend():
     picks, cuts = greedy_blend(train, dev, gold["train"], gold["dev"], 3)
     assert {1, 2} <= set(picks) and 0 not in picks
     np.testing.assert_array_equal(
-        cuts, fit_cutpoints(blend_values(train, picks), gold["train"], 3))
+        cuts, fit_cutpoints(blend_values(train, pick_weights(picks, 3)), gold["train"], 3))
 
     def dev_qwk(ps):
-        c = fit_cutpoints(blend_values(train, ps), gold["train"], 3)
+        w = pick_weights(ps, 3)
+        c = fit_cutpoints(blend_values(train, w), gold["train"], 3)
         return quadratic_weighted_kappa(gold["dev"], apply_cutpoints(
-            blend_values(dev, ps), c, 3), 0, 3)
+            blend_values(dev, w), c, 3), 0, 3)
 
     assert dev_qwk(picks) > max(dev_qwk([1]), dev_qwk([2])) + 0.02
-    np.testing.assert_allclose(blend_values(dev, [1, 2, 2]), (dev[1] + 2 * dev[2]) / 3)
+    np.testing.assert_allclose(pick_weights([1, 2, 2], 3), [0, 1 / 3, 2 / 3])
+    np.testing.assert_allclose(blend_values(dev, [0, 1 / 3, 2 / 3]), (dev[1] + 2 * dev[2]) / 3)
     with pytest.raises(ValueError, match="greedy_blend"):
         greedy_blend(train, dev[:2], gold["train"], gold["dev"], 3)
+    with pytest.raises(ValueError, match="3 members"):
+        blend_values(dev, [0.5, 0.5])
+
+    # the stack sees the training essays only: the noise member gets (almost) nothing, the two
+    # others about half each, and its cutpoints are fitted on the stacked training predictions
+    w, cuts = stack_blend(train, gold["train"], 3)
+    assert w.sum() == pytest.approx(1.0) and (w >= 0).all()
+    assert w[0] < 0.05 and abs(w[1] - w[2]) < 0.2
+    np.testing.assert_array_equal(cuts, fit_cutpoints(blend_values(train, w), gold["train"], 3))
+    stacked = quadratic_weighted_kappa(gold["dev"], apply_cutpoints(blend_values(dev, w), cuts, 3),
+                                       0, 3)
+    assert stacked > max(dev_qwk([1]), dev_qwk([2])) + 0.02
+    # against a hand computation: a least-squares fit of the two good members, both weights
+    # positive, so the non-negativity binds nowhere and NNLS is plain least squares
+    X = np.stack([train[1], train[2]], 1)
+    ls = np.linalg.lstsq(X - X.mean(0), gold["train"] - gold["train"].mean(), rcond=None)[0]
+    np.testing.assert_allclose(stack_weights(train[1:], gold["train"]), ls / ls.sum(), atol=1e-10)
+    # no member predicts the scores: equal weights
+    np.testing.assert_allclose(stack_weights([-gold["train"], -2.0 * gold["train"]],
+                                             gold["train"]), [0.5, 0.5])
 
 
 # ------------------------------------------------------------ grammatical-error features

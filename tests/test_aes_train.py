@@ -441,7 +441,9 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
                            "ridge-layers-mean", "ridge-layers-mean-surface",
                            "ridge-layers-both-surface", "ridge-layers-both-surface-cuts",
                            "ridge-layers-both-surface-ged", "ridge-layers-both-surface-ged-cuts",
-                           "tfidf-ridge", "surface-ridge", "surface-ged-ridge"}
+                           "tfidf-ridge", "surface-ridge", "surface-ged-ridge",
+                           "ridge-layers-surface-cuts", "ridge-layers-mean-surface-cuts",
+                           "surface-ridge-cuts", "surface-ged-ridge-cuts"}
     assert "lrs" not in models["last-cls"]["settings"]  # an lr override fixes the lr
     assert "features" not in models["ridge-layers"]["settings"]  # "cls": old units still match
     assert models["ridge-layers-mean"]["settings"]["features"] == "mean"
@@ -451,14 +453,28 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(r["qwk"]["0"]) == {"3", "4"}, name
         assert r["mean_qwk"] == pytest.approx(np.mean([r["qwk"]["0"]["3"], r["qwk"]["0"]["4"]]))
     assert models["tfidf-ridge"]["mean_qwk"] > 0.5  # the key word decides the score
-    assert set(result["ensembles"]) == {"ensemble-mean", "ensemble-vote", "ensemble-greedy"}
+    assert set(result["ensembles"]) == {"ensemble-mean", "ensemble-vote", "ensemble-greedy",
+                                        "ensemble-stack"}
+    stack = result["ensembles"]["ensemble-stack"]
+    assert stack["members"] == [m for m in models if m.endswith("-cuts") and "joint" not in m]
+    assert len(stack["members"]) == 6
+    for p in ("3", "4"):  # the stack against its members' units, by hand
+        chosen = stack["selected"]["0"][p]
+        assert sum(chosen["weights"].values()) == pytest.approx(1.0)
+        us = {m: json.loads((tmp_path / "run" / "units" / f"{m}-fold0-p{p}.json").read_text())
+              for m in stack["members"]}
+        x = sum(w * np.array(us[m]["continuous"]["test"]) for m, w in chosen["weights"].items())
+        gold = np.array(us[stack["members"][0]]["gold"])
+        want = quadratic_weighted_kappa(gold, apply_cutpoints(
+            x, np.array(chosen["cutpoints"]), int(p)), *SCORE_RANGES[int(p)])
+        assert stack["qwk"]["0"][p] == pytest.approx(want, abs=1e-12)
     assert "tfidf-ridge" not in result["ensembles"]["ensemble-vote"]["members"]
     greedy = result["ensembles"]["ensemble-greedy"]
     for p in ("3", "4"):  # members chosen on dev, among the models run
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 17 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 21 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
     assert tagger.calls == 1 and len(list((tmp_path / "cache").glob("ged-*.safetensors"))) == 1
     ged = models["ridge-layers-both-surface-ged-cuts"]["settings"]
     assert ged["ged"] == list(GED_FEATURES) and ged["cuts"] and len(ged["ged_tagger_sha256"]) == 64

@@ -278,10 +278,11 @@ def test_units_of_two_encoders_over_all_folds(tmp_path):
 
 def test_greedy_blend_of_two_encoders_cut_ridges(run, tmp_path):
     """Units that keep continuous predictions (the cut ridges) blend across --units folders:
-    the row equals ``greedy_blend`` computed here on the split's gold scores; members of other
-    essays (data digests) or of other lengths are refused; one such member gives no row."""
+    the rows equal ``stack_blend`` and ``greedy_blend`` computed here on the split's gold
+    scores; members of other essays (data digests) or of other lengths are refused; one such
+    member gives no row."""
     from mhmla_fast.aes.cutpoints import apply_cutpoints
-    from mhmla_fast.aes.ensembles import blend_values, greedy_blend
+    from mhmla_fast.aes.ensembles import blend_values, greedy_blend, pick_weights, stack_blend
 
     bench = load_bench_script("aes_ensemble")
     data, units, ft, splits = run
@@ -312,16 +313,23 @@ def test_greedy_blend_of_two_encoders_cut_ridges(run, tmp_path):
         names = ["minilm/ridge-layers-both-surface-cuts", "mpnet/ridge-layers-both-surface-cuts"]
         x = {key: [np.array(written[(f, p)][1]["continuous"][key]) for f in (units, other)]
              for key in ("train_oof", "dev", "test")}
-        picks, cuts = greedy_blend(x["train_oof"], x["dev"],
-                                   np.array([e.score for e in sp["train"]]),
+        train_gold = np.array([e.score for e in sp["train"]])
+        test_gold = np.array([e.score for e in sp["test"]])
+        picks, cuts = greedy_blend(x["train_oof"], x["dev"], train_gold,
                                    np.array([e.score for e in sp["dev"]]), p)
         assert row["picks"] == [names[i] for i in picks]
         assert row["cutpoints"] == pytest.approx(cuts.tolist())
-        want = qwk(np.array([e.score for e in sp["test"]]),
-                   apply_cutpoints(blend_values(x["test"], picks), cuts, p), p)
+        want = qwk(test_gold, apply_cutpoints(blend_values(x["test"], pick_weights(
+            picks, 2)), cuts, p), p)
         assert row["test_qwk"] == pytest.approx(want, abs=1e-12)
-    assert result["mean_test_qwk"]["greedy-blend"] == pytest.approx(np.mean(
-        [result["cells"][p]["greedy-blend"]["test_qwk"] for p in ("3", "4")]))
+        stack = result["cells"][str(p)]["stack-blend"]
+        w, cuts = stack_blend(x["train_oof"], train_gold, p)
+        assert stack["weights"] == pytest.approx({n: v for n, v in zip(names, w) if v > 0})
+        want = qwk(test_gold, apply_cutpoints(blend_values(x["test"], w), cuts, p), p)
+        assert stack["test_qwk"] == pytest.approx(want, abs=1e-12)
+    for name in ("greedy-blend", "stack-blend"):
+        assert result["mean_test_qwk"][name] == pytest.approx(np.mean(
+            [result["cells"][p][name]["test_qwk"] for p in ("3", "4")]))
     path, unit = written[(other, 3)]
     path.write_text(json.dumps({**unit, "data": "another digest"}))
     with pytest.raises(ValueError, match="not made from the same essays"):
@@ -333,5 +341,6 @@ def test_greedy_blend_of_two_encoders_cut_ridges(run, tmp_path):
     path.unlink()  # one blendable member left for prompt 3: no blend row there, nor a mean
     assert bench.main([*args, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert "greedy-blend" not in result["cells"]["3"] and "greedy-blend" in result["cells"]["4"]
-    assert "greedy-blend" not in result["mean_test_qwk"]
+    for name in ("greedy-blend", "stack-blend"):
+        assert name not in result["cells"]["3"] and name in result["cells"]["4"]
+        assert name not in result["mean_test_qwk"]

@@ -178,35 +178,48 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
         Xtr = np.hstack([Xtr, s_tr[train.essay_index]])
         Xdev = np.hstack([Xdev, s_dev[dev.essay_index]])
         Xte = np.hstack([Xte, s_te[test.essay_index]])
+    return _select_unit((Xtr, ytr, train.essay_index, train.scores),
+                        (Xdev, dev.essay_index, dev.scores), (Xte, test.essay_index, len(test.ids)),
+                        prompt, alphas, cuts)
+
+
+def _select_unit(train: tuple, dev: tuple, test: tuple, prompt: int, alphas: Sequence[float],
+                 cuts: bool) -> dict:
+    """A ridge's unit: ``train`` (X [W, F], normalised targets [W], essay of each row [W],
+    gold scores [E]), ``dev`` (X, essay of each row, gold scores), ``test`` (X, essay of each
+    row, number of essays); alpha by dev QWK, scores rounded or (``cuts``) cut at cutpoints
+    fitted on out-of-fold training predictions, with the continuous predictions kept."""
+    (Xtr, ytr, tr_index, tr_gold), (Xdev, dev_index, dev_gold), (Xte, te_index, n_test) = (
+        train, dev, test)
     if cuts:
-        r = ridge_select_cutpoints(Xtr, ytr, train.essay_index, train.scores, Xdev,
-                                   dev.essay_index, dev.scores, prompt, alphas)
-        x_dev = r.values(Xdev, dev.essay_index, len(dev.ids))
-        x_test = r.values(Xte, test.essay_index, len(test.ids))
+        r = ridge_select_cutpoints(Xtr, ytr, tr_index, tr_gold, Xdev, dev_index, dev_gold,
+                                   prompt, alphas)
+        x_dev = r.values(Xdev, dev_index, len(dev_gold))
+        x_test = r.values(Xte, te_index, n_test)
         return {"dev_pred": apply_cutpoints(x_dev, r.cutpoints, prompt),
                 "test_pred": apply_cutpoints(x_test, r.cutpoints, prompt),
                 "dev_qwk": r.dev_qwk,
                 "selected": {"alpha": r.alpha, "cutpoints": r.cutpoints.tolist()},
                 "continuous": {"train_oof": r.train_oof.tolist(), "dev": x_dev.tolist(),
                                "test": x_test.tolist()}}
-    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev.essay_index, dev.scores, prompt,
-                                         alphas)
-    return {"dev_pred": predict(Xdev, dev.essay_index, len(dev.ids)),
-            "test_pred": predict(Xte, test.essay_index, len(test.ids)),
+    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev_index, dev_gold, prompt, alphas)
+    return {"dev_pred": predict(Xdev, dev_index, len(dev_gold)),
+            "test_pred": predict(Xte, te_index, n_test),
             "dev_qwk": dev_q, "selected": {"alpha": alpha}}
 
 
 def surface_ridge(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, np.ndarray],
-                  test: np.ndarray, prompt: int, alphas: Sequence[float] = SURFACE_ALPHAS) -> dict:
+                  test: np.ndarray, prompt: int, alphas: Sequence[float] = SURFACE_ALPHAS,
+                  cuts: bool = False) -> dict:
     """``surface-ridge``: ridge on the standardised surface features alone (``train`` and
-    ``dev`` are (features [E, F], gold scores [E])); alpha by dev QWK."""
+    ``dev`` are (features [E, F], gold scores [E])); alpha by dev QWK; ``cuts`` as in
+    :func:`ridge_layers` (one row per essay)."""
     Xtr, m, d = _standardise(train[0])
     Xdev, Xte = _standardise(dev[0], m, d)[0], _standardise(test, m, d)[0]
     ytr = np.array([normalise_score(s, prompt) for s in train[1]])
-    predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, np.arange(len(Xdev)), dev[1], prompt, alphas)
-    return {"dev_pred": predict(Xdev, np.arange(len(Xdev)), len(Xdev)),
-            "test_pred": predict(Xte, np.arange(len(Xte)), len(Xte)),
-            "dev_qwk": dev_q, "selected": {"alpha": alpha}}
+    return _select_unit((Xtr, ytr, np.arange(len(Xtr)), np.asarray(train[1])),
+                        (Xdev, np.arange(len(Xdev)), np.asarray(dev[1])),
+                        (Xte, np.arange(len(Xte)), len(Xte)), prompt, alphas, cuts)
 
 
 def tfidf_select(train_texts: Sequence[str], train_scores: np.ndarray, dev_texts: Sequence[str],

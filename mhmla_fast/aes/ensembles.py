@@ -1,5 +1,6 @@
-"""Ensembles over the members' saved predictions: mean, majority vote, greedy selection, and
-a greedy blend of continuous predictions cut at fitted cutpoints."""
+"""Ensembles over the members' saved predictions: mean, majority vote, greedy selection; and
+blends of their continuous predictions cut at fitted cutpoints, the members weighted by a
+non-negative least-squares stack on out-of-fold training predictions or picked on dev."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from .cutpoints import apply_cutpoints, fit_cutpoints
 from .data import SCORE_RANGES
 from .splits import qwk
 
-__all__ = ["mean_ensemble", "greedy_ensemble", "majority_vote", "blend_values", "greedy_blend"]
+__all__ = ["mean_ensemble", "greedy_ensemble", "majority_vote", "blend_values", "pick_weights",
+           "greedy_blend", "stack_weights", "stack_blend"]
 
 
 def mean_ensemble(preds: Sequence[np.ndarray], prompt: int) -> np.ndarray:
@@ -52,10 +54,18 @@ def _forward_selection(n: int, score: Callable[[list[int]], float], rounds: int)
     return picks
 
 
-def blend_values(values: Sequence[np.ndarray], picks: Sequence[int]) -> np.ndarray:
-    """``mean_{i in picks} values[i]``: a blend of members' continuous predictions [E] (picks
-    with repeats, as weights)."""
-    return np.mean(np.stack([np.asarray(values[i], dtype=np.float64) for i in picks]), axis=0)
+def blend_values(values: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """``sum_i w_i values[i]``: a blend of members' continuous predictions [E] with weights
+    ``w`` [M] (:func:`pick_weights` of a greedy choice, or :func:`stack_weights`)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(values),):
+        raise ValueError(f"blend_values: {len(values)} members, weights of shape {w.shape}")
+    return np.stack([np.asarray(v, dtype=np.float64) for v in values], axis=1) @ w
+
+
+def pick_weights(picks: Sequence[int], n: int) -> np.ndarray:
+    """Weights [n] of a forward selection with replacement: each member's share of ``picks``."""
+    return np.bincount(np.asarray(picks, dtype=np.int64), minlength=n) / len(picks)
 
 
 def greedy_blend(train_oof: Sequence[np.ndarray], dev: Sequence[np.ndarray],
@@ -70,25 +80,56 @@ def greedy_blend(train_oof: Sequence[np.ndarray], dev: Sequence[np.ndarray],
     ``train_gold`` [E_tr]. So the cutpoints never see dev (or test); dev, ``dev[i]`` [E_dev]
     against ``dev_gold``, only picks the members, by forward selection with replacement as in
     :func:`greedy_ensemble`. Returns ``(picks, cutpoints)``: score new essays with
-    ``apply_cutpoints(blend_values(x, picks), cutpoints, prompt)``.
+    ``apply_cutpoints(blend_values(x, pick_weights(picks, len(x))), cutpoints, prompt)``.
     """
     if len(train_oof) != len(dev) or not dev:
         raise ValueError(f"greedy_blend: {len(train_oof)} members' training predictions and "
                          f"{len(dev)} members' dev predictions")
     fitted: dict[tuple[int, ...], np.ndarray] = {}
 
+    n = len(dev)
+
     def cuts(picks: list[int]) -> np.ndarray:
         key = tuple(sorted(picks))
         if key not in fitted:
-            fitted[key] = fit_cutpoints(blend_values(train_oof, picks), train_gold, prompt)
+            fitted[key] = fit_cutpoints(blend_values(train_oof, pick_weights(picks, n)),
+                                        train_gold, prompt)
         return fitted[key]
 
     def score(picks: list[int]) -> float:
-        return qwk(dev_gold, apply_cutpoints(blend_values(dev, picks), cuts(picks), prompt),
-                   prompt)
+        x = blend_values(dev, pick_weights(picks, n))
+        return qwk(dev_gold, apply_cutpoints(x, cuts(picks), prompt), prompt)
 
-    picks = _forward_selection(len(dev), score, rounds)
+    picks = _forward_selection(n, score, rounds)
     return picks, cuts(picks)
+
+
+def stack_weights(train_oof: Sequence[np.ndarray], train_gold: np.ndarray) -> np.ndarray:
+    """Weights [M] of a stack: ``w = argmin_{w >= 0} ||Xc w - yc||^2``, scaled to sum 1, where
+    ``X`` [E_tr, M] holds the members' out-of-fold predictions of the training essays and
+    ``y`` [E_tr] their gold scores, both centred (an intercept); :func:`scipy.optimize.nnls`.
+    A blend is then cut at fitted cutpoints, which absorb any scale and offset, so only the
+    weights' ratios matter. Equal weights if every member gets zero (none predicts ``y``)."""
+    from scipy.optimize import nnls
+
+    X = np.stack([np.asarray(v, dtype=np.float64) for v in train_oof], axis=1)
+    y = np.asarray(train_gold, dtype=np.float64)
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(f"stack_weights: {X.shape[0]} predictions per member for {y.shape[0]} "
+                         "gold scores")
+    w, _ = nnls(X - X.mean(0), y - y.mean())
+    return w / w.sum() if w.sum() > 0 else np.full(X.shape[1], 1.0 / X.shape[1])
+
+
+def stack_blend(train_oof: Sequence[np.ndarray], train_gold: np.ndarray, prompt: int,
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A blend that sees the training essays only: :func:`stack_weights` on the members'
+    out-of-fold predictions ``train_oof`` [M x E_tr], and cutpoints fitted for QWK on the
+    blend of the same predictions. Returns ``(weights [M], cutpoints)``: score new essays with
+    ``apply_cutpoints(blend_values(x, weights), cutpoints, prompt)``. Neither dev nor test
+    is seen (dev only chose each member's own settings)."""
+    w = stack_weights(train_oof, train_gold)
+    return w, fit_cutpoints(blend_values(train_oof, w), train_gold, prompt)
 
 
 def majority_vote(preds: Sequence[np.ndarray], dev_scores: Sequence[float]) -> np.ndarray:

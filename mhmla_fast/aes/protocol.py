@@ -31,18 +31,22 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   grammatical-error features appended (:mod:`.ged_features`: error density from the shipped
   GED tagger, computed once per essay and cached beside the feature caches).
 * ``...-cuts`` (``ridge-layers-both-surface-cuts``, ``ridge-layers-both-surface-ged-cuts``,
-  ``mhmla-joint-reg-cuts``): the scores cut at cutpoints fitted for QWK on out-of-fold
-  training predictions (:mod:`.cutpoints`) instead of rounded half up; alpha (epoch) still
-  chosen by dev QWK. The ridges' units also keep their continuous predictions (``continuous``:
-  the training essays' out-of-fold ones, dev's and test's), from which
-  ``bench/aes_ensemble.py`` blends members across run folders (:func:`~.ensembles.greedy_blend`).
+  ``ridge-layers-surface-cuts``, ``ridge-layers-mean-surface-cuts``, ``surface-ridge-cuts``,
+  ``surface-ged-ridge-cuts``, ``mhmla-joint-reg-cuts``): the scores cut at cutpoints fitted for
+  QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded half up; alpha
+  (epoch) still chosen by dev QWK. The ridges' units also keep their continuous predictions
+  (``continuous``: the training essays' out-of-fold ones, dev's and test's) for blends.
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
   of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
   a tie goes to the tied score predicted by the member with the best dev QWK, see
   :func:`majority_vote`), and ``ensemble-greedy`` over every model run: the members of a
   mean ensemble picked per fold and prompt by greedy forward selection on dev QWK
-  (:func:`greedy_ensemble`); the test split is never looked at to choose.
+  (:func:`greedy_ensemble`); and ``ensemble-stack`` over the cut ridges run (two at the
+  least): their continuous predictions weighted by a non-negative least-squares stack on
+  their out-of-fold training predictions and cut at cutpoints fitted on the stacked ones
+  (:func:`~.ensembles.stack_blend`; ``bench/aes_ensemble.py`` does the same across run
+  folders, e.g. two encoders). The test split is never looked at to choose.
 
 Every (model, fold, prompt) result is written to ``<run_dir>/units/`` as soon as it is
 done and reused by a later run, so an interrupted run continues where it stopped.
@@ -67,7 +71,8 @@ from ..dispatch import BACKENDS
 from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
                         surface_ridge, tfidf_select)
 from .data import Essay, split_essays
-from .ensembles import greedy_ensemble, majority_vote, mean_ensemble
+from .cutpoints import apply_cutpoints
+from .ensembles import blend_values, greedy_ensemble, majority_vote, mean_ensemble, stack_blend
 from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
 from .heads import HeadResult, HeadTrainConfig, head_cutpoints, predict_split, train_head
 from .metrics import exact_agreement
@@ -195,7 +200,7 @@ def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, ov
     if spec.kind == "surface":
         f_tr, f_dev, f_te = (_essay_features(spec, splits[p][x], ged)
                              for x in ("train", "dev", "test"))
-        return surface_ridge((f_tr, tr.scores), (f_dev, dv.scores), f_te, p)
+        return surface_ridge((f_tr, tr.scores), (f_dev, dv.scores), f_te, p, cuts=spec.cuts)
     if spec.kind == "tfidf":
         sp = splits[p]
         return tfidf_select([e.text for e in sp["train"]], tr.scores, [e.text for e in sp["dev"]],
@@ -228,7 +233,8 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
         path = run / "units" / f"{name}-fold{k}-p{p}.json"
         data = data_digest(splits, [p])
         u = reuse_unit(path, settings, data, {p: splits[p]["test"]})
-        if u is not None and spec.kind == "ridge" and spec.cuts and "continuous" not in u:
+        if u is not None and spec.kind in ("ridge", "surface") and spec.cuts and (
+                "continuous" not in u):
             if log:  # from before units kept them; the ridge is deterministic, so the rest stays
                 log(f"{name} fold {k} prompt {p}: refitted for its continuous predictions")
             u = None
@@ -284,6 +290,30 @@ def _greedy_ensemble(units: dict, models: list[str], gold_dev: dict, folds: list
         "members": list(models),
         "description": "greedy forward selection with replacement (Caruana et al. 2004) "
                        "of the mean of members' scores, by dev QWK per fold and prompt",
+        **_aggregate(cells, folds, prompts),
+        "selected": {str(k): {str(p): cells[k][p]["selected"] for p in prompts} for k in folds}}
+
+
+def _stack_ensemble(units: dict, models: list[str], gold_train: dict, folds: list[int],
+                    prompts: list[int]) -> dict:
+    """``ensemble-stack``: the cut ridges ``models`` blended by :func:`stack_blend`."""
+    cells: dict[int, dict[int, dict]] = {}
+    for k in folds:
+        cells[k] = {}
+        for p in prompts:
+            x = [units[m][k][p]["continuous"] for m in models]
+            w, cuts = stack_blend([np.array(c["train_oof"]) for c in x],
+                                  np.array(gold_train[k][p]), p)
+            gold = np.array(units[models[0]][k][p]["gold"])
+            pred = apply_cutpoints(blend_values([np.array(c["test"]) for c in x], w), cuts, p)
+            cells[k][p] = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
+                           "selected": {"weights": {m: float(v) for m, v in zip(models, w)
+                                                    if v > 0}, "cutpoints": cuts.tolist()}}
+    return {
+        "members": list(models),
+        "description": "the members' continuous predictions weighted by non-negative least "
+                       "squares on their out-of-fold training predictions, cut at cutpoints "
+                       "fitted on the stacked ones (per fold and prompt; dev and test unseen)",
         **_aggregate(cells, folds, prompts),
         "selected": {str(k): {str(p): cells[k][p]["selected"] for p in prompts} for k in folds}}
 
@@ -353,10 +383,12 @@ def run_cpu_protocol(
     units: dict[str, dict[int, dict[int, dict]]] = {m: {} for m in models}
     human: dict[int, dict[int, dict]] = {}
     human_gold_dev: dict[int, dict[int, list[int]]] = {}
+    gold_train: dict[int, dict[int, list[int]]] = {}
     for k in folds:
         splits = {p: split_essays(essays, fold_ids, k, prompt=p) for p in prompts}
         human[k] = {p: human_agreement(splits[p]["test"]) for p in prompts}
         human_gold_dev[k] = {p: [e.score for e in splits[p]["dev"]] for p in prompts}
+        gold_train[k] = {p: [e.score for e in splits[p]["train"]] for p in prompts}
         by_pooling = {pooling: {p: {s: feature_split(cache[p], splits[p][s])
                                     for s in ("train", "dev", "test")} for p in prompts}
                       for pooling, cache in caches.items()}
@@ -389,6 +421,10 @@ def run_cpu_protocol(
     if len(models) >= 2:
         result["ensembles"]["ensemble-greedy"] = _greedy_ensemble(units, models, human_gold_dev,
                                                                   folds, prompts)
+    stacked = [m for m in models if MODELS[m].cuts and MODELS[m].kind in ("ridge", "surface")]
+    if len(stacked) >= 2:
+        result["ensembles"]["ensemble-stack"] = _stack_ensemble(units, stacked, gold_train,
+                                                                folds, prompts)
     result["seconds"] = time.perf_counter() - t_start
     result["paper_bert_base_finetuned"] = {
         "note": "Uria Rodriguez et al., Table 2 (fine-tuned BERT-base, QWK %), for reference only",

@@ -21,8 +21,8 @@ class ModelSpec:
     ``features``: the per-layer vectors a ridge model reads, "cls", "mean" or "cls+mean"
     (head models read "cls"); ``ged``: ridge and surface models append the essay's
     grammatical-error features (:mod:`.ged_features`, from the shipped GED tagger);
-    ``cuts``: a ridge or joint regression model's scores are cut at cutpoints fitted for QWK
-    on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded.
+    ``cuts``: a ridge, surface or joint regression model's scores are cut at cutpoints fitted
+    for QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded.
     """
 
     kind: str
@@ -98,19 +98,31 @@ MODELS: dict[str, ModelSpec] = {
         "ridge", "ridge-layers-both-surface-ged with cutpoints fitted for QWK, as "
         "ridge-layers-both-surface-cuts", surface=True, features="cls+mean", ged=True,
         cuts=True),
+    "ridge-layers-surface-cuts": ModelSpec(
+        "ridge", "ridge-layers-surface with cutpoints fitted for QWK, as "
+        "ridge-layers-both-surface-cuts", surface=True, cuts=True),
+    "ridge-layers-mean-surface-cuts": ModelSpec(
+        "ridge", "ridge-layers-mean-surface with cutpoints fitted for QWK, as "
+        "ridge-layers-both-surface-cuts", surface=True, features="mean", cuts=True),
     "tfidf-ridge": ModelSpec("tfidf", "TF-IDF word 1-2 grams + ridge regression, alpha by dev QWK"),
     "surface-ridge": ModelSpec("surface", "ridge regression on the surface features alone "
                                "(length, vocabulary counts; no encoder), alpha by dev QWK"),
     "surface-ged-ridge": ModelSpec("surface", "ridge regression on the surface and the "
                                    "grammatical-error features (no encoder), alpha by dev QWK",
                                    ged=True),
+    "surface-ridge-cuts": ModelSpec("surface", "surface-ridge with cutpoints fitted for QWK on "
+                                    "out-of-fold training predictions", cuts=True),
+    "surface-ged-ridge-cuts": ModelSpec("surface", "surface-ged-ridge with cutpoints fitted for "
+                                        "QWK on out-of-fold training predictions", ged=True,
+                                        cuts=True),
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", "avgl-reg",
                   "mhmla-joint-cls", "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers",
                   "ridge-layers-surface", "ridge-layers-mean", "ridge-layers-mean-surface", "ridge-layers-both-surface",
                   "ridge-layers-both-surface-cuts", "ridge-layers-both-surface-ged",
                   "ridge-layers-both-surface-ged-cuts", "tfidf-ridge", "surface-ridge",
-                  "surface-ged-ridge")
+                  "surface-ged-ridge", "ridge-layers-surface-cuts",
+                  "ridge-layers-mean-surface-cuts", "surface-ridge-cuts", "surface-ged-ridge-cuts")
 DEFAULT_MEMBERS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                    "mhmla-joint-reg", "ridge-layers")
 
