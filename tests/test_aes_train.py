@@ -69,6 +69,17 @@ def test_tfidf_ridge_reads_the_key_word():
     r = tfidf_select(trt, trs, dvt, dvs, tet, 3)
     assert r["test_pred"].tolist() == tes.tolist()
     assert r["dev_qwk"] == 1.0 and r["selected"]["vocabulary"] > 8
+    # with cutpoints: fitted on out-of-fold training predictions, kept with the continuous ones
+    cut = tfidf_select(trt, trs, dvt, dvs, tet, 3, cuts=True)
+    assert cut["test_pred"].tolist() == tes.tolist() and cut["dev_qwk"] == 1.0
+    x = cut["continuous"]
+    assert [len(x[k]) for k in ("train_oof", "dev", "test")] == [60, 20, 20]
+    cuts = np.array(cut["selected"]["cutpoints"])
+    assert apply_cutpoints(np.array(x["test"]), cuts, 3).tolist() == cut["test_pred"].tolist()
+    # out of fold: the training essays' values are not the full model's in-sample ones, yet
+    # still order the scores (the key word is in every fold)
+    oof = np.array(x["train_oof"])
+    assert all(oof[trs == s].mean() < oof[trs == s + 1].mean() for s in range(3))
 
 
 def test_mean_ensemble_rounds_half_up_and_clips():
@@ -443,7 +454,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
                            "ridge-layers-both-surface-ged", "ridge-layers-both-surface-ged-cuts",
                            "tfidf-ridge", "surface-ridge", "surface-ged-ridge",
                            "ridge-layers-surface-cuts", "ridge-layers-mean-surface-cuts",
-                           "surface-ridge-cuts", "surface-ged-ridge-cuts"}
+                           "surface-ridge-cuts", "surface-ged-ridge-cuts", "tfidf-ridge-cuts"}
     assert "lrs" not in models["last-cls"]["settings"]  # an lr override fixes the lr
     assert "features" not in models["ridge-layers"]["settings"]  # "cls": old units still match
     assert models["ridge-layers-mean"]["settings"]["features"] == "mean"
@@ -457,7 +468,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
                                         "ensemble-stack"}
     stack = result["ensembles"]["ensemble-stack"]
     assert stack["members"] == [m for m in models if m.endswith("-cuts") and "joint" not in m]
-    assert len(stack["members"]) == 6
+    assert len(stack["members"]) == 7
     for p in ("3", "4"):  # the stack against its members' units, by hand
         chosen = stack["selected"]["0"][p]
         assert sum(chosen["weights"].values()) == pytest.approx(1.0)
@@ -474,7 +485,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 21 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 22 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
     assert tagger.calls == 1 and len(list((tmp_path / "cache").glob("ged-*.safetensors"))) == 1
     ged = models["ridge-layers-both-surface-ged-cuts"]["settings"]
     assert ged["ged"] == list(GED_FEATURES) and ged["cuts"] and len(ged["ged_tagger_sha256"]) == 64

@@ -92,6 +92,22 @@ class CutRidge(NamedTuple):
     train_oof: np.ndarray
 
 
+def _choose_cut_alpha(oof: np.ndarray, train_gold: np.ndarray, x_dev: np.ndarray,
+                      dev_gold: np.ndarray, alphas: Sequence[float], prompt: int,
+                      ) -> tuple[int, float, np.ndarray]:
+    """The alpha (its index) whose dev essays ``x_dev[:, a]`` [E_dev, A], cut at cutpoints
+    fitted on the out-of-fold training predictions ``oof[:, a]`` [E_tr, A], have the best dev
+    QWK; ties go to the larger alpha. Returns ``(index, dev QWK, cutpoints)``."""
+    best = None
+    for a in sorted(range(len(alphas)), key=lambda i: -alphas[i]):
+        cuts = fit_cutpoints(oof[:, a], train_gold, prompt)
+        score = qwk(dev_gold, apply_cutpoints(x_dev[:, a], cuts, prompt), prompt)
+        if best is None or score > best[1]:
+            best = (a, score, cuts)
+    assert best is not None
+    return best
+
+
 def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.ndarray,
                            train_gold: np.ndarray, Xdev: np.ndarray, dev_index: np.ndarray,
                            dev_gold: np.ndarray, prompt: int,
@@ -118,16 +134,11 @@ def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.nda
 
     oof = out_of_fold_predictions(fit, train_index, n_folds=n_folds)  # [W_tr, A]
     oof_essays = _score_scale(average_windows(oof, train_index, n_train), prompt)  # [E_tr, A]
-    best = None
-    for a, (alpha, (w, b)) in sorted(enumerate(zip(alphas, _ridge_path(Xtr, ytr, alphas))),
-                                     key=lambda t: -t[1][0]):
-        cuts = fit_cutpoints(oof_essays[:, a], train_gold, prompt)
-        x_dev = _score_scale(average_windows(Xdev @ w + b, dev_index, len(dev_gold)), prompt)
-        score = qwk(dev_gold, apply_cutpoints(x_dev, cuts, prompt), prompt)
-        if best is None or score > best[0]:
-            best = (score, alpha, (w, b), cuts, a)
-    assert best is not None
-    dev_q, alpha, (w, b), cuts, a = best
+    path = _ridge_path(Xtr, ytr, alphas)
+    x_dev = np.stack([_score_scale(average_windows(Xdev @ w + b, dev_index, len(dev_gold)),
+                                   prompt) for w, b in path], axis=1)  # [E_dev, A]
+    a, dev_q, cuts = _choose_cut_alpha(oof_essays, train_gold, x_dev, dev_gold, alphas, prompt)
+    alpha, (w, b) = alphas[a], path[a]
 
     def values(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
         return _score_scale(average_windows(X @ w + b, index, n_essays), prompt)
@@ -224,16 +235,20 @@ def surface_ridge(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, n
 
 def tfidf_select(train_texts: Sequence[str], train_scores: np.ndarray, dev_texts: Sequence[str],
                  dev_scores: np.ndarray, test_texts: Sequence[str], prompt: int,
-                 alphas: Sequence[float] = TFIDF_ALPHAS) -> dict:
+                 alphas: Sequence[float] = TFIDF_ALPHAS, cuts: bool = False) -> dict:
     """``tfidf-ridge``: TF-IDF (word 1-2 grams, sublinear tf, min_df 2, fitted on train) +
-    ridge on normalised scores, alpha by dev QWK. Essay level (no windows)."""
+    ridge on normalised scores, alpha by dev QWK. Essay level (no windows). ``cuts``: as in
+    :func:`ridge_layers` (:func:`_tfidf_cuts`)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import Ridge
 
+    y = np.array([normalise_score(s, prompt) for s in train_scores])
+    if cuts:
+        return _tfidf_cuts(list(train_texts), np.asarray(train_scores), y, dev_texts,
+                           np.asarray(dev_scores), test_texts, prompt, alphas)
     vec = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)
     Xtr = vec.fit_transform(train_texts)
     Xdev, Xte = vec.transform(dev_texts), vec.transform(test_texts)
-    y = np.array([normalise_score(s, prompt) for s in train_scores])
     index_dev = np.arange(len(dev_texts))
     best = None
     for alpha in sorted(alphas, reverse=True):
@@ -247,6 +262,35 @@ def tfidf_select(train_texts: Sequence[str], train_scores: np.ndarray, dev_texts
                                 "regression")
     return {"dev_pred": best[3], "test_pred": test_pred, "dev_qwk": best[0],
             "selected": {"alpha": best[1], "vocabulary": len(vec.vocabulary_)}}
+
+
+def _tfidf_cuts(train_texts: list[str], train_gold: np.ndarray, y: np.ndarray,
+                dev_texts: Sequence[str], dev_gold: np.ndarray, test_texts: Sequence[str],
+                prompt: int, alphas: Sequence[float], n_folds: int = 5) -> dict:
+    """``tfidf-ridge-cuts``: for every alpha, cutpoints fitted on out-of-fold predictions of
+    the training essays (each fold's vectoriser and ridges fitted on the other folds' essays
+    only), alpha chosen by dev QWK of the cut scores (:func:`_choose_cut_alpha`)."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import Ridge
+
+    def fit(rows: np.ndarray) -> Callable[[Sequence[str]], np.ndarray]:
+        vec = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)
+        X = vec.fit_transform([train_texts[i] for i in rows])
+        models = [Ridge(alpha=a).fit(X, y[rows]) for a in alphas]
+        return lambda texts: np.stack([m.predict(vec.transform(texts)) for m in models], axis=1)
+
+    oof = out_of_fold_predictions(
+        lambda rows: (lambda held, f=fit(rows): f([train_texts[i] for i in held])),
+        np.arange(len(train_texts)), n_folds=n_folds)
+    full = fit(np.arange(len(train_texts)))
+    x_dev, x_test = (_score_scale(full(list(t)), prompt) for t in (dev_texts, test_texts))
+    a, dev_q, cuts = _choose_cut_alpha(_score_scale(oof, prompt), train_gold, x_dev, dev_gold,
+                                       alphas, prompt)
+    return {"dev_pred": apply_cutpoints(x_dev[:, a], cuts, prompt),
+            "test_pred": apply_cutpoints(x_test[:, a], cuts, prompt), "dev_qwk": dev_q,
+            "selected": {"alpha": alphas[a], "cutpoints": cuts.tolist()},
+            "continuous": {"train_oof": _score_scale(oof[:, a], prompt).tolist(),
+                           "dev": x_dev[:, a].tolist(), "test": x_test[:, a].tolist()}}
 
 
 def human_agreement(essays: Sequence[Essay]) -> dict:

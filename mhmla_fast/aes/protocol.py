@@ -32,7 +32,7 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   GED tagger, computed once per essay and cached beside the feature caches).
 * ``...-cuts`` (``ridge-layers-both-surface-cuts``, ``ridge-layers-both-surface-ged-cuts``,
   ``ridge-layers-surface-cuts``, ``ridge-layers-mean-surface-cuts``, ``surface-ridge-cuts``,
-  ``surface-ged-ridge-cuts``, ``mhmla-joint-reg-cuts``): the scores cut at cutpoints fitted for
+  ``surface-ged-ridge-cuts``, ``tfidf-ridge-cuts``, ``mhmla-joint-reg-cuts``): the scores cut at cutpoints fitted for
   QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded half up; alpha
   (epoch) still chosen by dev QWK. The ridges' units also keep their continuous predictions
   (``continuous``: the training essays' out-of-fold ones, dev's and test's) for blends.
@@ -85,6 +85,10 @@ from ..durable import atomic_write_text
 from .units import data_digest, reuse_unit
 
 __all__ = ["run_cpu_protocol", "summary_table"]
+
+
+# the kinds whose cut models keep continuous predictions in their units (for blends)
+BLENDABLE_KINDS = ("ridge", "surface", "tfidf")
 
 
 def _unit(ids: np.ndarray, gold: np.ndarray, pred: np.ndarray, prompt: int, **extra) -> dict:
@@ -204,7 +208,7 @@ def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, ov
     if spec.kind == "tfidf":
         sp = splits[p]
         return tfidf_select([e.text for e in sp["train"]], tr.scores, [e.text for e in sp["dev"]],
-                            dv.scores, [e.text for e in sp["test"]], p)
+                            dv.scores, [e.text for e in sp["test"]], p, cuts=spec.cuts)
     raise ValueError(f"model kind {spec.kind!r}")
 
 
@@ -233,7 +237,7 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
         path = run / "units" / f"{name}-fold{k}-p{p}.json"
         data = data_digest(splits, [p])
         u = reuse_unit(path, settings, data, {p: splits[p]["test"]})
-        if u is not None and spec.kind in ("ridge", "surface") and spec.cuts and (
+        if u is not None and spec.kind in BLENDABLE_KINDS and spec.cuts and (
                 "continuous" not in u):
             if log:  # from before units kept them; the ridge is deterministic, so the rest stays
                 log(f"{name} fold {k} prompt {p}: refitted for its continuous predictions")
@@ -421,7 +425,7 @@ def run_cpu_protocol(
     if len(models) >= 2:
         result["ensembles"]["ensemble-greedy"] = _greedy_ensemble(units, models, human_gold_dev,
                                                                   folds, prompts)
-    stacked = [m for m in models if MODELS[m].cuts and MODELS[m].kind in ("ridge", "surface")]
+    stacked = [m for m in models if MODELS[m].cuts and MODELS[m].kind in BLENDABLE_KINDS]
     if len(stacked) >= 2:
         result["ensembles"]["ensemble-stack"] = _stack_ensemble(units, stacked, gold_train,
                                                                 folds, prompts)

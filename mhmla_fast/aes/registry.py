@@ -21,8 +21,8 @@ class ModelSpec:
     ``features``: the per-layer vectors a ridge model reads, "cls", "mean" or "cls+mean"
     (head models read "cls"); ``ged``: ridge and surface models append the essay's
     grammatical-error features (:mod:`.ged_features`, from the shipped GED tagger);
-    ``cuts``: a ridge, surface or joint regression model's scores are cut at cutpoints fitted
-    for QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded.
+    ``cuts``: a ridge, surface, TF-IDF or joint regression model's scores are cut at cutpoints
+    fitted for QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded.
     """
 
     kind: str
@@ -105,6 +105,9 @@ MODELS: dict[str, ModelSpec] = {
         "ridge", "ridge-layers-mean-surface with cutpoints fitted for QWK, as "
         "ridge-layers-both-surface-cuts", surface=True, features="mean", cuts=True),
     "tfidf-ridge": ModelSpec("tfidf", "TF-IDF word 1-2 grams + ridge regression, alpha by dev QWK"),
+    "tfidf-ridge-cuts": ModelSpec("tfidf", "tfidf-ridge with cutpoints fitted for QWK on "
+                                  "out-of-fold training predictions (each fold's vocabulary "
+                                  "from its own training essays)", cuts=True),
     "surface-ridge": ModelSpec("surface", "ridge regression on the surface features alone "
                                "(length, vocabulary counts; no encoder), alpha by dev QWK"),
     "surface-ged-ridge": ModelSpec("surface", "ridge regression on the surface and the "
@@ -122,7 +125,8 @@ DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", 
                   "ridge-layers-both-surface-cuts", "ridge-layers-both-surface-ged",
                   "ridge-layers-both-surface-ged-cuts", "tfidf-ridge", "surface-ridge",
                   "surface-ged-ridge", "ridge-layers-surface-cuts",
-                  "ridge-layers-mean-surface-cuts", "surface-ridge-cuts", "surface-ged-ridge-cuts")
+                  "ridge-layers-mean-surface-cuts", "surface-ridge-cuts", "surface-ged-ridge-cuts",
+                  "tfidf-ridge-cuts")
 DEFAULT_MEMBERS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                    "mhmla-joint-reg", "ridge-layers")
 
