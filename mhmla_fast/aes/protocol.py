@@ -32,10 +32,11 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   GED tagger, computed once per essay and cached beside the feature caches).
 * ``...-cuts`` (``ridge-layers-both-surface-cuts``, ``ridge-layers-both-surface-ged-cuts``,
   ``ridge-layers-surface-cuts``, ``ridge-layers-mean-surface-cuts``, ``surface-ridge-cuts``,
-  ``surface-ged-ridge-cuts``, ``tfidf-ridge-cuts``, ``mhmla-joint-reg-cuts``): the scores cut at cutpoints fitted for
-  QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded half up; alpha
-  (epoch) still chosen by dev QWK. The ridges' units also keep their continuous predictions
-  (``continuous``: the training essays' out-of-fold ones, dev's and test's) for blends.
+  ``surface-ged-ridge-cuts``, ``tfidf-ridge-cuts``, ``mhmla-joint-reg-cuts``): the scores cut
+  at cutpoints fitted for QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead
+  of rounded half up; alpha (epoch) still chosen by dev QWK. The ridges' units also keep their
+  continuous predictions (``continuous``: the training essays' out-of-fold ones, dev's and
+  test's) for blends.
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
   of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
