@@ -38,16 +38,16 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   continuous predictions (``continuous``: the training essays' out-of-fold ones, dev's and
   test's) for blends.
 * ``human``: rater 1 against rater 2 on the same test essays.
-* ensembles over the saved test predictions of ``members``: ``ensemble-mean`` (the mean
-  of the members' scores, rounded half up) and ``ensemble-vote`` (the most frequent score;
-  a tie goes to the tied score predicted by the member with the best dev QWK, see
-  :func:`majority_vote`), and ``ensemble-greedy`` over every model run: the members of a
-  mean ensemble picked per fold and prompt by greedy forward selection on dev QWK
-  (:func:`greedy_ensemble`); and ``ensemble-stack`` over the cut ridges run (two at the
-  least): their continuous predictions weighted by a non-negative least-squares stack on
-  their out-of-fold training predictions and cut at cutpoints fitted on the stacked ones
-  (:func:`~.ensembles.stack_blend`; ``bench/aes_ensemble.py`` does the same across run
-  folders, e.g. two encoders). The test split is never looked at to choose.
+* ensembles over the saved test predictions of ``members`` (:mod:`.protocol_ensembles`):
+  ``ensemble-mean`` (the mean of the members' scores, rounded half up) and ``ensemble-vote``
+  (the most frequent score; a tie goes to the tied score predicted by the member with the
+  best dev QWK, see :func:`~.ensembles.majority_vote`), and ``ensemble-greedy`` over every
+  model run: the members of a mean ensemble picked per fold and prompt by greedy forward
+  selection on dev QWK (:func:`~.ensembles.greedy_ensemble`); and ``ensemble-stack`` over the
+  cut ridges run (two at the least): their continuous predictions weighted by a non-negative
+  least-squares stack on their out-of-fold training predictions and cut at cutpoints fitted
+  on the stacked ones (:func:`~.ensembles.stack_blend`; ``bench/aes_ensemble.py`` does the
+  same across run folders, e.g. two encoders). The test split is never looked at to choose.
 
 Every (model, fold, prompt) result is written to ``<run_dir>/units/`` as soon as it is
 done and reused by a later run, so an interrupted run continues where it stopped.
@@ -72,11 +72,10 @@ from ..dispatch import BACKENDS
 from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
                         surface_ridge, tfidf_select)
 from .data import Essay, split_essays
-from .cutpoints import apply_cutpoints
-from .ensembles import blend_values, greedy_ensemble, majority_vote, mean_ensemble, stack_blend
 from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
 from .heads import HeadResult, HeadTrainConfig, head_cutpoints, predict_split, train_head
 from .metrics import exact_agreement
+from .protocol_ensembles import greedy_ensemble_entry, member_ensembles, stack_ensemble_entry
 from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolings_of
 from .results import _aggregate, summary_table
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, feature_split, read_asap_folds,
@@ -259,70 +258,6 @@ def _fold_units(name: str, k: int, prompts: list[int], splits: dict, by_pooling:
     return out
 
 
-def _member_ensembles(units: dict, members: list[str], folds: list[int], prompts: list[int]) -> dict:
-    """``ensemble-mean`` and ``ensemble-vote`` of ``members`` per fold and prompt."""
-    ens: dict[str, dict[int, dict[int, dict]]] = {"ensemble-mean": {}, "ensemble-vote": {}}
-    for k in folds:
-        for name in ens:
-            ens[name][k] = {}
-        for p in prompts:
-            us = [units[m][k][p] for m in members]
-            gold = np.array(us[0]["gold"])
-            preds = [np.array(u["pred"]) for u in us]
-            ens["ensemble-mean"][k][p] = {"qwk": qwk(gold, mean_ensemble(preds, p), p),
-                                          "exact": exact_agreement(gold, mean_ensemble(preds, p))}
-            vote = majority_vote(preds, [u["dev_qwk"] for u in us])
-            ens["ensemble-vote"][k][p] = {"qwk": qwk(gold, vote, p), "exact": exact_agreement(gold, vote)}
-    return {name: {"members": members, **_aggregate(cells, folds, prompts)}
-            for name, cells in ens.items()}
-
-
-def _greedy_ensemble(units: dict, models: list[str], gold_dev: dict, folds: list[int],
-                     prompts: list[int]) -> dict:
-    """``ensemble-greedy``: members of a mean ensemble chosen per fold and prompt on dev."""
-    cells: dict[int, dict[int, dict]] = {}
-    for k in folds:
-        cells[k] = {}
-        for p in prompts:
-            us = [units[m][k][p] for m in models]
-            picks = greedy_ensemble([np.array(u["dev_pred"]) for u in us],
-                                    np.array(gold_dev[k][p]), p)
-            gold = np.array(us[0]["gold"])
-            pred = mean_ensemble([np.array(us[i]["pred"]) for i in picks], p)
-            cells[k][p] = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
-                           "selected": {"members": [models[i] for i in picks]}}
-    return {
-        "members": list(models),
-        "description": "greedy forward selection with replacement (Caruana et al. 2004) "
-                       "of the mean of members' scores, by dev QWK per fold and prompt",
-        **_aggregate(cells, folds, prompts),
-        "selected": {str(k): {str(p): cells[k][p]["selected"] for p in prompts} for k in folds}}
-
-
-def _stack_ensemble(units: dict, models: list[str], gold_train: dict, folds: list[int],
-                    prompts: list[int]) -> dict:
-    """``ensemble-stack``: the cut ridges ``models`` blended by :func:`stack_blend`."""
-    cells: dict[int, dict[int, dict]] = {}
-    for k in folds:
-        cells[k] = {}
-        for p in prompts:
-            x = [units[m][k][p]["continuous"] for m in models]
-            w, cuts = stack_blend([np.array(c["train_oof"]) for c in x],
-                                  np.array(gold_train[k][p]), p)
-            gold = np.array(units[models[0]][k][p]["gold"])
-            pred = apply_cutpoints(blend_values([np.array(c["test"]) for c in x], w), cuts, p)
-            cells[k][p] = {"qwk": qwk(gold, pred, p), "exact": exact_agreement(gold, pred),
-                           "selected": {"weights": {m: float(v) for m, v in zip(models, w)
-                                                    if v > 0}, "cutpoints": cuts.tolist()}}
-    return {
-        "members": list(models),
-        "description": "the members' continuous predictions weighted by non-negative least "
-                       "squares on their out-of-fold training predictions, cut at cutpoints "
-                       "fitted on the stacked ones (per fold and prompt; dev and test unseen)",
-        **_aggregate(cells, folds, prompts),
-        "selected": {str(k): {str(p): cells[k][p]["selected"] for p in prompts} for k in folds}}
-
-
 def run_cpu_protocol(
     *, data_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike,
     run_dir: str | os.PathLike, results: str | os.PathLike | None = None,
@@ -422,14 +357,14 @@ def run_cpu_protocol(
                        **_aggregate(human, folds, prompts), "all_essays": everyone}
     members = list(members) if members is not None else [m for m in DEFAULT_MEMBERS if m in models]
     if len(members) >= 2:
-        result["ensembles"].update(_member_ensembles(units, members, folds, prompts))
+        result["ensembles"].update(member_ensembles(units, members, folds, prompts))
     if len(models) >= 2:
-        result["ensembles"]["ensemble-greedy"] = _greedy_ensemble(units, models, human_gold_dev,
-                                                                  folds, prompts)
+        result["ensembles"]["ensemble-greedy"] = greedy_ensemble_entry(
+            units, models, human_gold_dev, folds, prompts)
     stacked = [m for m in models if MODELS[m].cuts and MODELS[m].kind in BLENDABLE_KINDS]
     if len(stacked) >= 2:
-        result["ensembles"]["ensemble-stack"] = _stack_ensemble(units, stacked, gold_train,
-                                                                folds, prompts)
+        result["ensembles"]["ensemble-stack"] = stack_ensemble_entry(units, stacked, gold_train,
+                                                                     folds, prompts)
     result["seconds"] = time.perf_counter() - t_start
     result["paper_bert_base_finetuned"] = {
         "note": "Uria Rodriguez et al., Table 2 (fine-tuned BERT-base, QWK %), for reference only",

@@ -11,6 +11,8 @@ The pieces live in modules of their own, along the sections this file once had:
 * :mod:`.registry`: the protocol's models by name (``MODELS``);
 * :mod:`.protocol`: ``run_cpu_protocol``, the CPU frozen-encoder protocol (its description is
   that module's docstring), with resumable units and the results table;
+* :mod:`.protocol_ensembles`: the protocol's ensembles over its units (mean, vote, greedy,
+  stack);
 * :mod:`.shipped`: ``train_joint_scorer``, the shipped scorer;
 * :mod:`.finetune`: ``FinetuneConfig`` and ``finetune``, full fine-tuning (a GPU protocol).
 """
