@@ -176,8 +176,8 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
     ``cuts``: scores cut at cutpoints fitted for QWK on out-of-fold training predictions
     (:func:`ridge_select_cutpoints`) instead of rounded; the result then also holds the
     continuous predictions on the score scale (``continuous``: ``train_oof``, the out-of-fold
-    ones of the training essays, ``dev`` and ``test``) that a blend of members needs
-    (:func:`~.ensembles.greedy_blend`).
+    ones of the training essays, ``dev`` and ``test``) that blends and stacks of members need
+    (:mod:`.ensembles`).
     """
     Xtr, mu, sd = _layer_matrix(train)
     ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
@@ -279,9 +279,11 @@ def _tfidf_cuts(train_texts: list[str], train_gold: np.ndarray, y: np.ndarray,
         models = [Ridge(alpha=a).fit(X, y[rows]) for a in alphas]
         return lambda texts: np.stack([m.predict(vec.transform(texts)) for m in models], axis=1)
 
-    oof = out_of_fold_predictions(
-        lambda rows: (lambda held, f=fit(rows): f([train_texts[i] for i in held])),
-        np.arange(len(train_texts)), n_folds=n_folds)
+    def fold(rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        predict = fit(rows)
+        return lambda held: predict([train_texts[i] for i in held])
+
+    oof = out_of_fold_predictions(fold, np.arange(len(train_texts)), n_folds=n_folds)
     full = fit(np.arange(len(train_texts)))
     x_dev, x_test = (_score_scale(full(list(t)), prompt) for t in (dev_texts, test_texts))
     a, dev_q, cuts = _choose_cut_alpha(_score_scale(oof, prompt), train_gold, x_dev, dev_gold,
