@@ -29,7 +29,10 @@ selection uses). Rows per cell, test QWK of:
   out-of-fold training predictions, so nothing is chosen on dev; ``greedy-blend``
   (``aes.ensembles.greedy_blend``): members picked on dev by forward selection. Only members
   made from the same essays in the same order blend (their units' data digests agree); a cell
-  without two such members has neither row.
+  without two such members has neither row;
+* ``greedy-stack-finetuned``: ``greedy_ensemble`` over the ``stack-blend`` (its scores as one
+  member) and the fine-tuned members, in a cell that has both: fine-tuned cells keep no
+  out-of-fold training predictions, so they join the stack this way, chosen on dev.
 
 A prompt without a fine-tuned cell still counts, with its frozen members only (its ``-all``
 rows are then its ``-frozen`` rows); ``prompts_finetuned`` lists the prompts that have one.
@@ -163,7 +166,8 @@ def blend_rows(members: dict[str, dict], train_gold: np.ndarray, dev_gold: np.nd
         test = apply_cutpoints(blend_values(x["test"], weights), cuts, prompt)
         return {**extra, "weights": {n: float(w) for n, w in zip(names, weights) if w > 0},
                 "cutpoints": cuts.tolist(), "dev_qwk": qwk(dev_gold, dev, prompt),
-                "test_qwk": qwk(gold, test, prompt)}
+                "test_qwk": qwk(gold, test, prompt), "dev_pred": dev.tolist(),
+                "pred": test.tolist()}
 
     picks, cuts = greedy_blend(x["train_oof"], x["dev"], train_gold, dev_gold, prompt)
     return {"stack-blend": row(*stack_blend(x["train_oof"], train_gold, prompt)),
@@ -171,11 +175,25 @@ def blend_rows(members: dict[str, dict], train_gold: np.ndarray, dev_gold: np.nd
                                 picks=[names[i] for i in picks])}
 
 
+def greedy_row(pool: dict[str, dict], dev_gold: np.ndarray, gold: np.ndarray,
+               prompt: int) -> dict:
+    """``aes.ensembles.greedy_ensemble`` over ``pool`` (name -> ``dev_pred``, ``pred``): the
+    picks in order, the dev and test QWK of their mean ensemble."""
+    from mhmla_fast.aes.ensembles import greedy_ensemble, mean_ensemble
+    from mhmla_fast.aes.train import qwk
+
+    order = list(pool)
+    picks = greedy_ensemble([np.array(pool[n]["dev_pred"]) for n in order], dev_gold, prompt)
+    pred = mean_ensemble([np.array(pool[order[i]]["pred"]) for i in picks], prompt)
+    dev = mean_ensemble([np.array(pool[order[i]]["dev_pred"]) for i in picks], prompt)
+    return {"picks": [order[i] for i in picks], "dev_qwk": qwk(dev_gold, dev, prompt),
+            "test_qwk": qwk(gold, pred, prompt)}
+
+
 def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.ndarray,
                   dev_ids: list[int], prompt: int, train_gold: np.ndarray | None = None) -> dict:
     """A cell's rows (module doc); ``train_gold``: the training essays' scores, which the
     blend rows need (None: no such rows)."""
-    from mhmla_fast.aes.ensembles import greedy_ensemble, mean_ensemble
     from mhmla_fast.aes.train import qwk
 
     names = list(members)
@@ -200,16 +218,15 @@ def ensemble_cell(members: dict[str, dict], finetuned: set[str], dev_gold: np.nd
             continue
         best = max(pool, key=lambda n: (dev_q[n], -pool.index(n)))
         row[f"best-by-dev-{label}"] = {"member": best, "test_qwk": test_q[best]}
-        picks = greedy_ensemble([np.array(members[n]["dev_pred"]) for n in pool], dev_gold,
-                                prompt)
-        pred = mean_ensemble([np.array(members[pool[i]]["pred"]) for i in picks], prompt)
-        dev = mean_ensemble([np.array(members[pool[i]]["dev_pred"]) for i in picks], prompt)
-        row[f"greedy-{label}"] = {"picks": [pool[i] for i in picks],
-                                  "dev_qwk": qwk(dev_gold, dev, prompt),
-                                  "test_qwk": qwk(gold, pred, prompt)}
+        row[f"greedy-{label}"] = greedy_row({n: members[n] for n in pool}, dev_gold, gold,
+                                            prompt)
     blendable = {n: u for n, u in members.items() if n not in finetuned and "continuous" in u}
     if train_gold is not None and len(blendable) >= 2:
         row.update(blend_rows(blendable, train_gold, dev_gold, gold, prompt))
+        if finetuned:  # the stack as one member beside the fine-tuned ones, chosen on dev
+            pool = {"stack-blend": row["stack-blend"],
+                    **{n: members[n] for n in names if n in finetuned}}
+            row["greedy-stack-finetuned"] = greedy_row(pool, dev_gold, gold, prompt)
     return row
 
 
@@ -279,7 +296,8 @@ def fold_cells(units: dict[str, Path], finetuned_dirs: Sequence[str], essays, fo
 
 
 ROWS = ("best-by-dev-frozen", "greedy-frozen", "best-by-dev-all", "greedy-all")
-OPTIONAL_ROWS = ("stack-blend", "greedy-blend")  # in a cell with two blendable members
+# in a cell with two blendable members (and, the last, a fine-tuned one)
+OPTIONAL_ROWS = ("stack-blend", "greedy-blend", "greedy-stack-finetuned")
 
 
 def cell_means(cells: dict) -> dict[str, float]:

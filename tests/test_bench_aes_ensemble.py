@@ -330,6 +330,24 @@ def test_greedy_blend_of_two_encoders_cut_ridges(run, tmp_path):
     for name in ("greedy-blend", "stack-blend"):
         assert result["mean_test_qwk"][name] == pytest.approx(np.mean(
             [result["cells"][p][name]["test_qwk"] for p in ("3", "4")]))
+    assert "greedy-stack-finetuned" not in result["cells"]["3"]  # no fine-tuned member given
+    # with a fine-tuned member: the stack's scores join it as one member, chosen on dev
+    assert bench.main([*args, "--finetuned", str(ft), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for p, sp in splits.items():
+        cell = result["cells"][str(p)]
+        stack = cell["stack-blend"]
+        tuned = json.loads((ft / f"fold0-p{p}" / "test.json").read_text())
+        dev_gold = np.array([e.score for e in sp["dev"]])
+        picks = greedy_ensemble([np.array(stack["dev_pred"]), np.array(tuned["dev_pred"])],
+                                dev_gold, p)
+        names = ["stack-blend", "mhmla-cls-finetuned"]
+        pred = mean_ensemble([np.array([stack["pred"], tuned["pred"]][i]) for i in picks], p)
+        assert cell["greedy-stack-finetuned"]["picks"] == [names[i] for i in picks]
+        assert cell["greedy-stack-finetuned"]["test_qwk"] == pytest.approx(
+            qwk(np.array([e.score for e in sp["test"]]), pred, p), abs=1e-12)
+        assert cell["stack-blend"]["test_qwk"] == pytest.approx(qwk(
+            np.array([e.score for e in sp["test"]]), np.array(stack["pred"]), p), abs=1e-12)
     path, unit = written[(other, 3)]
     path.write_text(json.dumps({**unit, "data": "another digest"}))
     with pytest.raises(ValueError, match="not made from the same essays"):
