@@ -454,7 +454,8 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
                            "ridge-layers-both-surface-ged", "ridge-layers-both-surface-ged-cuts",
                            "tfidf-ridge", "surface-ridge", "surface-ged-ridge",
                            "ridge-layers-surface-cuts", "ridge-layers-mean-surface-cuts",
-                           "surface-ridge-cuts", "surface-ged-ridge-cuts", "tfidf-ridge-cuts"}
+                           "surface-ridge-cuts", "surface-ged-ridge-cuts", "tfidf-ridge-cuts",
+                           "surface-gbdt-cuts", "surface-ged-gbdt-cuts"}
     assert "lrs" not in models["last-cls"]["settings"]  # an lr override fixes the lr
     assert "features" not in models["ridge-layers"]["settings"]  # "cls": old units still match
     assert models["ridge-layers-mean"]["settings"]["features"] == "mean"
@@ -468,7 +469,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
                                         "ensemble-stack"}
     stack = result["ensembles"]["ensemble-stack"]
     assert stack["members"] == [m for m in models if m.endswith("-cuts") and "joint" not in m]
-    assert len(stack["members"]) == 7
+    assert len(stack["members"]) == 9 and "surface-ged-gbdt-cuts" in stack["members"]
     for p in ("3", "4"):  # the stack against its members' units, by hand
         chosen = stack["selected"]["0"][p]
         assert sum(chosen["weights"].values()) == pytest.approx(1.0)
@@ -485,7 +486,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 22 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 24 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
     assert tagger.calls == 1 and len(list((tmp_path / "cache").glob("ged-*.safetensors"))) == 1
     ged = models["ridge-layers-both-surface-ged-cuts"]["settings"]
     assert ged["ged"] == list(GED_FEATURES) and ged["cuts"] and len(ged["ged_tagger_sha256"]) == 64

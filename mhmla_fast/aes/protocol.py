@@ -37,6 +37,9 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   of rounded half up; alpha (epoch) still chosen by dev QWK. The ridges' units also keep their
   continuous predictions (``continuous``: the training essays' out-of-fold ones, dev's and
   test's) for blends.
+* ``surface-gbdt-cuts`` / ``surface-ged-gbdt-cuts``: gradient-boosted trees on the surface
+  (and grammatical-error) features, cut as the ``-cuts`` ridges (:mod:`.trees`): the one
+  non-linear member, setting chosen by dev QWK.
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members`` (:mod:`.protocol_ensembles`):
   ``ensemble-mean`` (the mean of the members' scores, rounded half up) and ``ensemble-vote``
@@ -44,7 +47,7 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   best dev QWK, see :func:`~.ensembles.majority_vote`), and ``ensemble-greedy`` over every
   model run: the members of a mean ensemble picked per fold and prompt by greedy forward
   selection on dev QWK (:func:`~.ensembles.greedy_ensemble`); and ``ensemble-stack`` over the
-  cut ridges run (two at the least): their continuous predictions weighted by a non-negative
+  cut models run (ridges, trees; two at the least): their continuous predictions weighted by a non-negative
   least-squares stack on their out-of-fold training predictions and cut at cutpoints fitted
   on the stacked ones (:func:`~.ensembles.stack_blend`; ``bench/aes_ensemble.py`` does the
   same across run folders, e.g. two encoders). The test split is never looked at to choose.
@@ -81,6 +84,7 @@ from .results import _aggregate, summary_table
 from .splits import (PROMPTS, PROTOCOL, FeatureSplit, Log, feature_split, read_asap_folds,
                      joined_features, load_prompt_caches, qwk, split_qwk)
 from .surface import SURFACE_FEATURES, surface_features
+from .trees import GBDT_FIXED, GBDT_GRID, gbdt_select
 from ..durable import atomic_write_text
 from .units import data_digest, reuse_unit
 
@@ -88,7 +92,7 @@ __all__ = ["run_cpu_protocol", "summary_table"]
 
 
 # the kinds whose cut models keep continuous predictions in their units (for blends)
-BLENDABLE_KINDS = ("ridge", "surface", "tfidf")
+BLENDABLE_KINDS = ("ridge", "surface", "tfidf", "gbdt")
 
 
 def _unit(ids: np.ndarray, gold: np.ndarray, pred: np.ndarray, prompt: int, **extra) -> dict:
@@ -154,12 +158,14 @@ def _settings(spec: ModelSpec, encoder: str, overrides: dict, precision: str = "
     if spec.head is not None:
         lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
         return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **extra}
-    alphas = {"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS, "surface": SURFACE_ALPHAS}[spec.kind]
+    alphas = ({"alphas": list({"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS,
+                               "surface": SURFACE_ALPHAS}[spec.kind])}
+              if spec.kind != "gbdt" else {"grid": list(GBDT_GRID), "fixed": GBDT_FIXED})
     surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
     features = {"features": spec.features} if spec.features != "cls" else {}
     ged = ({"ged": list(GED_FEATURES), "ged_tagger_sha256": tagger_fingerprint(_ged_tagger())}
            if spec.ged else {})
-    return {"encoder": encoder if spec.kind == "ridge" else None, "alphas": list(alphas),
+    return {"encoder": encoder if spec.kind == "ridge" else None, **alphas,
             **surface, **features, **ged, **extra}
 
 
@@ -201,10 +207,11 @@ def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, ov
         per_essay = [_essay_features(spec, splits[p][x], ged) for x in ("train", "dev", "test")]
         surface = tuple(per_essay) if per_essay[0] is not None else None
         return ridge_layers(tr, dv, te, p, surface=surface, cuts=spec.cuts)  # type: ignore[arg-type]
-    if spec.kind == "surface":
+    if spec.kind in ("surface", "gbdt"):
         f_tr, f_dev, f_te = (_essay_features(spec, splits[p][x], ged)
                              for x in ("train", "dev", "test"))
-        return surface_ridge((f_tr, tr.scores), (f_dev, dv.scores), f_te, p, cuts=spec.cuts)
+        fit = surface_ridge if spec.kind == "surface" else gbdt_select
+        return fit((f_tr, tr.scores), (f_dev, dv.scores), f_te, p, cuts=spec.cuts)
     if spec.kind == "tfidf":
         sp = splits[p]
         return tfidf_select([e.text for e in sp["train"]], tr.scores, [e.text for e in sp["dev"]],

@@ -14,15 +14,17 @@ HEAD_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
 
 @dataclass
 class ModelSpec:
-    """A model of the protocol: ``kind`` "head" | "joint" | "ridge" | "tfidf" | "surface".
+    """A model of the protocol: ``kind`` "head" | "joint" | "ridge" | "tfidf" | "surface" |
+    "gbdt" (:mod:`.trees`).
 
     ``lrs``: for head models, learning rates tried per (fold, prompt), the best by dev QWK
-    kept (None: ``head.lr`` only); ``surface``: ridge models append the surface features;
-    ``features``: the per-layer vectors a ridge model reads, "cls", "mean" or "cls+mean"
-    (head models read "cls"); ``ged``: ridge and surface models append the essay's
-    grammatical-error features (:mod:`.ged_features`, from the shipped GED tagger);
-    ``cuts``: a ridge, surface, TF-IDF or joint regression model's scores are cut at cutpoints
-    fitted for QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded.
+    kept (None: ``head.lr`` only); ``surface``: ridge models append the surface features
+    (tree models read them); ``features``: the per-layer vectors a ridge model reads, "cls",
+    "mean" or "cls+mean" (head models read "cls"); ``ged``: ridge, surface and tree models
+    append the essay's grammatical-error features (:mod:`.ged_features`, from the shipped GED
+    tagger); ``cuts``: a ridge, surface, TF-IDF, tree or joint regression model's scores are
+    cut at cutpoints fitted for QWK on out-of-fold training predictions (:mod:`.cutpoints`)
+    instead of rounded.
     """
 
     kind: str
@@ -118,6 +120,13 @@ MODELS: dict[str, ModelSpec] = {
     "surface-ged-ridge-cuts": ModelSpec("surface", "surface-ged-ridge with cutpoints fitted for "
                                         "QWK on out-of-fold training predictions", ged=True,
                                         cuts=True),
+    "surface-gbdt-cuts": ModelSpec("gbdt", "gradient-boosted trees on the surface features "
+                                   "(no encoder), setting by dev QWK, cut at cutpoints fitted "
+                                   "for QWK on out-of-fold training predictions",
+                                   surface=True, cuts=True),
+    "surface-ged-gbdt-cuts": ModelSpec("gbdt", "surface-gbdt-cuts on the surface and the "
+                                       "grammatical-error features", surface=True, ged=True,
+                                       cuts=True),
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", "avgl-reg",
                   "mhmla-joint-cls", "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers",
@@ -126,7 +135,7 @@ DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", 
                   "ridge-layers-both-surface-ged-cuts", "tfidf-ridge", "surface-ridge",
                   "surface-ged-ridge", "ridge-layers-surface-cuts",
                   "ridge-layers-mean-surface-cuts", "surface-ridge-cuts", "surface-ged-ridge-cuts",
-                  "tfidf-ridge-cuts")
+                  "tfidf-ridge-cuts", "surface-gbdt-cuts", "surface-ged-gbdt-cuts")
 DEFAULT_MEMBERS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "mhmla-joint-cls",
                    "mhmla-joint-reg", "ridge-layers")
 
