@@ -22,7 +22,7 @@ selection uses). Rows per cell, test QWK of:
 * every member alone, and the best member by dev QWK (frozen only, and all);
 * ``greedy-frozen``: ``aes.ensembles.greedy_ensemble`` over the frozen members (the CPU
   protocol's ``ensemble-greedy``), and ``greedy-all``: over frozen and fine-tuned members;
-* blends of the frozen members whose units keep continuous predictions (the cut ridges,
+* blends of the frozen members whose units keep continuous predictions (the cut ridges and trees,
   ``...-cuts``): a weighted mean of their continuous predictions cut at cutpoints fitted on the
   same mean of their out-of-fold training predictions. ``stack-blend``
   (``aes.ensembles.stack_blend``): the weights by non-negative least squares on those

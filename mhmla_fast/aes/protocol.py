@@ -47,9 +47,9 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   best dev QWK, see :func:`~.ensembles.majority_vote`), and ``ensemble-greedy`` over every
   model run: the members of a mean ensemble picked per fold and prompt by greedy forward
   selection on dev QWK (:func:`~.ensembles.greedy_ensemble`); and ``ensemble-stack`` over the
-  cut models run (ridges, trees; two at the least): their continuous predictions weighted by a non-negative
-  least-squares stack on their out-of-fold training predictions and cut at cutpoints fitted
-  on the stacked ones (:func:`~.ensembles.stack_blend`; ``bench/aes_ensemble.py`` does the
+  cut models run (ridges, trees; two at the least): their continuous predictions weighted by
+  a non-negative least-squares stack on their out-of-fold training predictions and cut at
+  cutpoints fitted on the stacked ones (:func:`~.ensembles.stack_blend`; ``bench/aes_ensemble.py`` does the
   same across run folders, e.g. two encoders). The test split is never looked at to choose.
 
 Every (model, fold, prompt) result is written to ``<run_dir>/units/`` as soon as it is

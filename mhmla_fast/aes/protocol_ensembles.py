@@ -1,5 +1,5 @@
 """The CPU protocol's ensembles over its finished units: the mean and the vote of chosen
-members, the greedy mean chosen on dev, and the stack of the cut ridges (``ensemble-mean``,
+members, the greedy mean chosen on dev, and the stack of the cut models (``ensemble-mean``,
 ``ensemble-vote``, ``ensemble-greedy``, ``ensemble-stack``; :mod:`.protocol`)."""
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def greedy_ensemble_entry(units: dict, models: list[str], gold_dev: dict, folds:
 
 def stack_ensemble_entry(units: dict, models: list[str], gold_train: dict, folds: list[int],
                          prompts: list[int]) -> dict:
-    """``ensemble-stack``: the cut ridges ``models`` blended by :func:`stack_blend`."""
+    """``ensemble-stack``: the cut models ``models`` (ridges, trees) blended by
+    :func:`stack_blend`."""
     def cell(k: int, p: int) -> tuple[np.ndarray, dict]:
         x = [units[m][k][p]["continuous"] for m in models]
         w, cuts = stack_blend([np.array(c["train_oof"]) for c in x],
