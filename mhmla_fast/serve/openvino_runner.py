@@ -143,7 +143,13 @@ class OpenVinoRunner(LaneRunner):
         request = getattr(self._local, "request", None)
         if request is None:  # one per thread: a request is not to be shared between threads
             request = self._local.request = self.compiled.create_infer_request()
-        out = request.infer({"input_ids": ids, "attention_mask": mask})[self._output]
+        # share_inputs: the request reads ``ids`` and ``mask`` where they are (they outlive this
+        # synchronous call) instead of having its own input tensors reshaped and written. Two
+        # lanes doing the latter at once hung once in about twenty runs of
+        # tests/test_bench_openvino_bf16_check.py on 2 cores (OpenVINO 2026.4.1; both threads
+        # blocked in its copy, `tensor.data[:] = inputs[:]`), CI included.
+        out = request.infer({"input_ids": ids, "attention_mask": mask},
+                            share_inputs=True)[self._output]
         return np.array(out, dtype=np.float32)  # a copy: the request reuses its buffer
 
     def __repr__(self) -> str:
