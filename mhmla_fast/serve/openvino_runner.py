@@ -118,6 +118,8 @@ class OpenVinoRunner(LaneRunner):
         self.dtype, self.lanes = dtype, lanes
         self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
         self._local = threading.local()
+        self._tensor = ov.Tensor
+        self._io = threading.Lock()  # held while a lane sets its inputs or reads its output
         self._lanes = Lanes(lanes) if lanes > 1 else None
 
     @classmethod
@@ -143,14 +145,18 @@ class OpenVinoRunner(LaneRunner):
         request = getattr(self._local, "request", None)
         if request is None:  # one per thread: a request is not to be shared between threads
             request = self._local.request = self.compiled.create_infer_request()
-        # share_inputs: the request reads ``ids`` and ``mask`` where they are (they outlive this
-        # synchronous call) instead of having its own input tensors reshaped and written. Two
-        # lanes doing the latter at once hung once in about twenty runs of
-        # tests/test_bench_openvino_bf16_check.py on 2 cores (OpenVINO 2026.4.1; both threads
-        # blocked in its copy, `tensor.data[:] = inputs[:]`), CI included.
-        out = request.infer({"input_ids": ids, "attention_mask": mask},
-                            share_inputs=True)[self._output]
-        return np.array(out, dtype=np.float32)  # a copy: the request reuses its buffer
+        # The request reads ``ids`` and ``mask`` where they are (they outlive this synchronous
+        # call), and only one lane at a time sets inputs or reads an output; the pass itself
+        # runs unlocked. Two lanes writing their requests' own input tensors at once (what
+        # ``infer(inputs)`` does) hung once in about twenty runs of
+        # tests/test_bench_openvino_bf16_check.py on 2 cores, CI included (OpenVINO 2026.4.1:
+        # both threads blocked in its copy, ``tensor.data[:] = inputs[:]``).
+        with self._io:
+            request.set_tensor("input_ids", self._tensor(ids, shared_memory=True))
+            request.set_tensor("attention_mask", self._tensor(mask, shared_memory=True))
+        request.infer()
+        with self._io:  # a copy: the request reuses its buffer
+            return np.array(request.get_tensor(self._output).data, dtype=np.float32)
 
     def __repr__(self) -> str:
         lanes = f", lanes={self.lanes}" if self.lanes > 1 else ""
