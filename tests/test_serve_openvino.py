@@ -213,7 +213,11 @@ def test_openvino_fp32_matches_onnx_runtime_on_ragged_batches(export_dir):
         real = mask > 0
         assert np.abs(got[real] - want[real]).max() < 1e-5
     two = runners.make_runner(export_dir, backend="openvino", threads=2, lanes=2)
-    batches = ragged(4, [(4, 12), (7, 30), (2, 64), (9, 5)])
+    # many passes in flight, each of a new shape: the lanes hand their requests the arrays in
+    # place (set under a lock, run unlocked), so each result must still be its own batch's
+    shapes = [(4, 12), (7, 30), (2, 64), (9, 5)] + [
+        (int(b), int(t)) for b, t in np.random.default_rng(5).integers((1, 2), (12, 64), (36, 2))]
+    batches = ragged(4, shapes)
     pending = [two.submit(ids, mask) for ids, mask in batches]
     for (ids, mask), job in zip(batches, pending):
         real = mask > 0
