@@ -92,20 +92,39 @@ class CutRidge(NamedTuple):
     train_oof: np.ndarray
 
 
-def _choose_cut_alpha(oof: np.ndarray, train_gold: np.ndarray, x_dev: np.ndarray,
-                      dev_gold: np.ndarray, alphas: Sequence[float], prompt: int,
-                      ) -> tuple[int, float, np.ndarray]:
-    """The alpha (its index) whose dev essays ``x_dev[:, a]`` [E_dev, A], cut at cutpoints
-    fitted on the out-of-fold training predictions ``oof[:, a]`` [E_tr, A], have the best dev
-    QWK; ties go to the larger alpha. Returns ``(index, dev QWK, cutpoints)``."""
+def _choose_cut(oof: np.ndarray, train_gold: np.ndarray, x_dev: np.ndarray,
+                dev_gold: np.ndarray, order: Sequence[int], prompt: int,
+                ) -> tuple[int, float, np.ndarray]:
+    """The candidate setting (its index) whose dev essays ``x_dev[:, a]`` [E_dev, A], cut at
+    cutpoints fitted on the out-of-fold training predictions ``oof[:, a]`` [E_tr, A], have the
+    best dev QWK; ``order``: the candidates' indices, ties going to the earlier one (the
+    ridges': the larger alpha first, :func:`_larger_alpha_first`). Returns ``(index, dev QWK,
+    cutpoints)``."""
     best = None
-    for a in sorted(range(len(alphas)), key=lambda i: -alphas[i]):
+    for a in order:
         cuts = fit_cutpoints(oof[:, a], train_gold, prompt)
         score = qwk(dev_gold, apply_cutpoints(x_dev[:, a], cuts, prompt), prompt)
         if best is None or score > best[1]:
             best = (a, score, cuts)
     assert best is not None
     return best
+
+
+def _larger_alpha_first(alphas: Sequence[float]) -> list[int]:
+    return sorted(range(len(alphas)), key=lambda i: -alphas[i])
+
+
+def _cut_unit(x_dev: np.ndarray, x_test: np.ndarray, train_oof: np.ndarray, cuts: np.ndarray,
+              dev_qwk: float, prompt: int, selected: dict) -> dict:
+    """A cut model's unit fields from its chosen setting's continuous predictions on the score
+    scale (dev [E_dev], test [E_te], the training essays' out-of-fold ones [E_tr]) and
+    cutpoints; ``selected``: the setting (the cutpoints are added)."""
+    return {"dev_pred": apply_cutpoints(x_dev, cuts, prompt),
+            "test_pred": apply_cutpoints(x_test, cuts, prompt), "dev_qwk": dev_qwk,
+            "selected": {**selected, "cutpoints": cuts.tolist()},
+            "continuous": {"train_oof": np.asarray(train_oof).tolist(),
+                           "dev": np.asarray(x_dev).tolist(),
+                           "test": np.asarray(x_test).tolist()}}
 
 
 def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.ndarray,
@@ -137,7 +156,8 @@ def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.nda
     path = _ridge_path(Xtr, ytr, alphas)
     x_dev = np.stack([_score_scale(average_windows(Xdev @ w + b, dev_index, len(dev_gold)),
                                    prompt) for w, b in path], axis=1)  # [E_dev, A]
-    a, dev_q, cuts = _choose_cut_alpha(oof_essays, train_gold, x_dev, dev_gold, alphas, prompt)
+    a, dev_q, cuts = _choose_cut(oof_essays, train_gold, x_dev, dev_gold,
+                                 _larger_alpha_first(alphas), prompt)
     alpha, (w, b) = alphas[a], path[a]
 
     def values(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
@@ -205,14 +225,8 @@ def _select_unit(train: tuple, dev: tuple, test: tuple, prompt: int, alphas: Seq
     if cuts:
         r = ridge_select_cutpoints(Xtr, ytr, tr_index, tr_gold, Xdev, dev_index, dev_gold,
                                    prompt, alphas)
-        x_dev = r.values(Xdev, dev_index, len(dev_gold))
-        x_test = r.values(Xte, te_index, n_test)
-        return {"dev_pred": apply_cutpoints(x_dev, r.cutpoints, prompt),
-                "test_pred": apply_cutpoints(x_test, r.cutpoints, prompt),
-                "dev_qwk": r.dev_qwk,
-                "selected": {"alpha": r.alpha, "cutpoints": r.cutpoints.tolist()},
-                "continuous": {"train_oof": r.train_oof.tolist(), "dev": x_dev.tolist(),
-                               "test": x_test.tolist()}}
+        return _cut_unit(r.values(Xdev, dev_index, len(dev_gold)), r.values(Xte, te_index, n_test),
+                         r.train_oof, r.cutpoints, r.dev_qwk, prompt, {"alpha": r.alpha})
     predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev_index, dev_gold, prompt, alphas)
     return {"dev_pred": predict(Xdev, dev_index, len(dev_gold)),
             "test_pred": predict(Xte, te_index, n_test),
@@ -269,7 +283,7 @@ def _tfidf_cuts(train_texts: list[str], train_gold: np.ndarray, y: np.ndarray,
                 prompt: int, alphas: Sequence[float], n_folds: int = 5) -> dict:
     """``tfidf-ridge-cuts``: for every alpha, cutpoints fitted on out-of-fold predictions of
     the training essays (each fold's vectoriser and ridges fitted on the other folds' essays
-    only), alpha chosen by dev QWK of the cut scores (:func:`_choose_cut_alpha`)."""
+    only), alpha chosen by dev QWK of the cut scores (:func:`_choose_cut`)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import Ridge
 
@@ -286,13 +300,11 @@ def _tfidf_cuts(train_texts: list[str], train_gold: np.ndarray, y: np.ndarray,
     oof = out_of_fold_predictions(fold, np.arange(len(train_texts)), n_folds=n_folds)
     full = fit(np.arange(len(train_texts)))
     x_dev, x_test = (_score_scale(full(list(t)), prompt) for t in (dev_texts, test_texts))
-    a, dev_q, cuts = _choose_cut_alpha(_score_scale(oof, prompt), train_gold, x_dev, dev_gold,
-                                       alphas, prompt)
-    return {"dev_pred": apply_cutpoints(x_dev[:, a], cuts, prompt),
-            "test_pred": apply_cutpoints(x_test[:, a], cuts, prompt), "dev_qwk": dev_q,
-            "selected": {"alpha": alphas[a], "cutpoints": cuts.tolist()},
-            "continuous": {"train_oof": _score_scale(oof[:, a], prompt).tolist(),
-                           "dev": x_dev[:, a].tolist(), "test": x_test[:, a].tolist()}}
+    oof = _score_scale(oof, prompt)
+    a, dev_q, cuts = _choose_cut(oof, train_gold, x_dev, dev_gold, _larger_alpha_first(alphas),
+                                 prompt)
+    return _cut_unit(x_dev[:, a], x_test[:, a], oof[:, a], cuts, dev_q, prompt,
+                     {"alpha": alphas[a]})
 
 
 def human_agreement(essays: Sequence[Essay]) -> dict:

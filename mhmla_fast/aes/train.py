@@ -35,9 +35,8 @@ __all__ = [
     "PROTOCOL", "HeadTrainConfig", "FeatureSplit", "train_head", "predict_split",
     "ridge_select", "tfidf_select", "human_agreement", "mean_ensemble", "majority_vote",
     "run_cpu_protocol", "FinetuneConfig", "finetune", "MODELS", "asap_files", "read_asap_folds",
-    "ridge_layers",
-    "feature_split", "split_qwk", "train_joint_scorer", "summary_table", "DEFAULT_MODELS",
-    "DEFAULT_MEMBERS", "load_prompt_caches", "greedy_ensemble", "surface_ridge",
+    "ridge_layers", "feature_split", "split_qwk", "train_joint_scorer", "summary_table",
+    "DEFAULT_MODELS", "DEFAULT_MEMBERS", "load_prompt_caches", "greedy_ensemble", "surface_ridge",
     "poolings_of", "joined_features", "PROMPTS", "qwk", "HeadResult", "ModelSpec", "HEAD_LRS",
     "RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS",
 ]

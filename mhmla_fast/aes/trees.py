@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .baselines import _choose_cut_alpha, _score_scale
-from .cutpoints import apply_cutpoints, out_of_fold_predictions
+from .baselines import _choose_cut, _cut_unit, _score_scale
+from .cutpoints import out_of_fold_predictions
 from .data import normalise_score
 from .model import combine_windows
 from .splits import qwk
@@ -69,15 +69,9 @@ def gbdt_select(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, np.
         oof = out_of_fold_predictions(lambda rows: lambda held: _fit_grid(X[rows], y[rows], grid)(
             X[held]), np.arange(len(X)), n_folds=n_folds)
         oof, x_dev, x_test = (_score_scale(v, prompt) for v in (oof, p_dev, p_test))
-        # the ridges' tie rule (the larger alpha) with "alpha" = simplicity: the earlier setting
-        simplicity = [float(len(grid) - i) for i in range(len(grid))]
-        a, dev_q, cutpoints = _choose_cut_alpha(oof, gold, x_dev, dev_gold, simplicity, prompt)
-        return {"dev_pred": apply_cutpoints(x_dev[:, a], cutpoints, prompt),
-                "test_pred": apply_cutpoints(x_test[:, a], cutpoints, prompt),
-                "dev_qwk": dev_q,
-                "selected": {**grid[a], "cutpoints": cutpoints.tolist()},
-                "continuous": {"train_oof": oof[:, a].tolist(), "dev": x_dev[:, a].tolist(),
-                               "test": x_test[:, a].tolist()}}
+        # ties go to the earlier (simpler) setting
+        a, dev_q, cutpoints = _choose_cut(oof, gold, x_dev, dev_gold, range(len(grid)), prompt)
+        return _cut_unit(x_dev[:, a], x_test[:, a], oof[:, a], cutpoints, dev_q, prompt, grid[a])
 
     def rounded(p: np.ndarray) -> np.ndarray:  # normalised [E] -> scores rounded half up
         return combine_windows(p, np.arange(len(p)), prompt, "regression")
