@@ -28,7 +28,7 @@ the per-prompt margins (or ``--speed-margin``), whose scores must equal fp32's (
 after writing).
 
     python bench/openvino_bf16_score_cpu.py --threads 2 \
-        --write-margins mhmla_fast/models/aes-minilm-mhmla12
+        --write-margins mhmla_fast/models/aes-minilm-ridge
     # -> bench/results/openvino_bf16_score_cpu_<date>.json
 """
 

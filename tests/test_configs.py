@@ -176,10 +176,13 @@ def test_aes_training_flags_name_config_fields():
 # ------------------------------------------------------------------ files on disk
 
 
-def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs(tmp_path):
+def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs(
+        tmp_path, tiny_scorer_dir):
     """The shipped tagger (grouped layout since its re-ship of 2026-12-01) and the same model
     with its config.json in the flat layout of before issue 15 load to one config and give the
-    recorded outputs; the scorer's config.json is in the flat layout, outputs as recorded."""
+    recorded outputs; the shipped scorer (a ridge scorer since 2026-12-06, grouped layout)
+    gives its recorded outputs, and a scorer's config.json in the flat layout (the scorer
+    shipped until 2026-12-06 had one) loads to the same config and scores."""
     import shutil
 
     from mhmla_fast.aes.model import EssayScorer
@@ -213,18 +216,32 @@ def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs(t
 
     scorer = EssayScorer.load(scorer_path())
     assert scorer.config.encoder_spec == EncoderSpec(max_length=512, freeze="all")
-    assert scorer.config.window == 510 and scorer.config.layer_attention.num_heads == 12
+    assert scorer.config.window == 510 and scorer.config.head_kind == "ridge"
     essay = ("Computers are good because they help people learn. However, some people spend "
              "too much time in front of a screen.")
     scores, outs = scorer.predict_scores([essay] * 8, list(range(1, 9)), return_outputs=True)
-    # cut at the scorer's cutpoints (since 2026-12-06); rounded they were [4, 2, 0, 0, 0, 1, 12, 15]
-    assert scores.tolist() == [2, 1, 0, 0, 0, 0, 11, 10]
+    # cut at the scorer's cutpoints; rounded they would be [3, 1, 1, 0, 0, 0, 9, 25]
+    assert scores.tolist() == [2, 1, 0, 0, 0, 0, 7, 16]
     from mhmla_fast.aes.data import denormalise_scores
     assert [int(denormalise_scores([float(o)], p)[0]) for p, o in zip(range(1, 9), outs)] == [
-        4, 2, 0, 0, 0, 1, 12, 15]
-    np.testing.assert_allclose([float(o) for o in outs], [0.176076, 0.179077, 0.153115, 0.057476,
-                                                          0.118443, 0.204183, 0.406569, 0.256933],
-                               atol=2e-6)
+        3, 1, 1, 0, 0, 0, 9, 25]
+    np.testing.assert_allclose([float(o) for o in outs], [0.139145, 0.03498, 0.325807, 0.005782,
+                                                          -0.051009, 0.041695, 0.313856,
+                                                          0.415935], atol=2e-6)
+
+    grouped = json.loads((tiny_scorer_dir / "config.json").read_text())
+    la, es = grouped["layer_attention"], grouped["encoder_spec"]
+    flat = {k: v for k, v in grouped.items() if k not in ("layer_attention", "encoder_spec")}
+    flat.update(encoder=es["name_or_path"], head=la["mode"], num_heads=la["num_heads"],
+                key_size=la["key_size"], dropout=la["dropout"], window=es["max_length"] - 2,
+                freeze_encoder=es["freeze"] == "all")
+    old = tmp_path / "flat-scorer"
+    shutil.copytree(tiny_scorer_dir, old)
+    (old / "config.json").write_text(json.dumps(flat))
+    a, b = EssayScorer.load(tiny_scorer_dir), EssayScorer.load(old)
+    assert a.config == b.config
+    texts = [essay, essay + " " + essay]
+    assert a.predict_scores(texts, [1, 2]).tolist() == b.predict_scores(texts, [1, 2]).tolist()
 
 
 def test_a_model_written_now_round_trips(tmp_path, tiny_tagger_dir, tiny_scorer_dir):

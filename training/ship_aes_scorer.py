@@ -9,10 +9,11 @@ written), trained on fold 0 for every prompt the shipped scorer scores. The rule
     mean_p dev_QWK_p(candidate, fold 0) > mean_p dev_QWK_p(shipped, fold 0)
 
 with the shipped scorer's dev QWKs read from its ``config.json`` training record (those of its
-cut scores where it has cutpoints: ``training["cutpoints"]["dev_qwk_cut"]``, how it scores;
-``mhmla-train aes --fit-cutpoints`` fits them for a frozen-encoder scorer only, whose
-out-of-fold heads train on cached features). The candidate is judged as it would be
-shipped: with ``--cutpoints dev`` (the default, a regression cell) its continuous dev
+cut scores where it has cutpoints: ``training["cutpoints"]["dev_qwk_cut"]``, how it scores,
+where ``mhmla-train aes --fit-cutpoints`` fitted them for a frozen-encoder head, whose
+out-of-fold heads train on cached features; ``training["dev_qwk"]`` for the ridge scorer
+shipped since 2026-12-06, whose dev QWKs are of its cut scores, alpha chosen by them). The
+candidate is judged as it would be shipped: with ``--cutpoints dev`` (the default, a regression cell) its continuous dev
 predictions are cut at cutpoints fitted for QWK on the fold's dev essays (out-of-fold training
 predictions would need five more fine-tuned models), and its dev QWK is that of
 5-fold cross-fitted cut scores (each dev essay cut at cutpoints fitted on the other folds of
@@ -138,8 +139,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"{cell}: a one-prompt cell; the shipped scorer scores every prompt, so "
                          "only a --joint cell can replace it")
     shipped = json.loads((shipped_dir / "config.json").read_text(encoding="utf-8"))
-    shipped_dev = (shipped["training"]["cutpoints"]["dev_qwk_cut"]  # how it scores
-                   if shipped.get("cutpoints") else shipped["training"]["dev_qwk"])
+    # how it scores: a head's cutpoints fitted after its training have a record of their own;
+    # a ridge scorer's dev QWKs are of its cut scores already (aes.ridge_scorer)
+    fitted = shipped["training"].get("cutpoints")
+    shipped_dev = (fitted["dev_qwk_cut"] if shipped.get("cutpoints") and fitted
+                   else shipped["training"]["dev_qwk"])
     fold = record["settings"]["fold"]
     prompts = sorted(int(p) for p in record["prompts"])
     if fold != shipped["training"]["fold"] or prompts != sorted(int(p) for p in shipped_dev):

@@ -16,7 +16,8 @@ from .splits import FeatureSplit, qwk
 from .windows import average_windows
 
 __all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select", "CutRidge",
-           "ridge_select_cutpoints", "ridge_layers", "surface_ridge", "tfidf_select",
+           "ridge_select_cutpoints", "layer_matrix", "ridge_layers", "surface_ridge",
+           "tfidf_select",
            "human_agreement"]
 
 RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))  # 0.1 .. 1e5, half decades
@@ -82,7 +83,9 @@ class CutRidge(NamedTuple):
     ``values(X, index, n_essays)``: the essays' continuous predictions on the score scale (the
     mean of their windows' outputs, denormalised) [E]; ``predict``: the same cut into int
     scores [E]; ``train_oof``: the out-of-fold continuous predictions of the training essays
-    [E_tr] at the chosen alpha, on which ``cutpoints`` [k - 1] were fitted."""
+    [E_tr] at the chosen alpha, on which ``cutpoints`` [k - 1] were fitted; ``coef`` [F] and
+    ``intercept``: the chosen ridge on the rows as given (a window's output in normalised
+    score units is ``x . coef + intercept``)."""
 
     predict: Callable[..., np.ndarray]
     values: Callable[..., np.ndarray]
@@ -90,6 +93,8 @@ class CutRidge(NamedTuple):
     dev_qwk: float
     cutpoints: np.ndarray
     train_oof: np.ndarray
+    coef: np.ndarray
+    intercept: float
 
 
 def _choose_cut(oof: np.ndarray, train_gold: np.ndarray, x_dev: np.ndarray,
@@ -166,10 +171,10 @@ def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.nda
     def predict(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
         return apply_cutpoints(values(X, index, n_essays), cuts, prompt)
 
-    return CutRidge(predict, values, alpha, dev_q, cuts, oof_essays[:, a])
+    return CutRidge(predict, values, alpha, dev_q, cuts, oof_essays[:, a], w, float(b))
 
 
-def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
+def layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
                   std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[W, L*H] concatenated vectors of layers 1..L, standardised (train statistics)."""
     X = split.features[:, 1:].reshape(split.features.shape[0], -1).double().numpy()
@@ -199,10 +204,10 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
     ones of the training essays, ``dev`` and ``test``) that blends and stacks of members need
     (:mod:`.ensembles`).
     """
-    Xtr, mu, sd = _layer_matrix(train)
+    Xtr, mu, sd = layer_matrix(train)
     ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
-    Xdev, _, _ = _layer_matrix(dev, mu, sd)
-    Xte, _, _ = _layer_matrix(test, mu, sd)
+    Xdev, _, _ = layer_matrix(dev, mu, sd)
+    Xte, _, _ = layer_matrix(test, mu, sd)
     if surface is not None:
         s_tr, m, d = _standardise(surface[0])
         s_dev, s_te = _standardise(surface[1], m, d)[0], _standardise(surface[2], m, d)[0]

@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 POOLINGS = ("cls", "attention")
+HEADS = ("layer-attention", "ridge")
 
 
 @accepts_flat_keywords
@@ -86,7 +87,13 @@ class ScorerConfig:
     :func:`~mhmla_fast.model_dir.row_delta`); training: what and how it was trained (incl.
     test QWK); cutpoints: a regression scorer's thresholds per prompt on the score scale
     (``{prompt: [hi - lo values]}``, fitted for QWK: :mod:`.cutpoints`), where its averaged
-    outputs are cut into scores instead of rounded (none: rounded).
+    outputs are cut into scores instead of rounded (none: rounded); head_kind: "layer-attention"
+    (the layer attention, then the output layers, as the module doc says) or "ridge" (no
+    layer attention: each prompt's output is a linear map of the concatenated ``[CLS]``
+    vectors of layers 1..L, unbounded, in normalised score units, ``y = [h^1_[CLS] ..
+    h^L_[CLS]] w_p + b_p``: a ridge regression fitted on cached features,
+    :mod:`.ridge_scorer`; "cls" pooling and the regression objective only, and
+    ``layer_attention`` is not used).
 
     Files and keyword arguments in the flat layout of before (``encoder``, ``head``,
     ``num_heads``, ``key_size``, ``dropout``, ``window``, ``freeze_encoder``) are read into
@@ -104,8 +111,15 @@ class ScorerConfig:
     base_tensors: dict[str, str] = field(default_factory=dict)
     training: dict = field(default_factory=dict)
     cutpoints: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    head_kind: str = "layer-attention"
 
     def __post_init__(self) -> None:
+        if self.head_kind not in HEADS:
+            raise ValueError(f"head_kind: expected one of {HEADS}, got {self.head_kind!r}")
+        if self.head_kind == "ridge" and (self.pooling, self.objective) != ("cls", "regression"):
+            raise ValueError(f"head_kind 'ridge' reads [CLS] and outputs normalised scores: it "
+                             f"needs pooling 'cls' and objective 'regression', got "
+                             f"{self.pooling!r} and {self.objective!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling: expected one of {POOLINGS}, got {self.pooling!r}")
         if self.objective not in OBJECTIVES:
@@ -152,6 +166,8 @@ class ScorerConfig:
         data["prompts"] = list(self.prompts)
         if not self.cutpoints:  # a scorer without them writes the file as before
             del data["cutpoints"]
+        if self.head_kind == "layer-attention":  # so does one with the default head
+            del data["head_kind"]
         else:
             data["cutpoints"] = {str(p): list(c) for p, c in sorted(self.cutpoints.items())}
         return json.dumps({"format": FORMAT, **data}, indent=2)
@@ -172,7 +188,9 @@ class ScorerHead(nn.Module):
     ``forward(hidden_states, attention_mask, prompt)``: hidden states [L+1, B, T, H] (or
     the HF tuple), mask [B, T] -> classification logits [B, C_p] or regression outputs
     in [0, 1], shape [B]. :meth:`forward_cls` takes cached per-layer ``[CLS]`` vectors
-    [B, L+1, H] instead (``"cls"`` pooling only).
+    [B, L+1, H] instead (``"cls"`` pooling only). With ``config.head_kind == "ridge"`` there is no
+    layer attention: the pooled vector is the concatenation of layers 1..L at ``[CLS]``
+    [B, L H], and each prompt's output is its linear map, not squashed by a sigmoid.
     """
 
     def __init__(self, hidden_size: int, num_layers: int, config: ScorerConfig,
@@ -180,11 +198,13 @@ class ScorerHead(nn.Module):
         super().__init__()
         self.config = config
         self.hidden_size, self.num_layers = hidden_size, num_layers
-        self.layer_attention = FusedLayerAttention(hidden_size, num_layers,
-                                                   config=config.layer_attention, backend=backend)
+        ridge = config.head_kind == "ridge"
+        self.layer_attention = None if ridge else FusedLayerAttention(
+            hidden_size, num_layers, config=config.layer_attention, backend=backend)
         self.pool = nn.Linear(hidden_size, 1) if config.pooling == "attention" else None
+        width = num_layers * hidden_size if ridge else hidden_size
         self.outputs = nn.ModuleDict({
-            str(p): nn.Linear(hidden_size, num_labels(p) if config.objective == "classification" else 1)
+            str(p): nn.Linear(width, num_labels(p) if config.objective == "classification" else 1)
             for p in config.prompts
         })
 
@@ -195,6 +215,8 @@ class ScorerHead(nn.Module):
             raise ValueError(f"prompt {prompt}: this scorer has heads for prompts "
                              f"{list(self.config.prompts)} only")
         out = self.outputs[key](pooled.to(self.outputs[key].weight.dtype))
+        if self.config.head_kind == "ridge":
+            return out.squeeze(-1)
         if self.config.objective == "regression":
             return torch.sigmoid(out.squeeze(-1))
         return out
@@ -214,7 +236,7 @@ class ScorerHead(nn.Module):
         if not isinstance(hidden_states, Tensor):
             hidden_states = torch.stack(list(hidden_states), 0)
         if self.config.pooling == "cls":
-            return self.layer_attention(hidden_states[:, :, 0])
+            return self.pooled_cls(hidden_states[:, :, 0])
         mask = attention_mask.bool()
         tokens = hidden_states[:, mask]  # padding dropped: [L+1, N, H]
         c_tok = self.layer_attention(tokens)  # [N, H]
@@ -225,12 +247,19 @@ class ScorerHead(nn.Module):
         alpha = torch.softmax(scores, dim=-1).to(c.dtype)  # [B, T]
         return torch.einsum("bt,bth->bh", alpha, c)
 
+    def pooled_cls(self, cls_states: Tensor) -> Tensor:
+        """``"cls"`` pooling from the per-layer ``[CLS]`` vectors [L+1, B, H]: the layer
+        attention's c [B, H], or (head "ridge") layers 1..L side by side [B, L H]."""
+        if self.layer_attention is None:
+            return cls_states[1:].transpose(0, 1).reshape(cls_states.shape[1], -1)
+        return self.layer_attention(cls_states)
+
     def forward_cls(self, cls_states: Tensor, prompt: int) -> Tensor:
-        """Per-layer ``[CLS]`` vectors [B, L+1, H] -> [B, C_p] logits or [B] in [0, 1]."""
+        """Per-layer ``[CLS]`` vectors [B, L+1, H] -> [B, C_p] logits or [B] regression
+        outputs (in [0, 1]; unbounded for head "ridge")."""
         if self.config.pooling != "cls":
             raise ValueError("forward_cls needs pooling='cls'")
-        c = self.layer_attention(cls_states.transpose(0, 1))  # [B, H]
-        return self.output(c, prompt)
+        return self.output(self.pooled_cls(cls_states.transpose(0, 1)), prompt)
 
     def window_outputs(self, raw: Tensor) -> Tensor:
         """Raw outputs -> what is averaged over windows: probabilities [B, C_p] or values [B]."""

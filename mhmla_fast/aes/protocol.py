@@ -16,7 +16,7 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   are their regression counterparts, so that every head is compared like for like.
 * ``mhmla-joint-cls`` / ``mhmla-joint-reg``: one MHMLA shared by the 8 prompts with an
   output layer per prompt, trained on all prompts together, best epoch by the dev QWK
-  averaged over prompts: the configuration of the shipped scorer.
+  averaged over prompts: the configuration of the scorer shipped until 2026-12-06.
 * ``ridge-layers``: ridge regression on the concatenated ``[CLS]`` vectors of layers 1..L
   (standardised on train), on normalised scores; alpha chosen by dev QWK.
 * ``ridge-layers-surface``: the same with the essay's surface features appended

@@ -70,10 +70,15 @@ MODELS: dict[str, ModelSpec] = {
     "mhmla-joint-reg-cuts": ModelSpec("joint", "mhmla-joint-reg with its scores cut at "
                                       "cutpoints fitted for QWK on out-of-fold training "
                                       "predictions (five more joint heads per fold) instead "
-                                      "of rounded: the shipped scorer's configuration",
+                                      "of rounded: the configuration of the scorer "
+                                      "shipped until 2026-12-06",
                                       _head(mode="mhmla", objective="regression"), cuts=True),
     "ridge-layers": ModelSpec("ridge", "ridge regression on the concatenated [CLS] vectors of "
                               "layers 1..L (standardised), alpha by dev QWK"),
+    "ridge-layers-cuts": ModelSpec("ridge", "ridge-layers with its scores cut at cutpoints "
+                                   "fitted for QWK on out-of-fold training predictions instead "
+                                   "of rounded: a linear map of the per-layer [CLS] vectors "
+                                   "that the essay scorer can serve (head 'ridge')", cuts=True),
     "ridge-layers-surface": ModelSpec("ridge", "ridge regression on the concatenated [CLS] "
                                       "vectors of layers 1..L and the essay's surface features "
                                       "(length, vocabulary; standardised), alpha by dev QWK",
@@ -130,7 +135,8 @@ MODELS: dict[str, ModelSpec] = {
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", "avgl-reg",
                   "mhmla-joint-cls", "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers",
-                  "ridge-layers-surface", "ridge-layers-mean", "ridge-layers-mean-surface", "ridge-layers-both-surface",
+                  "ridge-layers-cuts", "ridge-layers-surface", "ridge-layers-mean",
+                  "ridge-layers-mean-surface", "ridge-layers-both-surface",
                   "ridge-layers-both-surface-cuts", "ridge-layers-both-surface-ged",
                   "ridge-layers-both-surface-ged-cuts", "tfidf-ridge", "surface-ridge",
                   "surface-ged-ridge", "ridge-layers-surface-cuts",

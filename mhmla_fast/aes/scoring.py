@@ -25,9 +25,10 @@ DECISIONS = ("argmax", "expected")
 
 
 def default_model_path() -> Path:
-    """The scorer shipped inside the package (frozen MiniLM + MHMLA J = 12 [CLS] head, 8
-    prompts)."""
-    return Path(__file__).resolve().parents[1] / "models" / "aes-minilm-mhmla12"
+    """The scorer shipped inside the package (since 2026-12-06: frozen MiniLM + a ridge per
+    prompt on its per-layer [CLS] vectors, cut at fitted cutpoints, 8 prompts;
+    :mod:`.ridge_scorer`)."""
+    return Path(__file__).resolve().parents[1] / "models" / "aes-minilm-ridge"
 
 
 def num_labels(prompt: int) -> int:
@@ -118,10 +119,11 @@ def combine_windows(
     ``mean_e = average_windows(window_outputs, essay_index)``; classification
     (``window_outputs`` [W, C_p] probabilities): ``lo + argmax(mean_e)`` (ties to the
     lower score), or with ``decision="expected"`` ``round_half_up(sum_k mean_e[k] (lo + k))``;
-    regression (``[W]`` values in [0, 1]): ``denormalise(mean_e)`` (clip, scale, round
-    half up), or with ``cutpoints`` (regression only; [hi - lo] on the score scale)
-    ``lo + #{i : lo + mean_e (hi - lo) >= cutpoints_i}`` (:mod:`.cutpoints`). With
-    ``return_mean`` also ``mean_e``.
+    regression (``[W]`` values in [0, 1]; a ridge head's are unbounded):
+    ``denormalise(mean_e)`` (clip, scale, round half up), or with ``cutpoints`` (regression
+    only; [hi - lo] on the score scale) ``lo + #{i : lo + mean_e (hi - lo) >= cutpoints_i}``
+    (:mod:`.cutpoints`; unclipped, as the cutpoints were fitted, and the score then clipped
+    to the scale). With ``return_mean`` also ``mean_e``.
     """
     lo, hi = SCORE_RANGES[int(prompt)]
     if cutpoints is not None and objective != "regression":
@@ -143,7 +145,7 @@ def combine_windows(
             raise ValueError(f"regression window outputs must be [W], got "
                              f"{list(np.shape(window_outputs))}")
         scores = (denormalise_scores(mean, prompt) if cutpoints is None else
-                  apply_cutpoints(lo + np.clip(mean, 0.0, 1.0) * (hi - lo), cutpoints, prompt))
+                  apply_cutpoints(lo + mean * (hi - lo), cutpoints, prompt))
     else:
         raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
     scores = np.clip(np.asarray(scores, dtype=np.int64), lo, hi)
@@ -159,9 +161,11 @@ def near_boundary(mean: np.ndarray, prompt: int, objective: str = "classificatio
     An average moves by no more than the largest move of its windows, so with
     ``d = margin``, [lo, hi] = ``SCORE_RANGES[prompt]``:
 
-    regression (``mean`` [n] in [0, 1])  |lo + mean (hi - lo) - (k + 1/2)| <= d (hi - lo)
-                                         for the nearest k (the rounding boundary), or
-                                         with ``cutpoints`` for the nearest cutpoint
+    regression (``mean`` [n])            |lo + mean (hi - lo) - (k + 1/2)| <= d (hi - lo)
+                                         for the nearest k (the rounding boundary; mean
+                                         clipped to [0, 1] first), or with ``cutpoints``
+                                         for the nearest cutpoint (unclipped, as
+                                         :func:`combine_windows` cuts)
     argmax (``mean`` [n, C_p])           p_(1) - p_(2) <= 2 d (the two largest)
     expected (``mean`` [n, C_p])         |E - (k + 1/2)| <= d sum_k |s_k - E| / (P - C_p d),
                                          E = sum_k p_k s_k / P, P = sum_k p_k, s_k = lo + k
@@ -177,10 +181,11 @@ def near_boundary(mean: np.ndarray, prompt: int, objective: str = "classificatio
     if margin == 0:
         return np.zeros(len(mean), dtype=bool)
     if objective == "regression":
-        x = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
         if cutpoints is not None:
+            x = lo + mean * (hi - lo)
             cuts = np.asarray(cutpoints, dtype=np.float64)
             return np.abs(x[:, None] - cuts[None, :]).min(axis=1) <= margin * (hi - lo)
+        x = lo + np.clip(mean, 0.0, 1.0) * (hi - lo)
         return np.abs(x - np.floor(x) - 0.5) <= margin * (hi - lo)
     if cutpoints is not None:
         raise ValueError(f"cutpoints: only a regression scorer has them, not {objective!r}")

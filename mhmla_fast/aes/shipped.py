@@ -1,4 +1,5 @@
-"""The shipped scorer: one MHMLA ``[CLS]`` head shared by the prompts over the frozen encoder."""
+"""The MHMLA scorer (the shipped one until 2026-12-06; since then :mod:`.ridge_scorer`): one
+MHMLA ``[CLS]`` head shared by the prompts over the frozen encoder."""
 
 from __future__ import annotations
 

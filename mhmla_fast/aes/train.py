@@ -13,7 +13,8 @@ The pieces live in modules of their own, along the sections this file once had:
   that module's docstring), with resumable units and the results table;
 * :mod:`.protocol_ensembles`: the protocol's ensembles over its units (mean, vote, greedy,
   stack);
-* :mod:`.shipped`: ``train_joint_scorer``, the shipped scorer;
+* :mod:`.shipped`: ``train_joint_scorer``, the MHMLA scorer (shipped until 2026-12-06);
+* :mod:`.ridge_scorer`: ``fit_ridge_scorer``, the shipped scorer since then;
 * :mod:`.finetune`: ``FinetuneConfig`` and ``finetune``, full fine-tuning (a GPU protocol).
 """
 

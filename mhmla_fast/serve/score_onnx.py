@@ -15,17 +15,19 @@
         bf16_check.json  the scorer's per-prompt margins of the checked bf16 scorer, when it has
                          them (:data:`CHECK_FILE`)
 
-What is exported is the part that needs torch, per window: the encoder, the layer attention,
-the pooling and every prompt's output layer (a few hundred multiply-adds per prompt: computing
-them all costs nothing beside the encoder, and one graph serves any mix of prompts). With
-"cls" pooling (the shipped scorer) the head reads every layer at [CLS] only, so the exported
-last layer computes its query, attention output and feed-forward at [CLS] only
-(:func:`window_outputs_module`, "cls-last-layer": 1/7 of MiniLM-L6's work skipped). What stays
+What is exported is the part that needs torch, per window: the encoder, the layer attention
+(none in a ridge scorer, ``head_kind="ridge"``, whose output layers read layers 1..L at [CLS]
+side by side), the pooling and every prompt's output layer (a few thousand multiply-adds per
+prompt: computing them all costs nothing beside the encoder, and one graph serves any mix of
+prompts). With "cls" pooling (the shipped scorer) the head reads every layer at [CLS] only,
+so the exported last layer computes its query, attention output and feed-forward at [CLS]
+only (:func:`window_outputs_module`, "cls-last-layer": 1/7 of MiniLM-L6's work skipped). What stays
 in numpy, shared with the torch scorer (:mod:`mhmla_fast.aes.scoring`): word-piecing (the
 ``tokenizers`` library), cutting essays into 510-piece windows, packing windows into
 token-budget batches, picking each window's prompt columns, averaging windows per essay and
-rounding to the prompt's scale. The scorer has no other parts (no ridge or surface features:
-those are baselines of the CPU protocol, not servable scorers). The encoder's attention is
+rounding (or cutting) to the prompt's scale. The scorer has no other parts (no surface or
+grammatical-error features: those feed baselines of the CPU protocol, not servable scorers).
+The encoder's attention is
 traced in transformers' "eager" form (explicit MatMul, Softmax): its default SDPA form exports
 to a masked softmax with NaN guards. On ASAP essays (2 CPU cores, in process) ONNX Runtime ran
 the SDPA form's graph 1.6x slower than torch, the eager form's 1.1-1.16x slower, and the eager
@@ -203,7 +205,7 @@ def window_outputs_module(scorer, graph: str = "reference"):
                 h = h[0] if isinstance(h, tuple) else h
                 states.append(h[:, 0])
             states.append(_cls_layer(layers[-1], h, added)[:, 0])
-            return self.scorer.head.layer_attention(torch.stack(states, 0))  # [L+1, B, H]
+            return self.scorer.head.pooled_cls(torch.stack(states, 0))  # from [L+1, B, H]
 
         def attention_pooled(self, input_ids, attention_mask):
             head = self.scorer.head
