@@ -448,7 +448,8 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
     models = result["models"]
     assert set(models) == {"mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg",
                            "avgl-reg", "mhmla-joint-cls",
-                           "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers", "ridge-layers-surface",
+                           "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers",
+                           "ridge-layers-cuts", "ridge-layers-surface",
                            "ridge-layers-mean", "ridge-layers-mean-surface",
                            "ridge-layers-both-surface", "ridge-layers-both-surface-cuts",
                            "ridge-layers-both-surface-ged", "ridge-layers-both-surface-ged-cuts",
@@ -469,7 +470,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
                                         "ensemble-stack"}
     stack = result["ensembles"]["ensemble-stack"]
     assert stack["members"] == [m for m in models if m.endswith("-cuts") and "joint" not in m]
-    assert len(stack["members"]) == 9 and "surface-ged-gbdt-cuts" in stack["members"]
+    assert len(stack["members"]) == 10 and "surface-ged-gbdt-cuts" in stack["members"]
     for p in ("3", "4"):  # the stack against its members' units, by hand
         chosen = stack["selected"]["0"][p]
         assert sum(chosen["weights"].values()) == pytest.approx(1.0)
@@ -486,7 +487,7 @@ def test_cpu_protocol_end_to_end_and_resume(tiny_encoder, tmp_path):
         assert set(greedy["selected"]["0"][p]["members"]) <= set(models)
     assert result["human"]["per_prompt_qwk"]["3"] < 1.0
     units = sorted(p.name for p in (tmp_path / "run" / "units").iterdir())
-    assert len(units) == 24 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
+    assert len(units) == 25 * 2 + 3 and "mhmla-joint-cls-fold0-p3_4.json" in units
     assert tagger.calls == 1 and len(list((tmp_path / "cache").glob("ged-*.safetensors"))) == 1
     ged = models["ridge-layers-both-surface-ged-cuts"]["settings"]
     assert ged["ged"] == list(GED_FEATURES) and ged["cuts"] and len(ged["ged_tagger_sha256"]) == 64

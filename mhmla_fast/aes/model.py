@@ -209,14 +209,18 @@ class ScorerHead(nn.Module):
         })
 
     def output(self, pooled: Tensor, prompt: int) -> Tensor:
-        """Pooled c [B, H] -> prompt `prompt`'s logits [B, C_p] or sigmoid outputs [B]."""
+        """Pooled c [B, H] -> prompt `prompt`'s logits [B, C_p] or sigmoid outputs [B]
+        (head_kind "ridge": pooled [B, L H] -> its linear outputs [B], fp32)."""
         key = str(int(prompt))
         if key not in self.outputs:
             raise ValueError(f"prompt {prompt}: this scorer has heads for prompts "
                              f"{list(self.config.prompts)} only")
-        out = self.outputs[key](pooled.to(self.outputs[key].weight.dtype))
-        if self.config.head_kind == "ridge":
-            return out.squeeze(-1)
+        layer = self.outputs[key]
+        if self.config.head_kind == "ridge":  # in fp32 whatever the model's dtype: a sum of L H
+            # products whose weights span orders of magnitude (the standardisation folded in)
+            return nn.functional.linear(pooled.float(), layer.weight.float(),
+                                        layer.bias.float()).squeeze(-1)
+        out = layer(pooled.to(layer.weight.dtype))
         if self.config.objective == "regression":
             return torch.sigmoid(out.squeeze(-1))
         return out
