@@ -25,6 +25,11 @@ def test_ridge_config_needs_cls_pooling_and_regression():
     assert json.loads(cfg.to_json())["head_kind"] == "ridge"
     assert ScorerConfig.from_json(cfg.to_json()).head_kind == "ridge"
     assert "head_kind" not in json.loads(ScorerConfig(encoder="x").to_json())  # as before
+    assert "cutpoints" not in json.loads(cfg.to_json())  # none fitted: none written
+    cuts = {4: (0.5, 1.5, 2.5), 3: (0.4, 1.6, 2.5)}
+    written = json.loads(ScorerConfig(encoder="x", objective="regression", prompts=(3, 4),
+                                      cutpoints=cuts).to_json())
+    assert list(written["cutpoints"]) == ["3", "4"] and "head_kind" not in written
     with pytest.raises(ValueError, match="head_kind 'ridge' reads"):
         ScorerConfig(head_kind="ridge", objective="classification")
     with pytest.raises(ValueError, match="head_kind 'ridge' reads"):
@@ -179,4 +184,7 @@ def test_export_ridge_command_saves_the_scorer_and_refuses_other_options(tiny_en
     assert mhmla_train(["aes", *common, "--export-ridge", str(tmp_path / "x"), "--epochs",
                         "3"]) == 2
     assert "--epochs: not used by --export-ridge" in capsys.readouterr().err
+    assert mhmla_train(["aes", *common, "--export-ridge", str(tmp_path / "x"), "--fold",
+                        "0,1"]) == 2
+    assert "--fold: --export-ridge fits one scorer on one fold" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

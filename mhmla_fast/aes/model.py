@@ -166,10 +166,10 @@ class ScorerConfig:
         data["prompts"] = list(self.prompts)
         if not self.cutpoints:  # a scorer without them writes the file as before
             del data["cutpoints"]
-        if self.head_kind == "layer-attention":  # so does one with the default head
-            del data["head_kind"]
         else:
             data["cutpoints"] = {str(p): list(c) for p, c in sorted(self.cutpoints.items())}
+        if self.head_kind == "layer-attention":  # so does one with the default head
+            del data["head_kind"]
         return json.dumps({"format": FORMAT, **data}, indent=2)
 
     @classmethod

@@ -279,6 +279,11 @@ def _check_mode_options(args) -> None:
     if args.export_shipped:
         refuse(("models", "members", "cache_only", "feature_precision", "export_ridge"),
                "not used by --export-shipped (one MHMLA [CLS] head for all prompts)")
+    export = ("--export-ridge" if args.export_ridge else
+              "--export-shipped" if args.export_shipped else None)
+    if export and args.fold != "all" and len(parse_folds(args.fold)) > 1:
+        raise ValueError(f"--fold: {export} fits one scorer on one fold's train split, got "
+                         f"{args.fold!r}")
     if args.export_ridge:
         refuse(("models", "members", "cache_only", "feature_precision", "objective", "epochs",
                 "patience", "lr", "batch_size"),
