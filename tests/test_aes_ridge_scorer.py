@@ -101,6 +101,17 @@ def test_ridge_scorer_round_trips_and_scores_window_by_window(tiny_encoder, tmp_
     assert got == want.tolist()
 
 
+def test_a_ridge_scorer_refuses_kernels_it_has_no_layer_attention_for(tiny_encoder, tmp_path):
+    from mhmla_fast.serve.score import load_scorer
+
+    scorer = _ridge_scorer(tiny_encoder)
+    path = scorer.save(tmp_path / "ridge", tokenizer=scorer.tokenizer)
+    for kernels in ("torch", "triton"):
+        with pytest.raises(ValueError, match="is a ridge scorer, with no layer attention"):
+            load_scorer(path, backend="torch", device="cpu", kernels=kernels)
+    assert load_scorer(path, backend="torch", device="cpu").config.head_kind == "ridge"
+
+
 def test_fitted_ridge_scorer_is_the_protocols_ridge_layers_cuts(tiny_encoder, tmp_path):
     from mhmla_fast.aes.data import split_essays
     from mhmla_fast.aes.ridge_scorer import fit_ridge_scorer

@@ -92,7 +92,8 @@ def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None =
     ``kernels`` ("auto", "torch", "triton") and ``threads`` torch CPU threads; in eval mode with
     its tokenizer attached. All have ``config.prompts`` and ``predict_scores``.
 
-    ``backend`` "onnx" or "tensorrt" is a ValueError, as is an unknown dtype or kernels name,
+    ``backend`` "onnx" or "tensorrt" is a ValueError, as is an unknown dtype or kernels name
+    (or kernels other than "auto" for a ridge scorer, which has no layer attention),
     or a ``check_margin`` where no checked scorer runs. Load errors (not a scorer directory,
     bad weights) propagate."""
     from .runners import check_margin_option
@@ -115,8 +116,12 @@ def _torch_scorer(path: str | Path, opts: ServeOptions, threads: int | None):
     from .runners import set_torch_threads
 
     set_torch_threads(threads)
-    return EssayScorer.load(path, device=opts.device, dtype=getattr(torch, opts.dtype),
-                            backend=opts.kernels)
+    scorer = EssayScorer.load(path, device=opts.device, dtype=getattr(torch, opts.dtype),
+                              backend=opts.kernels)
+    if scorer.config.head_kind == "ridge" and opts.kernels != "auto":
+        raise ValueError(f"kernels: {path} is a ridge scorer, with no layer attention to run "
+                         f"on {opts.kernels!r} kernels; leave kernels at 'auto'")
+    return scorer
 
 
 def unsupported_prompt(prompt: int, prompts: Sequence[int]) -> str | None:
