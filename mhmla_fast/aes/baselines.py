@@ -16,9 +16,8 @@ from .splits import FeatureSplit, qwk
 from .windows import average_windows
 
 __all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select", "CutRidge",
-           "ridge_select_cutpoints", "layer_matrix", "ridge_layers", "surface_ridge",
-           "tfidf_select",
-           "human_agreement"]
+           "ridge_select_cutpoints", "choose_cut", "cut_unit", "score_scale", "layer_rows",
+           "ridge_layers", "surface_ridge", "tfidf_select", "human_agreement"]
 
 RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))  # 0.1 .. 1e5, half decades
 TFIDF_ALPHAS = tuple(float(a) for a in np.logspace(-2, 2, 9))
@@ -71,7 +70,7 @@ def ridge_select(Xtr: np.ndarray, ytr: np.ndarray, Xdev: np.ndarray, dev_index: 
     return predict, best[1], best[0]
 
 
-def _score_scale(normalised: np.ndarray, prompt: int) -> np.ndarray:
+def score_scale(normalised: np.ndarray, prompt: int) -> np.ndarray:
     """Normalised essay predictions -> the prompt's score scale, unrounded."""
     lo, hi = SCORE_RANGES[int(prompt)]
     return lo + np.asarray(normalised, dtype=np.float64) * (hi - lo)
@@ -97,7 +96,7 @@ class CutRidge(NamedTuple):
     intercept: float
 
 
-def _choose_cut(oof: np.ndarray, train_gold: np.ndarray, x_dev: np.ndarray,
+def choose_cut(oof: np.ndarray, train_gold: np.ndarray, x_dev: np.ndarray,
                 dev_gold: np.ndarray, order: Sequence[int], prompt: int,
                 ) -> tuple[int, float, np.ndarray]:
     """The candidate setting (its index) whose dev essays ``x_dev[:, a]`` [E_dev, A], cut at
@@ -119,7 +118,7 @@ def _larger_alpha_first(alphas: Sequence[float]) -> list[int]:
     return sorted(range(len(alphas)), key=lambda i: -alphas[i])
 
 
-def _cut_unit(x_dev: np.ndarray, x_test: np.ndarray, train_oof: np.ndarray, cuts: np.ndarray,
+def cut_unit(x_dev: np.ndarray, x_test: np.ndarray, train_oof: np.ndarray, cuts: np.ndarray,
               dev_qwk: float, prompt: int, selected: dict) -> dict:
     """A cut model's unit fields from its chosen setting's continuous predictions on the score
     scale (dev [E_dev], test [E_te], the training essays' out-of-fold ones [E_tr]) and
@@ -157,16 +156,16 @@ def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.nda
         return lambda held: Xtr[held] @ W + b
 
     oof = out_of_fold_predictions(fit, train_index, n_folds=n_folds)  # [W_tr, A]
-    oof_essays = _score_scale(average_windows(oof, train_index, n_train), prompt)  # [E_tr, A]
+    oof_essays = score_scale(average_windows(oof, train_index, n_train), prompt)  # [E_tr, A]
     path = _ridge_path(Xtr, ytr, alphas)
-    x_dev = np.stack([_score_scale(average_windows(Xdev @ w + b, dev_index, len(dev_gold)),
+    x_dev = np.stack([score_scale(average_windows(Xdev @ w + b, dev_index, len(dev_gold)),
                                    prompt) for w, b in path], axis=1)  # [E_dev, A]
-    a, dev_q, cuts = _choose_cut(oof_essays, train_gold, x_dev, dev_gold,
+    a, dev_q, cuts = choose_cut(oof_essays, train_gold, x_dev, dev_gold,
                                  _larger_alpha_first(alphas), prompt)
     alpha, (w, b) = alphas[a], path[a]
 
     def values(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
-        return _score_scale(average_windows(X @ w + b, index, n_essays), prompt)
+        return score_scale(average_windows(X @ w + b, index, n_essays), prompt)
 
     def predict(X: np.ndarray, index: np.ndarray, n_essays: int | None = None) -> np.ndarray:
         return apply_cutpoints(values(X, index, n_essays), cuts, prompt)
@@ -174,11 +173,22 @@ def ridge_select_cutpoints(Xtr: np.ndarray, ytr: np.ndarray, train_index: np.nda
     return CutRidge(predict, values, alpha, dev_q, cuts, oof_essays[:, a], w, float(b))
 
 
-def layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
-                  std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _layer_matrix(split: FeatureSplit, mean: np.ndarray | None = None,
+                   std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[W, L*H] concatenated vectors of layers 1..L, standardised (train statistics)."""
     X = split.features[:, 1:].reshape(split.features.shape[0], -1).double().numpy()
     return _standardise(X, mean, std)
+
+
+def layer_rows(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, prompt: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A ridge's rows on the per-layer vectors: ``(X_train, y_train, X_dev, X_test, mean,
+    std)``, X [W, L*H] the windows' vectors of layers 1..L standardised with the training
+    split's ``mean`` and ``std`` [L*H], ``y_train`` [W_tr] each training window's essay score
+    normalised to [0, 1]."""
+    Xtr, mu, sd = _layer_matrix(train)
+    ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
+    return Xtr, ytr, _layer_matrix(dev, mu, sd)[0], _layer_matrix(test, mu, sd)[0], mu, sd
 
 
 def _standardise(X: np.ndarray, mean: np.ndarray | None = None, std: np.ndarray | None = None
@@ -204,10 +214,7 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
     ones of the training essays, ``dev`` and ``test``) that blends and stacks of members need
     (:mod:`.ensembles`).
     """
-    Xtr, mu, sd = layer_matrix(train)
-    ytr = np.array([normalise_score(s, prompt) for s in train.scores[train.essay_index]])
-    Xdev, _, _ = layer_matrix(dev, mu, sd)
-    Xte, _, _ = layer_matrix(test, mu, sd)
+    Xtr, ytr, Xdev, Xte, _, _ = layer_rows(train, dev, test, prompt)
     if surface is not None:
         s_tr, m, d = _standardise(surface[0])
         s_dev, s_te = _standardise(surface[1], m, d)[0], _standardise(surface[2], m, d)[0]
@@ -230,7 +237,7 @@ def _select_unit(train: tuple, dev: tuple, test: tuple, prompt: int, alphas: Seq
     if cuts:
         r = ridge_select_cutpoints(Xtr, ytr, tr_index, tr_gold, Xdev, dev_index, dev_gold,
                                    prompt, alphas)
-        return _cut_unit(r.values(Xdev, dev_index, len(dev_gold)), r.values(Xte, te_index, n_test),
+        return cut_unit(r.values(Xdev, dev_index, len(dev_gold)), r.values(Xte, te_index, n_test),
                          r.train_oof, r.cutpoints, r.dev_qwk, prompt, {"alpha": r.alpha})
     predict, alpha, dev_q = ridge_select(Xtr, ytr, Xdev, dev_index, dev_gold, prompt, alphas)
     return {"dev_pred": predict(Xdev, dev_index, len(dev_gold)),
@@ -288,7 +295,7 @@ def _tfidf_cuts(train_texts: list[str], train_gold: np.ndarray, y: np.ndarray,
                 prompt: int, alphas: Sequence[float], n_folds: int = 5) -> dict:
     """``tfidf-ridge-cuts``: for every alpha, cutpoints fitted on out-of-fold predictions of
     the training essays (each fold's vectoriser and ridges fitted on the other folds' essays
-    only), alpha chosen by dev QWK of the cut scores (:func:`_choose_cut`)."""
+    only), alpha chosen by dev QWK of the cut scores (:func:`choose_cut`)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import Ridge
 
@@ -304,11 +311,11 @@ def _tfidf_cuts(train_texts: list[str], train_gold: np.ndarray, y: np.ndarray,
 
     oof = out_of_fold_predictions(fold, np.arange(len(train_texts)), n_folds=n_folds)
     full = fit(np.arange(len(train_texts)))
-    x_dev, x_test = (_score_scale(full(list(t)), prompt) for t in (dev_texts, test_texts))
-    oof = _score_scale(oof, prompt)
-    a, dev_q, cuts = _choose_cut(oof, train_gold, x_dev, dev_gold, _larger_alpha_first(alphas),
+    x_dev, x_test = (score_scale(full(list(t)), prompt) for t in (dev_texts, test_texts))
+    oof = score_scale(oof, prompt)
+    a, dev_q, cuts = choose_cut(oof, train_gold, x_dev, dev_gold, _larger_alpha_first(alphas),
                                  prompt)
-    return _cut_unit(x_dev[:, a], x_test[:, a], oof[:, a], cuts, dev_q, prompt,
+    return cut_unit(x_dev[:, a], x_test[:, a], oof[:, a], cuts, dev_q, prompt,
                      {"alpha": alphas[a]})
 
 

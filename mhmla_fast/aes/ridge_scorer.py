@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from ..configs import EncoderSpec
-from .baselines import layer_matrix, ridge_select_cutpoints
-from .data import normalise_score, split_essays
+from .baselines import layer_rows, ridge_select_cutpoints
+from .data import split_essays
 from .metrics import exact_agreement
 from .model import EssayScorer, ScorerConfig
 from .splits import PROMPTS, PROTOCOL, Log, feature_split, load_prompt_caches, qwk, read_asap_folds
@@ -54,9 +54,7 @@ def fit_ridge_scorer(
     for p in prompts:
         splits = split_essays(essays, fold_ids, fold, prompt=p)
         train, dev, test = (feature_split(caches[p], splits[s]) for s in ("train", "dev", "test"))
-        x_train, mu, sd = layer_matrix(train)
-        y = np.array([normalise_score(s, p) for s in train.scores[train.essay_index]])
-        x_dev, x_test = layer_matrix(dev, mu, sd)[0], layer_matrix(test, mu, sd)[0]
+        x_train, y, x_dev, x_test, mu, sd = layer_rows(train, dev, test, p)
         ridge = ridge_select_cutpoints(x_train, y, train.essay_index, train.scores, x_dev,
                                        dev.essay_index, dev.scores, p)
         out = scorer.head.outputs[str(p)]

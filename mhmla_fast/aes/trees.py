@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .baselines import _choose_cut, _cut_unit, _score_scale
+from .baselines import choose_cut, cut_unit, score_scale
 from .cutpoints import out_of_fold_predictions
 from .data import normalise_score
 from .model import combine_windows
@@ -68,10 +68,10 @@ def gbdt_select(train: tuple[np.ndarray, np.ndarray], dev: tuple[np.ndarray, np.
     if cuts:
         oof = out_of_fold_predictions(lambda rows: lambda held: _fit_grid(X[rows], y[rows], grid)(
             X[held]), np.arange(len(X)), n_folds=n_folds)
-        oof, x_dev, x_test = (_score_scale(v, prompt) for v in (oof, p_dev, p_test))
+        oof, x_dev, x_test = (score_scale(v, prompt) for v in (oof, p_dev, p_test))
         # ties go to the earlier (simpler) setting
-        a, dev_q, cutpoints = _choose_cut(oof, gold, x_dev, dev_gold, range(len(grid)), prompt)
-        return _cut_unit(x_dev[:, a], x_test[:, a], oof[:, a], cutpoints, dev_q, prompt, grid[a])
+        a, dev_q, cutpoints = choose_cut(oof, gold, x_dev, dev_gold, range(len(grid)), prompt)
+        return cut_unit(x_dev[:, a], x_test[:, a], oof[:, a], cutpoints, dev_q, prompt, grid[a])
 
     def rounded(p: np.ndarray) -> np.ndarray:  # normalised [E] -> scores rounded half up
         return combine_windows(p, np.arange(len(p)), prompt, "regression")

@@ -115,13 +115,25 @@ def _torch_scorer(path: str | Path, opts: ServeOptions, threads: int | None):
     from ..aes.model import EssayScorer
     from .runners import set_torch_threads
 
-    set_torch_threads(threads)
-    scorer = EssayScorer.load(path, device=opts.device, dtype=getattr(torch, opts.dtype),
-                              backend=opts.kernels)
-    if scorer.config.head_kind == "ridge" and opts.kernels != "auto":
+    if opts.kernels != "auto" and _head_kind(path) == "ridge":  # before the load, not after
         raise ValueError(f"kernels: {path} is a ridge scorer, with no layer attention to run "
                          f"on {opts.kernels!r} kernels; leave kernels at 'auto'")
-    return scorer
+    set_torch_threads(threads)
+    return EssayScorer.load(path, device=opts.device, dtype=getattr(torch, opts.dtype),
+                            backend=opts.kernels)
+
+
+def _head_kind(path: str | Path) -> str | None:
+    """The ``head_kind`` a scorer directory's ``config.json`` names (the default
+    "layer-attention" when it names none); None when the file cannot be read (the load then
+    says why)."""
+    import json
+
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("head_kind",
+                                                                          "layer-attention")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def unsupported_prompt(prompt: int, prompts: Sequence[int]) -> str | None:
