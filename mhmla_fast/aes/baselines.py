@@ -17,7 +17,7 @@ from .windows import average_windows
 
 __all__ = ["RIDGE_ALPHAS", "TFIDF_ALPHAS", "SURFACE_ALPHAS", "ridge_select", "CutRidge",
            "ridge_select_cutpoints", "choose_cut", "cut_unit", "score_scale", "layer_rows",
-           "ridge_layers", "surface_ridge", "tfidf_select", "human_agreement"]
+           "window_rows", "ridge_layers", "surface_ridge", "tfidf_select", "human_agreement"]
 
 RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))  # 0.1 .. 1e5, half decades
 TFIDF_ALPHAS = tuple(float(a) for a in np.logspace(-2, 2, 9))
@@ -199,6 +199,25 @@ def _standardise(X: np.ndarray, mean: np.ndarray | None = None, std: np.ndarray 
     return (X - mean) / std, mean, std  # type: ignore[operator]
 
 
+def window_rows(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, prompt: int,
+                surface: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                ) -> tuple[tuple, tuple, tuple]:
+    """The rows a model on per-window vectors fits: ``train`` (X [W, F], normalised targets
+    [W], essay of each row [W], gold scores [E]), ``dev`` (X, essay of each row, gold scores)
+    and ``test`` (X, essay of each row, number of essays); X the windows' vectors of layers
+    1..L (:func:`layer_rows`) with ``surface``'s per-essay rows (train, dev, test) appended,
+    each block standardised on train."""
+    Xtr, ytr, Xdev, Xte, _, _ = layer_rows(train, dev, test, prompt)
+    if surface is not None:
+        s_tr, m, d = _standardise(surface[0])
+        s_dev, s_te = _standardise(surface[1], m, d)[0], _standardise(surface[2], m, d)[0]
+        Xtr = np.hstack([Xtr, s_tr[train.essay_index]])
+        Xdev = np.hstack([Xdev, s_dev[dev.essay_index]])
+        Xte = np.hstack([Xte, s_te[test.essay_index]])
+    return ((Xtr, ytr, train.essay_index, train.scores), (Xdev, dev.essay_index, dev.scores),
+            (Xte, test.essay_index, len(test.ids)))
+
+
 def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, prompt: int,
                  alphas: Sequence[float] = RIDGE_ALPHAS,
                  surface: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
@@ -207,23 +226,15 @@ def ridge_layers(train: FeatureSplit, dev: FeatureSplit, test: FeatureSplit, pro
 
     ``surface``: per-essay features (:func:`~.surface.surface_features`, and with them any
     other per-essay features such as :mod:`.ged_features`) of the train, dev and test essays,
-    standardised on train and appended to every window's row (``ridge-layers-surface``).
+    standardised on train and appended to every window's row (``ridge-layers-surface``;
+    :func:`window_rows`).
     ``cuts``: scores cut at cutpoints fitted for QWK on out-of-fold training predictions
     (:func:`ridge_select_cutpoints`) instead of rounded; the result then also holds the
     continuous predictions on the score scale (``continuous``: ``train_oof``, the out-of-fold
     ones of the training essays, ``dev`` and ``test``) that blends and stacks of members need
     (:mod:`.ensembles`).
     """
-    Xtr, ytr, Xdev, Xte, _, _ = layer_rows(train, dev, test, prompt)
-    if surface is not None:
-        s_tr, m, d = _standardise(surface[0])
-        s_dev, s_te = _standardise(surface[1], m, d)[0], _standardise(surface[2], m, d)[0]
-        Xtr = np.hstack([Xtr, s_tr[train.essay_index]])
-        Xdev = np.hstack([Xdev, s_dev[dev.essay_index]])
-        Xte = np.hstack([Xte, s_te[test.essay_index]])
-    return _select_unit((Xtr, ytr, train.essay_index, train.scores),
-                        (Xdev, dev.essay_index, dev.scores), (Xte, test.essay_index, len(test.ids)),
-                        prompt, alphas, cuts)
+    return _select_unit(*window_rows(train, dev, test, prompt, surface), prompt, alphas, cuts)
 
 
 def _select_unit(train: tuple, dev: tuple, test: tuple, prompt: int, alphas: Sequence[float],

@@ -38,8 +38,11 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   continuous predictions (``continuous``: the training essays' out-of-fold ones, dev's and
   test's) for blends.
 * ``surface-gbdt-cuts`` / ``surface-ged-gbdt-cuts``: gradient-boosted trees on the surface
-  (and grammatical-error) features, cut as the ``-cuts`` ridges (:mod:`.trees`): the one
-  non-linear member, setting chosen by dev QWK.
+  (and grammatical-error) features, cut as the ``-cuts`` ridges (:mod:`.trees`): a
+  non-linear member on per-essay features, setting chosen by dev QWK.
+* ``krr-layers-both-surface-cuts``: kernel ridge with a Gaussian kernel on the rows of
+  ``ridge-layers-both-surface``, ``(gamma, alpha)`` by dev QWK, cut as the ``-cuts`` ridges (:mod:`.kernel_ridge`): a
+  non-linear member over the encoder's features.
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members`` (:mod:`.protocol_ensembles`):
   ``ensemble-mean`` (the mean of the members' scores, rounded half up) and ``ensemble-vote``
@@ -73,9 +76,10 @@ import numpy as np
 
 from ..dispatch import BACKENDS
 from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
-                        surface_ridge, tfidf_select)
+                        surface_ridge, tfidf_select, window_rows)
 from .data import Essay, split_essays
 from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
+from .kernel_ridge import KRR_ALPHAS, KRR_GAMMAS, krr_select
 from .heads import HeadResult, HeadTrainConfig, head_cutpoints, predict_split, train_head
 from .metrics import exact_agreement
 from .protocol_ensembles import greedy_ensemble_entry, member_ensembles, stack_ensemble_entry
@@ -92,7 +96,9 @@ __all__ = ["run_cpu_protocol", "summary_table"]
 
 
 # the kinds whose cut models keep continuous predictions in their units (for blends)
-BLENDABLE_KINDS = ("ridge", "surface", "tfidf", "gbdt")
+BLENDABLE_KINDS = ("ridge", "surface", "tfidf", "gbdt", "krr")
+# the kinds that read the cached per-layer vectors
+LAYER_KINDS = ("head", "joint", "ridge", "krr")
 
 
 def _unit(ids: np.ndarray, gold: np.ndarray, pred: np.ndarray, prompt: int, **extra) -> dict:
@@ -153,19 +159,20 @@ def _settings(spec: ModelSpec, encoder: str, overrides: dict, precision: str = "
     """What a unit of ``spec`` depends on (stored with it; a unit of other settings is not
     reused). ``precision``: of the encoder pass that made the feature caches."""
     extra = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
-    if spec.kind in ("head", "joint", "ridge") and precision != "fp32":  # models on the caches
+    if spec.kind in LAYER_KINDS and precision != "fp32":  # models on the caches
         extra["feature_precision"] = precision
     if spec.head is not None:
         lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
         return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **extra}
-    alphas = ({"alphas": list({"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS,
-                               "surface": SURFACE_ALPHAS}[spec.kind])}
-              if spec.kind != "gbdt" else {"grid": list(GBDT_GRID), "fixed": GBDT_FIXED})
+    alphas = {"gbdt": {"grid": list(GBDT_GRID), "fixed": GBDT_FIXED},
+              "krr": {"gammas": list(KRR_GAMMAS), "alphas": list(KRR_ALPHAS)}}.get(
+        spec.kind) or {"alphas": list({"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS,
+                                       "surface": SURFACE_ALPHAS}[spec.kind])}
     surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
     features = {"features": spec.features} if spec.features != "cls" else {}
     ged = ({"ged": list(GED_FEATURES), "ged_tagger_sha256": tagger_fingerprint(_ged_tagger())}
            if spec.ged else {})
-    return {"encoder": encoder if spec.kind == "ridge" else None, **alphas,
+    return {"encoder": encoder if spec.kind in LAYER_KINDS else None, **alphas,
             **surface, **features, **ged, **extra}
 
 
@@ -201,11 +208,14 @@ def _run_prompt_unit(spec: ModelSpec, p: int, splits: dict, by_pooling: dict, ov
     if spec.kind == "head":
         return _head_unit(tr, dv, te, p, _head_config(spec, overrides),
                           spec.lrs if "lr" not in overrides else None, encoder, backend)
-    if spec.kind == "ridge":
+    if spec.kind in ("ridge", "krr"):
         tr, dv, te = (joined_features({q: by_pooling[q][p][s] for q in by_pooling}, spec.features)
                       for s in ("train", "dev", "test"))
         per_essay = [_essay_features(spec, splits[p][x], ged) for x in ("train", "dev", "test")]
         surface = tuple(per_essay) if per_essay[0] is not None else None
+        if spec.kind == "krr":
+            return krr_select(*window_rows(tr, dv, te, p, surface), p,  # type: ignore[arg-type]
+                              cuts=spec.cuts)
         return ridge_layers(tr, dv, te, p, surface=surface, cuts=spec.cuts)  # type: ignore[arg-type]
     if spec.kind in ("surface", "gbdt"):
         f_tr, f_dev, f_te = (_essay_features(spec, splits[p][x], ged)

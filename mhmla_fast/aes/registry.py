@@ -15,16 +15,16 @@ HEAD_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
 @dataclass
 class ModelSpec:
     """A model of the protocol: ``kind`` "head" | "joint" | "ridge" | "tfidf" | "surface" |
-    "gbdt" (:mod:`.trees`).
+    "gbdt" (:mod:`.trees`) | "krr" (:mod:`.kernel_ridge`).
 
     ``lrs``: for head models, learning rates tried per (fold, prompt), the best by dev QWK
     kept (None: ``head.lr`` only); ``surface``: ridge models append the surface features
-    (tree models read them); ``features``: the per-layer vectors a ridge model reads, "cls",
-    "mean" or "cls+mean" (head models read "cls"); ``ged``: ridge, surface and tree models
-    append the essay's grammatical-error features (:mod:`.ged_features`, from the shipped GED
-    tagger); ``cuts``: a ridge, surface, TF-IDF, tree or joint regression model's scores are
-    cut at cutpoints fitted for QWK on out-of-fold training predictions (:mod:`.cutpoints`)
-    instead of rounded.
+    (tree models read them); ``features``: the per-layer vectors a ridge (or kernel ridge)
+    model reads, "cls", "mean" or "cls+mean" (head models read "cls"); ``ged``: ridge,
+    surface and tree models append the essay's grammatical-error features
+    (:mod:`.ged_features`, from the shipped GED tagger); ``cuts``: a ridge, kernel ridge,
+    surface, TF-IDF, tree or joint regression model's scores are cut at cutpoints fitted for
+    QWK on out-of-fold training predictions (:mod:`.cutpoints`) instead of rounded.
     """
 
     kind: str
@@ -132,6 +132,11 @@ MODELS: dict[str, ModelSpec] = {
     "surface-ged-gbdt-cuts": ModelSpec("gbdt", "surface-gbdt-cuts on the surface and the "
                                        "grammatical-error features", surface=True, ged=True,
                                        cuts=True),
+    "krr-layers-both-surface-cuts": ModelSpec(
+        "krr", "kernel ridge (Gaussian kernel) on the rows of ridge-layers-both-surface, "
+        "(gamma, alpha) by dev QWK, cut at cutpoints fitted for QWK on out-of-fold training "
+        "predictions: a non-linear member over the encoder's features", surface=True,
+        features="cls+mean", cuts=True),
 }
 DEFAULT_MODELS = ("mhmla-cls", "mhmla-reg", "last-cls", "avgl-cls", "last-reg", "avgl-reg",
                   "mhmla-joint-cls", "mhmla-joint-reg", "mhmla-joint-reg-cuts", "ridge-layers",
