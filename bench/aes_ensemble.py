@@ -346,8 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         per_fold[k] = {"fold": k, "prompts": list(cells), "prompts_finetuned": with_ft,
                        "cells": cells, "mean_test_qwk": cell_means(cells)}
-    common = {"units": {label: str(f) for label, f in units.items()} if len(units) > 1
-              else str(units[""]), "finetuned": [str(f) for f in args.finetuned],
+    # one unlabelled folder as its path; labelled ones (even one: LABEL=DIR) by label
+    common = {"units": str(units[""]) if "" in units
+              else {label: str(f) for label, f in units.items()},
+              "finetuned": [str(f) for f in args.finetuned],
               **({"members": sorted(wanted)} if wanted else {})}
     note = "test QWK; members and ensembles chosen on the dev split only"
     if len(folds) == 1:

@@ -331,6 +331,16 @@ def test_greedy_blend_of_two_encoders_cut_ridges(run, tmp_path):
         assert result["mean_test_qwk"][name] == pytest.approx(np.mean(
             [result["cells"][p][name]["test_qwk"] for p in ("3", "4")]))
     assert "greedy-stack-finetuned" not in result["cells"]["3"]  # no fine-tuned member given
+    assert result["units"] == {"minilm": str(units), "mpnet": str(other)}
+    # one labelled folder: its members are named LABEL/model, and the file records it so
+    # (this once failed with a KeyError after every cell was computed)
+    one = ["--units", f"minilm={units}", *args[3:]]
+    assert bench.main([*one, "--out", str(out)]) == 0
+    single = json.loads(out.read_text())
+    assert single["units"] == {"minilm": str(units)}
+    names = set(single["cells"]["3"]["members"])
+    assert "minilm/ridge-layers-both-surface-cuts" in names
+    assert all(n.startswith("minilm/") for n in names)
     # with a fine-tuned member: the stack's scores join it as one member, chosen on dev
     assert bench.main([*args, "--finetuned", str(ft), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
