@@ -56,10 +56,30 @@ def apply_cutpoints(x: np.ndarray, cuts: np.ndarray, prompt: int) -> np.ndarray:
     return lo + np.searchsorted(cuts, x, side="right").astype(np.int64)
 
 
+def _qwk_of_sums(n: int, sum_sq_diff: np.ndarray, sum_g: int, sum_g2: int, sum_p: np.ndarray,
+                 sum_p2: np.ndarray) -> np.ndarray:
+    """QWK from integer sums over ``n`` essays (gold ``g``, predicted ``p``), exactly as
+    :func:`~.metrics.quadratic_weighted_kappa`: with ``sum_ij hg_i hp_j (i - j)^2 =
+    n (sum g^2 + sum p^2) - 2 sum g sum p``, ``QWK = 1 - n sum (g - p)^2 / that`` (1 where it
+    is 0). Vectorised over candidates (the ``p`` sums and ``sum_sq_diff`` arrays)."""
+    den = n * (sum_g2 + sum_p2) - 2 * sum_g * sum_p
+    out = np.ones(den.shape, dtype=np.float64)
+    ok = den != 0
+    out[ok] = 1.0 - (n * sum_sq_diff[ok]) / den[ok]
+    return out
+
+
 def fit_cutpoints(x: np.ndarray, gold: np.ndarray, prompt: int, *, sweeps: int = 10,
                   max_candidates: int = 256) -> np.ndarray:
     """Cutpoints [k - 1] that maximise QWK of ``apply_cutpoints(x)`` against ``gold`` (see the
-    module doc); ``x`` [E] continuous predictions on the score scale, ``gold`` [E] int scores."""
+    module doc); ``x`` [E] continuous predictions on the score scale, ``gold`` [E] int scores.
+
+    The QWK of every candidate of one cutpoint comes at once from integer sums: moving cutpoint
+    ``i`` within its neighbours ``[t_{i-1}, t_{i+1}]`` only decides whether the essays between
+    them score ``lo + i - 1`` or one more, so suffix sums over those essays sorted by ``x`` give
+    each candidate's ``sum p``, ``sum p^2`` and ``sum (g - p)^2`` (:func:`_qwk_of_sums`). The
+    candidates are then taken in order, each kept if it beats the best so far by ``1e-12``,
+    as one trial at a time would."""
     x = np.asarray(x, dtype=np.float64)
     gold = np.asarray(gold)
     if x.ndim != 1 or x.shape != gold.shape or x.size == 0:
@@ -67,9 +87,16 @@ def fit_cutpoints(x: np.ndarray, gold: np.ndarray, prompt: int, *, sweeps: int =
                          f"{x.shape} and {gold.shape}")
     lo, hi = SCORE_RANGES[int(prompt)]
     cuts = rounding_cutpoints(prompt)
+    quadratic_weighted_kappa(gold, gold, lo, hi)  # whole-number ratings, else an error
+    g = gold.astype(np.int64)
+    n, sum_g, sum_g2 = g.size, int(g.sum()), int((g * g).sum())
+    order = np.argsort(x, kind="stable")
+    xo, go = x[order], g[order]
 
     def score(c: np.ndarray) -> float:
-        return quadratic_weighted_kappa(gold, apply_cutpoints(x, c, prompt), lo, hi)
+        p = apply_cutpoints(x, c, prompt)
+        return float(_qwk_of_sums(n, np.array([int(((g - p) ** 2).sum())]), sum_g, sum_g2,
+                                  np.array([int(p.sum())]), np.array([int((p * p).sum())]))[0])
 
     xs = np.unique(x)
     mids = (xs[1:] + xs[:-1]) / 2 if xs.size > 1 else xs
@@ -84,14 +111,29 @@ def fit_cutpoints(x: np.ndarray, gold: np.ndarray, prompt: int, *, sweeps: int =
             cand = spots[(spots >= left) & (spots <= right)]
             if cand.size > max_candidates:
                 cand = cand[np.linspace(0, cand.size - 1, max_candidates).round().astype(int)]
-            for c in cand:
+            if cand.size == 0:
+                continue
+            # scores with cutpoint i above every essay of the band [left, right): the band
+            # scores lo + i, and a candidate c adds 1 to the band's essays with x >= c
+            trial = cuts.copy()
+            trial[i] = right
+            p0 = apply_cutpoints(xo, trial, prompt)
+            a, b = np.searchsorted(xo, left, side="left"), np.searchsorted(xo, right, side="left")
+            band_g, band_p = go[a:b], p0[a:b]
+            # suffix sums over the band (sorted by x): essays j..end are the ones moved up
+            up_p = np.concatenate([np.cumsum((2 * band_p + 1)[::-1])[::-1], [0]])
+            up_d = np.concatenate([np.cumsum((1 - 2 * (band_g - band_p))[::-1])[::-1], [0]])
+            up_n = np.arange(band_g.size, -1, -1)
+            j = np.searchsorted(xo[a:b], cand, side="left")  # first band essay with x >= c
+            q = _qwk_of_sums(n, int(((go - p0) ** 2).sum()) + up_d[j], sum_g, sum_g2,
+                             int(p0.sum()) + up_n[j], int((p0 * p0).sum()) + up_p[j])
+            for c, qc in zip(cand, q):
                 if c == cuts[i]:
                     continue
-                trial = cuts.copy()
-                trial[i] = c
-                q = score(trial)
-                if q > best + 1e-12:
-                    best, cuts, gained = q, trial, True
+                if qc > best + 1e-12:
+                    best, gained = float(qc), True
+                    cuts = cuts.copy()
+                    cuts[i] = c
         if not gained:
             break
     return cuts
