@@ -71,27 +71,28 @@ def krr_select(train: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     settings = [(g, a) for g in gammas for a in alphas]
     order = sorted(range(len(settings)), key=lambda i: (settings[i][0], -settings[i][1]))
 
-    def essays(windows: np.ndarray, index: np.ndarray, n: int) -> np.ndarray:  # [W, A] -> [E, A]
-        return average_windows(windows, index, n)
-
+    ybar = y.mean()
     per_gamma = []  # (dev [E_dev, A], test [E_te, A], oof [E_tr, A]) normalised, per gamma
     for g in gammas:
         K = np.exp(-g * D / scale)
-        C = _krr_path(K, y, alphas)
-        ybar = y.mean()
-        p_dev = essays(rbf_kernel(Xdev, X, g, scale) @ C + ybar, dev_index, len(dev_gold))
-        p_te = essays(rbf_kernel(Xte, X, g, scale) @ C + ybar, te_index, n_test)
+        C = _krr_path(K, y, alphas)  # [W, A]; essay predictions are their windows' means
+        p_dev = average_windows(rbf_kernel(Xdev, X, g, scale) @ C + ybar, dev_index,
+                                len(dev_gold))
+        p_te = average_windows(rbf_kernel(Xte, X, g, scale) @ C + ybar, te_index, n_test)
         oof = None
         if cuts:
             def fit(rows: np.ndarray, K=K):
                 Cr = _krr_path(K[np.ix_(rows, rows)], y[rows], alphas)
                 return lambda held: K[np.ix_(held, rows)] @ Cr + y[rows].mean()
 
-            oof = essays(out_of_fold_predictions(fit, tr_index, n_folds=n_folds), tr_index,
-                         len(tr_gold))
+            oof = average_windows(out_of_fold_predictions(fit, tr_index, n_folds=n_folds),
+                                  tr_index, len(tr_gold))
         per_gamma.append((p_dev, p_te, oof))
     p_dev, p_te = (np.concatenate([t[i] for t in per_gamma], axis=1) for i in (0, 1))
-    chosen = lambda a: {"gamma": settings[a][0], "alpha": settings[a][1]}  # noqa: E731
+
+    def chosen(a: int) -> dict:
+        return {"gamma": settings[a][0], "alpha": settings[a][1]}
+
     if cuts:
         oof = np.concatenate([t[2] for t in per_gamma], axis=1)
         oof, x_dev, x_te = (score_scale(v, prompt) for v in (oof, p_dev, p_te))

@@ -41,8 +41,8 @@ Taghipour & Ng 5-fold split (train 60 / dev 20 / test 20 per prompt), QWK per
   (and grammatical-error) features, cut as the ``-cuts`` ridges (:mod:`.trees`): a
   non-linear member on per-essay features, setting chosen by dev QWK.
 * ``krr-layers-both-surface-cuts``: kernel ridge with a Gaussian kernel on the rows of
-  ``ridge-layers-both-surface``, ``(gamma, alpha)`` by dev QWK, cut as the ``-cuts`` ridges (:mod:`.kernel_ridge`): a
-  non-linear member over the encoder's features.
+  ``ridge-layers-both-surface``, ``(gamma, alpha)`` by dev QWK, cut as the ``-cuts`` ridges
+  (:mod:`.kernel_ridge`): a non-linear member over the encoder's features.
 * ``human``: rater 1 against rater 2 on the same test essays.
 * ensembles over the saved test predictions of ``members`` (:mod:`.protocol_ensembles`):
   ``ensemble-mean`` (the mean of the members' scores, rounded half up) and ``ensemble-vote``
@@ -79,8 +79,8 @@ from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreem
                         surface_ridge, tfidf_select, window_rows)
 from .data import Essay, split_essays
 from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
-from .kernel_ridge import KRR_ALPHAS, KRR_GAMMAS, krr_select
 from .heads import HeadResult, HeadTrainConfig, head_cutpoints, predict_split, train_head
+from .kernel_ridge import KRR_ALPHAS, KRR_GAMMAS, krr_select
 from .metrics import exact_agreement
 from .protocol_ensembles import greedy_ensemble_entry, member_ensembles, stack_ensemble_entry
 from .registry import DEFAULT_MEMBERS, DEFAULT_MODELS, MODELS, ModelSpec, poolings_of
@@ -164,15 +164,18 @@ def _settings(spec: ModelSpec, encoder: str, overrides: dict, precision: str = "
     if spec.head is not None:
         lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
         return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **extra}
-    alphas = {"gbdt": {"grid": list(GBDT_GRID), "fixed": GBDT_FIXED},
-              "krr": {"gammas": list(KRR_GAMMAS), "alphas": list(KRR_ALPHAS)}}.get(
-        spec.kind) or {"alphas": list({"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS,
-                                       "surface": SURFACE_ALPHAS}[spec.kind])}
+    if spec.kind == "gbdt":
+        grid = {"grid": list(GBDT_GRID), "fixed": GBDT_FIXED}
+    elif spec.kind == "krr":
+        grid = {"gammas": list(KRR_GAMMAS), "alphas": list(KRR_ALPHAS)}
+    else:
+        grid = {"alphas": list({"ridge": RIDGE_ALPHAS, "tfidf": TFIDF_ALPHAS,
+                                "surface": SURFACE_ALPHAS}[spec.kind])}
     surface = {"surface": list(SURFACE_FEATURES)} if spec.surface else {}
     features = {"features": spec.features} if spec.features != "cls" else {}
     ged = ({"ged": list(GED_FEATURES), "ged_tagger_sha256": tagger_fingerprint(_ged_tagger())}
            if spec.ged else {})
-    return {"encoder": encoder if spec.kind in LAYER_KINDS else None, **alphas,
+    return {"encoder": encoder if spec.kind in LAYER_KINDS else None, **grid,
             **surface, **features, **ged, **extra}
 
 
