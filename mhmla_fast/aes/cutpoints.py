@@ -93,16 +93,13 @@ def fit_cutpoints(x: np.ndarray, gold: np.ndarray, prompt: int, *, sweeps: int =
     order = np.argsort(x, kind="stable")
     xo, go = x[order], g[order]
 
-    def score(c: np.ndarray) -> float:
-        p = apply_cutpoints(x, c, prompt)
-        return float(_qwk_of_sums(n, np.array([int(((g - p) ** 2).sum())]), sum_g, sum_g2,
-                                  np.array([int(p.sum())]), np.array([int((p * p).sum())]))[0])
-
     xs = np.unique(x)
     mids = (xs[1:] + xs[:-1]) / 2 if xs.size > 1 else xs
     # the ends too, so that a cutpoint can move past every prediction (an empty score)
     spots = np.concatenate([[xs[0] - 1.0], mids, [xs[-1] + 1.0]])
-    best = score(cuts)
+    p = apply_cutpoints(x, cuts, prompt)  # rounding's scores, the start
+    best = float(_qwk_of_sums(n, np.array([int(((g - p) ** 2).sum())]), sum_g, sum_g2,
+                              np.array([int(p.sum())]), np.array([int((p * p).sum())]))[0])
     for _ in range(sweeps):
         gained = False
         for i in range(cuts.size):
@@ -132,8 +129,7 @@ def fit_cutpoints(x: np.ndarray, gold: np.ndarray, prompt: int, *, sweeps: int =
                     continue
                 if qc > best + 1e-12:
                     best, gained = float(qc), True
-                    cuts = cuts.copy()
-                    cuts[i] = c
+                    cuts[i] = c  # cuts is this call's own array (rounding_cutpoints')
         if not gained:
             break
     return cuts
