@@ -101,11 +101,19 @@ def test_ridge_scorer_round_trips_and_scores_window_by_window(tiny_encoder, tmp_
     assert got == want.tolist()
 
 
-def test_a_ridge_scorer_refuses_kernels_it_has_no_layer_attention_for(tiny_encoder, tmp_path):
+def test_a_ridge_scorer_refuses_kernels_it_has_no_layer_attention_for(tiny_encoder, tmp_path,
+                                                                      monkeypatch):
+    """Kernels other than "auto" are refused for a ridge scorer. "triton" on the CPU is first
+    refused as a CUDA-only choice unless TRITON_INTERPRET=1 (the options check reads it at
+    call time), so both orders are pinned here, whatever the test run's environment."""
     from mhmla_fast.serve.score import load_scorer
 
     scorer = _ridge_scorer(tiny_encoder)
     path = scorer.save(tmp_path / "ridge", tokenizer=scorer.tokenizer)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="'triton' runs on a CUDA device"):
+        load_scorer(path, backend="torch", device="cpu", kernels="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     for kernels in ("torch", "triton"):
         with pytest.raises(ValueError, match="is a ridge scorer, with no layer attention"):
             load_scorer(path, backend="torch", device="cpu", kernels=kernels)
