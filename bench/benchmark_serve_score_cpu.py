@@ -5,7 +5,7 @@ essays.
     python bench/benchmark_serve_score_cpu.py --backend torch       # torch, not the export
     python bench/benchmark_serve_score_cpu.py --compare-torch       # auto's scores = torch's?
     python bench/benchmark_serve_score_cpu.py --device cuda --dtype bfloat16 --essays 4000
-    python bench/benchmark_serve_score_cpu.py --model runs/aes-ridge/aes-minilm-ridge
+    python bench/benchmark_serve_score_cpu.py --model runs/aes-ridge/aes-minilm-ridge-stack
     python bench/benchmark_serve_score_cpu.py --essays 40 --out /tmp/   # a quick check
 
 Sample: ``--essays`` (400) essays of the ASAP TSV (``--tsv``, default the shared data folder's,
@@ -121,7 +121,7 @@ def resolve_model(model: str | None) -> Path:
     path = Path(model) if model else default_model_path()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         hint = "" if model else (" (the shipped scorer is not installed; pass --model DIR, e.g. "
-                                 "runs/aes-ridge/aes-minilm-ridge)")
+                                 "runs/aes-ridge/aes-minilm-ridge-stack)")
         sys.exit(f"{path}: not an essay-scorer directory{hint}")
     return path
 

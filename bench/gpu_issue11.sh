@@ -312,7 +312,7 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 torch.manual_seed(0)  # all-MiniLM-L6-v2's shape, random weights
 BertModel(BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                      intermediate_size=1536, max_position_embeddings=512)).save_pretrained("/tmp/aes_minilm")
-AutoTokenizer.from_pretrained("mhmla_fast/models/aes-minilm-ridge").save_pretrained("/tmp/aes_minilm")
+AutoTokenizer.from_pretrained("mhmla_fast/models/aes-minilm-ridge-stack").save_pretrained("/tmp/aes_minilm")
 PY
     for run in ${AES_RUNS:-length:auto length:off}; do
       b=${run%%:*} c=${run##*:}

@@ -28,7 +28,7 @@ the per-prompt margins (or ``--speed-margin``), whose scores must equal fp32's (
 after writing).
 
     python bench/openvino_bf16_score_cpu.py --threads 2 \
-        --write-margins mhmla_fast/models/aes-minilm-ridge
+        --write-margins mhmla_fast/models/aes-minilm-ridge-stack
     # -> bench/results/openvino_bf16_score_cpu_<date>.json
 """
 
@@ -101,7 +101,7 @@ class Calibration:
 
     def __init__(self, fp32_scorer, bf16_runner, texts: list[str], prompts: list[int],
                  token_budget: int):
-        from mhmla_fast.aes.scoring import essay_scores, piece_windows
+        from mhmla_fast.aes.scoring import essay_offsets, essay_scores, piece_windows
 
         cfg = self.cfg = fp32_scorer.config
         regression = cfg.objective == "regression"
@@ -117,10 +117,11 @@ class Calibration:
         self.seconds = {"onnxruntime float32": round(s32, 2), "openvino bfloat16": round(s16, 2)}
         w32 = prompt_columns(out32, window_prompts, fp32_scorer.columns, regression)
         w16 = prompt_columns(out16, window_prompts, fp32_scorer.columns, regression)
+        offsets = essay_offsets(texts, prompts, cfg.surface_weights)  # the essays' own terms
         self.sc32, mean32 = essay_scores(w32, essay_index, prompts, cfg.objective, cfg.decision,
-                                         cfg.cutpoints)
+                                         cfg.cutpoints, offsets)
         self.sc16, mean16 = essay_scores(w16, essay_index, prompts, cfg.objective, cfg.decision,
-                                         cfg.cutpoints)
+                                         cfg.cutpoints, offsets)
         self.mean16 = mean16
         self.prompts = np.asarray(prompts)
         self.essay_index = np.asarray(essay_index)

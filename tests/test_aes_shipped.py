@@ -23,22 +23,25 @@ def test_shipped_scorer_is_small_and_complete():
     assert config["encoder_spec"]["freeze"] == "all" and config["base_tensors"]
     training = config["training"]  # fold-0 train, dev for selection
     assert training["fold"] == 0 and training["protocol"] == "cpu-frozen-encoder"
-    # since 2026-12-06 a ridge per prompt on the per-layer [CLS] vectors, cut at fitted
-    # cutpoints (aes.ridge_scorer): its file holds the ridges alone, in fp32
-    assert config["head_kind"] == "ridge" and training["model"] == "ridge-layers-cuts"
+    # since 2026-12-07 the stack of four ridges as one linear map per prompt of the per-layer
+    # [CLS] vectors and token means, plus one of the surface features, cut at fitted cutpoints
+    # (aes.ridge_scorer.fit_ridge_stack_scorer): its file holds the maps alone, in fp32
+    assert config["head_kind"] == "ridge" and config["pooling"] == "cls+mean"
+    assert training["model"].startswith("stack-blend of ridge-layers-both-surface-cuts")
+    assert training["folded_max_abs_diff"] < 1e-8
     assert sorted(config["cutpoints"]) == [str(p) for p in sorted(SCORE_RANGES)]
+    assert sorted(config["surface_weights"]) == [str(p) for p in sorted(SCORE_RANGES)]
     from safetensors import safe_open
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert sorted(f.keys()) == sorted(f"head.outputs.{p}.{n}" for p in SCORE_RANGES
                                           for n in ("bias", "weight"))
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float32"}
+        assert f.get_tensor("head.outputs.1.weight").shape == (1, 2 * 6 * 384)
     assert set(training["test_qwk"]) == {str(p) for p in SCORE_RANGES}
     assert 0.5 < training["test_mean_qwk"] < 1
-    # the checked bf16 scorer's margins, measured on this scorer (bench/openvino_bf16_score_cpu.py)
-    check = json.loads((path / "bf16_check.json").read_text())
-    assert check["format"] == "mhmla-bf16-check/1" and check["essays"] == 12978
-    assert sorted(map(int, check["margins"])) == sorted(SCORE_RANGES)
-    assert all(0 < m < 0.1 for m in check["margins"].values())
+    # no checked bf16 margins measured on it yet (they need a CPU with bf16 instructions):
+    # backend auto scores it with ONNX Runtime fp32 everywhere until then
+    assert not (path / "bf16_check.json").exists()
 
 
 def test_shipped_scorer_scores_short_and_long_essays_offline():

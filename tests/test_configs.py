@@ -180,7 +180,7 @@ def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs(
         tmp_path, tiny_scorer_dir):
     """The shipped tagger (grouped layout since its re-ship of 2026-12-01) and the same model
     with its config.json in the flat layout of before issue 15 load to one config and give the
-    recorded outputs; the shipped scorer (a ridge scorer since 2026-12-06, grouped layout)
+    recorded outputs; the shipped scorer (a ridge stack scorer since 2026-12-07, grouped layout)
     gives its recorded outputs, and a scorer's config.json in the flat layout (the scorer
     shipped until 2026-12-06 had one) loads to the same config and scores."""
     import shutil
@@ -220,14 +220,15 @@ def test_the_shipped_models_load_from_the_keys_of_before_with_the_same_outputs(
     essay = ("Computers are good because they help people learn. However, some people spend "
              "too much time in front of a screen.")
     scores, outs = scorer.predict_scores([essay] * 8, list(range(1, 9)), return_outputs=True)
-    # cut at the scorer's cutpoints; rounded they would be [3, 1, 1, 0, 0, 0, 9, 25]
-    assert scores.tolist() == [2, 1, 0, 0, 0, 0, 7, 16]
+    # cut at the scorer's cutpoints; rounded they would be [2, 1, 1, 0, 0, 0, 8, 23] (the ridge
+    # stack scorer shipped since 2026-12-07: its averaged outputs include the surface term)
+    assert scores.tolist() == [2, 1, 0, 0, 0, 0, 7, 21]
     from mhmla_fast.aes.data import denormalise_scores
     assert [int(denormalise_scores([float(o)], p)[0]) for p, o in zip(range(1, 9), outs)] == [
-        3, 1, 1, 0, 0, 0, 9, 25]
-    np.testing.assert_allclose([float(o) for o in outs], [0.139145, 0.03498, 0.325807, 0.005782,
-                                                          -0.051009, 0.041695, 0.313856,
-                                                          0.415935], atol=2e-6)
+        2, 1, 1, 0, 0, 0, 8, 23]
+    np.testing.assert_allclose([float(o) for o in outs], [-0.000121, -0.026463, 0.220646,
+                                                          -0.078281, 0.10621, -0.046995,
+                                                          0.271519, 0.375435], atol=2e-6)
 
     grouped = json.loads((tiny_scorer_dir / "config.json").read_text())
     la, es = grouped["layer_attention"], grouped["encoder_spec"]

@@ -10,6 +10,13 @@ Per window of at most ``window`` word pieces (``[CLS] pieces [SEP]``, T tokens):
     classification: logits = pooled W_p + b_p     [B, C_p]    C_p = hi_p - lo_p + 1 labels
     regression:     y = sigmoid(pooled w_p + b_p)  [B]         the score normalised to [0, 1]
 
+A ridge scorer (``head_kind="ridge"``) has no layer attention: its pooled vector is every layer
+1..L's ``[CLS]`` state side by side (pooling "cls", [B, L H]), or each layer's ``[CLS]`` state
+and mean over the window's tokens (pooling "cls+mean", [B, 2 L H]), and its output is the
+linear ``y = pooled w_p + b_p``; a ridge scorer may add an essay-level term computed from the
+text, ``s(text) . c_p`` (``surface_weights``, :func:`~.scoring.essay_offsets`), to the averaged
+window outputs.
+
 ``p`` is the essay's prompt: every prompt has its own output layer, sized by
 ``SCORE_RANGES[p]`` (classification) or one unit (regression), over a layer attention that
 all prompts share. With ``"cls"`` pooling the layer attention is evaluated at ``[CLS]``
@@ -56,8 +63,8 @@ from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES
 from .scoring import (DECISIONS, FORMAT, OBJECTIVES, EssayPlan,  # noqa: F401
-                      combine_windows, default_model_path, essay_prompts, essay_scores,
-                      num_labels, piece_windows)
+                      combine_windows, default_model_path, essay_offsets, essay_prompts,
+                      essay_scores, num_labels, piece_windows)
 from .windows import split_windows
 
 __all__ = [
@@ -66,7 +73,7 @@ __all__ = [
     "default_model_path",
 ]
 
-POOLINGS = ("cls", "attention")
+POOLINGS = ("cls", "attention", "cls+mean")
 HEADS = ("layer-attention", "ridge")
 
 
@@ -80,7 +87,8 @@ class ScorerConfig:
     frozen ("all": the encoder is not trained and stays in eval mode)
     (:class:`~mhmla_fast.configs.EncoderSpec`); layer_attention: the head
     (:class:`~mhmla_fast.configs.LayerAttentionConfig`); pooling: "cls" | "attention";
-    objective: "classification" | "regression"; prompts: the prompts with an output layer;
+    ("cls+mean": ridge heads only); objective: "classification" | "regression"; prompts: the
+    prompts with an output layer;
     decision: how classification turns the averaged window probabilities into a score
     ("argmax" | "expected"); base_tensors: state-dict keys read from the base encoder
     package instead of ``model.safetensors`` (plus a row delta the file stores, if any:
@@ -92,8 +100,12 @@ class ScorerConfig:
     layer attention: each prompt's output is a linear map of the concatenated ``[CLS]``
     vectors of layers 1..L, unbounded, in normalised score units, ``y = [h^1_[CLS] ..
     h^L_[CLS]] w_p + b_p``: a ridge regression fitted on cached features,
-    :mod:`.ridge_scorer`; "cls" pooling and the regression objective only, and
-    ``layer_attention`` is not used).
+    :mod:`.ridge_scorer`; "cls" or "cls+mean" pooling (then each layer's ``[CLS]`` vector and
+    token mean, ``[h^1_[CLS], mean_t h^1_t, ..]``) and the regression objective only, and
+    ``layer_attention`` is not used); surface_weights: a ridge head's weights on the essay's
+    raw surface features per prompt (``{prompt: [len(SURFACE_FEATURES)]}``, normalised score
+    units; :func:`~.scoring.essay_offsets`), added to its averaged window outputs (none: no such
+    term).
 
     Files and keyword arguments in the flat layout of before (``encoder``, ``head``,
     ``num_heads``, ``key_size``, ``dropout``, ``window``, ``freeze_encoder``) are read into
@@ -112,14 +124,20 @@ class ScorerConfig:
     training: dict = field(default_factory=dict)
     cutpoints: dict[int, tuple[float, ...]] = field(default_factory=dict)
     head_kind: str = "layer-attention"
+    surface_weights: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head_kind not in HEADS:
             raise ValueError(f"head_kind: expected one of {HEADS}, got {self.head_kind!r}")
-        if self.head_kind == "ridge" and (self.pooling, self.objective) != ("cls", "regression"):
-            raise ValueError(f"head_kind 'ridge' reads [CLS] and outputs normalised scores: it "
-                             f"needs pooling 'cls' and objective 'regression', got "
-                             f"{self.pooling!r} and {self.objective!r}")
+        ridge = self.head_kind == "ridge"
+        if ridge and (self.pooling not in ("cls", "cls+mean") or self.objective != "regression"):
+            raise ValueError(f"head_kind 'ridge' reads [CLS] (and token means) and outputs "
+                             f"normalised scores: it needs pooling 'cls' or 'cls+mean' and "
+                             f"objective 'regression', got {self.pooling!r} and "
+                             f"{self.objective!r}")
+        if self.pooling == "cls+mean" and not ridge:
+            raise ValueError("pooling 'cls+mean': a ridge head's only (head_kind 'ridge'); the "
+                             "layer attention pools 'cls' or 'attention'")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling: expected one of {POOLINGS}, got {self.pooling!r}")
         if self.objective not in OBJECTIVES:
@@ -144,6 +162,23 @@ class ScorerConfig:
                     or not all(math.isfinite(c) for c in cuts)):
                 raise ValueError(f"cutpoints of prompt {p}: expected {hi - lo} finite, "
                                  f"non-decreasing values, got {list(cuts)}")
+        self._check_surface_weights()
+
+    def _check_surface_weights(self) -> None:
+        from .surface import SURFACE_FEATURES
+
+        self.surface_weights = {int(p): tuple(float(c) for c in w)
+                                for p, w in (self.surface_weights or {}).items()}
+        if self.surface_weights and self.head_kind != "ridge":
+            raise ValueError("surface_weights: a ridge head's only (head_kind 'ridge')")
+        for p, w in self.surface_weights.items():
+            if p not in self.prompts:
+                raise ValueError(f"surface_weights: prompt {p} is not among the scorer's "
+                                 f"{list(self.prompts)}")
+            if len(w) != len(SURFACE_FEATURES) or not all(math.isfinite(c) for c in w):
+                raise ValueError(f"surface_weights of prompt {p}: expected "
+                                 f"{len(SURFACE_FEATURES)} finite values "
+                                 f"({', '.join(SURFACE_FEATURES)}), got {list(w)}")
 
     @property
     def encoder(self) -> str:
@@ -170,6 +205,11 @@ class ScorerConfig:
             data["cutpoints"] = {str(p): list(c) for p, c in sorted(self.cutpoints.items())}
         if self.head_kind == "layer-attention":  # so does one with the default head
             del data["head_kind"]
+        if not self.surface_weights:  # and one without surface weights
+            del data["surface_weights"]
+        else:
+            data["surface_weights"] = {str(p): list(w)
+                                       for p, w in sorted(self.surface_weights.items())}
         return json.dumps({"format": FORMAT, **data}, indent=2)
 
     @classmethod
@@ -188,9 +228,11 @@ class ScorerHead(nn.Module):
     ``forward(hidden_states, attention_mask, prompt)``: hidden states [L+1, B, T, H] (or
     the HF tuple), mask [B, T] -> classification logits [B, C_p] or regression outputs
     in [0, 1], shape [B]. :meth:`forward_cls` takes cached per-layer ``[CLS]`` vectors
-    [B, L+1, H] instead (``"cls"`` pooling only). With ``config.head_kind == "ridge"`` there is no
+    [B, L+1, H] instead (``"cls"`` pooling only; a "cls+mean" ridge head takes both vectors of
+    each layer side by side, [B, L+1, 2H]). With ``config.head_kind == "ridge"`` there is no
     layer attention: the pooled vector is the concatenation of layers 1..L at ``[CLS]``
-    [B, L H], and each prompt's output is its linear map, not squashed by a sigmoid.
+    [B, L H] (with "cls+mean" pooling, each layer's ``[CLS]`` vector then its token mean,
+    [B, 2 L H]), and each prompt's output is its linear map, not squashed by a sigmoid.
     """
 
     def __init__(self, hidden_size: int, num_layers: int, config: ScorerConfig,
@@ -202,7 +244,8 @@ class ScorerHead(nn.Module):
         self.layer_attention = None if ridge else FusedLayerAttention(
             hidden_size, num_layers, config=config.layer_attention, backend=backend)
         self.pool = nn.Linear(hidden_size, 1) if config.pooling == "attention" else None
-        width = num_layers * hidden_size if ridge else hidden_size
+        width = ((2 if config.pooling == "cls+mean" else 1) * num_layers * hidden_size if ridge
+                 else hidden_size)
         self.outputs = nn.ModuleDict({
             str(p): nn.Linear(width, num_labels(p) if config.objective == "classification" else 1)
             for p in config.prompts
@@ -235,12 +278,18 @@ class ScorerHead(nn.Module):
 
         ``"cls"``: ``c = MHMLA(h[:, :, 0])``; ``"attention"``: ``c_t = MHMLA(h[:, :, t])`` per
         unpadded token, ``alpha = softmax_t(w . c_t)`` over the unpadded tokens,
-        ``c = sum_t alpha_t c_t``.
+        ``c = sum_t alpha_t c_t``; ``"cls+mean"`` (ridge heads): per layer ``[h^l_[CLS],
+        (1/T) sum_t h^l_t]`` over the T unpadded tokens ([CLS] and [SEP] included, in fp32: the
+        feature cache's "mean" pooling), layers 1..L side by side [B, 2 L H].
         """
         if not isinstance(hidden_states, Tensor):
             hidden_states = torch.stack(list(hidden_states), 0)
         if self.config.pooling == "cls":
             return self.pooled_cls(hidden_states[:, :, 0])
+        if self.config.pooling == "cls+mean":
+            m = attention_mask.to(hidden_states.device, torch.float32)[:, :, None]  # [B, T, 1]
+            means = (hidden_states.float() * m).sum(2) / m.sum(1)  # [L+1, B, H]
+            return self.pooled_cls(torch.cat([hidden_states[:, :, 0].float(), means], -1))
         mask = attention_mask.bool()
         tokens = hidden_states[:, mask]  # padding dropped: [L+1, N, H]
         c_tok = self.layer_attention(tokens)  # [N, H]
@@ -253,16 +302,19 @@ class ScorerHead(nn.Module):
 
     def pooled_cls(self, cls_states: Tensor) -> Tensor:
         """``"cls"`` pooling from the per-layer ``[CLS]`` vectors [L+1, B, H]: the layer
-        attention's c [B, H], or (head "ridge") layers 1..L side by side [B, L H]."""
+        attention's c [B, H], or (head "ridge") layers 1..L side by side [B, L H] (with
+        "cls+mean" pooling each layer's ``[CLS]`` vector and token mean, [L+1, B, 2H] ->
+        [B, 2 L H])."""
         if self.layer_attention is None:
             return cls_states[1:].transpose(0, 1).reshape(cls_states.shape[1], -1)
         return self.layer_attention(cls_states)
 
     def forward_cls(self, cls_states: Tensor, prompt: int) -> Tensor:
-        """Per-layer ``[CLS]`` vectors [B, L+1, H] -> [B, C_p] logits or [B] regression
+        """Per-layer ``[CLS]`` vectors [B, L+1, H] (a "cls+mean" ridge head: both cached
+        vectors of each layer side by side, [B, L+1, 2H]) -> [B, C_p] logits or [B] regression
         outputs (in [0, 1]; unbounded for head "ridge")."""
-        if self.config.pooling != "cls":
-            raise ValueError("forward_cls needs pooling='cls'")
+        if self.config.pooling == "attention":
+            raise ValueError("forward_cls needs pooling 'cls' (or a 'cls+mean' ridge head)")
         return self.output(self.pooled_cls(cls_states.transpose(0, 1)), prompt)
 
     def window_outputs(self, raw: Tensor) -> Tensor:
@@ -354,7 +406,8 @@ class EssayScorer(ModelDirMixin, nn.Module):
                                      tokenizer.pad_token_id, token_budget)
         scores, outputs = essay_scores([p.numpy() for p in preds], essay_index, prompts,
                                        self.config.objective, self.config.decision,
-                                       self.config.cutpoints)
+                                       self.config.cutpoints,
+                                       essay_offsets(texts, prompts, self.config.surface_weights))
         return (scores, outputs) if return_outputs else scores
 
     @torch.no_grad()
@@ -391,8 +444,10 @@ class EssayScorer(ModelDirMixin, nn.Module):
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
         pieces = tokenizer([text], add_special_tokens=False, truncation=False,
                            verbose=False)["input_ids"][0]
+        offset = essay_offsets([text], [int(prompt)], self.config.surface_weights)
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
-                         tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id)
+                         tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id,
+                         0.0 if offset is None else float(offset[0]))
 
     def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
                       ) -> list[Tensor]:
@@ -410,7 +465,9 @@ class EssayScorer(ModelDirMixin, nn.Module):
         window_out = torch.stack(list(outputs)).double().numpy()
         return int(combine_windows(window_out, [0] * len(outputs), plan.prompt,
                                    self.config.objective, self.config.decision, n_essays=1,
-                                   cutpoints=self.config.cutpoints.get(plan.prompt))[0])
+                                   cutpoints=self.config.cutpoints.get(plan.prompt),
+                                   offsets=[plan.offset] if self.config.surface_weights
+                                   else None)[0])
 
     # --------------------------------------------------------------- save / load
 

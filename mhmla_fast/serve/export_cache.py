@@ -761,12 +761,18 @@ def auto_scorer(model_dir: str | os.PathLike, *, torch: Callable[[], Any],
     itself when it is an export, else on the cached export, ONNX Runtime fp32
     (:class:`.score_onnx.OnnxScorer`; ``dtype`` "float32") or the checked bf16 scorer (``dtype``
     "bfloat16": :func:`.openvino_runner.checked_scorer` at ``check_margin``; ONNX Runtime fp32
-    when OpenVINO fails, one line on stderr saying why); else ``torch()`` (fp32's scores
-    every way)."""
+    when OpenVINO fails, or when a ridge scorer without margins of its own is given none: the
+    default margin was measured on a layer-attention scorer, whose sigmoid keeps its bf16 errors
+    smaller than an unbounded linear output's; one line on stderr saying why); else
+    ``torch()`` (fp32's scores every way)."""
     from .score_onnx import OnnxScorer
 
     def onnx(path: Path):
         if dtype != "bfloat16":
+            return OnnxScorer(path, threads=threads)
+        if check_margin is None and _ridge_without_margins(path):
+            log(f"{path}: a ridge scorer without measured bf16 margins (bf16_check.json): "
+                "scoring with ONNX Runtime float32")
             return OnnxScorer(path, threads=threads)
         from .openvino_runner import checked_scorer
 
@@ -777,6 +783,21 @@ def auto_scorer(model_dir: str | os.PathLike, *, torch: Callable[[], Any],
 
     return auto_load(model_dir, SCORER, onnx=onnx, torch=torch, cache=cache, root=root, log=log,
                      threads=threads)
+
+
+def _ridge_without_margins(export_dir: Path) -> bool:
+    """Whether the scorer export ``export_dir`` is a ridge scorer (``head_kind`` "ridge" in its
+    config.json) lacking its own bf16 margins for some prompt (:data:`.score_onnx.CHECK_FILE`)."""
+    from .score_onnx import read_check_margins
+
+    try:
+        config = json.loads((export_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if config.get("head_kind") != "ridge":
+        return False
+    own = read_check_margins(export_dir)
+    return any(int(p) not in own for p in config.get("prompts", []))
 
 
 def _onnx_runner(export_dir: Path, threads: int | None, lanes: int = 1):

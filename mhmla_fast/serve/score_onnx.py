@@ -25,8 +25,10 @@ only (:func:`window_outputs_module`, "cls-last-layer": 1/7 of MiniLM-L6's work s
 in numpy, shared with the torch scorer (:mod:`mhmla_fast.aes.scoring`): word-piecing (the
 ``tokenizers`` library), cutting essays into 510-piece windows, packing windows into
 token-budget batches, picking each window's prompt columns, averaging windows per essay and
-rounding (or cutting) to the prompt's scale. The scorer has no other parts (no surface or
-grammatical-error features: those feed baselines of the CPU protocol, not servable scorers).
+rounding (or cutting) to the prompt's scale, and a ridge scorer's essay-level term from its
+surface features (``surface_weights``, :func:`~mhmla_fast.aes.scoring.essay_offsets`: word and
+character counts of the text, no model). A ridge scorer with "cls+mean" pooling reads every
+token of the last layer, so it is exported whole ("whole-encoder").
 The encoder's attention is
 traced in transformers' "eager" form (explicit MatMul, Softmax): its default SDPA form exports
 to a masked softmax with NaN guards. On ASAP essays (2 CPU cores, in process) ONNX Runtime ran
@@ -68,8 +70,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..aes.scoring import (EssayPlan, combine_windows, essay_prompts, essay_scores,
-                           near_boundary, piece_windows)
+from ..aes.scoring import (EssayPlan, combine_windows, essay_offsets, essay_prompts,
+                           essay_scores, near_boundary, piece_windows)
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
@@ -156,7 +158,8 @@ def window_outputs_module(scorer, graph: str = "reference"):
     attention-pooling  "attention" pooling without boolean indexing (which the tracer cannot
                        follow): the layer attention at every position, padding included, padded
                        positions zeroed and masked out of the softmax, as the scorer does
-    whole-encoder      as reference (the exported form of "cls" pooling on other encoders)
+    whole-encoder      as reference (the exported form of "cls" pooling on other encoders,
+                       and of a ridge head's "cls+mean" pooling)
 
     Returns ``(module, columns)``, ``columns[p] = (start, end)``. (Defined in here so that
     importing this module needs no torch.)"""
@@ -243,12 +246,15 @@ def _cls_layer(layer, hidden, added):
 
 def export_graph(scorer) -> str:
     """The form :func:`export_scorer` traces (see :func:`window_outputs_module`):
-    "attention-pooling" for attention pooling; "cls-last-layer" for "cls" pooling on an encoder
+    "attention-pooling" for attention pooling; "whole-encoder" for "cls+mean" pooling (token
+    means of the last layer); "cls-last-layer" for "cls" pooling on an encoder
     whose layers have BERT's parts (``encoder.layer[i].attention.self.query/key/value``,
     ``attention.output``, ``intermediate``, ``output``; absolute positions, not a decoder);
     else "whole-encoder"."""
-    if scorer.config.pooling != "cls":
+    if scorer.config.pooling == "attention":
         return "attention-pooling"
+    if scorer.config.pooling != "cls":
+        return "whole-encoder"
     encoder = scorer.encoder
     config = getattr(encoder, "config", None)
     layers = getattr(getattr(encoder, "encoder", None), "layer", None)
@@ -298,13 +304,15 @@ def _batches(windows: Sequence[Sequence[int]], token_budget: int) -> list[list[i
 @dataclass(frozen=True)
 class ExportedScorerConfig:
     """What the HTTP app and the CLI read of a scorer's config: its prompts and how windows
-    become scores (``window``: word pieces per window without [CLS]/[SEP])."""
+    become scores (``window``: word pieces per window without [CLS]/[SEP]; ``surface_weights``:
+    a ridge scorer's essay-level term, :func:`~mhmla_fast.aes.scoring.essay_offsets`)."""
 
     prompts: tuple[int, ...]
     objective: str
     decision: str
     window: int
     cutpoints: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    surface_weights: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 class OnnxScorer:
@@ -335,7 +343,8 @@ class OnnxScorer:
         self.config = ExportedScorerConfig(
             tuple(int(p) for p in meta["prompts"]), meta["objective"], meta["decision"],
             int(meta["window"]),
-            {int(p): tuple(c) for p, c in meta.get("cutpoints", {}).items()})
+            {int(p): tuple(c) for p, c in meta.get("cutpoints", {}).items()},
+            {int(p): tuple(c) for p, c in meta.get("surface_weights", {}).items()})
         self.columns = {int(p): tuple(c) for p, c in meta["columns"].items()}
         self.width = max(end for _, end in self.columns.values())  # K
         self.cls_id, self.sep_id, self.pad_id = (int(meta["special_ids"][k])
@@ -390,16 +399,18 @@ class OnnxScorer:
             return (scores, outputs) if return_outputs else scores
         windows, essay_index = piece_windows(self.encode(texts), self.config.window,
                                              self.cls_id, self.sep_id)
-        scores, outputs = self._essay_scores(windows, essay_index, prompts, token_budget)
+        offsets = essay_offsets(texts, prompts, self.config.surface_weights)
+        scores, outputs = self._essay_scores(windows, essay_index, prompts, token_budget, offsets)
         return (scores, outputs) if return_outputs else scores
 
     def _essay_scores(self, windows: list[list[int]], essay_index: list[int],
-                      prompts: list[int], token_budget: int
+                      prompts: list[int], token_budget: int, offsets: np.ndarray | None = None,
                       ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Essays' integer scores and averaged outputs from their ``windows``."""
+        """Essays' integer scores and averaged outputs from their ``windows`` (and the essays'
+        own ``offsets``, :func:`~mhmla_fast.aes.scoring.essay_offsets`)."""
         preds = self._outputs(windows, [prompts[e] for e in essay_index], token_budget)
         return essay_scores(preds, essay_index, prompts, self.config.objective,
-                            self.config.decision, self.config.cutpoints)
+                            self.config.decision, self.config.cutpoints, offsets)
 
     # ------------------------------------------------ window by window (the HTTP batcher)
 
@@ -407,8 +418,10 @@ class OnnxScorer:
         """One essay word-pieced and cut into the windows :meth:`predict_scores` would use."""
         essay_prompts(1, prompt, self.config.prompts)
         pieces = self.encode([text])[0]
+        offset = essay_offsets([text], [int(prompt)], self.config.surface_weights)
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
-                         self.cls_id, self.sep_id, self.pad_id)
+                         self.cls_id, self.sep_id, self.pad_id,
+                         0.0 if offset is None else float(offset[0]))
 
     def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
                       ) -> list[np.ndarray]:
@@ -431,7 +444,9 @@ class OnnxScorer:
         score, mean = combine_windows(window_out, [0] * len(outputs), plan.prompt,
                                       self.config.objective, self.config.decision, n_essays=1,
                                       return_mean=True,
-                                      cutpoints=self.config.cutpoints.get(plan.prompt))
+                                      cutpoints=self.config.cutpoints.get(plan.prompt),
+                                      offsets=[plan.offset] if self.config.surface_weights
+                                      else None)
         return int(score[0]), mean
 
 
@@ -533,7 +548,7 @@ class CheckedScorer(OnnxScorer):
             self.rescored += rescored
 
     def _essay_scores(self, windows: list[list[int]], essay_index: list[int],
-                      prompts: list[int], token_budget: int
+                      prompts: list[int], token_budget: int, offsets: np.ndarray | None = None,
                       ) -> tuple[np.ndarray, list[np.ndarray]]:
         """As :meth:`OnnxScorer._essay_scores` (so :meth:`predict_scores`), the essays near a
         rounding boundary scored again by the exact runner (all of them in token-budget
@@ -542,7 +557,7 @@ class CheckedScorer(OnnxScorer):
         preds = self._outputs(windows, window_prompts, token_budget)
         cfg = self.config
         scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective, cfg.decision,
-                                       cfg.cutpoints)
+                                       cfg.cutpoints, offsets)
         again = np.zeros(len(prompts), dtype=bool)
         if self.exact is not None:
             for p in sorted(set(prompts)):
@@ -555,7 +570,7 @@ class CheckedScorer(OnnxScorer):
             for j, out in zip(redo, exact):
                 preds[j] = out
             scores, outputs = essay_scores(preds, essay_index, prompts, cfg.objective,
-                                           cfg.decision, cfg.cutpoints)
+                                           cfg.decision, cfg.cutpoints, offsets)
         self._counted(len(prompts), int(again.sum()))
         return scores, outputs
 
@@ -773,6 +788,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             "graph": graph, "attention": attention,
             "objective": cfg.objective, "decision": cfg.decision, "pooling": cfg.pooling,
             "cutpoints": {str(p): list(c) for p, c in sorted(cfg.cutpoints.items())},
+            "surface_weights": {str(p): list(w) for p, w in sorted(cfg.surface_weights.items())},
             "window": int(cfg.window), "max_length": int(cfg.encoder_spec.max_length),
             "special_ids": {"cls": int(tokenizer.cls_token_id),
                             "sep": int(tokenizer.sep_token_id), "pad": pad_id},

@@ -1,0 +1,285 @@
+"""The ridge stack scorer (the shipped scorer's kind since 2026-12-07): a ridge head with
+"cls+mean" pooling and surface weights. Each essay's own term (``essay_offsets``) and where it
+enters a score; the config's rules; the head against a float64 computation from the encoder's
+hidden states and against the feature cache; the scorer fitted by ``fit_ridge_stack_scorer``
+against the protocol's stack of the four members' units; its ONNX export; backend auto's bf16
+rule for a ridge scorer without margins; ``mhmla-train aes --export-ridge DIR --ridge-stack``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_aes_train import tiny_encoder, write_asap  # noqa: F401 - tiny_encoder: the fixture
+
+from mhmla_fast.aes.cutpoints import apply_cutpoints
+from mhmla_fast.aes.data import SCORE_RANGES
+from mhmla_fast.aes.model import (EssayScorer, ScorerConfig, collate_windows, encode_essay_windows,
+                                  load_tokenizer)
+from mhmla_fast.aes.scoring import combine_windows, essay_offsets, essay_scores
+from mhmla_fast.aes.surface import SURFACE_FEATURES, surface_features
+
+TEXTS = ["The dog went to school every day , and saw a cat . " * k + "It was @CAPS1 fun !"
+         for k in (1, 3, 6, 9)]
+
+
+def test_combine_windows_adds_each_essays_offset_before_the_cut():
+    outputs = np.array([0.1, 0.3, 0.5, 0.9])  # essay 0: windows 0, 1; essay 1: windows 2, 3
+    cuts = (0.5, 1.5, 2.5)
+    scores, mean = combine_windows(outputs, [0, 0, 1, 1], 3, "regression", return_mean=True,
+                                   cutpoints=cuts, offsets=[0.25, -0.5])
+    np.testing.assert_allclose(mean, [0.2 + 0.25, 0.7 - 0.5])
+    lo, hi = SCORE_RANGES[3]
+    assert scores.tolist() == apply_cutpoints(lo + mean * (hi - lo), cuts, 3).tolist()
+    assert combine_windows(outputs, [0, 0, 1, 1], 3, "regression", cutpoints=cuts).tolist() != (
+        scores.tolist())  # the offsets moved both essays
+    with pytest.raises(ValueError, match="offsets: only a regression scorer"):
+        combine_windows(np.full((2, 4), 0.25), [0, 1], 3, "classification", offsets=[0.0, 0.0])
+    with pytest.raises(ValueError, match="offsets: expected one per essay"):
+        combine_windows(outputs, [0, 0, 1, 1], 3, "regression", offsets=[0.1])
+    # essay_scores hands each prompt's essays their own offsets
+    got, means = essay_scores(list(outputs), [0, 0, 1, 1], [4, 3], "regression",
+                              offsets=np.array([0.5, -0.25]))
+    np.testing.assert_allclose(np.array(means, dtype=float), [0.7, 0.45])
+
+
+def test_essay_offsets_are_the_surface_features_times_each_prompts_weights():
+    rng = np.random.default_rng(0)
+    weights = {3: tuple(rng.normal(size=len(SURFACE_FEATURES))),
+               4: tuple(rng.normal(size=len(SURFACE_FEATURES)))}
+    prompts = [3, 4, 4, 1]  # prompt 1 has no weights: no term
+    got = essay_offsets(TEXTS, prompts, weights)
+    s = surface_features(TEXTS)
+    want = [float(np.dot(s[e], weights[p])) if p in weights else 0.0
+            for e, p in enumerate(prompts)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert essay_offsets(TEXTS, prompts, {}) is None
+
+
+def test_ridge_stack_config_rules():
+    w = {3: [0.1] * len(SURFACE_FEATURES)}
+    cfg = ScorerConfig(encoder="x", head_kind="ridge", objective="regression", pooling="cls+mean",
+                       prompts=(3, 4), surface_weights=w)
+    again = ScorerConfig.from_json(cfg.to_json())
+    assert again.pooling == "cls+mean" and again.surface_weights == {3: tuple(w[3])}
+    plain = json.loads(ScorerConfig(encoder="x", head_kind="ridge", objective="regression")
+                       .to_json())
+    assert "surface_weights" not in plain  # a scorer without them writes the file as before
+    with pytest.raises(ValueError, match="pooling 'cls\\+mean': a ridge head's only"):
+        ScorerConfig(pooling="cls+mean", objective="regression")
+    with pytest.raises(ValueError, match="surface_weights: a ridge head's only"):
+        ScorerConfig(objective="regression", prompts=(3,), surface_weights=w)
+    with pytest.raises(ValueError, match="surface_weights of prompt 3: expected 9 finite"):
+        ScorerConfig(head_kind="ridge", objective="regression", prompts=(3,),
+                     surface_weights={3: [0.1] * 8})
+    with pytest.raises(ValueError, match="surface_weights of prompt 3: expected 9 finite"):
+        ScorerConfig(head_kind="ridge", objective="regression", prompts=(3,),
+                     surface_weights={3: [float("nan")] * 9})
+    with pytest.raises(ValueError, match="surface_weights: prompt 3 is not among"):
+        ScorerConfig(head_kind="ridge", objective="regression", prompts=(4,), surface_weights=w)
+
+
+def _stack_scorer(encoder: str) -> EssayScorer:
+    """A "cls+mean" ridge scorer of prompts 3 and 4 with random output layers, surface weights
+    large enough to move scores, and cutpoints."""
+    torch.manual_seed(5)
+    rng = np.random.default_rng(5)
+    cfg = ScorerConfig(encoder=encoder, head_kind="ridge", objective="regression",
+                       pooling="cls+mean", prompts=(3, 4),
+                       cutpoints={3: (-0.4, 1.2, 2.3), 4: (0.5, 1.5, 2.5)},
+                       surface_weights={p: tuple(rng.normal(0, 0.3, len(SURFACE_FEATURES)))
+                                        for p in (3, 4)})
+    scorer = EssayScorer(cfg, backend="torch").eval()
+    with torch.no_grad():
+        for out in scorer.head.outputs.values():
+            out.weight.normal_(0, 0.3)
+            out.bias.fill_(0.2)
+    scorer.tokenizer = load_tokenizer(encoder)
+    return scorer
+
+
+def test_cls_mean_head_is_a_linear_map_of_each_layers_cls_and_token_mean(tiny_encoder):
+    from mhmla_fast.aes.features import encode_window_poolings
+
+    scorer = _stack_scorer(tiny_encoder)
+    tok = scorer.tokenizer
+    windows, essay_index = encode_essay_windows(tok, TEXTS, scorer.config.window)
+    assert len(windows) > len(TEXTS)  # some essays have several windows
+    ids, mask = collate_windows(windows, tok.pad_token_id)
+    with torch.no_grad():
+        states = scorer.encoder(input_ids=ids, attention_mask=mask,
+                                output_hidden_states=True).hidden_states
+    m = mask.double()
+    parts = []  # independent float64: per layer 1..L, [CLS] then the mean over real tokens
+    for h in states[1:]:
+        h = h.double()
+        parts += [h[:, 0], (h * m[:, :, None]).sum(1) / m.sum(1, keepdim=True)]
+    x = torch.cat(parts, 1)
+    assert scorer.head.outputs["3"].weight.shape[1] == x.shape[1] == 2 * 2 * 24
+    outs = {}
+    for p in (3, 4):
+        out = scorer.head.outputs[str(p)]
+        outs[p] = (x @ out.weight.detach().double().T + out.bias.detach().double()).squeeze(1)
+        np.testing.assert_allclose(scorer.predict_windows(ids, mask, p).numpy(),
+                                   outs[p].numpy(), atol=1e-5)
+    # the feature cache's "cls" and "mean" vectors side by side are what the head reads
+    cached, _ = encode_window_poolings(scorer.encoder, tok, TEXTS, window=scorer.config.window,
+                                       poolings=("cls", "mean"))
+    with torch.no_grad():
+        both = torch.cat([cached["cls"], cached["mean"]], -1).float()
+        np.testing.assert_allclose(scorer.head.forward_cls(both, 4).numpy(), outs[4].numpy(),
+                                   atol=1e-2)  # (fp16 cache)
+    # scores: windows averaged per essay, the essay's surface term added, then cut
+    prompts = [3, 4, 3, 4]
+    scores, means = scorer.predict_scores(TEXTS, prompts, return_outputs=True)
+    s = surface_features(TEXTS)
+    for e, p in enumerate(prompts):
+        offset = float(s[e] @ np.array(scorer.config.surface_weights[p]))
+        mean = outs[p].numpy()[np.array(essay_index) == e].mean() + offset
+        assert means[e] == pytest.approx(mean, abs=1e-5)
+        lo, hi = SCORE_RANGES[p]
+        cut = apply_cutpoints(np.array([lo + mean * (hi - lo)]), scorer.config.cutpoints[p], p)
+        assert scores[e] == int(np.clip(cut[0], lo, hi))
+    plain = scorer.config.surface_weights
+    scorer.config.surface_weights = {}
+    assert not np.allclose(np.array(scorer.predict_scores(TEXTS, prompts, return_outputs=True)[1],
+                                    dtype=float), np.array(means, dtype=float))
+    scorer.config.surface_weights = plain
+
+
+def test_ridge_stack_scorer_round_trips_and_scores_window_by_window(tiny_encoder, tmp_path):
+    scorer = _stack_scorer(tiny_encoder)
+    path = scorer.save(tmp_path / "stack", tokenizer=scorer.tokenizer)
+    again = EssayScorer.load(path)
+    assert again.config.pooling == "cls+mean"
+    assert again.config.surface_weights == scorer.config.surface_weights
+    prompts = [3, 4, 3, 4]
+    want = scorer.predict_scores(TEXTS, prompts)
+    assert again.predict_scores(TEXTS, prompts).tolist() == want.tolist()
+    plans = [again.plan_essay(t, p) for t, p in zip(TEXTS, prompts)]  # the HTTP batcher's way
+    assert all(plan.offset != 0 for plan in plans)
+    pairs = [(plan, w) for plan in plans for w in range(len(plan.windows))]
+    outputs = again.score_windows(pairs[::-1])[::-1]
+    got, k = [], 0
+    for plan in plans:
+        got.append(again.finish_essay(plan, outputs[k: k + len(plan.windows)]))
+        k += len(plan.windows)
+    assert got == want.tolist()
+
+
+def test_fitted_ridge_stack_scorer_is_the_protocols_stack(tiny_encoder, tmp_path):
+    from mhmla_fast.aes.data import split_essays
+    from mhmla_fast.aes.ensembles import blend_values, stack_blend
+    from mhmla_fast.aes.ridge_scorer import RIDGE_STACK_MEMBERS, fit_ridge_stack_scorer
+    from mhmla_fast.aes.splits import feature_split, load_prompt_caches, read_asap_folds
+    from mhmla_fast.aes.train import run_cpu_protocol
+
+    members = [m for m, _ in RIDGE_STACK_MEMBERS]
+    data, cache = write_asap(tmp_path / "data", n_per_prompt=40), tmp_path / "cache"
+    run_cpu_protocol(data_dir=data, cache_dir=cache, run_dir=tmp_path / "run", folds=[0],
+                     prompts=[3, 4], models=members, encoder=tiny_encoder, log=None)
+    scorer = fit_ridge_stack_scorer(data_dir=data, cache_dir=cache, fold=0, prompts=[3, 4],
+                                    encoder=tiny_encoder, log=None)
+    cfg, training = scorer.config, scorer.config.training
+    assert cfg.pooling == "cls+mean" and training["folded_max_abs_diff"] < 1e-8
+    essays, folds = read_asap_folds(data)
+    caches = load_prompt_caches(essays, [3, 4], cache, tiny_encoder, poolings=("cls", "mean"),
+                                log=None)
+    for p in (3, 4):
+        units = [json.loads((tmp_path / "run" / "units" / f"{m}-fold0-p{p}.json").read_text())
+                 for m in members]
+        assert [training["alphas"][str(p)][m] for m in members] == [
+            u["selected"]["alpha"] for u in units]
+        splits = split_essays(essays, folds, 0, prompt=p)
+        train_gold = np.array([e.score for e in splits["train"]])
+        w, cuts = stack_blend([np.array(u["continuous"]["train_oof"]) for u in units],
+                              train_gold, p)
+        np.testing.assert_allclose([training["weights"][str(p)][m] for m in members], w)
+        np.testing.assert_allclose(cfg.cutpoints[p], cuts)
+        want = blend_values([np.array(u["continuous"]["test"]) for u in units], w)
+        assert training["test_qwk"][str(p)] == pytest.approx(
+            _qwk(units[0]["gold"], apply_cutpoints(want, cuts, p), p))
+        # the scorer's own head on the cached vectors plus its surface term: the same values
+        split = {q: feature_split(caches[q][p], splits["test"]) for q in ("cls", "mean")}
+        both = torch.cat([split["cls"].features, split["mean"].features], -1).float()
+        with torch.no_grad():
+            y = scorer.head.forward_cls(both, p).double().numpy()
+        offsets = essay_offsets([e.text for e in splits["test"]], [p] * len(splits["test"]),
+                                cfg.surface_weights)
+        _, mean = combine_windows(y, split["cls"].essay_index, p, "regression",
+                                  n_essays=len(splits["test"]), return_mean=True,
+                                  cutpoints=cuts, offsets=offsets)
+        lo, hi = SCORE_RANGES[p]
+        np.testing.assert_allclose(lo + mean * (hi - lo), want, atol=1e-4)  # fp32 layers
+
+
+def _qwk(gold, pred, p):
+    from mhmla_fast.aes.splits import qwk
+
+    return qwk(np.asarray(gold), np.asarray(pred), p)
+
+
+def test_ridge_stack_scorer_exports_to_onnx_with_torchs_scores(tiny_encoder, tmp_path):
+    from mhmla_fast.serve.score_onnx import OnnxScorer, export_scorer
+
+    scorer = _stack_scorer(tiny_encoder)
+    path = scorer.save(tmp_path / "stack", tokenizer=scorer.tokenizer)
+    export = tmp_path / "export"
+    export_scorer(path, export)  # fails unless ONNX Runtime scores as torch fp32
+    meta = json.loads((export / "export.json").read_text())
+    assert meta["graph"] == "whole-encoder" and sorted(meta["surface_weights"]) == ["3", "4"]
+    onnx = OnnxScorer(export, threads=1)
+    prompts = [3, 4, 4, 3]
+    want, want_out = EssayScorer.load(path).predict_scores(TEXTS, prompts, return_outputs=True)
+    got, got_out = onnx.predict_scores(TEXTS, prompts, return_outputs=True)
+    assert got.tolist() == want.tolist()
+    np.testing.assert_allclose(np.array(got_out, dtype=float), np.array(want_out, dtype=float),
+                               atol=1e-4)
+    plans = [onnx.plan_essay(t, p) for t, p in zip(TEXTS, prompts)]
+    finished = [onnx.finish_essay(plan, onnx.score_windows(
+        [(plan, w) for w in range(len(plan.windows))])) for plan in plans]
+    assert finished == want.tolist()
+
+
+def test_auto_bf16_keeps_a_ridge_scorer_without_margins_on_onnxruntime_fp32(tiny_encoder,
+                                                                            tmp_path):
+    from mhmla_fast.serve.export_cache import _ridge_without_margins, auto_scorer
+    from mhmla_fast.serve.score_onnx import OnnxScorer, export_scorer, write_check_margins
+
+    scorer = _stack_scorer(tiny_encoder)
+    path = scorer.save(tmp_path / "stack", tokenizer=scorer.tokenizer)
+    export = tmp_path / "export"
+    export_scorer(path, export)
+    assert _ridge_without_margins(export)
+    said: list[str] = []
+    got = auto_scorer(export, torch=lambda: pytest.fail("torch"), dtype="bfloat16",
+                      log=said.append, threads=1)
+    assert type(got) is OnnxScorer and "without measured bf16 margins" in said[0]
+    write_check_margins(export, {3: 0.01})
+    assert _ridge_without_margins(export)  # prompt 4 still has none
+    write_check_margins(export, {3: 0.01, 4: 0.02})
+    assert not _ridge_without_margins(export)
+
+
+def test_export_ridge_stack_command(tiny_encoder, tmp_path, capsys):
+    from mhmla_fast.commands.eval import main as mhmla_eval
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=40)
+    common = ["--prompt", "3,4", "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache")]
+    out = tmp_path / "stack"
+    assert mhmla_train(["aes", *common, "--fold", "0", "--encoder", tiny_encoder,
+                        "--export-ridge", str(out), "--ridge-stack", "--quiet"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["head_kind"] == "ridge" and cfg["pooling"] == "cls+mean"
+    assert sorted(cfg["surface_weights"]) == sorted(cfg["cutpoints"]) == ["3", "4"]
+    assert cfg["training"]["model"].startswith("stack-blend of ridge-layers-both-surface-cuts")
+    result = tmp_path / "eval.json"
+    assert mhmla_eval(["aes", *common, "--model", str(out), "--json", str(result)]) == 0
+    evaluated = json.loads(result.read_text())["prompts"]
+    assert {e["via"] for e in evaluated.values()} == {"encoder"}  # no cache of its pooling
+    capsys.readouterr()
+    assert mhmla_train(["aes", *common, "--ridge-stack"]) == 2
+    assert "--ridge-stack: with --export-ridge DIR" in capsys.readouterr().err
