@@ -118,12 +118,37 @@ from test_serve_score_onnx import cls_regression_scorer_dir, essays  # noqa: E40
 
 
 @pytest.fixture(scope="module")
-def exports(tiny_scorer_dir, cls_regression_scorer_dir, tmp_path_factory):
-    """The tiny classification scorer's export and the tiny [CLS] regression scorer's."""
+def stack_scorer_dir(tiny_scorer_dir, tmp_path_factory):
+    """A tiny scorer like the shipped one since 2026-12-07 (a ridge head on [CLS] vectors and
+    token means, surface weights, cutpoints; all 8 prompts) on the tiny scorer's encoder."""
+    import torch
+
+    from mhmla_fast.aes.model import EssayScorer, ScorerConfig
+
+    encoder = json.loads((tiny_scorer_dir / "config.json").read_text())["encoder_spec"]
+    rng = np.random.default_rng(7)
+    cuts = {p: tuple(lo + 0.5 + k for k in range(hi - lo)) for p, (lo, hi) in SCORE_RANGES.items()}
+    cfg = ScorerConfig(encoder=encoder["name_or_path"], head_kind="ridge", pooling="cls+mean",
+                       objective="regression", cutpoints=cuts,
+                       surface_weights={p: tuple(rng.normal(0, 0.02, 9)) for p in cuts})
+    torch.manual_seed(7)
+    scorer = EssayScorer(cfg, backend="torch")
+    with torch.no_grad():
+        for layer in scorer.head.outputs.values():
+            layer.weight.normal_(0, 0.3 / layer.weight.shape[1] ** 0.5)
+            layer.bias.fill_(0.5)
+    return scorer.save(tmp_path_factory.mktemp("tiny-stack") / "scorer",
+                       tokenizer=EssayScorer.load(tiny_scorer_dir, device="cpu").tokenizer)
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_scorer_dir, cls_regression_scorer_dir, stack_scorer_dir, tmp_path_factory):
+    """The tiny classification scorer's export, the tiny [CLS] regression scorer's and the tiny
+    ridge stack scorer's (its essays' surface term added before the check)."""
     root = tmp_path_factory.mktemp("checked-scorer")
     out = {}
     for name, model in (("classification", tiny_scorer_dir),
-                        ("regression", cls_regression_scorer_dir)):
+                        ("regression", cls_regression_scorer_dir), ("stack", stack_scorer_dir)):
         export_scorer(model, root / name, threads=1)
         out[name] = root / name
     return out
@@ -159,7 +184,7 @@ def _texts(n: int, seed: int):
     return texts, [1 + k % 7 for k in range(len(texts))]
 
 
-@pytest.mark.parametrize("kind", ["classification", "regression"])
+@pytest.mark.parametrize("kind", ["classification", "regression", "stack"])
 def test_the_checked_scorer_gives_the_exact_runners_scores(exports, kind):
     """A fast runner off by 0.8 margin: every score is the exact runner's, only essays near a
     boundary (by the fast outputs) went through the exact runner, all their windows; the HTTP
@@ -183,7 +208,8 @@ def test_the_checked_scorer_gives_the_exact_runners_scores(exports, kind):
                                             return_outputs=True)
     cfg = checked.config
     near = [bool(near_boundary(np.asarray(o)[None], p, cfg.objective, cfg.decision,
-                               margin=margin)[0]) for o, p in zip(fast_outs, prompts)]
+                               margin=margin, cutpoints=cfg.cutpoints.get(p))[0])
+            for o, p in zip(fast_outs, prompts)]
     plans = [checked.plan_essay(t, p) for t, p in zip(texts, prompts)]
     windows = sorted(tuple(plan.window_ids(w)) for plan, n in zip(plans, near) if n
                      for w in range(len(plan.windows)))
