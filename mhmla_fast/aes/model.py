@@ -86,8 +86,8 @@ class ScorerConfig:
     word pieces with ``[CLS]``/``[SEP]``; None = min(512, encoder positions)) and what stayed
     frozen ("all": the encoder is not trained and stays in eval mode)
     (:class:`~mhmla_fast.configs.EncoderSpec`); layer_attention: the head
-    (:class:`~mhmla_fast.configs.LayerAttentionConfig`); pooling: "cls" | "attention";
-    ("cls+mean": ridge heads only); objective: "classification" | "regression"; prompts: the
+    (:class:`~mhmla_fast.configs.LayerAttentionConfig`); pooling: "cls" | "attention" |
+    "cls+mean" (ridge heads only); objective: "classification" | "regression"; prompts: the
     prompts with an output layer;
     decision: how classification turns the averaged window probabilities into a score
     ("argmax" | "expected"); base_tensors: state-dict keys read from the base encoder

@@ -135,9 +135,9 @@ def _stack_prompt(p: int, by_pooling: dict, texts: dict, L: int, H: int) -> dict
     from .surface import surface_features
 
     surface = tuple(surface_features(texts[s]) for s in ("train", "dev", "test"))
-    s_tr, s_mu, s_sd = _standardise(surface[0])
+    _, s_mu, s_sd = _standardise(surface[0])  # as window_rows and surface_ridge standardise
     ridges, maps = [], []
-    for name, features in RIDGE_STACK_MEMBERS:
+    for _, features in RIDGE_STACK_MEMBERS:
         if features is None:  # surface-ridge-cuts: one row per essay (baselines.surface_ridge)
             tr = by_pooling["cls"]["train"]
             rows = [(_standardise(x, s_mu, s_sd)[0], np.arange(len(x))) for x in surface]
@@ -240,7 +240,6 @@ def fit_ridge_stack_scorer(
     if worst > 1e-8:
         raise RuntimeError(f"the folded linear map differs from the protocol's stack by {worst:g} "
                            "on the score scale")
-    config._check_surface_weights()
     scorer.config.training = {
         "protocol": PROTOCOL, "data": "ASAP training_set_rel3, Taghipour & Ng folds",
         "fold": fold, "model": "stack-blend of " + ", ".join(m for m, _ in RIDGE_STACK_MEMBERS),
