@@ -1,7 +1,9 @@
 """The ridge scorer (``head_kind="ridge"``, the shipped scorer's kind since 2026-12-06): its
 config's rules, its head against a float64 computation from the encoder's hidden states, the
 scorer fitted by ``fit_ridge_scorer`` against the protocol's ``ridge-layers-cuts`` unit, its
-ONNX export, and ``mhmla-train aes --export-ridge``."""
+ONNX export, and ``mhmla-train aes --export-ridge``; save/load, window-by-window scoring and the
+ONNX export also for pooling "cls+mean" with surface weights (the ridge stack scorer's kind,
+shipped since 2026-12-07; the rest of it in ``test_aes_ridge_stack_scorer.py``)."""
 
 from __future__ import annotations
 
@@ -38,12 +40,20 @@ def test_ridge_config_needs_cls_pooling_and_regression():
         ScorerConfig(head_kind="linear")
 
 
-def _ridge_scorer(encoder: str) -> EssayScorer:
+def _ridge_scorer(encoder: str, pooling: str = "cls") -> EssayScorer:
     """A ridge scorer of prompts 3 and 4 with random output layers large enough that the
-    outputs leave [0, 1], and cutpoints outside the scale too (prompt 3: 0..3)."""
+    outputs leave [0, 1], and cutpoints outside the scale too (prompt 3: 0..3); with pooling
+    "cls+mean" (the ridge stack scorer's kind) also surface weights large enough to move
+    scores."""
+    from mhmla_fast.aes.surface import SURFACE_FEATURES
+
     torch.manual_seed(3)
+    rng = np.random.default_rng(5)
+    surface = ({p: tuple(rng.normal(0, 0.3, len(SURFACE_FEATURES))) for p in (3, 4)}
+               if pooling == "cls+mean" else {})
     cfg = ScorerConfig(encoder=encoder, head_kind="ridge", objective="regression",
-                       prompts=(3, 4), cutpoints={3: (-0.4, 1.2, 3.3), 4: (0.5, 1.5, 2.5)})
+                       pooling=pooling, prompts=(3, 4), surface_weights=surface,
+                       cutpoints={3: (-0.4, 1.2, 3.3), 4: (0.5, 1.5, 2.5)})
     scorer = EssayScorer(cfg, backend="torch").eval()
     with torch.no_grad():
         for out in scorer.head.outputs.values():
@@ -84,14 +94,18 @@ def test_ridge_head_is_a_linear_map_of_every_layers_cls(tiny_encoder):
     assert scores.tolist() == cut.tolist()
 
 
-def test_ridge_scorer_round_trips_and_scores_window_by_window(tiny_encoder, tmp_path):
-    scorer = _ridge_scorer(tiny_encoder)
+@pytest.mark.parametrize("pooling", ["cls", "cls+mean"])
+def test_ridge_scorer_round_trips_and_scores_window_by_window(tiny_encoder, tmp_path, pooling):
+    scorer = _ridge_scorer(tiny_encoder, pooling)
     path = scorer.save(tmp_path / "ridge", tokenizer=scorer.tokenizer)
     again = EssayScorer.load(path)
     assert again.config.head_kind == "ridge" and again.head.layer_attention is None
+    assert again.config.pooling == pooling
+    assert again.config.surface_weights == scorer.config.surface_weights
     want = scorer.predict_scores(TEXTS, [3, 4, 3, 4])
     assert again.predict_scores(TEXTS, [3, 4, 3, 4]).tolist() == want.tolist()
     plans = [again.plan_essay(t, p) for t, p in zip(TEXTS, [3, 4, 3, 4])]  # the HTTP batcher's way
+    assert all((plan.offset != 0) == (pooling == "cls+mean") for plan in plans)
     pairs = [(plan, w) for plan in plans for w in range(len(plan.windows))]
     outputs = again.score_windows(pairs[::-1])[::-1]
     got, k = [], 0
@@ -157,13 +171,20 @@ def test_fitted_ridge_scorer_is_the_protocols_ridge_layers_cuts(tiny_encoder, tm
         assert scores.tolist() == unit["pred"] and split.ids.tolist() == unit["ids"]
 
 
-def test_ridge_scorer_exports_to_onnx_with_torchs_scores(tiny_encoder, tmp_path):
+@pytest.mark.parametrize("pooling", ["cls", "cls+mean"])
+def test_ridge_scorer_exports_to_onnx_with_torchs_scores(tiny_encoder, tmp_path, pooling):
+    """ONNX Runtime scores as torch, whole essays and window by window (the HTTP batcher's
+    way); a "cls+mean" scorer is exported whole (its token means need the last layer at every
+    position) with its surface weights."""
     from mhmla_fast.serve.score_onnx import OnnxScorer, export_scorer
 
-    scorer = _ridge_scorer(tiny_encoder)
+    scorer = _ridge_scorer(tiny_encoder, pooling)
     path = scorer.save(tmp_path / "ridge", tokenizer=scorer.tokenizer)
     export = tmp_path / "export"
     export_scorer(path, export)  # fails unless ONNX Runtime scores as torch fp32
+    meta = json.loads((export / "export.json").read_text())
+    assert meta["graph"] == ("whole-encoder" if pooling == "cls+mean" else "cls-last-layer")
+    assert sorted(meta["surface_weights"]) == (["3", "4"] if pooling == "cls+mean" else [])
     onnx = OnnxScorer(export, threads=1)
     prompts = [3, 4, 4, 3]
     want, want_out = EssayScorer.load(path).predict_scores(TEXTS, prompts, return_outputs=True)
@@ -171,6 +192,9 @@ def test_ridge_scorer_exports_to_onnx_with_torchs_scores(tiny_encoder, tmp_path)
     assert got.tolist() == want.tolist()
     np.testing.assert_allclose(np.array(got_out, dtype=float), np.array(want_out, dtype=float),
                                atol=1e-4)
+    plans = [onnx.plan_essay(t, p) for t, p in zip(TEXTS, prompts)]
+    assert [onnx.finish_essay(plan, onnx.score_windows(
+        [(plan, w) for w in range(len(plan.windows))])) for plan in plans] == want.tolist()
 
 
 def test_export_ridge_command_saves_the_scorer_and_refuses_other_options(tiny_encoder, tmp_path,

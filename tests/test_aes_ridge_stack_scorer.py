@@ -2,8 +2,10 @@
 "cls+mean" pooling and surface weights. Each essay's own term (``essay_offsets``) and where it
 enters a score; the config's rules; the head against a float64 computation from the encoder's
 hidden states and against the feature cache; the scorer fitted by ``fit_ridge_stack_scorer``
-against the protocol's stack of the four members' units; its ONNX export; backend auto's bf16
-rule for a ridge scorer without margins; ``mhmla-train aes --export-ridge DIR --ridge-stack``."""
+against the protocol's stack of the four members' units; backend auto's bf16 rule for a ridge
+scorer without margins; ``mhmla-train aes --export-ridge DIR --ridge-stack``. Its save/load,
+window-by-window scoring and ONNX export are tested beside the "cls" ridge scorer's
+(``test_aes_ridge_scorer.py``, parametrised by pooling)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_aes_ridge_scorer import _ridge_scorer
 from test_aes_train import tiny_encoder, write_asap  # noqa: F401 - tiny_encoder: the fixture
 
 from mhmla_fast.aes.cutpoints import apply_cutpoints
 from mhmla_fast.aes.data import SCORE_RANGES
-from mhmla_fast.aes.model import (EssayScorer, ScorerConfig, collate_windows, encode_essay_windows,
-                                  load_tokenizer)
+from mhmla_fast.aes.model import ScorerConfig, collate_windows, encode_essay_windows
 from mhmla_fast.aes.scoring import combine_windows, essay_offsets, essay_scores
 from mhmla_fast.aes.surface import SURFACE_FEATURES, surface_features
 
@@ -81,29 +83,10 @@ def test_ridge_stack_config_rules():
         ScorerConfig(head_kind="ridge", objective="regression", prompts=(4,), surface_weights=w)
 
 
-def _stack_scorer(encoder: str) -> EssayScorer:
-    """A "cls+mean" ridge scorer of prompts 3 and 4 with random output layers, surface weights
-    large enough to move scores, and cutpoints."""
-    torch.manual_seed(5)
-    rng = np.random.default_rng(5)
-    cfg = ScorerConfig(encoder=encoder, head_kind="ridge", objective="regression",
-                       pooling="cls+mean", prompts=(3, 4),
-                       cutpoints={3: (-0.4, 1.2, 2.3), 4: (0.5, 1.5, 2.5)},
-                       surface_weights={p: tuple(rng.normal(0, 0.3, len(SURFACE_FEATURES)))
-                                        for p in (3, 4)})
-    scorer = EssayScorer(cfg, backend="torch").eval()
-    with torch.no_grad():
-        for out in scorer.head.outputs.values():
-            out.weight.normal_(0, 0.3)
-            out.bias.fill_(0.2)
-    scorer.tokenizer = load_tokenizer(encoder)
-    return scorer
-
-
 def test_cls_mean_head_is_a_linear_map_of_each_layers_cls_and_token_mean(tiny_encoder):
     from mhmla_fast.aes.features import encode_window_poolings
 
-    scorer = _stack_scorer(tiny_encoder)
+    scorer = _ridge_scorer(tiny_encoder, "cls+mean")
     tok = scorer.tokenizer
     windows, essay_index = encode_essay_windows(tok, TEXTS, scorer.config.window)
     assert len(windows) > len(TEXTS)  # some essays have several windows
@@ -147,26 +130,6 @@ def test_cls_mean_head_is_a_linear_map_of_each_layers_cls_and_token_mean(tiny_en
     assert not np.allclose(np.array(scorer.predict_scores(TEXTS, prompts, return_outputs=True)[1],
                                     dtype=float), np.array(means, dtype=float))
     scorer.config.surface_weights = plain
-
-
-def test_ridge_stack_scorer_round_trips_and_scores_window_by_window(tiny_encoder, tmp_path):
-    scorer = _stack_scorer(tiny_encoder)
-    path = scorer.save(tmp_path / "stack", tokenizer=scorer.tokenizer)
-    again = EssayScorer.load(path)
-    assert again.config.pooling == "cls+mean"
-    assert again.config.surface_weights == scorer.config.surface_weights
-    prompts = [3, 4, 3, 4]
-    want = scorer.predict_scores(TEXTS, prompts)
-    assert again.predict_scores(TEXTS, prompts).tolist() == want.tolist()
-    plans = [again.plan_essay(t, p) for t, p in zip(TEXTS, prompts)]  # the HTTP batcher's way
-    assert all(plan.offset != 0 for plan in plans)
-    pairs = [(plan, w) for plan in plans for w in range(len(plan.windows))]
-    outputs = again.score_windows(pairs[::-1])[::-1]
-    got, k = [], 0
-    for plan in plans:
-        got.append(again.finish_essay(plan, outputs[k: k + len(plan.windows)]))
-        k += len(plan.windows)
-    assert got == want.tolist()
 
 
 def test_fitted_ridge_stack_scorer_is_the_protocols_stack(tiny_encoder, tmp_path):
@@ -240,34 +203,12 @@ def _qwk(gold, pred, p):
     return qwk(np.asarray(gold), np.asarray(pred), p)
 
 
-def test_ridge_stack_scorer_exports_to_onnx_with_torchs_scores(tiny_encoder, tmp_path):
-    from mhmla_fast.serve.score_onnx import OnnxScorer, export_scorer
-
-    scorer = _stack_scorer(tiny_encoder)
-    path = scorer.save(tmp_path / "stack", tokenizer=scorer.tokenizer)
-    export = tmp_path / "export"
-    export_scorer(path, export)  # fails unless ONNX Runtime scores as torch fp32
-    meta = json.loads((export / "export.json").read_text())
-    assert meta["graph"] == "whole-encoder" and sorted(meta["surface_weights"]) == ["3", "4"]
-    onnx = OnnxScorer(export, threads=1)
-    prompts = [3, 4, 4, 3]
-    want, want_out = EssayScorer.load(path).predict_scores(TEXTS, prompts, return_outputs=True)
-    got, got_out = onnx.predict_scores(TEXTS, prompts, return_outputs=True)
-    assert got.tolist() == want.tolist()
-    np.testing.assert_allclose(np.array(got_out, dtype=float), np.array(want_out, dtype=float),
-                               atol=1e-4)
-    plans = [onnx.plan_essay(t, p) for t, p in zip(TEXTS, prompts)]
-    finished = [onnx.finish_essay(plan, onnx.score_windows(
-        [(plan, w) for w in range(len(plan.windows))])) for plan in plans]
-    assert finished == want.tolist()
-
-
 def test_auto_bf16_keeps_a_ridge_scorer_without_margins_on_onnxruntime_fp32(tiny_encoder,
                                                                             tmp_path):
     from mhmla_fast.serve.export_cache import _ridge_without_margins, auto_scorer
     from mhmla_fast.serve.score_onnx import OnnxScorer, export_scorer, write_check_margins
 
-    scorer = _stack_scorer(tiny_encoder)
+    scorer = _ridge_scorer(tiny_encoder, "cls+mean")
     path = scorer.save(tmp_path / "stack", tokenizer=scorer.tokenizer)
     export = tmp_path / "export"
     export_scorer(path, export)
