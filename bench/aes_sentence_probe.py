@@ -64,14 +64,53 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 _CHUNK = 1000
 
 
-def encode(out: Path, encoder: str, max_pieces: int, token_budget: int) -> None:
-    """Every ASAP essay's ``seg_mean`` and ``seg_std`` [E, L+1, H] fp32 (layer 0 kept), in
-    chunk files of 1000 essays (by essay id); a rerun skips the chunks on disk."""
+def split_sentences(text: str) -> list[str]:
+    """Runs of ``text`` ended by ``.``, ``!`` or ``?`` and whitespace (the rest is the last
+    one); an empty text is one empty sentence."""
+    return [s for s in _SENTENCE.split(text.strip()) if s.strip()] or [""]
+
+
+def sentence_vectors(model, tok, texts: list[str], max_pieces: int = 126,
+                     token_budget: int = 8192):
+    """``(seg_mean, seg_std)`` [E, L+1, H] fp32 of ``texts`` (the module doc): every sentence
+    (cut into ``max_pieces``-piece windows if longer: each window a sentence) encoded alone as
+    ``[CLS] pieces [SEP]``, its token means (padding excluded) per layer, then their mean and
+    standard deviation over the essay's sentences."""
     import torch
-    from safetensors.torch import save_file
 
     from mhmla_fast.aes.model import collate_windows, token_budget_batches
     from mhmla_fast.aes.scoring import piece_windows
+
+    segments: list[list[int]] = []
+    owner: list[int] = []
+    for i, text in enumerate(texts):
+        pieces = tok(split_sentences(text), add_special_tokens=False, truncation=False,
+                     verbose=False)["input_ids"]
+        windows, _ = piece_windows(pieces, max_pieces, tok.cls_token_id, tok.sep_token_id)
+        segments += windows
+        owner += [i] * len(windows)
+    feats = None
+    with torch.no_grad():
+        for batch in token_budget_batches([len(s) for s in segments], token_budget):
+            ids, mask = collate_windows([segments[j] for j in batch], tok.pad_token_id)
+            hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            m = mask.float()[:, :, None]
+            pooled = torch.stack([(h.float() * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
+            if feats is None:
+                feats = torch.zeros(len(segments), *pooled.shape[1:])
+            feats[torch.tensor(batch)] = pooled
+    owner_t = torch.tensor(owner)
+    mean = torch.stack([feats[owner_t == i].mean(0) for i in range(len(texts))])
+    std = torch.stack([feats[owner_t == i].std(0, unbiased=False) for i in range(len(texts))])
+    return mean, std, torch.bincount(owner_t, minlength=len(texts))
+
+
+def encode(out: Path, encoder: str, max_pieces: int, token_budget: int) -> None:
+    """Every ASAP essay's ``seg_mean`` and ``seg_std`` (:func:`sentence_vectors`) in chunk
+    files of 1000 essays (by essay id); a rerun skips the chunks on disk."""
+    import torch
+    from safetensors.torch import save_file
+
     from mhmla_fast.aes.splits import read_asap_folds
     from mhmla_fast.encoder import load_encoder, load_tokenizer
 
@@ -85,32 +124,11 @@ def encode(out: Path, encoder: str, max_pieces: int, token_budget: int) -> None:
         if path.is_file():
             continue
         chunk = essays[k:k + _CHUNK]
-        segments: list[list[int]] = []
-        owner: list[int] = []
-        for i, e in enumerate(chunk):
-            sentences = [s for s in _SENTENCE.split(e.text.strip()) if s.strip()] or [""]
-            pieces = tok(sentences, add_special_tokens=False, truncation=False,
-                         verbose=False)["input_ids"]
-            windows, _ = piece_windows(pieces, max_pieces, tok.cls_token_id, tok.sep_token_id)
-            segments += windows
-            owner += [i] * len(windows)
-        feats = None
-        with torch.no_grad():
-            for batch in token_budget_batches([len(s) for s in segments], token_budget):
-                ids, mask = collate_windows([segments[j] for j in batch], tok.pad_token_id)
-                hs = model(input_ids=ids, attention_mask=mask,
-                           output_hidden_states=True).hidden_states
-                m = mask.float()[:, :, None]
-                pooled = torch.stack([(h.float() * m).sum(1) for h in hs], 1) / m.sum(1)[:, None]
-                if feats is None:
-                    feats = torch.zeros(len(segments), *pooled.shape[1:])
-                feats[torch.tensor(batch)] = pooled
-        owner_t = torch.tensor(owner)
-        mean = torch.stack([feats[owner_t == i].mean(0) for i in range(len(chunk))])
-        std = torch.stack([feats[owner_t == i].std(0, unbiased=False) for i in range(len(chunk))])
-        save_file({"mean": mean, "std": std, "n_segments": torch.bincount(owner_t),
+        mean, std, n = sentence_vectors(model, tok, [e.text for e in chunk], max_pieces,
+                                        token_budget)
+        save_file({"mean": mean, "std": std, "n_segments": n,
                    "essay_ids": torch.tensor([e.essay_id for e in chunk])}, str(path))
-        print(f"chunk {k // _CHUNK}: {len(chunk)} essays, {len(segments)} sentences, "
+        print(f"chunk {k // _CHUNK}: {len(chunk)} essays, {int(n.sum())} sentences, "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -168,8 +186,21 @@ def _paired(a: np.ndarray, b: np.ndarray) -> dict:
     d = a - b
     won, lost = int((d > 1e-12).sum()), int((d < -1e-12).sum())
     p = float(wilcoxon(a, b).pvalue) if won + lost else 1.0
-    return {"mean_diff": float(d.mean() * 100), "won": won, "lost": lost, "tied": len(d) - won - lost,
-            "wilcoxon_p": p}
+    return {"mean_diff": float(d.mean() * 100), "won": won, "lost": lost,
+            "tied": len(d) - won - lost, "wilcoxon_p": p}
+
+
+def decide(stacks: dict[str, np.ndarray]) -> tuple[dict[str, float], list[str]]:
+    """The rule on the stacks' cells (``{"ten" | "ten+A" | "ten+B" | "ten+A+B": [cells, 2]}``,
+    dev and test QWK, cells in one order): each candidate's rise of the mean dev QWK (points)
+    over the ten, and the candidates that join ([], ["A"], ["B"], ["A", "B"] or ["B", "A"])."""
+    dev = {n: float(a[:, 0].mean() * 100) for n, a in stacks.items()}
+    rise = {n: dev[n] - dev["ten"] for n in ("ten+A", "ten+B")}
+    first = max(rise, key=lambda n: rise[n])
+    if rise[first] <= 0:
+        return rise, []
+    one = first[-1]
+    return rise, [one, "B" if one == "A" else "A"] if dev["ten+A+B"] > dev[first] else [one]
 
 
 def report(seg_run: Path, units_dir: Path, ens: Path, out: Path) -> None:
@@ -183,20 +214,14 @@ def report(seg_run: Path, units_dir: Path, ens: Path, out: Path) -> None:
     stacks = {}
     for name, members in sets.items():
         path = ens / f"{name}.json"
-        subprocess.run([sys.executable, "bench/aes_ensemble.py", "--units", f"minilm={units_dir}",
+        subprocess.run([sys.executable, str(Path(__file__).with_name("aes_ensemble.py")), "--units",
+                        f"minilm={units_dir}",
                         f"seg={seg_run / 'units'}", "--fold", "all", "--members", members,
                         "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
         stacks[name] = _stack_cells(path)
     keys = sorted(stacks["ten"])
     arr = {n: np.array([s[k] for k in keys]) for n, s in stacks.items()}
-    rise = {n: float((arr[n][:, 0] - arr["ten"][:, 0]).mean() * 100) for n in ("ten+A", "ten+B")}
-    first = max(rise, key=rise.get)
-    joined: list[str] = []
-    if rise[first] > 0:
-        joined.append(first[-1])
-        both = float((arr["ten+A+B"][:, 0] - arr[first][:, 0]).mean() * 100)
-        if both > 0:
-            joined.append("B" if first == "ten+A" else "A")
+    rise, joined = decide(arr)
     stack_rows = {n: {"mean_dev_qwk": float(a[:, 0].mean() * 100),
                       "mean_test_qwk": float(a[:, 1].mean() * 100),
                       **({"test_vs_ten": _paired(a[:, 1], arr["ten"][:, 1])} if n != "ten" else {})}
@@ -219,7 +244,8 @@ def report(seg_run: Path, units_dir: Path, ens: Path, out: Path) -> None:
         "baseline_ridge-layers-both-surface-cuts": {
             "mean_test_qwk": float(np.mean([v[1] for v in base.values()]) * 100)},
         "encode": "every sentence alone through all-MiniLM-L6-v2 (fp32, 2 threads): 1037 s for "
-                  "12,978 essays (160,876 sentences; a sentence over 126 pieces is several) on the 2-core EPYC (AVX2)",
+                  "12,978 essays (160,876 sentences; a sentence over 126 pieces is several) "
+                  "on the 2-core EPYC (AVX2)",
         "commands": [f"python bench/aes_sentence_probe.py {c}" for c in (
             "encode --out runs/seg", "units --seg runs/seg --run runs/seg-run --cache-dir "
             "runs/aes-cache", f"report --seg-run runs/seg-run --units runs/aes-cpu/units "
