@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mhmla_fast.serve.inputs import InputRecord, iter_input_records
+from mhmla_fast.serve.inputs import InputRecord, iter_input_records, line_format
 from mhmla_fast.serve.outputs import (
     InputFingerprint,
     OutputCorruptError,
@@ -47,6 +47,8 @@ def errors_of(records: list[InputRecord]) -> list[tuple[int, str | None]]:
 
 
 HINT = " (--format text reads such lines as plain text)"  # after "invalid JSON" in format "auto"
+NAME_HINT = (" (a file named *.jsonl or *.ndjson is read as JSON lines; --format text reads "
+             "its lines as plain text)")  # after "invalid JSON" in "auto" on such a file
 
 
 def ours(path: Path, data: str | bytes, records: int | None = None, src: str | None = None,
@@ -87,6 +89,31 @@ def test_plain_text_and_jsonl_mixed(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("name", ["in.jsonl", "IN.NDJSON", "in.ndjson"])
+def test_auto_reads_a_file_named_jsonl_as_json_lines(tmp_path, name):
+    """A ``tag`` input named *.jsonl / *.ndjson is JSON lines in "auto": a line that is not a
+    JSON object is an error record (a damaged JSONL line is not tagged as text); "text" still
+    reads it as text, other names and standard input keep auto's per-line rule, and "score"
+    input (JSON objects either way) keeps its message for a plain-text line."""
+    data = b'{"text": "ok", "id": "a"}\nnot json\n[1, 2]\n'
+    src = write(tmp_path / name, data)
+    a, b, c = iter_input_records([src], kind="tag")
+    assert (a.text, a.id, a.error) == ("ok", "a", None)
+    assert b.error == f"{src}: line 2: invalid JSON: Expecting value at column 1{NAME_HINT}"
+    assert c.error == f"{src}: line 3: JSON value must be an object, got array"
+    assert [r.text for r in iter_input_records([src], kind="tag", format="text")] == [
+        '{"text": "ok", "id": "a"}', "not json", "[1, 2]"]
+    for other in (write(tmp_path / "in.txt", data), "-"):
+        recs = list(iter_input_records([other], kind="tag", stdin=io.BytesIO(data)))
+        assert [r.text for r in recs] == ["ok", "not json", "[1, 2]"]
+    (score,) = [r for r in iter_input_records([src], kind="score") if r.line == 2]
+    assert score.error.endswith('plain-text line, but "score" input must be JSON objects with '
+                                '"text" and "prompt"')
+    assert line_format("s3://bucket/part-0.JSONL", "auto") == "jsonl"
+    assert line_format("in.jsonl", "text") == "text"
+    assert line_format("in.jsonl.gz", "auto") == "auto"
+
+
 def test_every_malformed_tag_line_becomes_an_error_record(tmp_path):
     lines = [
         b'{"text": "ok"}',
@@ -113,7 +140,13 @@ def test_every_malformed_tag_line_becomes_an_error_record(tmp_path):
     ]
     src = write(tmp_path / "bad.jsonl", b"\n".join(lines) + b"\n")
     records = list(iter_input_records([src], kind="tag", format="jsonl"))
-    assert list(iter_input_records([src], kind="tag")) == [  # "auto": the same, with a hint
+    # "auto" reads a file named *.jsonl as JSON lines: the same, with a hint naming the rule
+    assert list(iter_input_records([src], kind="tag")) == [
+        dataclasses.replace(r, error=r.error + NAME_HINT) if "invalid JSON: E" in (r.error or "")
+        else r for r in records]
+    txt = write(tmp_path / "bad.txt", Path(src).read_bytes())  # "auto" on another name: the
+    assert [dataclasses.replace(r, source=src, error=r.error and r.error.replace(txt, src))
+            for r in iter_input_records([txt], kind="tag")] == [  # same, with auto's hint
         dataclasses.replace(r, error=r.error + HINT) if "invalid JSON: E" in (r.error or "") else r
         for r in records]
     at = f"{src}: line"
@@ -239,7 +272,7 @@ def test_wide_unicode_nul_and_inner_byte_order_marks(tmp_path):
     recs = list(iter_input_records([bare]))
     # "\n" is b"\n\x00" there: a third line of one NUL; every line is an error record
     assert len(recs) == 3 and all("contains a NUL character" in r.error for r in recs)
-    joined = write(tmp_path / "joined.jsonl", b'plain\n\xef\xbb\xbf{"id": "b", "text": "x y"}\n'
+    joined = write(tmp_path / "joined.txt", b'plain\n\xef\xbb\xbf{"id": "b", "text": "x y"}\n'
                                                b"\xef\xbb\xbfword\n")
     a, b, c = iter_input_records([joined])
     assert (a.text, b.id, b.text, c.text) == ("plain", "b", "x y", "word")

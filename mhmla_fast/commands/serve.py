@@ -300,8 +300,10 @@ def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> 
     p.add_argument("inputs", nargs="*", metavar="FILE", help="input files; - or none: stdin")
     p.add_argument("--format", default="auto", choices=formats,
                    help="what an input line is: auto (default: a line starting with { is a JSON "
-                   "object, any other line plain text)" + (", text (every line is plain text)"
-                                                           if "text" in formats else "")
+                   "object, any other line plain text" + ("; every line of a file named *.jsonl "
+                                                          "or *.ndjson a JSON object)"
+                                                          if "text" in formats else ")")
+                   + (", text (every line is plain text)" if "text" in formats else "")
                    + ", jsonl (every line must be a JSON object)")
     p.add_argument("--encoding", default="utf-8",
                    help="input encoding (default utf-8; any ASCII-compatible codec, e.g. "

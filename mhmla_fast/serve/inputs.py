@@ -15,7 +15,9 @@ record (UTF-16 without a byte-order mark, or binary data). An unreadable file is
 ``format`` says what a line is:
 
 * ``"auto"`` (default): a line whose first non-whitespace character is ``{`` is a JSON object,
-  any other line is plain text (so ``[1, 2]`` or ``"x"`` is plain text here);
+  any other line is plain text (so ``[1, 2]`` or ``"x"`` is plain text here); but every line of
+  a ``tag`` input named ``*.jsonl`` or ``*.ndjson`` (any case; :func:`line_format`) is read as
+  in ``"jsonl"``, so that a damaged line of a JSONL file is an error record, not a text to tag;
 * ``"jsonl"``: every line is a JSON value that must be an object (``[1,2,3]`` or ``"string"`` is
   an error record: "JSON value must be an object, got array");
 * ``"text"``: every line is plain text, even one that starts with ``{`` (``kind="tag"`` only).
@@ -78,6 +80,7 @@ __all__ = [
     "check_parquet",
     "is_parquet",
     "iter_input_records",
+    "line_format",
     "limit_length",
     "location",
     "over_long_line",
@@ -192,9 +195,25 @@ def check_encoding(encoding: str) -> str:
     return name
 
 
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+def line_format(source: str, fmt: str, kind: str = "tag") -> str:
+    """The format the ``kind`` lines of ``source`` (a path, a URI or ``"<stdin>"``) are read
+    in: "jsonl" where ``kind`` is "tag", ``fmt`` is "auto" and the name ends with ``.jsonl``
+    or ``.ndjson`` (any case), else ``fmt`` ("score" reads JSON objects only either way, and
+    its message for a plain-text line says so)."""
+    if kind == "tag" and fmt == "auto" and source.lower().endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return fmt
+
+
 def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int,
-                fmt: str = "auto", encoding: str = "utf-8") -> InputRecord:
-    """One raw line (without its line break) -> a valid or an error record."""
+                fmt: str = "auto", encoding: str = "utf-8", by_name: bool = False
+                ) -> InputRecord:
+    """One raw line (without its line break) -> a valid or an error record. ``by_name``:
+    ``fmt`` is "jsonl" because of the input's name (:func:`line_format`), which the message
+    of an invalid line says."""
     rec_id: str | int = index
 
     def error(reason: str) -> InputRecord:
@@ -219,7 +238,12 @@ def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int,
         if bad:
             return error(f"contains a lone surrogate U+{ord(bad.group()):04X}")
         return InputRecord(index, source, line, index, text=s)
-    hint = " (--format text reads such lines as plain text)" if fmt == "auto" and kind == "tag" else ""
+    hint = ""
+    if kind == "tag" and fmt == "auto":
+        hint = " (--format text reads such lines as plain text)"
+    elif kind == "tag" and by_name:
+        hint = (" (a file named *.jsonl or *.ndjson is read as JSON lines; --format text reads "
+                "its lines as plain text)")
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as err:
@@ -551,7 +575,8 @@ def parse_line(raw: bytes | OverLong, kind: str, index: int, source: str, line: 
     if isinstance(raw, OverLong):
         assert max_chars is not None  # only a bounded read gives one
         return over_long_line(index, source, line, raw.size, max_chars)
-    return _parse_line(raw, kind, index, source, line, fmt, encoding)
+    read_as = line_format(source, fmt, kind)
+    return _parse_line(raw, kind, index, source, line, read_as, encoding, read_as != fmt)
 
 
 def _length(rec: InputRecord) -> int:
