@@ -166,13 +166,13 @@ def units(seg: Path, run: Path, cache_dir: Path) -> None:
                               results=run / "results.json")
 
 
-def _stack_cells(path: Path) -> dict[tuple[str, str], tuple[float, float]]:
+def stack_cells(path: Path) -> dict[tuple[str, str], tuple[float, float]]:
     d = json.loads(path.read_text())
     return {(k, p): (c["stack-blend"]["dev_qwk"], c["stack-blend"]["test_qwk"])
             for k, f in d["folds"].items() for p, c in f["cells"].items()}
 
 
-def _unit_cells(units: Path, model: str) -> dict[str, tuple[float, float]]:
+def unit_cells(units: Path, model: str) -> dict[str, tuple[float, float]]:
     out = {}
     for f in units.glob(f"{model}-fold*-p*.json"):
         u = json.loads(f.read_text())
@@ -180,7 +180,7 @@ def _unit_cells(units: Path, model: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _paired(a: np.ndarray, b: np.ndarray) -> dict:
+def paired(a: np.ndarray, b: np.ndarray) -> dict:
     from scipy.stats import wilcoxon
 
     d = a - b
@@ -218,23 +218,23 @@ def report(seg_run: Path, units_dir: Path, ens: Path, out: Path) -> None:
                         f"minilm={units_dir}",
                         f"seg={seg_run / 'units'}", "--fold", "all", "--members", members,
                         "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
-        stacks[name] = _stack_cells(path)
+        stacks[name] = stack_cells(path)
     keys = sorted(stacks["ten"])
     arr = {n: np.array([s[k] for k in keys]) for n, s in stacks.items()}
     rise, joined = decide(arr)
     stack_rows = {n: {"mean_dev_qwk": float(a[:, 0].mean() * 100),
                       "mean_test_qwk": float(a[:, 1].mean() * 100),
-                      **({"test_vs_ten": _paired(a[:, 1], arr["ten"][:, 1])} if n != "ten" else {})}
+                      **({"test_vs_ten": paired(a[:, 1], arr["ten"][:, 1])} if n != "ten" else {})}
                   for n, a in arr.items()}
     alone = {}
-    base = _unit_cells(units_dir, "ridge-layers-both-surface-cuts")
+    base = unit_cells(units_dir, "ridge-layers-both-surface-cuts")
     for model in (A, B):
-        cells = _unit_cells(seg_run / "units", model)
+        cells = unit_cells(seg_run / "units", model)
         k = sorted(cells)
         x, y = np.array([cells[c] for c in k]), np.array([base[c] for c in k])
         alone[model] = {"mean_dev_qwk": float(x[:, 0].mean() * 100),
                         "mean_test_qwk": float(x[:, 1].mean() * 100), "cells": len(k),
-                        "test_vs_ridge-layers-both-surface-cuts": _paired(x[:, 1], y[:, 1])}
+                        "test_vs_ridge-layers-both-surface-cuts": paired(x[:, 1], y[:, 1])}
     result = {
         "what": "sentence-scale vectors of the frozen MiniLM as AES stack members (a probe)",
         "rule": RULE, "dev_rise_of_stack": rise,
