@@ -162,8 +162,11 @@ def units(seg: Path, run: Path, cache_dir: Path) -> None:
     protocol._essay_features = with_sentences
     protocol.surface_ridge = partial(surface_ridge,
                                      alphas=tuple(float(a) for a in np.logspace(-3, 5, 17)))
-    protocol.run_cpu_protocol(cache_dir=cache_dir, run_dir=run, models=[A, B],
-                              results=run / "results.json")
+    try:
+        protocol.run_cpu_protocol(cache_dir=cache_dir, run_dir=run, models=[A, B],
+                                  results=run / "results.json")
+    finally:
+        protocol._essay_features, protocol.surface_ridge = essay_features, surface_ridge
 
 
 def stack_cells(path: Path) -> dict[tuple[str, str], tuple[float, float]]:
