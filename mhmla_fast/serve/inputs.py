@@ -564,18 +564,24 @@ def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
                 source = path
                 lines = _raw_lines(stack.enter_context(open(path, "rb")), None,
                                    read_bound(max_chars))
+            read_as = line_format(source, fmt, kind)  # once per input, not per line
             for line, raw in enumerate(lines, 1):
                 index += 1
-                yield parse_line(raw, kind, index, source, line, fmt, encoding, max_chars)
+                yield parse_line(raw, kind, index, source, line, fmt, encoding, max_chars,
+                                 read_as=read_as)
 
 
 def parse_line(raw: bytes | OverLong, kind: str, index: int, source: str, line: int,
-               fmt: str, encoding: str, max_chars: int | None) -> InputRecord:
-    """A line from :func:`_raw_lines` (stripped, or :class:`OverLong`) -> its record."""
+               fmt: str, encoding: str, max_chars: int | None, *, read_as: str | None = None
+               ) -> InputRecord:
+    """A line from :func:`_raw_lines` (stripped, or :class:`OverLong`) -> its record.
+    ``read_as``: ``line_format(source, fmt, kind)``, computed here when None (a caller reading
+    many lines of one source passes it once)."""
     if isinstance(raw, OverLong):
         assert max_chars is not None  # only a bounded read gives one
         return over_long_line(index, source, line, raw.size, max_chars)
-    read_as = line_format(source, fmt, kind)
+    if read_as is None:
+        read_as = line_format(source, fmt, kind)
     return _parse_line(raw, kind, index, source, line, read_as, encoding, read_as != fmt)
 
 
