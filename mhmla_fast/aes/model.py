@@ -63,8 +63,8 @@ from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES
 from .scoring import (DECISIONS, FORMAT, OBJECTIVES, EssayPlan,  # noqa: F401
-                      combine_windows, default_model_path, essay_offsets, essay_prompts,
-                      essay_scores, num_labels, piece_windows)
+                      combine_windows, default_model_path, essay_offset, essay_offsets,
+                      essay_prompts, essay_scores, num_labels, piece_windows)
 from .windows import split_windows
 
 __all__ = [
@@ -444,10 +444,9 @@ class EssayScorer(ModelDirMixin, nn.Module):
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
         pieces = tokenizer([text], add_special_tokens=False, truncation=False,
                            verbose=False)["input_ids"][0]
-        offset = essay_offsets([text], [int(prompt)], self.config.surface_weights)
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
                          tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id,
-                         0.0 if offset is None else float(offset[0]))
+                         essay_offset(text, prompt, self.config.surface_weights))
 
     def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
                       ) -> list[Tensor]:

@@ -87,15 +87,23 @@ def fit_ridge_scorer(
         record["train_essays"][str(p)] = int(len(train.ids))
         if log:
             log(f"prompt {p}: alpha {ridge.alpha:g}, dev QWK {100 * ridge.dev_qwk:.2f}")
+    return _fitted(scorer, fold, "ridge-layers-cuts",
+                   "ridge on the standardised [CLS] vectors of layers 1..L (fp16 feature cache "
+                   "of an fp32 encoder pass), alpha by dev QWK of the cut scores, cutpoints "
+                   "fitted for QWK on out-of-fold predictions of the training essays (5 folds); "
+                   "standardisation folded into the output layers", record,
+                   "the cut scores (as it scores; alpha chosen by them)")
+
+
+def _fitted(scorer: EssayScorer, fold: int, model: str, method: str, record: dict,
+            dev_qwk_of: str, **extra) -> EssayScorer:
+    """``scorer`` frozen, in eval mode, with ``config.training``: the protocol, data and fold,
+    ``model`` and ``method``, the per-prompt ``record``, ``extra``, and the dev and test means
+    of the record's QWK (on the feature cache)."""
     scorer.config.training = {
         "protocol": PROTOCOL, "data": "ASAP training_set_rel3, Taghipour & Ng folds",
-        "fold": fold, "model": "ridge-layers-cuts",
-        "method": "ridge on the standardised [CLS] vectors of layers 1..L (fp16 feature "
-                  "cache of an fp32 encoder pass), alpha by dev QWK of the cut scores, "
-                  "cutpoints fitted for QWK on out-of-fold predictions of the training essays "
-                  "(5 folds); standardisation folded into the output layers",
-        **record,
-        "dev_qwk_of": "the cut scores (as it scores; alpha chosen by them)",
+        "fold": fold, "model": model, "method": method, **record, **extra,
+        "dev_qwk_of": dev_qwk_of,
         "dev_mean_qwk": float(np.mean(list(record["dev_qwk"].values()))),
         "test_mean_qwk": float(np.mean(list(record["test_qwk"].values()))),
         "qwk_on": "the feature cache, as the protocol scores it",
@@ -257,21 +265,12 @@ def fit_ridge_stack_scorer(
     if worst > 1e-8:
         raise RuntimeError(f"the folded linear map differs from the protocol's stack by {worst:g} "
                            "on the score scale")
-    scorer.config.training = {
-        "protocol": PROTOCOL, "data": "ASAP training_set_rel3, Taghipour & Ng folds",
-        "fold": fold, "model": "stack-blend of " + ", ".join(m for m, _ in RIDGE_STACK_MEMBERS),
-        "method": "the members fitted as the CPU protocol fits them (fp16 feature caches of an "
-                  "fp32 encoder pass; alpha by dev QWK of cut scores), weighted by non-negative "
-                  "least squares on their out-of-fold training predictions, cut at cutpoints "
-                  "fitted on the blend of the same; the blend folded into one linear map of "
-                  "each window's [CLS] vectors and token means of layers 1..L (the "
-                  "standardisations folded in) plus one of the essay's surface features",
-        **record,
-        "folded_max_abs_diff": worst, "last_layer_means": bool(last_layer_means),
-        "dev_qwk_of": "the cut scores of the stack",
-        "dev_mean_qwk": float(np.mean(list(record["dev_qwk"].values()))),
-        "test_mean_qwk": float(np.mean(list(record["test_qwk"].values()))),
-        "qwk_on": "the feature cache, as the protocol scores it",
-    }
-    scorer.freeze_encoder()
-    return scorer.eval()
+    return _fitted(scorer, fold, "stack-blend of " + ", ".join(m for m, _ in RIDGE_STACK_MEMBERS),
+                   "the members fitted as the CPU protocol fits them (fp16 feature caches of an "
+                   "fp32 encoder pass; alpha by dev QWK of cut scores), weighted by non-negative "
+                   "least squares on their out-of-fold training predictions, cut at cutpoints "
+                   "fitted on the blend of the same; the blend folded into one linear map of "
+                   "each window's [CLS] vectors and token means of layers 1..L (the "
+                   "standardisations folded in) plus one of the essay's surface features",
+                   record, "the cut scores of the stack", folded_max_abs_diff=worst,
+                   last_layer_means=bool(last_layer_means))

@@ -18,7 +18,7 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
-           "essay_offsets", "essay_prompts", "near_boundary", "piece_windows",
+           "essay_offset", "essay_offsets", "essay_prompts", "near_boundary", "piece_windows",
            "default_model_path", "num_labels"]
 
 FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
@@ -94,6 +94,13 @@ def essay_offsets(texts: Sequence[str], prompts: Sequence[int],
         if c is not None:
             out[e] = float(s[e] @ np.asarray(c, dtype=np.float64))
     return out
+
+
+def essay_offset(text: str, prompt: int, surface_weights: dict[int, Sequence[float]]) -> float:
+    """One essay's own term (:func:`essay_offsets`), 0.0 for a scorer without surface weights:
+    an :class:`EssayPlan`'s ``offset``."""
+    offset = essay_offsets([text], [int(prompt)], surface_weights)
+    return 0.0 if offset is None else float(offset[0])
 
 
 def piece_windows(pieces: Sequence[Sequence[int]], window: int, cls_id: int, sep_id: int

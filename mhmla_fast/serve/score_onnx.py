@@ -70,8 +70,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..aes.scoring import (EssayPlan, combine_windows, essay_offsets, essay_prompts,
-                           essay_scores, near_boundary, piece_windows)
+from ..aes.scoring import (EssayPlan, combine_windows, essay_offset, essay_offsets,
+                           essay_prompts, essay_scores, near_boundary, piece_windows)
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
@@ -418,10 +418,9 @@ class OnnxScorer:
         """One essay word-pieced and cut into the windows :meth:`predict_scores` would use."""
         essay_prompts(1, prompt, self.config.prompts)
         pieces = self.encode([text])[0]
-        offset = essay_offsets([text], [int(prompt)], self.config.surface_weights)
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
                          self.cls_id, self.sep_id, self.pad_id,
-                         0.0 if offset is None else float(offset[0]))
+                         essay_offset(text, prompt, self.config.surface_weights))
 
     def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
                       ) -> list[np.ndarray]:
