@@ -34,7 +34,7 @@ from .durable import atomic_write_text, replace_durably
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_meta", "check_same_data", "check_same_precision",
            "check_same_inputs", "precision_recorded", "CheckpointWriter",
-           "run_lock", "RunLockedError", "LOCK_FILE"]
+           "run_lock", "RunLockedError", "LOCK_FILE", "check_run_folder"]
 
 LOCK_FILE = ".lock"
 
@@ -69,6 +69,29 @@ def run_lock(out: Path, *, held: bool = True) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def check_run_folder(out: Path, made: tuple[str, ...]) -> None:
+    """Before a run starts or resumes in ``out``, what would otherwise fail or be lost only
+    after its first epoch: ValueError if ``out`` is a file; FileExistsError if ``out/best`` is
+    there and is not a model directory (:func:`~mhmla_fast.model_dir.check_save_target`);
+    ValueError if ``out`` has no checkpoint but holds what a run writes there (``made``, e.g.
+    ``("best", "log.json")``): a run whose checkpoint was removed, whose model and log a new
+    run would replace."""
+    from .model_dir import check_save_target
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: is a file; the output is a run folder (checkpoints, log, "
+                         "best/): give a folder's name")
+    check_save_target(out / "best")
+    if not (out / "checkpoint.json").is_file():
+        found = [n + ("/" if (out / n).is_dir() else "") for n in made if (out / n).exists()]
+        if found:
+            raise ValueError(
+                f"{out}: holds {' and '.join(found)} of an earlier run but no checkpoint to "
+                "resume it from, so a new run there would replace them; give another output "
+                "folder, or move them away to start this one over")
 
 
 def recover_run_dir(out: Path) -> None:

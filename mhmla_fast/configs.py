@@ -255,13 +255,18 @@ def config_diff(current: Any, stored: dict[str, Any], free: tuple[str, ...] = ()
             if before.get(k) != v and k.split(".")[0] not in free}
 
 
-def same_file(a: Any, b: Any) -> bool:
+def same_file(a: Any, b: Any, base: str | None = None) -> bool:
     """Whether ``a`` and ``b`` are two spellings of one existing path (relative or absolute,
-    through links)."""
+    through links). ``base``: the folder ``a`` is relative to when it is (a checkpoint's
+    working directory: a run begun with relative paths and resumed from another folder),
+    else the current one."""
     import os
 
-    return (isinstance(a, str) and isinstance(b, str) and os.path.exists(a)
-            and os.path.realpath(a) == os.path.realpath(b))
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    if base is not None:
+        a = os.path.join(base, a)  # (an absolute ``a`` stays as it is)
+    return os.path.exists(a) and os.path.realpath(a) == os.path.realpath(b)
 
 
 def flat_items(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -43,11 +43,13 @@ Devices without Triton (CPU without ``TRITON_INTERPRET=1``) always run eager.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AUTO_KERNELS", "BACKENDS", "AutoRule", "fused_unsupported", "layer_attention_kernels"]
+__all__ = ["AUTO_KERNELS", "BACKENDS", "AutoRule", "backend_unavailable", "fused_unsupported",
+           "layer_attention_kernels"]
 
 BACKENDS = ("auto", "torch", "triton")
 IMPLEMENTATIONS = ("torch", "triton")
@@ -79,6 +81,17 @@ AUTO_KERNELS: dict[str, AutoRule] = {
     "cuda": AutoRule(forward="triton", backward="triton", min_fused_work=1 << 34,
                      min_fused_backward_work=1 << 37),
 }
+
+
+def backend_unavailable(backend: str, device_type: str) -> str | None:
+    """Why ``backend`` cannot run on devices of ``device_type`` at all, or None: asked before
+    training starts, so a run is refused at once rather than at its first step."""
+    if (backend == "triton" and device_type == "cpu"
+            and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+        return ("backend 'triton' (the fused kernels) runs on a CPU only under the Triton "
+                "interpreter (TRITON_INTERPRET=1 set before Python starts: a test mode, far "
+                "slower than eager); use 'auto' or 'torch' on this CPU")
+    return None
 
 
 def fused_unsupported(device_type: str, dtype: torch.dtype, H: int, K: int) -> str | None:

@@ -228,6 +228,15 @@ def test_finetuning_smoke_loss_falls(tiny_encoder, tmp_path, capsys):
 
     with run_lock(tmp_path / "ft"), pytest.raises(RunLockedError):  # the folder in use
         finetune(cfg, train, dev, log=None)
+    # its checkpoint removed, the finished run's best/ would be replaced by a new run: refused
+    # before training, best/ untouched
+    weights = (tmp_path / "quiet" / "best" / "model.safetensors").read_bytes()
+    for f in (tmp_path / "quiet").glob("checkpoint*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="holds best/ of an earlier run but no checkpoint"):
+        finetune(dataclasses.replace(cfg, out=str(tmp_path / "quiet"), epochs=1), train, dev,
+                 log=None)
+    assert (tmp_path / "quiet" / "best" / "model.safetensors").read_bytes() == weights
 
 
 def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, tmp_path):

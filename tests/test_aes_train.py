@@ -411,6 +411,47 @@ def test_cache_only_builds_each_pooling_the_models_need(tiny_encoder, tmp_path, 
     assert "--feature-precision: not used by --finetune" in capsys.readouterr().err
 
 
+def test_units_of_other_encoder_files_under_the_same_name_are_not_reused(tiny_encoder,
+                                                                          tmp_path):
+    """An encoder model's unit records the sha256 of the encoder's files, not only its name:
+    after the files under that name change (and their stale feature cache is removed, as its
+    error says), the run refuses the old units instead of reporting them as the new
+    encoder's; a unit from before the sha256 was stored is still reused."""
+    import shutil
+
+    from transformers import BertModel
+
+    from mhmla_fast.aes.fingerprints import encoder_fingerprint
+
+    enc = tmp_path / "enc"
+    shutil.copytree(tiny_encoder, enc)
+    data = write_asap(tmp_path / "data", n_per_prompt=10)
+    kw = dict(data_dir=data, cache_dir=tmp_path / "cache", run_dir=tmp_path / "run",
+              folds=[0], prompts=[3], encoder=str(enc), log=None,
+              models=["ridge-layers", "surface-ridge"], results=None)
+    first = run_cpu_protocol(**kw)
+    assert first["models"]["ridge-layers"]["settings"]["encoder_sha256"] == \
+        encoder_fingerprint(str(enc))
+    assert "encoder_sha256" not in first["models"]["surface-ridge"]["settings"]
+    unit = tmp_path / "run" / "units" / "ridge-layers-fold0-p3.json"
+    legacy = json.loads(unit.read_text())
+    del legacy["settings"]["encoder_sha256"]
+    unit.write_text(json.dumps(legacy))
+    assert run_cpu_protocol(**kw)["models"] == first["models"]  # reused as it was
+
+    torch.manual_seed(99)
+    model = BertModel.from_pretrained(enc)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    model.save_pretrained(enc)
+    encoder_fingerprint.cache_clear()  # (a new process would hash the new files)
+    shutil.rmtree(tmp_path / "cache")
+    unit.write_text(json.dumps(json.loads(unit.read_text()) | {"settings": first["models"][
+        "ridge-layers"]["settings"]}))
+    with pytest.raises(ValueError, match="other files under the encoder name"):
+        run_cpu_protocol(**kw)
+
+
 def test_units_of_bf16_features_are_kept_apart(tiny_encoder, tmp_path):
     """A protocol run on bf16 feature caches records it in every encoder model's settings, so
     its units are never taken for (or mixed with) an fp32 run's; models without the encoder

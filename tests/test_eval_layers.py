@@ -75,3 +75,34 @@ def test_ged_suite_scores_every_set_at_argmax_and_at_the_stored_threshold(tmp_pa
         assert entry["tokens"] == entry["argmax"]["tp"] + entry["argmax"]["fp"] + \
             entry["argmax"]["fn"] + entry["argmax"]["tn"]
     assert result["sets"]["jfleg_test"]["tokens"] == 4
+
+
+def test_eval_refuses_what_would_give_a_clean_looking_zero_or_a_traceback(tmp_path,
+                                                                          tiny_tagger_dir, capsys):
+    """No sentences, an annotator the M2 file does not have (every word would count as
+    correct: F0.5 0 with exit 0), an annotator for data without annotators, a suite folder
+    holding none of its sets, and an output path that is a folder: each is exit 2 with a
+    message, before any evaluation and without writing."""
+    model = ["--model", str(tiny_tagger_dir)]
+    (tmp_path / "empty.tsv").write_text("")
+    m2 = tmp_path / "a.m2"
+    m2.write_text("S He go to school .\nA 1 2|||R:VERB:SVA|||goes|||REQUIRED|||-NONE-|||0\n\n"
+                  "S They goes .\nA -1 -1|||noop|||-NONE-|||REQUIRED|||-NONE-|||2\n\n")
+    data = fce(tmp_path / "d.tsv")
+    (tmp_path / "dir.json").mkdir()
+    for argv, message in (
+            (["ged", "--data", str(tmp_path / "empty.tsv")], "no sentences to evaluate on"),
+            (["ged", "--data", str(m2), "--annotator", "1"],
+             "no edit is by annotator 1; its annotator ids are 0, 2"),
+            (["ged", "--data", str(data), "--annotator", "1"], "read as FCE data"),
+            (["ged", "--data", str(data), "--json", str(tmp_path / "dir.json")], "is a folder"),
+            (["ged-layers", "--data", str(data), "--png", str(tmp_path / "dir.json")],
+             "is a folder"),
+            (["ged-suite", "--data-dir", str(tmp_path / "nowhere"), "--out",
+              str(tmp_path / "s.json")], "none of the suite's data sets is there")):
+        capsys.readouterr()
+        assert mhmla_eval([argv[0], *model, *argv[1:]]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "s.json").exists()
+    assert mhmla_eval(["ged", *model, "--data", str(m2), "--annotator", "2"]) == 0  # a noop's id
+    assert mhmla_eval(["ged", *model, "--data", str(m2)]) == 0

@@ -175,7 +175,10 @@ def test_m2_annotators(tmp_path: Path) -> None:
     assert labels_of(read_m2(p, annotator=0)) == [[1, 1, 0, 0, 0]]
     assert labels_of(read_m2(p, annotator=1)) == [[0, 0, 1, 0, 1]]
     assert labels_of(read_m2(p, annotator=None)) == [[1, 1, 1, 0, 1]]
-    assert labels_of(read_m2(p, annotator=2)) == [[0, 0, 0, 0, 0]]
+    # an id no A line has would label every word correct: refused, naming the ids there
+    with pytest.raises(ValueError, match="no edit is by annotator 2; its annotator ids are 0, 1"):
+        read_m2(p, annotator=2)
+    assert labels_of(read_m2(write(tmp_path / "b.m2", m2("S a b")), annotator=2)) == [[0, 0]]
 
 
 def test_m2_several_sentences_crlf_no_final_blank(tmp_path: Path) -> None:

@@ -913,3 +913,90 @@ def test_cross_fitted_teachers_label_the_blocks_they_never_saw(tmp_path, tiny_en
         config(tmp_path, tiny_encoder, tmp_path / "bad", teacher=pair, synthetic_errors=0.1)
     with pytest.raises(ValueError, match="a run with hold_out trains on part of it"):
         config(tmp_path, tiny_encoder, tmp_path / "bad", teacher=pair, hold_out="1/2")
+
+
+def test_a_run_folder_that_a_new_run_would_spoil_is_refused_before_training(tmp_path,
+                                                                             tiny_encoder):
+    """A finished run whose checkpoint was removed (its best/ and log.json left), a best/ that
+    holds other files, and an output that is a file: each is refused before any training step,
+    and nothing there is touched; the same folder with its checkpoint resumes as before."""
+    import shutil
+
+    done = train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1))
+    kept = {p.name: p.read_bytes() for p in done.iterdir() if p.is_file()}
+    log = (tmp_path / "run" / "log.json").read_bytes()
+    for f in (tmp_path / "run").glob("checkpoint*"):
+        f.unlink()
+    for kw in (dict(), dict(epochs=2, seed=7)):
+        with pytest.raises(ValueError, match="best/ and log.json of an earlier run but no "
+                                             "checkpoint"):
+            train(config(tmp_path, tiny_encoder, tmp_path / "run", **kw))
+    assert {p.name: p.read_bytes() for p in done.iterdir() if p.is_file()} == kept
+    assert (tmp_path / "run" / "log.json").read_bytes() == log
+    shutil.rmtree(done)  # the log alone is refused too
+    with pytest.raises(ValueError, match="holds log.json of an earlier run"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1))
+
+    other = tmp_path / "other"
+    (other / "best").mkdir(parents=True)
+    (other / "best" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a model directory"):
+        train(config(tmp_path, tiny_encoder, other, epochs=1))
+    assert sorted(p.name for p in other.iterdir()) == ["best"]  # no checkpoint: no step ran
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "afile", epochs=1))
+
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "resumed", epochs=2)
+    train(cfg, stop_after_steps=20)  # past epoch 1: best/ and log.json beside the checkpoint
+    assert (tmp_path / "resumed" / "best").is_dir()
+    assert (train(cfg) / "config.json").is_file()
+
+
+def test_a_run_begun_with_relative_paths_resumes_from_another_folder(tmp_path, tiny_encoder,
+                                                                     monkeypatch):
+    """The checkpoint records the folder its relative paths are relative to: the same files
+    given by absolute paths from elsewhere are the same run; other files are not."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    first = config(work, tiny_encoder, "run", epochs=1, train="train.tsv", dev="dev.tsv")
+    train(first, stop_after_steps=2)
+    monkeypatch.chdir(tmp_path)
+    again = config(work, tiny_encoder, work / "run", epochs=1)  # absolute paths
+    assert (train(again) / "config.json").is_file()
+    write_fce(tmp_path / "train.tsv", 128, 0)  # the same contents, another file
+    other = config(work, tiny_encoder, work / "run", epochs=2, train=str(tmp_path / "train.tsv"))
+    with pytest.raises(ValueError, match="a checkpoint of a different run"):
+        train(other)
+
+
+def test_the_loss_of_a_batch_without_labelled_pieces_is_zero():
+    """Empty sentences only: the mean over no labelled piece is 0 (not 0/0), with a zero
+    gradient; other batches keep cross-entropy's mean."""
+    from mhmla_fast.ged.model import IGNORE
+    from mhmla_fast.ged.train import word_loss
+
+    logits = torch.randn(2, 5, 2, requires_grad=True)
+    none = torch.full((2, 5), IGNORE)
+    loss = word_loss(logits, none)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    some = none.clone()
+    some[0, 1], some[1, 3] = 1, 0
+    want = torch.nn.functional.cross_entropy(logits.detach().flatten(0, 1), some.flatten(),
+                                             ignore_index=IGNORE)
+    assert torch.equal(word_loss(logits.detach(), some), want)
+
+
+def test_backend_triton_on_a_cpu_without_the_interpreter_is_refused_before_training(
+        tmp_path, tiny_encoder, monkeypatch):
+    from mhmla_fast.dispatch import backend_unavailable
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "Triton interpreter" in backend_unavailable("triton", "cpu")
+    assert backend_unavailable("triton", "cuda") is None
+    assert backend_unavailable("auto", "cpu") is None
+    with pytest.raises(ValueError, match="--backend: backend 'triton'"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, backend="triton"))
+    assert not (tmp_path / "run" / "checkpoint.json").exists()

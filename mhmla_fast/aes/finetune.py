@@ -20,13 +20,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import (CheckpointWriter, check_same_inputs, load_checkpoint,
+from ..checkpoint import (CheckpointWriter, check_run_folder, check_same_inputs, load_checkpoint,
                           precision_recorded, recover_run_dir, run_lock)
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, check_counts,
                        check_positive, config_diff)
 from ..devices import (TRAIN_COMPILE_MODES, applied_compile, applied_precision,
                        check_same_compile, check_train_precision, compiled_step, fused_optimizer,
                        padded_length, training_autocast)
+from ..dispatch import backend_unavailable
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import load_tokenizer
 from ..progress import progress_bar
@@ -129,6 +130,8 @@ def finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Seq
     if not train_essays or not dev_essays:
         raise ValueError(f"fine-tuning needs essays to train on and dev essays to select by "
                          f"({len(train_essays)} train, {len(dev_essays)} dev)")
+    if rank_from_env() == 0:  # before any training: not after the first epoch
+        check_run_folder(Path(cfg.out), ("best",))
     with run_lock(Path(cfg.out), held=rank_from_env() == 0):
         if rank_from_env() == 0:
             recover_run_dir(Path(cfg.out))
@@ -144,6 +147,8 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device, dist_ctx = training_device()  # cuda when available; dist_ctx None: one process
+    if (why := backend_unavailable(cfg.backend, device.type)) is not None:
+        raise ValueError(f"--backend: {why}")
     main_rank = dist_ctx is None or dist_ctx.main
     torch.manual_seed(cfg.seed)
     # the run's head config itself; a copy of the encoder spec (the scorer fills in its length)

@@ -78,6 +78,7 @@ from ..dispatch import BACKENDS
 from .baselines import (RIDGE_ALPHAS, SURFACE_ALPHAS, TFIDF_ALPHAS, human_agreement, ridge_layers,
                         surface_ridge, tfidf_select, window_rows)
 from .data import Essay, split_essays
+from .fingerprints import encoder_fingerprint
 from .ged_features import GED_FEATURES, EssayTagger, ged_feature_cache, tagger_fingerprint
 from .heads import HeadResult, HeadTrainConfig, head_cutpoints, predict_split, train_head
 from .kernel_ridge import KRR_ALPHAS, KRR_GAMMAS, krr_select
@@ -161,6 +162,8 @@ def _settings(spec: ModelSpec, encoder: str, overrides: dict, precision: str = "
     extra = {"cuts": "qwk, out-of-fold on train"} if spec.cuts else {}
     if spec.kind in LAYER_KINDS and precision != "fp32":  # models on the caches
         extra["feature_precision"] = precision
+    if spec.kind in LAYER_KINDS:  # the encoder's files, not only its name (reuse_unit)
+        extra["encoder_sha256"] = encoder_fingerprint(encoder)
     if spec.head is not None:
         lrs = {"lrs": list(spec.lrs)} if spec.lrs and "lr" not in overrides else {}
         return {"encoder": encoder, **asdict(_head_config(spec, overrides)), **lrs, **extra}

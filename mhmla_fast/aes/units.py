@@ -53,7 +53,17 @@ def reuse_unit(path: Path, settings: dict, data: str, test: dict[int, list[Essay
     unit = json.loads(path.read_text())
     joint = "settings" not in unit
     old = next(iter(unit.values())).get("settings") if joint else unit.get("settings")
-    if nested_settings(old) != json.loads(json.dumps(settings)):
+    want = json.loads(json.dumps(settings))
+    if isinstance(old, dict) and "encoder_sha256" not in old:
+        # a unit from before the encoder's fingerprint was stored: its name is all it recorded
+        want.pop("encoder_sha256", None)
+    old_now = nested_settings(old)
+    if isinstance(old_now, dict) and old_now != want and (
+            {**old_now, "encoder_sha256": None} == {**want, "encoder_sha256": None}):
+        raise ValueError(f"{path} was made with other files under the encoder name "
+                         f"{want.get('encoder')!r} (their sha256 differs); use another run "
+                         "folder or remove it")
+    if old_now != want:
         raise ValueError(f"{path} was made with other settings ({old} vs {settings}); "
                          "use another run folder or remove it")
     per_prompt = {int(p): u for p, u in unit.items()} if joint else {next(iter(test)): unit}

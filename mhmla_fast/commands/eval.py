@@ -13,6 +13,23 @@ from .aes import run_eval as run_aes
 from .argtypes import non_negative_int, positive_int
 
 
+def _check_outputs(*paths: str | None) -> None:
+    """ValueError, before any evaluation, for an output path that is a folder."""
+    for path in paths:
+        if path and Path(path).is_dir():
+            raise ValueError(f"{path}: is a folder; give a file name to write to")
+
+
+def _read_sentences(path, annotator: int):
+    """The labelled sentences of ``path``; ValueError when it holds none."""
+    from ..ged.data import read_ged
+
+    sentences = read_ged(path, annotator=annotator)
+    if not sentences:
+        raise ValueError(f"{path}: no sentences to evaluate on")
+    return sentences
+
+
 def _load(model_dir: str | None):
     from ..ged.model import GedTagger, load_tokenizer
     from ..ged.predict import default_model_path
@@ -26,12 +43,12 @@ def _load(model_dir: str | None):
 def run_ged(args) -> int:
     import numpy as np
 
-    from ..ged.data import read_ged
     from ..ged.metrics import ged_scores
     from ..ged.train import predict_word_probs
 
     try:
-        sentences = read_ged(args.data, annotator=args.annotator)
+        _check_outputs(args.json)
+        sentences = _read_sentences(args.data, args.annotator)
         path, model, tokenizer = _load(args.model)
     except (OSError, ValueError) as err:
         print(f"mhmla-eval: {err}", file=sys.stderr)
@@ -65,14 +82,14 @@ def run_layers(args) -> int:
     """The average layer weight per head on ``args.data``: JSON (``--json``) first, then the
     heatmap (``--png``, needs matplotlib), so a machine without matplotlib still gets the
     numbers."""
-    from ..ged.data import read_ged
     from ..ged.predict import layer_weight_stats
 
     if not (args.png or args.json):
         print("mhmla-eval ged-layers: give --png, --json or both", file=sys.stderr)
         return 2
     try:
-        sentences = read_ged(args.data, annotator=args.annotator)
+        _check_outputs(args.json, args.png)
+        sentences = _read_sentences(args.data, args.annotator)
         path, model, tokenizer = _load(args.model)
         weights = layer_weight_stats(model, tokenizer, [s.tokens for s in sentences],
                                      batch_size=args.batch_size)
@@ -136,14 +153,19 @@ def run_suite(args) -> int:
     """The model on FCE test, CoNLL-2014 annotators 1 and 2 and JFLEG test -> one JSON."""
     import numpy as np
 
-    from ..ged.data import read_ged
     from ..ged.metrics import ged_scores
     from ..ged.train import predict_word_probs
     from ..paths import shared_data_dir
     from ..provenance import provenance
 
     root = Path(args.data_dir) if args.data_dir else shared_data_dir()
+    found = {name: root / rel for name, (rel, _) in GED_SUITE.items() if (root / rel).exists()}
     try:
+        _check_outputs(args.out)
+        if not found:
+            raise ValueError(f"{root}: none of the suite's data sets is there ("
+                             f"{', '.join(rel for rel, _ in GED_SUITE.values())}); give the "
+                             "shared data folder with --data-dir")
         path, model, tokenizer = _load(args.model)
     except (OSError, ValueError) as err:
         print(f"mhmla-eval: {err}", file=sys.stderr)
@@ -155,10 +177,14 @@ def run_suite(args) -> int:
               "training": config.training, "sets": {}}
     for name, (rel, annotator) in GED_SUITE.items():
         data = root / rel
-        if not data.exists():
+        if name not in found:
             print(f"mhmla-eval: {data} not found: {name} skipped", file=sys.stderr)
             continue
-        sentences = read_ged(data, annotator=annotator)
+        try:
+            sentences = _read_sentences(data, annotator)
+        except (OSError, ValueError) as err:
+            print(f"mhmla-eval: {err}", file=sys.stderr)
+            return 2
         probs = np.concatenate(predict_word_probs(model, tokenizer, [s.tokens for s in sentences],
                                                   batch_size=args.batch_size))
         gold = np.concatenate([np.asarray(s.labels) for s in sentences])

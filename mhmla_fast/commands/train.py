@@ -40,7 +40,7 @@ def run_ged(args) -> int:
         cfg = config_from_args(TrainConfig, args, train=args.train or _fce("train"),
                                dev=args.dev or _fce("dev"))
         best = train(cfg)
-    except (FileNotFoundError, ValueError, RunLockedError) as err:
+    except (OSError, ValueError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports

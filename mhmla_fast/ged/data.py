@@ -259,6 +259,7 @@ def read_m2(path: PathLike, annotator: int | None = 0) -> list[Sentence]:
     a field count other than 6, a span that is not two integers, a bad span (``start > end``, a negative
     index other than noop ``-1 -1``), a span past the sentence end, a non-integer annotator id, and
     invalid UTF-8. A new ``S`` line directly after an ``A`` line (no blank line) starts a new sentence.
+    ValueError when the file has ``A`` lines but none of ``annotator``'s.
     """
     p = Path(path)
     src = str(p)
@@ -266,6 +267,7 @@ def read_m2(path: PathLike, annotator: int | None = 0) -> list[Sentence]:
     tokens: list[str] | None = None
     labels: list[int] = []
     start_line = 0
+    annotators: set[int] = set()
 
     def flush() -> None:
         if tokens is not None:
@@ -297,6 +299,7 @@ def read_m2(path: PathLike, annotator: int | None = 0) -> list[Sentence]:
         start = _int_field(p, lineno, span[1], "span start")
         end = _int_field(p, lineno, span[2], "span end")
         ann = _int_field(p, lineno, fields[5].strip(), "annotator id")
+        annotators.add(ann)
         etype = fields[1].strip()
         if start == -1 and end == -1:
             is_noop = True
@@ -312,6 +315,10 @@ def read_m2(path: PathLike, annotator: int | None = 0) -> list[Sentence]:
             continue
         _mark_edit(labels, start, end)
     flush()
+    if annotator is not None and annotators and annotator not in annotators:
+        # every label would be "correct": a clean-looking 0 rather than an error
+        raise ValueError(f"{p}: no edit is by annotator {annotator}; its annotator ids are "
+                         f"{', '.join(map(str, sorted(annotators)))}")
     return sentences
 
 
@@ -464,7 +471,8 @@ def _detect_format(p: Path) -> str:
         return "jfleg"
     raise ValueError(
         f"{p}: cannot tell the GED format from the name (.tsv = FCE, .m2 = M2, .src / split folder / "
-        "split prefix = JFLEG); pass fmt='fce', 'm2' or 'jfleg'"
+        "split prefix = JFLEG); give the file such a name (from Python, read_ged(..., fmt='fce', "
+        "'m2' or 'jfleg') reads any name)"
     )
 
 
@@ -473,10 +481,14 @@ def read_ged(path: PathLike, *, annotator: int | None = 0, fmt: str = "auto") ->
 
     ``fmt="auto"`` chooses by name: ``*.tsv`` -> :func:`read_fce_tsv`, ``*.m2`` -> :func:`read_m2`
     (with ``annotator``), a ``*.src`` file, a split folder or a split prefix -> :func:`read_jfleg_split`.
-    ``fmt`` may also be ``"fce"``, ``"m2"`` or ``"jfleg"``. ``annotator`` is used only for M2.
+    ``fmt`` may also be ``"fce"``, ``"m2"`` or ``"jfleg"``. ``annotator`` is used only for M2
+    (another id than 0 for other data raises ValueError).
     """
     p = Path(path)
     kind = _detect_format(p) if fmt == "auto" else fmt
+    if kind in ("fce", "jfleg") and annotator not in (0, None):
+        raise ValueError(f"annotator: {annotator} given, but {p} is read as {kind.upper()} "
+                         "data, which has no annotators (annotator ids are for M2 files)")
     if kind == "fce":
         return read_fce_tsv(p)
     if kind == "m2":

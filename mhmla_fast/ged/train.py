@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import (CheckpointWriter, check_same_inputs, checkpoint_meta,
+from ..checkpoint import (CheckpointWriter, check_run_folder, check_same_inputs, checkpoint_meta,
                           load_checkpoint, precision_recorded, recover_run_dir, run_lock)
 from ..durable import atomic_write_bytes, atomic_write_text
 from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords, check_counts,
@@ -45,6 +46,7 @@ from ..configs import (EncoderSpec, LayerAttentionConfig, accepts_flat_keywords,
 from ..devices import (COMPILE_PAD_TO, TRAIN_COMPILE_MODES, TRAIN_PRECISIONS, applied_compile,
                        applied_precision, check_same_compile, check_train_precision,
                        compiled_step, fused_optimizer, padded_length, training_autocast)
+from ..dispatch import backend_unavailable
 from ..distributed import check_resume_world, rank_from_env, shard, training_device, wrap
 from ..encoder import max_input_length
 from ..packing import cut_length_pools
@@ -190,13 +192,14 @@ LR_SCHEDULES = ("constant", "linear")
 PATH_FIELDS = ("train", "dev", "encoder_spec.name_or_path", "teacher", "transfer")
 
 
-def _same_paths(key: str, a, b) -> bool:
-    """Whether the values ``a`` and ``b`` of path field ``key`` name the same files (teacher:
-    each of its comma-separated folders)."""
+def _same_paths(key: str, a, b, base: str | None = None) -> bool:
+    """Whether the values ``a`` (stored, relative to ``base`` when it is relative) and ``b``
+    of path field ``key`` name the same files (teacher: each of its comma-separated
+    folders)."""
     if key == "teacher" and isinstance(a, str) and isinstance(b, str):
         a, b = teacher_dirs(a), teacher_dirs(b)
-        return len(a) == len(b) and all(same_file(x, y) for x, y in zip(a, b))
-    return same_file(a, b)
+        return len(a) == len(b) and all(same_file(x, y, base) for x, y in zip(a, b))
+    return same_file(a, b, base)
 
 
 LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
@@ -373,10 +376,15 @@ def word_loss(logits: Tensor, labels: Tensor, targets: Tensor | None = None,
     """Cross-entropy of the labelled pieces (``labels`` [B, T] != IGNORE) of ``logits``
     [B, T, 2], in float32: against the gold label, or, with ``targets`` [B, T] (the error
     probability t each piece aims at), -(t log p_error + (1 - t) log p_correct); the mean over
-    labelled pieces, or their ``"sum"``. With targets equal to the labels both forms agree."""
+    labelled pieces (0 where there is none: a batch of empty sentences), or their ``"sum"``.
+    With targets equal to the labels both forms agree."""
     logits = logits.float().flatten(0, 1)
     if targets is None:
-        return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE, reduction=reduction)
+        flat = labels.flatten()
+        loss = F.cross_entropy(logits, flat, ignore_index=IGNORE, reduction=reduction)
+        # (the mean of no piece is 0/0; its gradient is 0 either way)
+        return loss if reduction == "sum" else torch.where(flat.ne(IGNORE).any(), loss,
+                                                           loss.new_zeros(()))
     logp = F.log_softmax(logits, -1)
     t = targets.flatten().to(logp.dtype)
     counted = (labels.flatten() != IGNORE).to(logp.dtype)
@@ -409,6 +417,8 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     run holds :func:`~mhmla_fast.checkpoint.run_lock` on ``cfg.out``: a second process on the
     same folder raises :class:`~mhmla_fast.checkpoint.RunLockedError`.
     """
+    if rank_from_env() == 0:  # before any training: not after the first epoch
+        check_run_folder(Path(cfg.out), ("best", "log.json"))
     with run_lock(Path(cfg.out), held=rank_from_env() == 0), \
             CheckpointWriter(Path(cfg.out)) as writer:
         if rank_from_env() == 0:
@@ -422,6 +432,8 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device, dist_ctx = training_device()  # cuda when available; dist_ctx None: one process
+    if (why := backend_unavailable(cfg.backend, device.type)) is not None:
+        raise ValueError(f"--backend: {why}")
     main_rank = dist_ctx is None or dist_ctx.main
     torch.manual_seed(cfg.seed)
 
@@ -481,8 +493,9 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                 ("epochs",) if cfg.lr_schedule == "constant" else ()) + (
                 # compared as the arithmetic it means, below ("auto" on the CPU is "fp32")
                 ("precision",) if precision_recorded(meta) else ())
+            # a stored relative path is read from the folder the checkpoint was written in
             diff = {k: v for k, v in config_diff(cfg, meta["config"], free).items()
-                    if not (k in PATH_FIELDS and _same_paths(k, *v))}
+                    if not (k in PATH_FIELDS and _same_paths(k, *v, base=meta.get("cwd")))}
             if diff:
                 raise ValueError(f"{out}: a checkpoint of a different run exists ({diff}); "
                                  "use another --out or remove it")
@@ -552,6 +565,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             "log": log, "best": best, "config": asdict(cfg),
             "world_size": dist_ctx.world_size if dist_ctx else 1, "data": data,
             "precision_applied": precision, "compile_applied": compile_mode,
+            "cwd": os.getcwd(),  # what the config's relative paths are relative to
         }, global_step)
 
     if epoch > cfg.epochs:
