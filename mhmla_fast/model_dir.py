@@ -282,7 +282,10 @@ class ModelDirMixin:
              dtype: torch.dtype = torch.float32, backend: str = "auto") -> M:
         """Rebuild a saved model offline (no network, no hub), in eval mode."""
         path = require_model_dir(path, cls.model_kind)
-        config = cls.config_class.from_json((path / "config.json").read_text())
+        try:
+            config = cls.config_class.from_json((path / "config.json").read_text())
+        except ValueError as err:  # (the config's message names the file, not the folder)
+            raise ValueError(f"{path}: {err}") from err
         model = cls(config, pretrained=False, backend=backend)
         state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder_spec))
         load_checked_state(model, state, path)

