@@ -365,3 +365,136 @@ def test_export_delegates_to_the_exporters(tmp_path, tiny_tagger_dir, monkeypatc
     assert main(["export", "--onnx", str(tmp_path / "t"), "--precision", "bf16",
                  "--model", str(tiny_tagger_dir)]) == 2
     assert main(["export"]) == 2
+
+
+# ------------------------------------------------------------------- a review's findings
+
+
+def test_input_from_a_pipe_or_fifo_gives_every_record(tmp_path, tiny_tagger_dir, tiny_engine):
+    """A pipe given by name (`<(cmd)`, /dev/stdin) is read once: no peek may take its first
+    buffer (it lost the first 4 KiB, or all, with exit 0), and a FIFO must not be opened twice
+    (the second open waited for ever); the records equal the same bytes as a regular file's.
+    A UTF-16 mark at a pipe's start is exit 2, as for a file."""
+    import threading
+
+    data = "".join(f"Sentence number {i} are here .\n" for i in range(1, 400)).encode()
+    assert len(data) > 2 * 4096
+    rc, want = tag(tmp_path, tiny_tagger_dir, data)
+    assert rc == 0 and len(want) == 399
+    common = ["--model", str(tiny_tagger_dir), "--no-progress", "--threads", "1", "--device",
+              "cpu", "--dtype", "float32", "--backend", "torch"]
+
+    def unblock(path):  # a run that opens the FIFO again waits for a writer: give it one
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader waiting
+            pass
+
+    def run_on(path, out, payload):
+        writer = threading.Thread(target=lambda: Path(path).write_bytes(payload))
+        writer.start()
+        rescue = threading.Timer(60, unblock, (path,))  # (so a regression fails, not hangs)
+        rescue.start()
+        try:
+            return main(["tag", path, "--output", str(out), *common])
+        finally:
+            rescue.cancel()
+            writer.join(timeout=30)
+
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    assert run_on(str(fifo), tmp_path / "fifo.jsonl", data) == 0
+    assert read_jsonl(tmp_path / "fifo.jsonl") == want
+    r, w = os.pipe()
+    os.write(w, data[:8192])  # (a pipe holds 64 KiB: written ahead, as `<(cat f)` would)
+    os.write(w, data[8192:])
+    os.close(w)
+    try:
+        assert main(["tag", f"/dev/fd/{r}", "--output", str(tmp_path / "pipe.jsonl"),
+                     *common]) == 0
+    finally:
+        os.close(r)
+    assert read_jsonl(tmp_path / "pipe.jsonl") == want
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    assert run_on(str(fifo), tmp_path / "wide.jsonl", "He go .\n".encode("utf-16")) == 2
+
+
+def test_output_that_is_empty_or_the_input_is_refused(tmp_path, tiny_tagger_dir, capsys,
+                                                       monkeypatch):
+    """`-o ""` (an unset variable) is not standard output, and an output that is the input
+    file is named as such (the message used to say to remove it); a closed standard output
+    or input is exit 2 with a message, not a traceback."""
+    src = tmp_path / "in.txt"
+    src.write_text("He go .\n")
+    base = ["--model", str(tiny_tagger_dir), "--no-progress"]
+    assert main(["tag", str(src), "-o", "", *base]) == 2
+    assert "--output: empty file name" in capsys.readouterr().err
+    link = tmp_path / "link.txt"
+    link.symlink_to(src)
+    for cmd in ("tag", "score"):
+        assert main([cmd, str(src), "-o", str(link), *base]) == 2
+        assert f"is the input file {src}; write the results to another file" in \
+            capsys.readouterr().err
+    assert src.read_text() == "He go .\n"
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["tag", str(src), *base, "--backend", "torch"]) == 2
+    monkeypatch.undo()
+    assert "standard output is closed; give an output file with -o" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["tag", *base]) == 2
+    assert "standard input is closed" in capsys.readouterr().err
+
+
+def test_check_margin_is_recorded_so_a_resume_cannot_mix_it(tmp_path, tiny_tagger_dir):
+    """--check-margin 0 is bf16 alone: an output begun with it records it, and a resume
+    without it (or with another margin) is refused; without the option nothing is recorded,
+    as in the sidecars of before."""
+    import argparse
+
+    from mhmla_fast.commands.serve import made_from
+
+    args = argparse.Namespace(backend="auto", format="auto", encoding="utf-8", max_chars=None,
+                              check_margin=0.0)
+    assert made_from("tag", tiny_tagger_dir, args)["check_margin"] == 0.0
+    args.check_margin = None
+    assert "check_margin" not in made_from("tag", tiny_tagger_dir, args)
+
+
+def test_pretty_view_cannot_be_driven_by_an_id(tmp_path, tiny_tagger_dir, tiny_engine):
+    from mhmla_fast.serve.pipeline import format_pretty
+
+    line = format_pretty({"index": 1, "id": "\x1b[2J\x1b[31mX", "error": "bad \x1b]0;t\x07"},
+                         None, colour=False)
+    assert "\x1b" not in line and "\x07" not in line and "[2J" in line
+
+
+def test_ctrl_c_before_the_records_is_exit_130_and_not_a_fallback(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a C extension initialises surfaces as `ImportError: initialization
+    failed`: backend auto re-raises the interrupt instead of running torch; and an interrupt
+    during start-up is the one-line exit 130, not a traceback."""
+    from mhmla_fast.serve import export_cache
+
+    def interrupted():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as err:
+            raise ImportError("initialization failed") from err
+
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            interrupted()
+        except ImportError as err:
+            export_cache._raise_interrupt(err)
+    export_cache._raise_interrupt(ImportError("no module named onnxruntime"))  # a real one
+
+    import mhmla_fast.commands.serve as serve
+
+    def load(*a, **kw):
+        raise KeyboardInterrupt
+
+    src = tmp_path / "in.txt"
+    src.write_text("He go .\n")
+    monkeypatch.setattr(serve, "load_engine", load)
+    assert main(["tag", str(src), "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip() == "mhmla-serve: interrupted"

@@ -396,6 +396,7 @@ def run_tag(args: argparse.Namespace) -> int:
     if args.resume and not args.output:
         raise UsageError("--resume needs --output FILE")
     inputs = args.inputs or ["-"]
+    check_output(args.output, inputs)
     _check_ray_options(args)
     if args.ray is not None:
         return run_ray(args, "tag", inputs)
@@ -425,6 +426,24 @@ def run_tag(args: argparse.Namespace) -> int:
                          verb="tagging", count_pieces=progress)
 
 
+def check_output(output: str | None, inputs: Sequence[str]) -> None:
+    """UsageError for an ``--output`` that is empty (an unset variable in a script: not
+    standard output) or is one of the input files."""
+    if output == "":
+        raise UsageError("--output: empty file name; give a file, or leave -o out (or give "
+                         "-o -) for standard output")
+    if output in (None, "-") or not os.path.exists(output):
+        return
+    for path in inputs:
+        try:
+            same = path != "-" and os.path.samefile(output, path)
+        except OSError:  # a URI or a missing input: not this file
+            same = False
+        if same:
+            raise UsageError(f"--output {output} is the input file {path}; write the results "
+                             "to another file")
+
+
 def open_output(output: str | None, resume: bool, made_from: Any = None):
     """The :class:`~mhmla_fast.serve.outputs.ResumableJsonlWriter` of ``--output`` (None or
     ``-``: standard output); ``made_from`` (a dict, or a function making it, called only for a
@@ -443,16 +462,20 @@ def open_output(output: str | None, resume: bool, made_from: Any = None):
 def made_from(command: str, model: Path, args: argparse.Namespace, **settings: Any) -> dict:
     """What an output of ``command`` is made from, for its sidecar: the model directory's
     fingerprint and every option that changes records (``--format``, ``--encoding``,
-    ``--max-chars``, ``--over-long``, ``--backend`` and ``settings``, e.g. the resolved dtype and
-    threshold). Batch sizes, token budgets, threads, device and kernels are left out: they change
+    ``--max-chars``, ``--over-long``, ``--backend``, ``--check-margin`` when given, and
+    ``settings``, e.g. the resolved dtype and threshold). Batch sizes, token budgets, threads, device and kernels are left out: they change
     probabilities only within float rounding (a resumed run may use other ones)."""
     from ..serve.inputs import check_encoding
     from ..serve.outputs import directory_fingerprint
 
+    # --check-margin 0 is bf16 alone, whose labels and scores may differ (recorded only when
+    # given: the sidecars of outputs made without it stay as they were)
+    margin = getattr(args, "check_margin", None)
     return {"command": command, "model_sha256": directory_fingerprint(model),
             "backend": args.backend, "format": args.format,
             "encoding": check_encoding(args.encoding), "max_chars": args.max_chars,
-            "over_long": over_long(args) if args.max_chars else None, **settings}
+            "over_long": over_long(args) if args.max_chars else None,
+            **({"check_margin": margin} if margin is not None else {}), **settings}
 
 
 FIRST_BATCH = 32  # records in the first batch of tag/score; the next ones double
@@ -483,6 +506,7 @@ def exit_status(run: Any, close: Any, *, output: str | None, verb: str) -> int:
     messages): 0, 1 when some input lines were malformed, 3 when it stopped on an error, 130
     interrupted, 141 broken pipe; a refused resume (other input or settings, an output that is
     not ours or is locked) raises UsageError. ``close()`` runs when ``run`` fails."""
+    from ..serve.inputs import WideInputError
     from ..serve.outputs import (
         OutputCorruptError,
         OutputExistsError,
@@ -495,7 +519,7 @@ def exit_status(run: Any, close: Any, *, output: str | None, verb: str) -> int:
     try:
         summary = run()
     except (ResumeMismatchError, OutputExistsError, OutputLockedError,
-            OutputCorruptError) as err:
+            OutputCorruptError, WideInputError) as err:  # (a resume would not help these)
         close()
         raise UsageError(str(err)) from err
     except KeyboardInterrupt:
@@ -652,6 +676,7 @@ def run_score(args: argparse.Namespace) -> int:
     if args.input and args.inputs:
         raise UsageError("give the input files either as arguments or with --input, not both")
     inputs = args.inputs or ([args.input] if args.input else ["-"])
+    check_output(args.output, inputs)
     _check_ray_options(args)
     if args.ray is not None:
         return run_ray(args, "score", inputs)
@@ -1014,6 +1039,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"{PROG} {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # before the records run (imports, model load, export)
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -195,6 +195,18 @@ def source_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
+def _raise_interrupt(err: BaseException) -> None:
+    """KeyboardInterrupt if ``err`` came of one: Ctrl-C while an extension module initialises
+    surfaces as ``ImportError: initialization failed``, which is not "cannot be imported" (a
+    fallback to torch would swallow the user's interrupt)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            raise KeyboardInterrupt from err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+
+
 def _encoder_dir(name) -> Path | None:
     """The encoder's local directory (the embedded MiniLM's package folder), or None for a hub
     name (then only its name is in the model's config, which is hashed)."""
@@ -684,11 +696,13 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
         log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: the export cache "
             f"failed ({type(err).__name__}: {err})")
     except ImportError as err:  # onnxruntime found but not importable
+        _raise_interrupt(err)
         log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
     else:
         try:
             return onnx(entry.path)
         except ImportError as err:
+            _raise_interrupt(err)
             log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
         except Exception as err:  # noqa: BLE001 - a damaged entry: set aside, made again next run
             fate = ("it was removed and is made again on the next run" if _set_aside(entry.path)

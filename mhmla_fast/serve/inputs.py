@@ -68,6 +68,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -295,12 +296,18 @@ _WIDE_BOMS = {b"\xff\xfe\x00\x00": "utf-32", b"\x00\x00\xfe\xff": "utf-32",
               b"\xff\xfe": "utf-16", b"\xfe\xff": "utf-16"}
 
 
+class WideInputError(ValueError):
+    """An input that starts with a UTF-16/32 byte-order mark (:func:`check_not_wide`): raised
+    before any record of it, also where it is found only when read (standard input, a pipe)."""
+
+
 def check_not_wide(start: bytes, source: str) -> None:
-    """ValueError when ``start`` (an input's first bytes) is a UTF-16/32 byte-order mark: such
-    text cannot be split into lines on the byte \\n (Windows PowerShell's ``>`` writes it)."""
+    """:class:`WideInputError` when ``start`` (an input's first bytes) is a UTF-16/32
+    byte-order mark: such text cannot be split into lines on the byte \\n (Windows
+    PowerShell's ``>`` writes it)."""
     for bom, name in _WIDE_BOMS.items():
         if start.startswith(bom):
-            raise ValueError(f"{source}: starts with a {name.upper()} byte-order mark; convert it "
+            raise WideInputError(f"{source}: starts with a {name.upper()} byte-order mark; convert it "
                              f"to UTF-8 first (iconv -f {name} -t utf-8)")
 
 
@@ -370,8 +377,8 @@ def _raw_lines(stream: IO[bytes], source: str | None = None,
                bound: int | None = None) -> Iterator[bytes | OverLong]:
     """Lines of a binary stream by :func:`bounded_lines`, as :func:`strip_line` makes them
     (after the first line inlined: this loop runs once per input line). With ``source``
-    (standard input, which cannot be checked before it is read) a UTF-16/32 BOM raises
-    ValueError (:func:`check_not_wide`); files are checked when opened."""
+    (standard input or a pipe, which cannot be checked before they are read) a UTF-16/32 BOM
+    raises :class:`WideInputError`; regular files are checked when opened."""
     first = True
     for raw in stream if bound is None else bounded_lines(stream, bound):
         if type(raw) is OverLong:
@@ -521,6 +528,8 @@ def iter_input_records(
         raise ValueError('standard input ("-") can be given only once')
     for path in paths:
         if path == "-":
+            if stdin is None and sys.stdin is None:
+                raise ValueError("standard input is closed; give the input files")
             continue
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: no such input file")
@@ -529,11 +538,24 @@ def iter_input_records(
         if is_parquet(path):
             check_parquet(path, format)
             continue
+        if not _is_regular(path):
+            # a pipe or FIFO (`<(cmd)`, /dev/stdin) is read once: a peek here would take its
+            # first buffer with it (and a FIFO's second open waits for a writer that is gone);
+            # its first line is checked as it is read
+            if not os.access(path, os.R_OK):
+                raise PermissionError(f"{path}: cannot be read (permission denied)")
+            continue
         with open(path, "rb") as f:  # unreadable: PermissionError now, not part-way through
             check_not_wide(f.read(4), path)
     if max_chars is not None and max_chars < 1:
         raise ValueError(f"max_chars: expected a positive integer or None, got {max_chars}")
     return _iter_records(paths, kind, stdin, format, encoding, max_chars)
+
+
+def _is_regular(path: str | int) -> bool:
+    """Whether ``path`` (or an open file descriptor) is a regular file, which can be read more
+    than once (not a pipe, a FIFO or a device)."""
+    return stat.S_ISREG(os.stat(path).st_mode)
 
 
 def check_parquet(path: str, format: str = "auto") -> None:
@@ -562,7 +584,8 @@ def _iter_records(paths: list[str], kind: str, stdin: BinaryIO | None, fmt: str,
                                    read_bound(max_chars))
             else:
                 source = path
-                lines = _raw_lines(stack.enter_context(open(path, "rb")), None,
+                f = stack.enter_context(open(path, "rb"))
+                lines = _raw_lines(f, None if _is_regular(f.fileno()) else path,
                                    read_bound(max_chars))
             read_as = line_format(source, fmt, kind)  # once per input, not per line
             for line, raw in enumerate(lines, 1):

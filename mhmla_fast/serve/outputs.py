@@ -284,6 +284,8 @@ class ResumableJsonlWriter:
         if self._stdout:
             if resume:
                 raise ValueError("cannot resume when writing to standard output; give an output file")
+            if sys.stdout is None:  # started with standard output closed (`>&-`)
+                raise ValueError("standard output is closed; give an output file with -o")
             self._f: BinaryIO = sys.stdout.buffer
             return
         if os.path.isdir(path):

@@ -52,9 +52,9 @@ def format_pretty(record: dict, text: str | None, colour: bool) -> str:
     spaces). Control characters are shown as U+FFFD so the text cannot drive the terminal."""
     head = str(record["index"])
     if record["id"] != record["index"]:
-        head += f" [{record['id']}]"
+        head += f" [{str(record['id']).translate(_CONTROLS)}]"  # (an id is input too)
     if "error" in record:
-        msg = f"ERROR: {record['error']}"
+        msg = f"ERROR: {str(record['error']).translate(_CONTROLS)}"
         return f"{head}\t{YELLOW}{msg}{RESET}" if colour else f"{head}\t!! {msg}"
     if text is None:
         starts = [0, *accumulate(len(t) + 1 for t in record["tokens"])]  # of the joined text
