@@ -463,8 +463,9 @@ def made_from(command: str, model: Path, args: argparse.Namespace, **settings: A
     """What an output of ``command`` is made from, for its sidecar: the model directory's
     fingerprint and every option that changes records (``--format``, ``--encoding``,
     ``--max-chars``, ``--over-long``, ``--backend``, ``--check-margin`` when given, and
-    ``settings``, e.g. the resolved dtype and threshold). Batch sizes, token budgets, threads, device and kernels are left out: they change
-    probabilities only within float rounding (a resumed run may use other ones)."""
+    ``settings``, e.g. the resolved dtype and threshold). Batch sizes, token budgets, threads,
+    device and kernels are left out: they change probabilities only within float rounding (a
+    resumed run may use other ones)."""
     from ..serve.inputs import check_encoding
     from ..serve.outputs import directory_fingerprint
 
