@@ -498,3 +498,14 @@ def test_ctrl_c_before_the_records_is_exit_130_and_not_a_fallback(tmp_path, monk
     monkeypatch.setattr(serve, "load_engine", load)
     assert main(["tag", str(src), "--no-progress"]) == 130
     assert capsys.readouterr().err.strip() == "mhmla-serve: interrupted"
+
+
+def test_an_output_name_too_long_for_its_sidecar_is_refused_before_it_is_made(
+        tmp_path, tiny_tagger_dir, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("He go .\n")
+    out = tmp_path / ("o" * 248)  # the output fits NAME_MAX (255); its sidecar's names do not
+    assert main(["tag", str(src), "-o", str(out), "--model", str(tiny_tagger_dir),
+                 "--no-progress"]) == 2
+    assert "the name is too long for its sidecar" in capsys.readouterr().err
+    assert not out.exists()

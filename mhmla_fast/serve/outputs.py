@@ -91,6 +91,21 @@ def meta_path(path: str) -> str:
     return path + META_SUFFIX
 
 
+def _check_sidecar_name(path: str) -> None:
+    """ValueError when the file names the sidecar needs (``.<name>.meta.json.<random>.tmp``
+    while it is written) are longer than the output's folder allows."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # no such folder (an error of its own)
+        return
+    longest = len(os.fsencode(os.path.basename(meta_path(path)))) + 2 + 8 + 4  # ".", random, ".tmp"
+    if longest > limit:
+        raise ValueError(f"{path}: the name is too long for its sidecar "
+                         f"{os.path.basename(meta_path(path))} (names in {folder} have at most "
+                         f"{limit} bytes); give a shorter output name")
+
+
 @functools.cache
 def _orjson():
     """orjson (a dependency of the package) where it imports, else None (an install made with
@@ -290,6 +305,7 @@ class ResumableJsonlWriter:
             return
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path}: is a directory, not an output file")
+        _check_sidecar_name(path)  # before the output is made
         created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # never truncates here
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device: no seek, no fsync
