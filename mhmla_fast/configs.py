@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -84,12 +86,25 @@ class LayerAttentionConfig:
             raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
             raise ValueError(f"num_heads: expected a positive integer J, got {self.num_heads!r}")
-        if self.key_size is not None and (not isinstance(self.key_size, int) or self.key_size < 1):
+        if self.key_size is not None and (isinstance(self.key_size, bool) or not isinstance(
+                self.key_size, int) or self.key_size < 1):
             raise ValueError(f"key_size: expected a positive integer K or None, got {self.key_size!r}")
+        for name in ("include_embeddings", "block_diagonal"):  # ("no" is not False)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable) \
+                    or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                               for i in self.layers):
+                raise ValueError("layers: expected hidden-state indices (integers) or None, got "
+                                 f"{self.layers!r}")
             self.layers = tuple(int(i) for i in self.layers)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout: expected a rate in [0, 1), got {self.dropout}")
+            if self.include_embeddings:
+                raise ValueError("include_embeddings: applies to the default layers only; with "
+                                 "layers given, name index 0 (the embedding output) among them")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: expected a rate in [0, 1), got {self.dropout!r}")
 
     @property
     def heads(self) -> int:

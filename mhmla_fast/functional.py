@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +12,7 @@ from torch import Tensor
 from .dispatch import BACKENDS, fused_unsupported, layer_attention_kernels
 from .reference import layer_attention_reference
 
-__all__ = ["layer_attention", "BACKENDS"]
+__all__ = ["layer_attention", "check_layers", "BACKENDS"]
 
 
 def _shape(t: Tensor) -> list[int]:
@@ -28,6 +29,12 @@ def _stack_hidden(hidden: Tensor | Sequence[Tensor]) -> Tensor:
         return hidden
     if not isinstance(hidden, Sequence) or isinstance(hidden, (str, bytes)):
         raise ValueError(f"hidden: expected a tensor or a sequence of tensors, got {type(hidden)!r}")
+    _check_same_layers(hidden)
+    return torch.stack(list(hidden), dim=0)
+
+
+def _check_same_layers(hidden: Sequence[Tensor]) -> None:
+    """ValueError unless ``hidden`` is L >= 1 tensors [*, H] of one shape, dtype and device."""
     if len(hidden) == 0:
         raise ValueError("hidden: empty sequence of layers (L = 0)")
     for i, t in enumerate(hidden):
@@ -43,7 +50,23 @@ def _stack_hidden(hidden: Tensor | Sequence[Tensor]) -> Tensor:
                 f"hidden[{i}]: dtype/device {t.dtype}/{t.device} differs from hidden[0]'s "
                 f"{hidden[0].dtype}/{hidden[0].device}"
             )
-    return torch.stack(list(hidden), dim=0)
+
+
+def check_layers(layers: Sequence[Tensor], hidden_size: int) -> None:
+    """ValueError naming ``hidden`` unless ``layers`` (the selected layers, L >= 1 tensors
+    [*, H]) share one shape, dtype and device, are floating point, hold at least one token,
+    and have H = ``hidden_size``: the checks :func:`layer_attention` makes, for the paths
+    that do not call it (the AvgL and last-layer modes, the folded head)."""
+    _check_same_layers(layers)
+    first = layers[0]
+    if first.numel() == 0:
+        raise ValueError(f"hidden: empty input of layers of shape {_shape(first)} (tokens and "
+                         "H must be > 0)")
+    if not first.dtype.is_floating_point:
+        raise ValueError(f"hidden: expected a floating-point dtype, got {first.dtype}")
+    if first.shape[-1] != hidden_size:
+        raise ValueError(f"hidden: expected layers [*, H] with H = {hidden_size} (the head's "
+                         f"hidden_size), got {_shape(first)}")
 
 
 def _check(
@@ -62,6 +85,8 @@ def _check(
     if H % J:
         raise ValueError(f"num_heads: H = {H} (hidden {_shape(hidden)}) is not divisible by J = {J}")
     w_k = params["w_k"]
+    if not isinstance(w_k, Tensor):
+        raise ValueError(f"w_k: expected a tensor, got {type(w_k)!r}")
     if w_k.dim() != 3:
         raise ValueError(f"w_k: expected shape [L, H, K] = [{L}, {H}, K], got {_shape(w_k)}")
     K = w_k.shape[2]
@@ -90,7 +115,7 @@ def _check(
         if t.device != device:
             raise ValueError(f"{name}: device {t.device} differs from hidden's {device}")
     for name, rate in rates.items():
-        if not 0.0 <= float(rate) < 1.0:
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
             raise ValueError(f"{name}: expected a rate in [0, 1), got {rate!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")

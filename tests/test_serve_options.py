@@ -64,8 +64,12 @@ def test_auto_leaves_the_choice_to_load_time_only_where_onnx_can_honour_everythi
     for kw in (dict(kernels="triton"), dict(dtype="bfloat16"), dict(dtype="fp16"),
                dict(device="mps")):
         assert resolve_options("auto", **kw).backend == "torch", kw
+    with pytest.raises(ValueError, match=r"^device: 'cuda:1', but torch has no usable CUDA"):
+        resolve_options("auto", device="cuda:1")  # (no GPU: refused before the load)
+    monkeypatch.setattr(devices, "cuda_available", lambda backend="torch": backend == "torch")
     assert resolve_options("auto", device="cuda:1") == options.ServeOptions(
         "torch", "cuda:1", "bfloat16", "auto")
+    monkeypatch.setattr(devices, "cuda_available", lambda backend="torch": False)
     with pytest.raises(ValueError, match=r"^dtype: 'int8' is a graph of the onnx backend"):
         resolve_options("auto", dtype="int8")
     monkeypatch.setattr(options, "onnx_importable", lambda: False)
@@ -123,6 +127,8 @@ def test_kernels_match_the_heads_backends():
     (dict(backend="onnx", device="cuda"), r"^device: 'cuda' with the onnx backend needs "
                                           r"onnxruntime's CUDAExecutionProvider"),
     (dict(backend="onnx", device="mps"), r"^device: the onnx backend .*'mps'"),
+    (dict(backend="torch", device="cuda"), r"^device: 'cuda', but torch has no usable CUDA"),
+    (dict(device="cuda:0"), r"^device: 'cuda:0', but torch has no usable CUDA"),
     (dict(backend="onnx", device="cpu", kernels="triton"), r"^kernels: the onnx backend"),
     (dict(backend="tensorrt", device="cpu"), r"^device: the tensorrt backend runs on CUDA"),
     (dict(backend="tensorrt", dtype="int8"), r"^dtype: the tensorrt backend"),
@@ -305,7 +311,7 @@ def test_importing_the_cli_imports_no_torch():
 # ------------------------------------------------------------------ one packer
 
 
-def test_lanes_are_a_cpu_option_checked_once():
+def test_lanes_are_a_cpu_option_checked_once(gpu):
     """``lanes``: a positive int, more than 1 only on the CPU, never more than the threads;
     a batch job's default is one lane per thread on the CPU and 1 on a GPU."""
     from mhmla_fast.serve.runners import Lanes
@@ -391,7 +397,7 @@ def test_torch_lanes_tag_like_one_pass_at_a_time(tiny_tagger_dir):
 
 
 def test_the_cli_takes_lanes_for_tag_only_on_the_cpu(tmp_path, tiny_tagger_dir, monkeypatch,
-                                                     capsys):
+                                                     capsys, gpu):
     from mhmla_fast.commands import serve as cli
     from mhmla_fast.serve import engine
 

@@ -64,7 +64,7 @@ from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES
 from .scoring import (DECISIONS, FORMAT, OBJECTIVES, EssayPlan,  # noqa: F401
                       combine_windows, default_model_path, essay_offset, essay_offsets,
-                      essay_prompts, essay_scores, num_labels, piece_windows)
+                      essay_prompts, essay_scores, essay_texts, num_labels, piece_windows)
 from .windows import split_windows
 
 __all__ = [
@@ -397,6 +397,7 @@ class EssayScorer(ModelDirMixin, nn.Module):
         or normalised score).
         """
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
+        texts = essay_texts(texts)
         prompts = essay_prompts(len(texts), prompt, self.config.prompts)
         if not texts:
             scores, outputs = np.zeros(0, dtype=np.int64), []

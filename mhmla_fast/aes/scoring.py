@@ -7,7 +7,7 @@ Runtime one (:mod:`mhmla_fast.serve.score_onnx`); importing this module imports 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +18,8 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
-           "essay_offset", "essay_offsets", "essay_prompts", "near_boundary", "piece_windows",
-           "default_model_path", "num_labels"]
+           "essay_offset", "essay_offsets", "essay_prompts", "essay_texts", "near_boundary",
+           "piece_windows", "default_model_path", "num_labels"]
 
 FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
 OBJECTIVES = ("classification", "regression")
@@ -61,11 +61,29 @@ class EssayPlan:
         return [self.cls_id, *self.pieces[start:end], self.sep_id]
 
 
+def essay_texts(texts: Sequence[str]) -> list[str]:
+    """``texts`` as a list; ValueError for one str (it would be scored letter by letter) or an
+    element that is not a str."""
+    if isinstance(texts, (str, bytes)):
+        raise ValueError(f"texts: expected a sequence of essays, got a {type(texts).__name__}; "
+                         "pass [text] for one essay")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ValueError(f"texts[{i}]: expected a string, got {type(t).__name__}")
+    return texts
+
+
 def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int]) -> list[int]:
     """Each of ``n_texts`` essays' prompt (one ``prompt`` for all, or one per essay); ValueError
     when the counts differ or a prompt is not among ``known`` (the scorer's heads)."""
-    prompts = ([int(prompt)] * n_texts if isinstance(prompt, (int, np.integer))
-               else [int(p) for p in prompt])
+    one = isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool)
+    given = [prompt] if one or isinstance(prompt, (str, bytes)) or not isinstance(
+        prompt, Iterable) else list(prompt)
+    bad = [p for p in given if isinstance(p, bool) or not isinstance(p, (int, np.integer))]
+    if bad:  # int(1.9) would score an essay on prompt 1's scale
+        raise ValueError(f"prompts: expected integers, got {bad[0]!r}")
+    prompts = [int(prompt)] * n_texts if one else [int(p) for p in given]
     if len(prompts) != n_texts:
         raise ValueError(f"{n_texts} texts but {len(prompts)} prompts")
     unknown = sorted(set(prompts) - set(known))

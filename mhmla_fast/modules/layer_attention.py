@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..configs import MODES, LayerAttentionConfig
-from ..functional import BACKENDS, layer_attention
+from ..functional import BACKENDS, check_layers, layer_attention
 
 __all__ = ["FusedLayerAttention", "LayerAttentionConfig", "MODES", "select_hidden_states"]
 
@@ -134,6 +134,8 @@ class FusedLayerAttention(nn.Module):
         """
         hs = self.select(hidden_states)
         rate = self.dropout if self.training else 0.0
+        if self.mode in ("last", "avgl"):  # (layer_attention checks its own input)
+            check_layers(hs, self.hidden_size)
         if self.mode == "last":
             c = F.dropout(hs[-1], rate, training=self.training)
             return (c, None) if return_weights else c

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..functional import check_layers
 from .layer_attention import FusedLayerAttention, select_hidden_states
 
 __all__ = ["LayerAttentionLinear"]
@@ -50,6 +51,7 @@ class LayerAttentionLinear(nn.Module):
         if not isinstance(linear, nn.Linear) or linear.in_features != H:
             raise ValueError(f"linear: expected an nn.Linear({H}, C) after the head, "
                              f"got {linear!r}")
+        self.hidden_size = H
         self.num_layers, self.layers, self.mode = head.num_layers, list(head.layers), head.mode
         self.num_heads, self.key_size = head.num_heads, head.key_size
         self.block_diagonal = head.block_diagonal
@@ -79,6 +81,7 @@ class LayerAttentionLinear(nn.Module):
     def forward(self, hidden_states: Tensor | Sequence[Tensor]) -> Tensor:
         """y [*, C] (see the class docstring)."""
         hs = select_hidden_states(hidden_states, self.num_layers, self.layers)
+        check_layers(hs, self.hidden_size)  # (integer input would cast the fold to integers)
         dtype = hs[0].dtype
         acc = torch.promote_types(dtype, torch.float32)
         if self.mode == "last":

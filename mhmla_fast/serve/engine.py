@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import json
+import numbers
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -380,6 +381,11 @@ class Engine:
             token_budget = default_token_budget(getattr(runner, "device", "cpu"))
         if int(token_budget) < 1:
             raise ValueError(f"token_budget: expected a positive integer, got {token_budget}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch: expected a positive integer, got {max_batch!r}")
+        if max_padding is not None and not (isinstance(max_padding, numbers.Real)
+                                            and max_padding >= 0):
+            raise ValueError(f"max_padding: expected a share >= 0 or None, got {max_padding!r}")
         self.token_budget, self.max_batch = int(token_budget), int(max_batch)
         self.max_padding = max_padding
         self.cls_id, self.sep_id, self.pad_id = vocab.cls_id, vocab.sep_id, vocab.pad_id
@@ -399,6 +405,9 @@ class Engine:
 
     @threshold.setter
     def threshold(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                or not 0.0 <= value <= 1.0:  # (NaN or 2 would label every word correct)
+            raise ValueError(f"threshold: expected a probability from 0 to 1, got {value!r}")
         self._threshold = float(value)
         follow = getattr(self.runner, "set_threshold", None)
         if follow is not None:
@@ -437,7 +446,12 @@ class Engine:
         opts = resolve_options(backend, device, dtype, kernels, cuda_graphs=cuda_graphs,
                                lanes=lanes)
         runners.check_margin_option(check_margin, opts)
-        path = Path(model_dir) if model_dir else default_tagger_path()
+        if model_dir is not None and not str(model_dir):  # ("$UNSET": not the shipped model)
+            raise ValueError("model_dir: empty path; None means the shipped model")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):
+            raise ValueError(f"threads: expected a positive integer or None, got {threads!r}")
+        path = Path(model_dir) if model_dir is not None else default_tagger_path()
         config = read_tagger_config(path)
         tokenizer = WordPieces.from_dir(path) or load_tokenizer(path)
         if threshold is None:
@@ -700,7 +714,14 @@ class Engine:
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
         ``on_pieces``: see :meth:`word_probs`."""
+        if isinstance(texts, (str, bytes)):  # (a str would be tagged letter by letter)
+            raise ValueError(f"texts: expected a sequence of strings, got a {type(texts).__name__}"
+                             "; pass [text] for one text")
         texts = list(texts)
+        if not _ONLY_STR.issuperset(map(type, texts)):  # (a C loop; str subclasses pass below)
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise ValueError(f"texts[{i}]: expected a string, got {type(t).__name__}")
         with gc_paused():
             pool = self._host_pool(len(texts))
             if pool is not None:

@@ -179,6 +179,9 @@ def _resolve(backend: str, device: str | None, dtype: str | None, kernels: str |
     if backend == "torch":
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype: the torch backend has {TORCH_DTYPES}, got {dtype!r}")
+        if kind == "cuda" and not devices.cuda_available("torch"):  # before the load, not in it
+            raise ValueError(f"device: {device!r}, but torch has no usable CUDA device here; "
+                             "use device 'cpu' (or leave it out)")
         if kernels == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels: 'triton' runs on a CUDA device (the torch backend got "
                              f"device {device!r}); use kernels 'auto' or 'torch' on the CPU")

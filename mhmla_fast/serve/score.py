@@ -100,6 +100,9 @@ def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None =
 
     opts = scorer_options(backend, device, dtype, kernels)
     margin = check_margin_option(check_margin, opts)
+    if opts.kernels != "auto" and _head_kind(path) == "ridge":  # whichever backend runs it
+        raise ValueError(f"kernels: {path} is a ridge scorer, with no layer attention to run "
+                         f"on {opts.kernels!r} kernels; leave kernels at 'auto'")
     if opts.backend == "auto":
         from .export_cache import auto_scorer
 
@@ -115,9 +118,6 @@ def _torch_scorer(path: str | Path, opts: ServeOptions, threads: int | None):
     from ..aes.model import EssayScorer
     from .runners import set_torch_threads
 
-    if opts.kernels != "auto" and _head_kind(path) == "ridge":  # before the load, not after
-        raise ValueError(f"kernels: {path} is a ridge scorer, with no layer attention to run "
-                         f"on {opts.kernels!r} kernels; leave kernels at 'auto'")
     set_torch_threads(threads)
     return EssayScorer.load(path, device=opts.device, dtype=getattr(torch, opts.dtype),
                             backend=opts.kernels)

@@ -71,7 +71,8 @@ from pathlib import Path
 import numpy as np
 
 from ..aes.scoring import (EssayPlan, combine_windows, essay_offset, essay_offsets,
-                           essay_prompts, essay_scores, near_boundary, piece_windows)
+                           essay_prompts, essay_scores, essay_texts, near_boundary,
+                           piece_windows)
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
@@ -393,6 +394,7 @@ class OnnxScorer:
         ``EssayScorer.predict_scores`` (windows of all essays in token-budget batches, window
         outputs averaged per essay, rounded); with ``return_outputs`` also the averaged
         outputs."""
+        texts = essay_texts(texts)
         prompts = essay_prompts(len(texts), prompt, self.config.prompts)
         if not texts:
             scores, outputs = np.zeros(0, dtype=np.int64), []

@@ -1,0 +1,102 @@
+"""Bad input to the public API is a ValueError naming the argument (README, *Use*), in every
+mode of the head and in the folded head, the engine and the scorers: never a plausible wrong
+answer (integer hidden states through the fold, a str tagged letter by letter, prompt 1.9
+scored on prompt 1's scale) nor a traceback from deep inside."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mhmla_fast import FusedLayerAttention, layer_attention
+from mhmla_fast.modules.layer_attention_linear import LayerAttentionLinear
+
+H, NL = 8, 3
+
+
+@pytest.mark.parametrize("mode", ["mhmla", "shmla", "avgl", "last"])
+def test_every_mode_and_the_fold_check_their_input(mode):
+    torch.manual_seed(0)
+    head = FusedLayerAttention(H, NL, num_heads=2, mode=mode, backend="torch").eval()
+    fold = LayerAttentionLinear(head, torch.nn.Linear(H, 2))
+    good = torch.randn(NL + 1, 2, 3, H)
+    for net in (head, fold):
+        assert net(good).shape[:2] == (2, 3)
+        for bad, message in (
+                (torch.randn(NL + 1, 2, 3, 10), r"H = 8|\[L, H, H\] = \[3, 10, 10\]"),
+                (torch.randn(NL + 1, 0, 3, H), "empty input"),
+                (tuple(torch.randn(2, 3 + i, H) for i in range(NL + 1)), "same shape"),
+                (torch.randint(-3, 4, (NL + 1, 2, 3, H)), "floating-point dtype"),
+                ((*torch.randn(NL, 2, H).unbind(0), torch.randn(2, H, dtype=torch.float64)),
+                 "dtype/device")):
+            with pytest.raises(ValueError, match=message):
+                net(bad)
+
+
+def test_functional_refuses_a_non_tensor_key_weight_and_a_rate_that_is_no_number():
+    L, K, J = 3, 6, 2
+    w = dict(w_v=torch.randn(L, H, H), b_v=torch.randn(L, H), w_k=torch.randn(L, H, K),
+             b_k=torch.randn(L, K), w_a=torch.randn(L, K, J), b_a=torch.randn(L, J))
+    h = torch.randn(L, 4, H)
+    with pytest.raises(ValueError, match="w_k: expected a tensor"):
+        layer_attention(h, **{**w, "w_k": w["w_k"].numpy()}, num_heads=J)
+    for rate in (None, "0.1", True):
+        with pytest.raises(ValueError, match="dropout_h: expected a rate in"):
+            layer_attention(h, **w, num_heads=J, dropout_h=rate)
+    assert layer_attention(h, **w, num_heads=J, dropout_h=np.float32(0.1)).shape == (4, H)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(layers=[1.5]), "layers: expected hidden-state indices"),
+    (dict(layers="12"), "layers: expected hidden-state indices"),
+    (dict(layers=3), "layers: expected hidden-state indices"),
+    (dict(key_size=True), "key_size: expected a positive integer"),
+    (dict(block_diagonal="no"), "block_diagonal: expected True or False"),
+    (dict(include_embeddings=1), "include_embeddings: expected True or False"),
+    (dict(layers=[2, 3], include_embeddings=True), "include_embeddings: applies to the default"),
+    (dict(dropout="0.3"), "dropout: expected a rate"),
+])
+def test_head_options_of_the_wrong_type_are_refused_not_reinterpreted(kw, message):
+    with pytest.raises(ValueError, match=message):
+        FusedLayerAttention(H, NL, num_heads=2, **kw)
+    assert FusedLayerAttention(H, NL, num_heads=2, layers=np.array([1, 3])).layers == [1, 3]
+
+
+def test_engine_refuses_a_str_and_bad_options(tiny_tagger_dir, tiny_engine):
+    with pytest.raises(ValueError, match="texts: expected a sequence of strings, got a str"):
+        tiny_engine.tag_texts("He go to school .")
+    with pytest.raises(ValueError, match=r"texts\[1\]: expected a string, got NoneType"):
+        tiny_engine.tag_texts(["ok", None])
+    assert len(tiny_engine.tag_texts(["He go .", ""])) == 2
+    for value in (float("nan"), 2, -0.1, "0.5"):
+        with pytest.raises(ValueError, match="threshold: expected a probability"):
+            tiny_engine.threshold = value
+    from mhmla_fast.serve.engine import Engine
+
+    for kw, message in ((dict(max_batch=0), "max_batch: expected a positive integer"),
+                        (dict(max_padding=-1), "max_padding: expected a share"),
+                        (dict(threads=0), "threads: expected a positive integer"),
+                        (dict(threshold=float("nan")), "threshold: expected a probability")):
+        with pytest.raises(ValueError, match=message):
+            Engine.load(tiny_tagger_dir, backend="torch", device="cpu", **kw)
+    with pytest.raises(ValueError, match="model_dir: empty path"):
+        Engine.load("", backend="torch")
+
+
+def test_scorers_refuse_a_str_and_a_prompt_that_is_not_an_integer(tiny_scorer):
+    prompt = tiny_scorer.config.prompts[0]
+    with pytest.raises(ValueError, match="texts: expected a sequence of essays, got a str"):
+        tiny_scorer.predict_scores("Computers help people .", prompt)
+    for bad in (prompt + 0.9, str(prompt), True, [float(prompt)]):
+        with pytest.raises(ValueError, match="prompts: expected integers"):
+            tiny_scorer.predict_scores(["Computers help people ."], bad)
+    assert tiny_scorer.predict_scores(["Computers help people ."], np.int64(prompt)).shape == (1,)
+
+
+def test_kernels_for_a_ridge_scorer_are_refused_whatever_the_backend():
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer
+
+    for backend in ("auto", "torch"):
+        with pytest.raises(ValueError, match="kernels: .* is a ridge scorer"):
+            load_scorer(default_scorer_path(), backend=backend, device="cpu", kernels="torch")
