@@ -205,6 +205,19 @@ def test_a_group_needs_its_metrics_folder_and_counts_live_workers(tmp_path, monk
     assert group.ready() == 1
     assert not (tmp_path / "ready" / str(dead.pid)).exists()
 
+    # a killed worker's live gauges leave the sums at the next scrape (they stayed for ever)
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    group.metrics_dir.mkdir(exist_ok=True)
+    live = group.metrics_dir / f"gauge_livesum_{os.getpid()}.db"
+    gone = group.metrics_dir / f"gauge_livesum_{dead.pid}.db"
+    live.touch()
+    gone.touch()
+    group.forget_dead()
+    assert live.exists() and not gone.exists()
+    MultiProcessCollector(CollectorRegistry(), path=str(group.metrics_dir))
+
 
 def test_a_group_worker_refreshes_its_queue_gauge():
     from prometheus_client import CollectorRegistry

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -103,18 +104,37 @@ class WorkerGroup:
         """Workers that finished start-up and are alive (files of dead ones are removed)."""
         n = 0
         for f in (self.root / "ready").iterdir():
-            try:
-                os.kill(int(f.name), 0)
-            except ProcessLookupError:
+            if not _alive(f.name):
                 f.unlink(missing_ok=True)
                 continue
-            except (PermissionError, ValueError):
-                pass
             n += 1
         return n
 
+    def forget_dead(self) -> None:
+        """Take the live gauges of workers that died without stopping (``kill -9``, the OOM
+        killer) out of the sums, as :meth:`mark_stopped` does for a worker that stops: a
+        killed worker's last queue depth stayed in ``mhmla_queue_depth`` for ever."""
+        from prometheus_client import multiprocess
+
+        pids = {m.group(1) for f in self.metrics_dir.glob("gauge_live*_*.db")
+                if (m := re.fullmatch(r"gauge_live\w*?_(\d+)\.db", f.name))}
+        for pid in pids:
+            if not _alive(pid):
+                multiprocess.mark_process_dead(int(pid), str(self.metrics_dir))
+
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _alive(pid: str) -> bool:
+    """Whether process ``pid`` (a file name) is running; True when that cannot be told."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        pass
+    return True
 
 
 def _uvicorn_version() -> tuple[int, ...]:
