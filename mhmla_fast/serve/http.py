@@ -20,8 +20,8 @@ Endpoints (:func:`create_app`)
     sentence: its words and one space between each two) longer than ``max_text_chars``
     characters (the message names the input and the limit), or a request whose estimated word
     pieces alone exceed ``max_queue_pieces``; 503 with ``Retry-After`` when the queue is full
-    (inputs or pieces), the request bodies held reach ``max_buffered_bytes``, or the server is
-    shutting down; 504 when the answer is not ready ``request_timeout_s`` after admission (the
+    (inputs, pieces, or more than half ``request_timeout_s`` of work at the measured speed),
+    the request bodies held reach ``max_buffered_bytes``, or the server is shutting down; 504 when the answer is not ready ``request_timeout_s`` after admission (the
     request's waiting work is dropped); 500 when the engine failed on this request's inputs.
     A request whose client disconnects is dropped before its waiting work runs (recorded as
     status 499 and in ``mhmla_dropped_requests_total``). Every error body is ``{"detail": ...}``.
@@ -133,6 +133,10 @@ SCORE_PATH = "/v1/score"
 RETRY_AFTER_S = 1
 CLIENT_CLOSED = 499  # the status recorded (nginx's) for a request whose client went away
 BIG_RESPONSE = 1 << 16  # result items (tokens) above which the JSON is encoded off the loop
+# the measured seconds of work admitted at once, as a share of the request deadline: round-robin
+# batches serve every admitted request in step, so a queue of more than the deadline's work
+# would time out nearly every request part-done (MicroBatcher's max_queue_seconds)
+QUEUE_SHARE_OF_TIMEOUT = 0.5
 MAX_LISTED_ERRORS = 20  # validation errors a 422 names; more are counted in one more entry
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for what json.loads
 # raised other than a JSONDecodeError (RecursionError for deep nesting): answered 422 here
@@ -782,6 +786,8 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     batcher = MicroBatcher(engine, scorer=scorer, score_token_budget=score_token_budget,
                            max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                            max_queue=max_queue, max_queue_pieces=max_queue_pieces,
+                           max_queue_seconds=(None if request_timeout_s is None
+                                              else QUEUE_SHARE_OF_TIMEOUT * request_timeout_s),
                            split_pieces=split_pieces, on_batch=metrics.on_batch,
                            on_score_batch=metrics.on_score_batch,
                            on_failure=metrics.failures.inc)

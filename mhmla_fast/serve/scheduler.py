@@ -7,7 +7,15 @@ A request is admitted whole or not at all (:meth:`MicroBatcher.submit`), by coun
 its inputs must fit ``max_queue`` inputs waiting, and its estimated word pieces
 (:func:`estimate_pieces`) must fit ``max_queue_pieces`` pieces admitted and not yet answered;
 else :class:`QueueFull` (503, retry later). A request that alone costs more than
-``max_queue_pieces`` could never be admitted: :class:`TooCostly` (413).
+``max_queue_pieces`` could never be admitted: :class:`TooCostly` (413). With
+``max_queue_seconds``, a request is also refused (:class:`QueueFull`) while other work is
+admitted and it would not be answered within that many seconds at the speed measured on the
+batches so far (estimated pieces per second, a moving average per family; round-robin
+batches share the worker as processor sharing does, so a request of ``x`` seconds of work is
+answered after ``x`` plus, of each unfinished request's ``w``, ``min(w, x)``): under
+sustained overload some requests are then refused at once instead of every one being
+admitted and timing out part-done, while a short request beside a long text still gets in
+(the HTTP server passes half its request deadline).
 
 Work items and windows
 ----------------------
@@ -182,6 +190,8 @@ class MicroBatcher:
         max_wait_ms: how long a batch may wait for more items after its first one was queued.
         max_queue: inputs (texts, sentences, essays) waiting at most.
         max_queue_pieces: estimated word pieces admitted and not yet answered, at most.
+        max_queue_seconds: the measured seconds of work admitted and not yet answered, at most
+            (None: no such bound; see the module docstring).
         split_pieces: inputs estimated above it are tagged (essays: scored) window by window
             (default: a quarter of ``max_batch_tokens``).
         on_batch: called from the worker after each tagging batch with (texts, requests,
@@ -193,7 +203,7 @@ class MicroBatcher:
     def __init__(self, engine: Any, *, scorer: Any = None, score_token_budget: int | None = None,
                  max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 1024, max_queue_pieces: int = 1_000_000,
-                 split_pieces: int | None = None,
+                 max_queue_seconds: float | None = None, split_pieces: int | None = None,
                  on_batch: Callable[[int, int, float], None] | None = None,
                  on_score_batch: Callable[[int, int, float], None] | None = None,
                  on_failure: Callable[[], None] | None = None) -> None:
@@ -203,6 +213,9 @@ class MicroBatcher:
                split_pieces) < 1 or not 0 <= max_wait_ms < float("inf"):
             raise ValueError("max_batch_tokens, max_queue, max_queue_pieces, split_pieces and "
                              "score_token_budget must be >= 1 and max_wait_ms finite and >= 0")
+        if max_queue_seconds is not None and not 0 < max_queue_seconds < float("inf"):
+            raise ValueError(f"max_queue_seconds: expected > 0 or None, got {max_queue_seconds}")
+        self.max_queue_seconds = max_queue_seconds
         self.engine = engine
         self.scorer = scorer
         self.score_token_budget = int(score_token_budget)
@@ -224,6 +237,7 @@ class MicroBatcher:
         self._plans: deque[tuple[_Job, int, Any]] = deque()  # inputs being planned, in order
         self._waiting = 0  # inputs admitted and not yet wholly taken into a batch
         self._cost = 0.0  # estimated pieces of unfinished jobs
+        self._rates: dict[str, float] = {}  # family -> estimated pieces per second, measured
         self._seq = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -303,6 +317,11 @@ class MicroBatcher:
             if self._cost + total > self.max_queue_pieces:
                 raise QueueFull(f"the queue is full ({self._cost:.0f} of "
                                 f"{self.max_queue_pieces:.0f} word pieces admitted); retry later")
+            seconds = self._queued_seconds(_family(kind), total) if self._jobs else None
+            if seconds is not None and seconds > self.max_queue_seconds:
+                raise QueueFull(f"the queue is full (this request would be answered in about "
+                                f"{seconds:.1f} s at the measured speed, over "
+                                f"{self.max_queue_seconds:g} s); retry later")
             self._seq += 1
             job = _Job(kind, inputs, loop, fut, self._seq, total, [None] * len(inputs),
                        len(inputs), len(inputs))
@@ -325,6 +344,33 @@ class MicroBatcher:
                 self._active.append(job)
             self._cond.notify_all()
         return fut
+
+    def _queued_seconds(self, family: str, extra: float) -> float | None:
+        """(Under the lock.) When a request of ``extra`` estimated pieces of ``family`` would
+        be answered, in seconds from now, at the measured speeds: round-robin batches share
+        the worker like processor sharing, so it finishes after its own work ``x`` and, of
+        each unfinished request's work ``w``, ``min(w, x)``: ``x + sum min(w, x)`` (in
+        seconds; a request's whole estimate stands for what is left of it). None without
+        ``max_queue_seconds`` or before a batch of the family was measured."""
+        rate = self._rates.get(family)
+        if self.max_queue_seconds is None or rate is None:
+            return None
+        own = extra / rate
+        ahead = 0.0
+        for job in self._jobs.values():
+            job_rate = self._rates.get(_family(job.kind))
+            if job_rate:
+                ahead += min(job.cost / job_rate, own)
+        return own + ahead
+
+    def _measured(self, family: str, pieces: float, seconds: float) -> None:
+        """Fold a batch's speed into the family's moving average (weight 0.3 on the new)."""
+        if seconds <= 0 or pieces <= 0:
+            return
+        speed = pieces / seconds
+        with self._cond:
+            old = self._rates.get(family)
+            self._rates[family] = speed if old is None else 0.7 * old + 0.3 * speed
 
     def _essay_steps(self, text: str, prompt: int):
         """Planning an essay: one step (tokenizing it whole), like ``Engine.plan_steps``."""
@@ -559,8 +605,10 @@ class MicroBatcher:
                 self._complete(complete)
             return
         done, complete = self._deliver(items, results)
+        seconds = time.perf_counter() - t0
+        self._measured(_family(items[0].job.kind), sum(it.cost for it in items), seconds)
         if on_batch is not None:
-            on_batch(done, len({id(it.job) for it in items}), time.perf_counter() - t0)
+            on_batch(done, len({id(it.job) for it in items}), seconds)
         self._complete(complete)
 
     def _run(self) -> None:
