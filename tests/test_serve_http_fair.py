@@ -630,7 +630,8 @@ def test_admission_refuses_what_the_deadline_cannot_cover_at_the_measured_speed(
         b = MicroBatcher(Slow(), max_batch_tokens=150, max_wait_ms=0, max_queue_seconds=0.3)
         b.start()
         try:
-            assert await b.submit("texts", [text]) == [{"text": text}]  # times one batch
+            for _ in range(2):  # the first batch (warm-up) is not timed; the second is
+                assert await b.submit("texts", [text]) == [{"text": text}]
             futures, refused = [], 0
             for _ in range(40):
                 try:

@@ -10,9 +10,10 @@ else :class:`QueueFull` (503, retry later). A request that alone costs more than
 ``max_queue_pieces`` could never be admitted: :class:`TooCostly` (413). With
 ``max_queue_seconds``, a request is also refused (:class:`QueueFull`) while other work is
 admitted and it would not be answered within that many seconds at the speed measured on the
-batches so far (estimated pieces per second, a moving average per family; round-robin
-batches share the worker as processor sharing does, so a request of ``x`` seconds of work is
-answered after ``x`` plus, of each unfinished request's ``w``, ``min(w, x)``): under
+batches so far (estimated pieces per second, a moving average per family, from its second
+batch on: the first pays the runtime's warm-up). Round-robin batches share the worker as
+processor sharing does, so a request of ``x`` seconds of work is answered after ``x`` plus,
+of each unfinished request's ``w``, ``min(w, x)``. Under
 sustained overload some requests are then refused at once instead of every one being
 admitted and timing out part-done, while a short request beside a long text still gets in
 (the HTTP server passes half its request deadline).
@@ -238,6 +239,7 @@ class MicroBatcher:
         self._waiting = 0  # inputs admitted and not yet wholly taken into a batch
         self._cost = 0.0  # estimated pieces of unfinished jobs
         self._rates: dict[str, float] = {}  # family -> estimated pieces per second, measured
+        self._warm: set[str] = set()  # families whose first (warm-up) batch has run
         self._seq = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -364,11 +366,17 @@ class MicroBatcher:
         return own + ahead
 
     def _measured(self, family: str, pieces: float, seconds: float) -> None:
-        """Fold a batch's speed into the family's moving average (weight 0.3 on the new)."""
+        """Fold a batch's speed into the family's moving average (weight 0.3 on the new). The
+        family's first batch is not counted: it pays the runtime's warm-up (a CUDA context,
+        kernels compiled or graphs captured, a session's first run), which would make the
+        first estimate far too slow and refuse requests the device could answer."""
         if seconds <= 0 or pieces <= 0:
             return
         speed = pieces / seconds
         with self._cond:
+            if family not in self._warm:
+                self._warm.add(family)
+                return
             old = self._rates.get(family)
             self._rates[family] = speed if old is None else 0.7 * old + 0.3 * speed
 
