@@ -394,7 +394,11 @@ class EssayScorer(ModelDirMixin, nn.Module):
         token-budget batches sorted by length; only the per-prompt output layers run per
         prompt. See :func:`combine_windows` for how windows become a score. With
         ``return_outputs`` also the per-essay averaged window outputs (probability vector
-        or normalised score).
+        or normalised score). An essay with no word pieces (empty or blank) still gets a
+        plausible score, from its ``[CLS] [SEP]`` window alone: ``mhmla-serve score`` and
+        ``POST /v1/score`` refuse such essays (``serve.score.essay_pieces_check``); a caller of
+        this method should too. ValueError for one str in place of a list of essays, a prompt
+        that is not an integer or one the scorer has no head for.
         """
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
         texts = essay_texts(texts)
