@@ -251,6 +251,9 @@ def test_a_failure_to_write_is_not_remembered(tiny_tagger_dir, cache):
     ImportError("no module named onnxruntime.quantization"), MemoryError(),
     RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
     RuntimeError("Could not allocate bytes object!"),
+    type("Fail", (Exception,), {})(  # ONNX Runtime's own classes are not RuntimeErrors
+        "[ONNXRuntimeError] : 1 : FAIL : Failed to allocate memory for requested buffer"),
+    type("RuntimeException", (Exception,), {})("std::bad_alloc"),
 ])
 def test_an_environment_failure_is_not_remembered(tiny_tagger_dir, cache, error):
     calls: list = []
@@ -439,6 +442,25 @@ def test_an_entry_that_will_not_load_is_set_aside_and_torch_runs(tiny_tagger_dir
     assert "runs torch" in line and "would not load" in line and "made again" in line
     assert not entry.path.exists()
     assert not [p for p in (cache / "onnx").iterdir() if p.name.startswith(".bad-")]
+
+
+def test_an_entry_that_will_not_load_for_lack_of_memory_is_kept(tiny_tagger_dir, cache,
+                                                                  capsys, monkeypatch):
+    """Out of memory while ONNX Runtime loads an entry is the machine's state: torch runs, and
+    the entry (shared by other processes and users) stays."""
+    from mhmla_fast.serve import export_cache as ec
+
+    calls: list = []
+    entry = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+
+    def no_memory(*a, **kw):
+        raise type("RuntimeException", (Exception,), {})("std::bad_alloc")
+
+    monkeypatch.setattr(ec, "_onnx_runner", no_memory)
+    assert auto_runner(tiny_tagger_dir, threads=1).backend == "torch"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "not enough memory to load its cached ONNX export" in line
+    assert entry.path.exists()
 
 
 def test_an_unwritable_cache_falls_back_to_torch_with_one_line(tiny_tagger_dir, tmp_path,

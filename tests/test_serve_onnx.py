@@ -186,6 +186,39 @@ def test_export_into_the_tagger_directory_itself(tagger_dir, tmp_path):
     assert np.abs(onnx_probs[real] - torch_probs[real]).max() <= 1e-4
 
 
+def test_an_export_never_writes_into_a_folder_that_is_not_an_export(tagger_dir, tmp_path,
+                                                                     capsys):
+    """Into another model's folder an export would replace its config and tokenizer (another
+    tagger's threshold changed its labels): refused, before any work, by the library and by
+    `mhmla-serve export`, nothing touched; an earlier export is replaced; the staging folders
+    of exports killed part-way are removed by the next export there."""
+    import shutil
+
+    from mhmla_fast.commands.serve import main
+
+    other = shutil.copytree(tagger_dir, tmp_path / "other-tagger")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    for target, message in ((other, "holds files that are not an earlier export"),
+                            (notes, r"holds files that are not an earlier export \(todo.txt\)")):
+        before = {f.name: f.read_bytes() for f in target.iterdir()}
+        with pytest.raises(ValueError, match=message):
+            export_onnx(tagger_dir, target)
+        assert main(["export", "--onnx", str(target), "--model", str(tagger_dir)]) == 2
+        assert "holds files that are not an earlier export" in capsys.readouterr().err
+        assert {f.name: f.read_bytes() for f in target.iterdir()} == before
+    with pytest.raises(ValueError, match="is a file"):
+        export_onnx(tagger_dir, notes / "todo.txt")
+    out = tmp_path / "engine"
+    export_onnx(tagger_dir, out)
+    killed = out / ".onnx-export-999999999-abc"  # a pid no process has
+    killed.mkdir()
+    (killed / "model.onnx").write_bytes(b"half")
+    export_onnx(tagger_dir, out)  # an earlier export: replaced; the dead stage removed
+    assert not killed.exists() and (out / "model.onnx").stat().st_size > 4
+
+
 def test_missing_export_says_how_to_make_it(tagger_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"mhmla-serve export --onnx .*tagger"):
         OnnxRunner.from_model_dir(tagger_dir)

@@ -851,9 +851,13 @@ def run_export(args: argparse.Namespace) -> int:
     if (args.precision != "fp32" or args.layer_attention_plugin) and not args.tensorrt:
         raise UsageError("--precision and --layer-attention-plugin go with --tensorrt")
     try:
-        from ..serve.onnx_export import ONNX_FILE, export_onnx
+        from ..serve.onnx_export import ONNX_FILE, check_export_target, export_onnx
     except ImportError as err:
         raise UsageError(f"ONNX export needs onnx and onnxruntime: {err}") from err
+    try:  # before minutes of export, not after them
+        check_export_target(model, args.onnx or args.tensorrt)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     try:
         if args.onnx:
             out = export_onnx(model, args.onnx, int8=args.int8)

@@ -652,10 +652,18 @@ def _remove_unused(base: Path, keep: str, now: float | None = None) -> None:
 
 
 def _out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is an allocation failure that torch or ONNX Runtime reports as a plain
-    RuntimeError: the machine's state, not the model's, so never recorded as its failure."""
-    return isinstance(err, RuntimeError) and any(
-        word in str(err) for word in ("allocate", "bad_alloc", "out of memory"))
+    """Whether ``err`` (or what it was raised from) is an allocation failure: a MemoryError, or
+    an error whose message says so, as torch's RuntimeErrors and ONNX Runtime's own exception
+    classes (not RuntimeErrors: ``Fail``, ``RuntimeException``) do. The machine's state, not
+    the model's: never recorded as its failure, nor taken for a damaged entry."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, MemoryError) or (isinstance(err, Exception) and any(
+                word in str(err) for word in ("allocate", "bad_alloc", "out of memory"))):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _unchanged(model_dir: Path, content: str) -> bool:
@@ -705,6 +713,10 @@ def auto_load(model_dir: str | os.PathLike, kind: ExportKind, *,
             _raise_interrupt(err)
             log(f"mhmla-fast: backend auto runs torch: onnxruntime cannot be imported ({err})")
         except Exception as err:  # noqa: BLE001 - a damaged entry: set aside, made again next run
+            if _out_of_memory(err):  # the machine's memory, not the entry: keep it (shared)
+                log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: not enough "
+                    f"memory to load its cached ONNX export ({type(err).__name__}: {err})")
+                return torch()
             fate = ("it was removed and is made again on the next run" if _set_aside(entry.path)
                     else f"it could not be removed (delete {entry.path} to have it made again)")
             log(f"mhmla-fast: backend auto runs torch for {model_dir.name}: its cached ONNX "

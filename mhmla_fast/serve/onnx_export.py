@@ -60,6 +60,7 @@ __all__ = [
     "ExportValidationError", "OnnxRunner", "export_onnx", "validate_onnx", "validation_batches",
     "error_probability_module", "load_tagger_for_export", "torch_to_onnx", "example_inputs",
     "physical_cores", "ONNX_FILE", "INT8_FILE", "EXPORT_META", "INPUT_NAMES", "OUTPUT_NAME",
+    "check_export_target", "export_stage",
     "DEFAULT_OPSET", "Int8Tolerance", "VALIDATION_SENTENCES", "sentence_batch",
     "eager_attention",
 ]
@@ -67,6 +68,7 @@ __all__ = [
 ONNX_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
 EXPORT_META = "export.json"
+STAGE_PREFIX = ".onnx-export-"  # + "<pid>-<random>": an export's staging folder in its out_dir
 INPUT_NAMES = ("input_ids", "attention_mask")
 OUTPUT_NAME = "error_prob"
 DEFAULT_OPSET = 17
@@ -432,6 +434,49 @@ def _copy_side_files(model_dir: Path, dest: Path, encoder: str) -> list[str]:
     return sorted({p.name for p in dest.iterdir()} - before)
 
 
+def check_export_target(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """ValueError unless an export of ``model_dir`` may write into ``out_dir``: absent, empty,
+    ``model_dir`` itself (an export in place, beside the weights), or an earlier export
+    (``export.json``, no ``model.safetensors``), whose files it replaces. An export writes a
+    config and tokenizer files: into another model's folder it would change that model."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir}: is a file; an export is written into a folder")
+    if not out_dir.is_dir() or out_dir.resolve() == model_dir.resolve():
+        return
+    names = sorted(p.name for p in out_dir.iterdir() if not p.name.startswith(STAGE_PREFIX))
+    if names and ((out_dir / "model.safetensors").exists()
+                  or not (out_dir / EXPORT_META).is_file()):
+        raise ValueError(f"{out_dir}: holds files that are not an earlier export "
+                         f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); an "
+                         "export writes its config and tokenizer files there: give a new or "
+                         "empty folder, or an earlier export's")
+
+
+def export_stage(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """A new staging folder in ``out_dir`` (made) for an export of ``model_dir``, after
+    :func:`check_export_target`; the staging folders of exports killed part-way (their
+    process gone) are removed first (each held a whole model's graph)."""
+    check_export_target(model_dir, out_dir)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob(STAGE_PREFIX + "*"):
+        pid = old.name[len(STAGE_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=out_dir))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        pass
+    return True
+
+
 def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 opset: int = DEFAULT_OPSET, int8: bool = False, atol: float = 1e-4,
                 int8_tolerance: Int8Tolerance = Int8Tolerance(), validate: bool = True,
@@ -474,8 +519,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     max_length = max_input_length(hf)
     threshold = tagger.config.threshold if tagger.config.threshold is not None else 0.5
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".onnx-export-", dir=out_dir))
+    stage = export_stage(model_dir, out_dir)
     try:
         t0 = time.perf_counter()
         with eager_attention(tagger.encoder) as attention:

@@ -61,7 +61,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -76,7 +75,7 @@ from ..aes.scoring import (EssayPlan, combine_windows, essay_offset, essay_offse
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
-                          ExportValidationError, OnnxRunner, eager_attention)
+                          ExportValidationError, OnnxRunner, eager_attention, export_stage)
 from .options import default_token_budget
 
 __all__ = ["CHECK_FILE", "EXPORT_FORMAT", "OUTPUT_NAME", "VALIDATION_ESSAYS", "CheckedScorer",
@@ -755,8 +754,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     hf = scorer.encoder.config
     cfg = scorer.config
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".onnx-export-", dir=out_dir))
+    stage = export_stage(model_dir, out_dir)
     try:
         t0 = time.perf_counter()
         path = stage / ONNX_FILE
