@@ -13,6 +13,7 @@ either, with a :class:`LocksUnavailableWarning` naming the file system's answer.
 from __future__ import annotations
 
 import errno
+import os
 import warnings
 
 try:
@@ -20,7 +21,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["SUPPORTED", "try_lock", "lock", "unlock", "LocksUnavailableWarning"]
+__all__ = ["SUPPORTED", "try_lock", "lock", "unlock", "LocksUnavailableWarning", "process_alive"]
 
 SUPPORTED = fcntl is not None
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", -1)}
@@ -77,3 +78,16 @@ def unlock(fd: int) -> None:
         except OSError as err:
             if err.errno not in _NO_LOCKS:
                 raise
+
+
+def process_alive(pid: int | str) -> bool:
+    """Whether process ``pid`` (an int, or a file name that is one) is running, for what a
+    process leaves by its id (a worker's files, an export's staging folder) and no lock
+    covers; True when that cannot be told (another user's process, a name that is no pid)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, OverflowError):
+        pass
+    return True

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..filelock import process_alive
+
 __all__ = ["MIN_UVICORN", "WORKERS_ENV", "WorkerGroup", "serve_workers"]
 
 WORKERS_ENV = "MHMLA_HTTP_WORKERS"
@@ -104,7 +106,7 @@ class WorkerGroup:
         """Workers that finished start-up and are alive (files of dead ones are removed)."""
         n = 0
         for f in (self.root / "ready").iterdir():
-            if not _alive(f.name):
+            if not process_alive(f.name):
                 f.unlink(missing_ok=True)
                 continue
             n += 1
@@ -119,22 +121,11 @@ class WorkerGroup:
         pids = {m.group(1) for f in self.metrics_dir.glob("gauge_live*_*.db")
                 if (m := re.fullmatch(r"gauge_live\w*?_(\d+)\.db", f.name))}
         for pid in pids:
-            if not _alive(pid):
+            if not process_alive(pid):
                 multiprocess.mark_process_dead(int(pid), str(self.metrics_dir))
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _alive(pid: str) -> bool:
-    """Whether process ``pid`` (a file name) is running; True when that cannot be told."""
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        pass
-    return True
 
 
 def _uvicorn_version() -> tuple[int, ...]:

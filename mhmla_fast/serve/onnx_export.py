@@ -53,6 +53,7 @@ import numpy as np
 
 from ..devices import default_threads, physical_cores
 from ..encoder import max_input_length
+from ..filelock import process_alive
 from .options import check_lanes, resolve_options
 from .runners import Lanes, LaneRunner, check_pass
 
@@ -462,19 +463,9 @@ def export_stage(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob(STAGE_PREFIX + "*"):
         pid = old.name[len(STAGE_PREFIX):].split("-")[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit() and not process_alive(pid):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=out_dir))
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        pass
-    return True
 
 
 def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
