@@ -21,8 +21,9 @@ Endpoints (:func:`create_app`)
     characters (the message names the input and the limit), or a request whose estimated word
     pieces alone exceed ``max_queue_pieces``; 503 with ``Retry-After`` when the queue is full
     (inputs, pieces, or more than half ``request_timeout_s`` of work at the measured speed),
-    the request bodies held reach ``max_buffered_bytes``, or the server is shutting down; 504 when the answer is not ready ``request_timeout_s`` after admission (the
-    request's waiting work is dropped); 500 when the engine failed on this request's inputs.
+    the request bodies held reach ``max_buffered_bytes``, or the server is shutting down; 504
+    when the answer is not ready ``request_timeout_s`` after admission (the request's waiting
+    work is dropped); 500 when the engine failed on this request's inputs.
     A request whose client disconnects is dropped before its waiting work runs (recorded as
     status 499 and in ``mhmla_dropped_requests_total``). Every error body is ``{"detail": ...}``.
 

@@ -13,10 +13,10 @@ admitted and it would not be answered within that many seconds at the speed meas
 batches so far (estimated pieces per second, a moving average per family, from its second
 batch on: the first pays the runtime's warm-up). Round-robin batches share the worker as
 processor sharing does, so a request of ``x`` seconds of work is answered after ``x`` plus,
-of each unfinished request's ``w``, ``min(w, x)``. Under
-sustained overload some requests are then refused at once instead of every one being
-admitted and timing out part-done, while a short request beside a long text still gets in
-(the HTTP server passes half its request deadline).
+of each unfinished request's ``w``, ``min(w, x)``. Under sustained overload some requests
+are then refused at once instead of every one being admitted and timing out part-done, while
+a short request beside a long text still gets in (the HTTP server passes half its request
+deadline).
 
 Work items and windows
 ----------------------
