@@ -195,16 +195,21 @@ def source_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err`` and what it was raised from (``__cause__``, else ``__context__``), once each."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 def _raise_interrupt(err: BaseException) -> None:
     """KeyboardInterrupt if ``err`` came of one: Ctrl-C while an extension module initialises
     surfaces as ``ImportError: initialization failed``, which is not "cannot be imported" (a
     fallback to torch would swallow the user's interrupt)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, KeyboardInterrupt):
-            raise KeyboardInterrupt from err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
+    if any(isinstance(e, KeyboardInterrupt) for e in _chain(err)):
+        raise KeyboardInterrupt from err
 
 
 def _encoder_dir(name) -> Path | None:
@@ -656,14 +661,9 @@ def _out_of_memory(err: BaseException) -> bool:
     an error whose message says so, as torch's RuntimeErrors and ONNX Runtime's own exception
     classes (not RuntimeErrors: ``Fail``, ``RuntimeException``) do. The machine's state, not
     the model's: never recorded as its failure, nor taken for a damaged entry."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, MemoryError) or (isinstance(err, Exception) and any(
-                word in str(err) for word in ("allocate", "bad_alloc", "out of memory"))):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+    return any(isinstance(e, MemoryError) or (isinstance(e, Exception) and any(
+        word in str(e) for word in ("allocate", "bad_alloc", "out of memory")))
+        for e in _chain(err))
 
 
 def _unchanged(model_dir: Path, content: str) -> bool:
