@@ -331,7 +331,8 @@ def test_a_lying_content_length_is_caught_by_counting_the_body():
 def test_full_queue_answers_503_with_retry_after():
     engine = StubEngine()
     engine.gate.clear()
-    app = create_app(engine, max_queue=2, max_texts_per_request=2, max_wait_ms=0)
+    app = create_app(engine, max_queue=2, max_texts_per_request=2, max_wait_ms=0,
+                     warm_up=False)  # (a gated stand-in: no warm-up)
     with serving(app) as (url, _):
         with httpx.Client(base_url=url, timeout=30) as http:
             results: dict[str, httpx.Response] = {}
@@ -382,7 +383,7 @@ def test_an_engine_failure_fails_only_its_own_request():
 def test_graceful_shutdown_finishes_in_flight_requests():
     engine = StubEngine()
     engine.gate.clear()
-    app = create_app(engine, max_wait_ms=0)
+    app = create_app(engine, max_wait_ms=0, warm_up=False)
     results: list[httpx.Response] = []
     with serving(app) as (url, server):
         def send(k: int) -> None:
@@ -406,7 +407,7 @@ def test_graceful_shutdown_finishes_in_flight_requests():
 def test_after_shutdown_begins_new_requests_get_503_while_queued_ones_finish():
     engine = StubEngine()
     engine.gate.clear()
-    app = create_app(engine, max_wait_ms=0)
+    app = create_app(engine, max_wait_ms=0, warm_up=False)
 
     async def run() -> None:
         transport = httpx.ASGITransport(app=app)

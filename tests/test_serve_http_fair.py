@@ -200,7 +200,7 @@ def test_per_text_cap_413_and_admission_by_pieces():
 def test_deadline_answers_504_and_drops_the_waiting_work():
     engine = StubEngine()
     engine.gate.clear()
-    app = create_app(engine, request_timeout_s=0.5, max_wait_ms=0)
+    app = create_app(engine, request_timeout_s=0.5, max_wait_ms=0, warm_up=False)
     with serving(app) as (url, _):
         out: dict = {}
 
@@ -233,7 +233,7 @@ def test_deadline_answers_504_and_drops_the_waiting_work():
 def test_a_disconnected_clients_request_never_runs_and_is_not_counted():
     engine = StubEngine()
     engine.gate.clear()
-    app = create_app(engine, max_wait_ms=0)
+    app = create_app(engine, max_wait_ms=0, warm_up=False)
     with serving(app) as (url, _):
         port = int(url.rsplit(":", 1)[1])
         first: list = []
@@ -262,7 +262,7 @@ def test_a_client_that_leaves_mid_upload_counts_as_499_not_500():
     """The body never arrives in full: no response is sent, and the request counts as 499
     (client closed), not as a server error (it used to inflate the 5xx count)."""
     engine = StubEngine()
-    app = create_app(engine, max_wait_ms=0)
+    app = create_app(engine, max_wait_ms=0, warm_up=False)
     with serving(app) as (url, _):
         port = int(url.rsplit(":", 1)[1])
         sock = socket.create_connection(("127.0.0.1", port))
@@ -365,7 +365,7 @@ def test_buffered_request_bytes_are_bounded():
 def test_connections_are_bounded_by_uvicorn():
     engine = StubEngine()
     engine.gate.clear()
-    app = create_app(engine, max_wait_ms=0)
+    app = create_app(engine, max_wait_ms=0, warm_up=False)
     with serving(app, limit_concurrency=3) as (url, server):
         wait_for(lambda: not server.server_state.connections)  # the start-up probe has left
         threads = []  # uvicorn counts the connection asking too: 2 requests in flight fill it
@@ -528,6 +528,9 @@ def test_a_long_essay_does_not_stall_short_requests(tiny_engine, tiny_scorer):
     with serving(app) as (url, _):
         short, long_r = asyncio.run(run(url))
         m = metric_samples(httpx.get(url + "/metrics").text)
+    # the lifespan warmed both families up (and timed them) before it accepted connections
+    assert set(app.state.warm_up_speeds) == {"tag", "score"}
+    assert min(app.state.warm_up_speeds.values()) > 0
     assert long_r.status_code == 200, long_r.text
     got = long_r.json()["results"]
     assert [(r["prompt"], r["score"]) for r in got] == [(3, want)]
@@ -651,3 +654,65 @@ def test_admission_refuses_what_the_deadline_cannot_cover_at_the_measured_speed(
     assert all(r == [{"text": text}] for r in results)
     with pytest.raises(ValueError, match="max_queue_seconds"):
         MicroBatcher(Slow(), max_queue_seconds=0)
+
+
+def test_warm_up_times_a_batch_so_a_burst_on_a_cold_batcher_is_admitted_by_time():
+    """warm_up() before start() runs each family twice on a fixed sample and seeds its speed
+    from the second run: the very first burst is then admitted by time (here about 7 of 40
+    requests), where without it every request of the burst was admitted before any batch was
+    timed (all 40, as the last lines check). Warm-up batches are not counted as served, and
+    warm_up after start() is refused."""
+    import asyncio
+    import time as _time
+
+    from mhmla_fast.serve.scheduler import MicroBatcher, QueueFull
+
+    class Slow:  # 40 ms a call, whatever its size
+        def __init__(self):
+            self.calls = 0
+
+        def tag_texts(self, texts):
+            self.calls += 1
+            _time.sleep(0.04)
+            return [types.SimpleNamespace(to_dict=lambda t=t: {"text": t}) for t in texts]
+
+        def tag_tokens(self, sentences):
+            return self.tag_texts([" ".join(s) for s in sentences])
+
+    text = " ".join(["word"] * 100)  # 130 estimated pieces; one per batch (budget 150)
+
+    def burst(warm: bool):
+        engine, served = Slow(), []
+        b = MicroBatcher(engine, max_batch_tokens=150, max_wait_ms=0, max_queue_seconds=0.3,
+                         on_batch=lambda texts, requests, seconds: served.append(texts))
+        speeds = b.warm_up() if warm else {}
+        warm_calls = engine.calls
+
+        async def run():
+            b.start()
+            try:
+                futures, refused = [], 0
+                for _ in range(40):
+                    try:
+                        futures.append(b.submit("texts", [text]))
+                    except QueueFull:
+                        refused += 1
+                results = await asyncio.gather(*futures)
+                assert all(r == [{"text": text}] for r in results)
+                return len(futures), refused
+            finally:
+                b.close()
+                b.join(5)
+
+        admitted, refused = asyncio.run(run())
+        with pytest.raises(RuntimeError, match="before start"):
+            b.warm_up()
+        return speeds, warm_calls, admitted, refused, sum(served)
+
+    speeds, warm_calls, admitted, refused, served = burst(warm=True)
+    # warm-up: 4 sentences of about 31 pieces (budget 150) in 40 ms: about 3,000 pieces/s
+    assert warm_calls == 2 and set(speeds) == {"tag"} and 1000 < speeds["tag"] < 4000, speeds
+    assert 2 <= admitted <= 20 and admitted + refused == 40, (admitted, refused)
+    assert served == admitted
+    _, warm_calls, admitted, refused, _ = burst(warm=False)
+    assert (warm_calls, admitted, refused) == (0, 40, 0)

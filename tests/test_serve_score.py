@@ -502,7 +502,7 @@ def test_full_queue_503_and_a_scorer_failure_500_for_its_own_request_only(tiny_s
     scorer = RecordingScorer(tiny_scorer)
     scorer.gate.clear()
     app = create_app(StubEngine(), scorer=scorer, max_queue=3, max_texts_per_request=2,
-                     max_essays_per_request=2, max_wait_ms=0)
+                     max_essays_per_request=2, max_wait_ms=0, warm_up=False)
 
     async def body(http) -> None:
         post = lambda *texts: http.post("/v1/score", json={  # noqa: E731

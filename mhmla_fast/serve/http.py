@@ -740,7 +740,8 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
                max_text_chars: int | None = 500_000, max_queue_pieces: int = 1_000_000,
                request_timeout_s: float | None = 60.0,
                max_buffered_bytes: int | None = 64_000_000,
-               split_pieces: int | None = None, group: WorkerGroup | None = None) -> FastAPI:
+               split_pieces: int | None = None, group: WorkerGroup | None = None,
+               warm_up: bool = True) -> FastAPI:
     """The tagging (and, with ``scorer``, essay-scoring) app over ``engine`` (endpoints, limits
     and batching: module docstring).
 
@@ -752,6 +753,12 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     sentences and essays estimated above it are tagged (scored) window by window, interleaved
     with other requests (default: a quarter of ``max_batch_tokens``; essays only with a scorer
     that has ``plan_essay``, as :class:`~mhmla_fast.aes.model.EssayScorer` does).
+
+    ``warm_up``: before accepting connections, the lifespan runs
+    :meth:`MicroBatcher.warm_up` (a few tagging and scoring batches of a fixed sample; their
+    speeds, pieces per second by family, in ``app.state.warm_up_speeds``), so the first
+    requests neither pay the runtime's warm-up nor, in a burst, get admitted before any speed
+    was measured; an engine that fails on it stops the start-up.
 
     ``group``: the :class:`~mhmla_fast.serve.http_workers.WorkerGroup` this process is a worker
     of (``mhmla-serve http --workers N``), or None for a server of one process: with a group,
@@ -805,6 +812,8 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
         # what is loaded by now (torch, the models, the app) into the collector's permanent
         # generation: a full collection while serving then walks only what serving allocated,
         # not the whole heap, and stalls the event loop for less
+        if warm_up:  # before connections are accepted: admission by time from the first
+            app.state.warm_up_speeds = await asyncio.to_thread(batcher.warm_up)
         gc.collect()
         gc.freeze()
         batcher.start()

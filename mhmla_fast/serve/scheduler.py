@@ -11,7 +11,10 @@ else :class:`QueueFull` (503, retry later). A request that alone costs more than
 ``max_queue_seconds``, a request is also refused (:class:`QueueFull`) while other work is
 admitted and it would not be answered within that many seconds at the speed measured on the
 batches so far (estimated pieces per second, a moving average per family, from its second
-batch on: the first pays the runtime's warm-up). Round-robin batches share the worker as
+batch on: the first pays the runtime's warm-up; :meth:`MicroBatcher.warm_up`, which the HTTP
+server runs before it accepts connections, runs and measures such batches of a fixed sample
+first, so that a burst reaching a cold server is admitted by time too). Round-robin batches
+share the worker as
 processor sharing does, so a request of ``x`` seconds of work is answered after ``x`` plus,
 of each unfinished request's ``w``, ``min(w, x)``. Under sustained overload some requests
 are then refused at once instead of every one being admitted and timing out part-done, while
@@ -77,6 +80,10 @@ __all__ = ["MicroBatcher", "QueueFull", "TooCostly", "Unavailable", "EngineFailu
 log = logging.getLogger(__name__)
 
 KINDS = ("texts", "sentences", "essays")  # input kinds; "essays" are scored, the others tagged
+WARM_UP_SENTENCE = ("The students who lives in the city goes to school by bus every morning , "
+                    "and they says that the journey are too long for them .")
+WARM_UP_PIECES = 1024  # estimated word pieces of a warm-up tagging batch (capped by the budget)
+WARM_UP_ESSAY_SENTENCES = 12  # a warm-up essay: this many sentences (about 300 words)
 PLAN_PAUSE_S = 0.002  # the worker sleeps this long after each planning step, so that the event
 # loop (parsing, answering) gets the GIL at once rather than after Python's switch interval
 
@@ -379,6 +386,41 @@ class MicroBatcher:
                 return
             old = self._rates.get(family)
             self._rates[family] = speed if old is None else 0.7 * old + 0.3 * speed
+
+    def warm_up(self) -> dict[str, float]:
+        """Run each family's warm-up before serving: two tagging batches of
+        :data:`WARM_UP_SENTENCE` (``WARM_UP_PIECES`` estimated pieces, at most
+        ``max_batch_tokens``) and, with a scorer, two scoring calls on an essay of
+        ``WARM_UP_ESSAY_SENTENCES`` such sentences on its first prompt. The first call of each
+        pays the runtime's warm-up and is not timed; the second seeds the family's speed, so that
+        admission by time (``max_queue_seconds``) holds from the first request on, a burst on a
+        cold server included. Returns the measured pieces per second by family. Call it before
+        :meth:`start` (from any one thread); what the engine or scorer raises propagates: a
+        model that cannot tag a plain sentence should not start serving."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up runs before start(), while no worker uses the engine")
+        pieces = estimate_pieces("texts", WARM_UP_SENTENCE)
+        n = max(1, int(min(WARM_UP_PIECES, self.max_batch_tokens) // pieces))
+        texts = [WARM_UP_SENTENCE] * n
+        runs: list[tuple[str, float, Callable[[], Any]]] = [
+            ("tag", n * pieces, lambda: self.engine.tag_texts(texts))]
+        prompts = getattr(getattr(self.scorer, "config", None), "prompts", None)
+        if self.scorer is not None and prompts:
+            essay = " ".join([WARM_UP_SENTENCE] * WARM_UP_ESSAY_SENTENCES)
+            runs.append(("score", estimate_pieces("texts", essay), lambda: score_essays(
+                self.scorer, [essay], [int(prompts[0])], self.score_token_budget)))
+        speeds = {}
+        for family, cost, run in runs:
+            run()  # the runtime's warm-up: not timed
+            t0 = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - t0
+            with self._cond:
+                self._warm.add(family)
+            self._measured(family, cost, seconds)
+            if family in self._rates:
+                speeds[family] = self._rates[family]
+        return speeds
 
     def _essay_steps(self, text: str, prompt: int):
         """Planning an essay: one step (tokenizing it whole), like ``Engine.plan_steps``."""
