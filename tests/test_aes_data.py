@@ -180,6 +180,29 @@ def test_cp1252_encoding(tmp_path: Path) -> None:
         read_asap(p)
 
 
+def test_a_byte_order_mark_on_a_header_less_file_keeps_its_first_essay(tmp_path: Path) -> None:
+    data = ("\ufeff" + row(1, 1, "first", 6, 3, 3) + "\n" + row(2, 1, "second", 5) + "\n")
+    p = write(tmp_path, data.encode("utf-8"))
+    assert [(e.essay_id, e.text) for e in read_asap(p)] == [(1, "first"), (2, "second")]
+
+
+def test_kaggles_original_file_is_read_as_cp1252(tmp_path: Path) -> None:
+    """The folder holding Kaggle's training_set_rel3.tsv (cp1252), not NEA's UTF-8 copy: the
+    protocols read it in its own encoding (they stopped at its first curly quote before)."""
+    from mhmla_fast.aes.splits import read_asap_essays, read_asap_folds
+
+    d = tmp_path / "asap_aes"
+    d.mkdir()
+    (d / "training_set_rel3.tsv").write_bytes(
+        (HEADER + "\r\n" + row(1, 1, "it\u2019s caf\u00e9", 6, 3, 3) + "\r\n").encode("cp1252"))
+    for split, ids in {"train": "1", "dev": "", "test": ""}.items():
+        (d / "nea_folds" / "fold_0").mkdir(parents=True, exist_ok=True)
+        (d / "nea_folds" / "fold_0" / f"{split}_ids.txt").write_text(ids + "\n")
+    assert [e.text for e in read_asap_essays(tmp_path)] == ["it\u2019s caf\u00e9"]
+    essays, folds = read_asap_folds(tmp_path)
+    assert len(essays) == 1 and folds[0]["train"] == [1]
+
+
 # --------------------------------------------------------------------------------------------
 # Folds
 # --------------------------------------------------------------------------------------------

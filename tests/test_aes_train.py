@@ -671,6 +671,28 @@ def test_commands_train_export_and_eval(tiny_encoder, tmp_path, capsys):
     assert json.loads(seen.read_text())["prompts"]["3"]["seen_by_scorer"] == 6
     with pytest.raises(SystemExit):  # no fold 7
         mhmla_eval(["aes", *common, "--model", str(shipped), "--fold", "7"])
+    # another fold's train split holds fold 0's essays too: refused like a test split (it
+    # scored them as held out before); the training fold's own dev split is asked knowingly
+    capsys.readouterr()
+    assert mhmla_eval(["aes", *common, "--model", str(shipped), "--fold", "1",
+                       "--split", "train"]) == 2
+    assert "fold 1's train split holds essays that the scorer trained" in capsys.readouterr().err
+    assert mhmla_eval(["aes", *common, "--model", str(shipped), "--split", "dev"]) == 0
+    assert "seen by the scorer)" in capsys.readouterr().out
+    # a feature cache made from other encoder files under the same name is refused, as
+    # mhmla-train refuses it (it was read and scored before)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    for cache in (tmp_path / "cache").glob("*.safetensors"):
+        with safe_open(str(cache), "pt") as f:
+            meta = json.loads(f.metadata()["meta"])
+        if "encoder_sha256" in meta and meta.get("pooling", "cls") == "cls":
+            save_file(load_file(cache), cache, metadata={"meta": json.dumps(
+                {**meta, "encoder_sha256": "0" * 64})})
+    assert mhmla_eval(["aes", *common, "--model", str(shipped)]) == 2
+    assert "was encoded with other files" in capsys.readouterr().err
+    assert mhmla_eval(["aes", *common, "--model", str(shipped), "--no-cache"]) == 0
 
 
 @pytest.fixture()
@@ -1183,3 +1205,49 @@ def test_ship_aes_scorer_with_cutpoints_judges_the_cross_fitted_dev_qwk(tiny_enc
     assert mhmla_train([*common, "--out", str(tmp_path / "cls")]) == 0
     with pytest.raises(SystemExit, match="classification cell has no cutpoints"):
         ship.main([str(tmp_path / "cls" / "mhmla-joint-cls-finetuned" / "fold0-p3_4"), *args])
+
+
+def test_prompt_and_fold_lists_refuse_repeats_and_name_their_option():
+    """A repeated fold counted twice in the means (and 8 x one prompt by 5 x one fold passed
+    for the full protocol, overwriting its results file); a non-number named no option."""
+    from mhmla_fast.commands.aes import parse_folds, parse_prompts
+
+    assert parse_prompts("all") == list(range(1, 9)) and parse_prompts("3, 1") == [3, 1]
+    assert parse_folds("all") == [0, 1, 2, 3, 4] and parse_folds("4,0") == [4, 0]
+    for parse, value, option in ((parse_folds, "0,0,1", "--fold"), (parse_folds, "x", "--fold"),
+                                 (parse_prompts, "3,3", "--prompt"), (parse_prompts, "9", "--prompt"),
+                                 (parse_prompts, ",", "--prompt"), (parse_folds, "1.5", "--fold")):
+        with pytest.raises(ValueError, match=f"^{option}: expected .* distinct values"):
+            parse(value)
+
+
+def test_a_missing_cell_leaves_its_prompt_and_the_whole_without_a_mean():
+    from mhmla_fast.aes.results import _aggregate, summary_table
+
+    cells = {0: {3: {"qwk": 0.6, "exact": 0.5}, 4: {"qwk": 0.8, "exact": 0.7}},
+             1: {3: {"qwk": None, "exact": None}, 4: {"qwk": 0.6, "exact": 0.5}}}
+    out = _aggregate(cells, [0, 1], [3, 4])
+    assert out["per_prompt_qwk"] == {"3": None, "4": pytest.approx(0.7)}
+    assert out["mean_qwk"] is None and out["mean_exact"] is None  # not prompt 4's alone
+    cells[1][3] = {"qwk": 0.4, "exact": 0.3}
+    out = _aggregate(cells, [0, 1], [3, 4])
+    assert out["mean_qwk"] == pytest.approx(0.6)
+    table = summary_table({"prompts": [3, 4], "models": {"m": out}, "human": _aggregate(
+        {0: {3: {"qwk": None}, 4: {"qwk": 1.0}}}, [0], [3, 4])})
+    assert table.splitlines()[-1].split() == ["human", "(H1-H2)", "-", "100.00", "-"]
+
+
+def test_protocol_command_refuses_a_joint_head_on_one_prompt_and_path_errors(tmp_path, capsys):
+    """--models naming only joint heads with one prompt exited 0 with no model run; a
+    --data-dir that is the TSV file itself was a traceback."""
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=10)
+    common = ["aes", "--fold", "0", "--data-dir", str(data), "--out", str(tmp_path / "run"),
+              "--quiet"]
+    assert mhmla_train([*common, "--prompt", "3", "--models", "mhmla-joint-reg"]) == 2
+    assert "a joint head needs two or more prompts" in capsys.readouterr().err
+    tsv = data / "asap_aes" / "training_set_rel3.nea_utf8.tsv"
+    assert mhmla_train(["aes", "--fold", "0", "--prompt", "3", "--models", "surface-ridge",
+                        "--data-dir", str(tsv), "--out", str(tmp_path / "run2")]) == 2
+    assert "Not a directory" in capsys.readouterr().err

@@ -32,6 +32,7 @@ line number, or, with ``errors="collect"``, are skipped and returned as :class:`
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import math
 import os
@@ -204,6 +205,8 @@ def read_asap(
         raise ValueError(f'errors must be "raise" or "collect", not {errors!r}')
     p = Path(path)
     lines = p.read_bytes().split(b"\n")
+    if lines[0].startswith(codecs.BOM_UTF8) and codecs.lookup(encoding).name == "utf-8":
+        lines[0] = lines[0][len(codecs.BOM_UTF8):]  # a header-less file's first essay too
 
     first = next((i for i, b in enumerate(lines) if b.strip()), None)
     if first is None:

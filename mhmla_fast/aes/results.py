@@ -11,7 +11,10 @@ __all__ = ["_aggregate", "summary_table"]
 
 
 def _aggregate(cells: dict[int, dict[int, dict]], folds: Sequence[int], prompts: Sequence[int]) -> dict:
-    """Per fold/prompt QWK and exact agreement; means over folds per prompt and over prompts."""
+    """Per fold/prompt QWK and exact agreement; means over folds per prompt and over prompts.
+    A prompt with a cell missing (None: e.g. no essay with both raters' scores) has no mean,
+    nor then has the whole: a mean over fewer folds or prompts than the result names would
+    not be the protocol's figure."""
     def grab(key: str) -> dict[str, dict[str, float | None]]:
         return {str(k): {str(p): cells[k][p].get(key) for p in prompts} for k in folds}
 
@@ -22,11 +25,12 @@ def _aggregate(cells: dict[int, dict[int, dict]], folds: Sequence[int], prompts:
     for key in ("qwk", "exact"):
         per_prompt = {}
         for p in prompts:
-            vals = [cells[k][p][key] for k in folds if cells[k][p].get(key) is not None]
-            per_prompt[str(p)] = float(np.mean(vals)) if vals else None
+            vals = [cells[k][p].get(key) for k in folds]
+            per_prompt[str(p)] = (None if not vals or None in vals
+                                  else float(np.mean(vals)))
         out[f"per_prompt_{key}"] = per_prompt
-        vals = [v for v in per_prompt.values() if v is not None]
-        out[f"mean_{key}"] = float(np.mean(vals)) if vals else None
+        vals = list(per_prompt.values())
+        out[f"mean_{key}"] = None if not vals or None in vals else float(np.mean(vals))
     return out
 
 

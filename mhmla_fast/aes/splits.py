@@ -15,12 +15,13 @@ from torch import Tensor
 from .data import SCORE_RANGES, Essay
 from .metrics import quadratic_weighted_kappa
 
-__all__ = ["PROTOCOL", "PROMPTS", "Log", "asap_files", "read_asap_folds", "FeatureSplit",
+__all__ = ["PROTOCOL", "PROMPTS", "Log", "asap_files", "read_asap_essays", "read_asap_folds", "FeatureSplit",
            "feature_split", "joined_features", "qwk", "split_qwk", "load_prompt_caches"]
 
 PROTOCOL = "cpu-frozen-encoder"
 PROMPTS = tuple(sorted(SCORE_RANGES))
 Log = Callable[[str], None]
+KAGGLE_TSV = "training_set_rel3.tsv"  # Kaggle's original file name (cp1252)
 
 
 def asap_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
@@ -32,18 +33,26 @@ def asap_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
         root = root / "asap_aes"
     tsv = root / "training_set_rel3.nea_utf8.tsv"
     if not tsv.is_file():
-        tsv = root / "training_set_rel3.tsv"
+        tsv = root / KAGGLE_TSV
     return tsv, root / "nea_folds"
+
+
+def read_asap_essays(data_dir: str | os.PathLike | None = None) -> list[Essay]:
+    """The essays of the TSV :func:`asap_files` finds (:func:`~.data.read_asap`): UTF-8, or
+    cp1252 for Kaggle's original ``training_set_rel3.tsv`` (the encoding it was published in)."""
+    from .data import read_asap
+
+    tsv = asap_files(data_dir)[0]
+    return read_asap(tsv, encoding="cp1252" if tsv.name == KAGGLE_TSV else "utf-8")
 
 
 def read_asap_folds(data_dir: str | os.PathLike | None = None
                     ) -> tuple[list[Essay], dict[int, dict[str, list[int]]]]:
-    """The essays (:func:`~.data.read_asap`) and the Taghipour & Ng fold ids
+    """The essays (:func:`read_asap_essays`) and the Taghipour & Ng fold ids
     (:func:`~.data.read_folds`) of the data under ``data_dir`` (:func:`asap_files`)."""
-    from .data import read_asap, read_folds
+    from .data import read_folds
 
-    tsv, folds_dir = asap_files(data_dir)
-    return read_asap(tsv), read_folds(folds_dir)
+    return read_asap_essays(data_dir), read_folds(asap_files(data_dir)[1])
 
 
 def joined_features(splits: dict[str, FeatureSplit], features: str) -> FeatureSplit:

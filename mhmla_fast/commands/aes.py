@@ -36,20 +36,26 @@ def parse_prompts(value: str) -> list[int]:
 
     if value == "all":
         return sorted(SCORE_RANGES)
-    out = [int(v) for v in value.split(",") if v.strip()]
-    bad = [p for p in out if p not in SCORE_RANGES]
-    if bad or not out:
-        raise ValueError(f"--prompt: expected 1-8, a comma list or 'all', got {value!r}")
-    return out
+    return _int_list(value, "--prompt", "1-8", set(SCORE_RANGES))
 
 
 def parse_folds(value: str) -> list[int]:
     """``"all"`` -> 0..4; ``"0"`` or ``"0,2"`` -> those folds."""
     if value == "all":
         return [0, 1, 2, 3, 4]
-    out = [int(v) for v in value.split(",") if v.strip()]
-    if not out or any(not 0 <= k <= 4 for k in out):
-        raise ValueError(f"--fold: expected 0-4, a comma list or 'all', got {value!r}")
+    return _int_list(value, "--fold", "0-4", set(range(5)))
+
+
+def _int_list(value: str, option: str, span: str, allowed: set[int]) -> list[int]:
+    """The comma list ``value`` of distinct integers from ``allowed`` (ValueError naming
+    ``option`` otherwise: a value repeated would count twice in the means)."""
+    expected = f"{option}: expected {span}, a comma list of distinct values or 'all', got {value!r}"
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(expected) from None
+    if not out or any(v not in allowed for v in out) or len(set(out)) != len(out):
+        raise ValueError(expected)
     return out
 
 
@@ -212,10 +218,10 @@ def run_train(args) -> int:
 
             return run_finetune(args, prompts, folds, log=_log(args))
         if args.cache_only:
-            from ..aes.data import read_asap
-            from ..aes.train import asap_files, load_prompt_caches, poolings_of
+            from ..aes.splits import read_asap_essays
+            from ..aes.train import load_prompt_caches, poolings_of
 
-            essays = read_asap(asap_files(args.data_dir)[0])
+            essays = read_asap_essays(args.data_dir)
             load_prompt_caches(essays, prompts, args.cache_dir, args.encoder,
                                poolings=poolings_of(_models(args)), log=_log(args),
                                precision=args.feature_precision or "fp32")
@@ -225,11 +231,15 @@ def run_train(args) -> int:
 
         results = args.results
         if results is None:
-            full = len(prompts) == 8 and len(folds) == 5
+            full = set(prompts) == set(range(1, 9)) and set(folds) == set(range(5))
             results = CPU_RESULTS if full else str(Path(args.out) / "results.json")
         models = _models(args)
-        if len(prompts) == 1:  # one prompt: a joint head is the per-prompt one
-            models = [m for m in models if not m.startswith("mhmla-joint-")]
+        joint = [m for m in models if m.startswith("mhmla-joint-")]
+        if len(prompts) == 1 and joint:  # one prompt: a joint head is the per-prompt one
+            if args.models:
+                raise ValueError(f"--models {','.join(joint)}: a joint head needs two or more "
+                                 f"prompts (with one, it is the per-prompt head)")
+            models = [m for m in models if m not in joint]
         members = [m for m in args.members.split(",") if m] if args.members else None
         run_cpu_protocol(data_dir=args.data_dir, cache_dir=args.cache_dir, run_dir=args.out,
                          results=results, folds=folds, prompts=prompts, models=models,
@@ -238,7 +248,7 @@ def run_train(args) -> int:
                          ged_tagger=lambda: _essay_tagger(args),
                          precision=args.feature_precision or "fp32")
         print(f"wrote {results}")
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, RunLockedError) as err:
+    except (OSError, ValueError, KeyError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
     return 0
@@ -406,9 +416,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--fold", type=int, default=0, choices=range(5), metavar="{0-4}",
                    help="fold 0-4 (default 0)")
     p.add_argument("--split", default="test", choices=("train", "dev", "test"))
-    p.add_argument("--allow-seen", action="store_true", help="score a test split even where it "
-                   "holds essays the scorer trained or selected on (another fold's test split "
-                   "overlaps the training fold's train and dev); the count is reported")
+    p.add_argument("--allow-seen", action="store_true", help="score a split even where it holds "
+                   "essays the scorer trained or selected on (another fold's splits overlap the "
+                   "training fold's train and dev); the count is reported")
     p.add_argument("--no-cache", action="store_true", help="always run the encoder (by default "
                    "a frozen-encoder [CLS] scorer reads an existing feature cache)")
     p.add_argument("--token-budget", type=positive_int, default=8192, help="word pieces per encoder batch")
@@ -444,7 +454,7 @@ def run_eval(args) -> int:
     import torch
 
     from ..aes.data import split_essays
-    from ..aes.features import cache_path, load_feature_cache
+    from ..aes.features import _check_encoder, cache_path, load_feature_cache
     from ..aes.metrics import exact_agreement
     from ..aes.model import EssayScorer, default_model_path
     from ..aes.train import feature_split, predict_split, qwk, read_asap_folds
@@ -465,11 +475,15 @@ def run_eval(args) -> int:
     chosen_by_prompt = {p: split_essays(essays, fold_ids, args.fold, prompt=p)[args.split]
                         for p in prompts if p in cfg.prompts}
     seen = _seen_by_scorer(cfg.training, essays, fold_ids, chosen_by_prompt)
-    if args.split == "test" and any(seen.values()) and not args.allow_seen:
-        print(f"mhmla-eval: fold {args.fold}'s test split holds essays that the scorer trained "
-              f"or selected on (its training fold {_training_fold(cfg.training)}: "
+    own = args.fold == _training_fold(cfg.training) and args.split in ("train", "dev")
+    if not own and any(seen.values()) and not args.allow_seen:
+        # another fold's splits overlap the training fold's train and dev: a QWK on them would
+        # pass for a held-out figure (the training fold's own train or dev split is asked for
+        # knowingly)
+        print(f"mhmla-eval: fold {args.fold}'s {args.split} split holds essays that the scorer "
+              f"trained or selected on (its training fold {_training_fold(cfg.training)}: "
               + ", ".join(f"prompt {p}: {n}" for p, n in seen.items() if n)
-              + "); score its own fold, or pass --allow-seen", file=sys.stderr)
+              + "); score its own fold's test split, or pass --allow-seen", file=sys.stderr)
         return 2
     for p in prompts:
         if p not in cfg.prompts:
@@ -484,7 +498,12 @@ def run_eval(args) -> int:
             cp = cache_path(args.cache_dir, cfg.encoder, [e.essay_id for e in everything],
                             [e.text for e in everything], cfg.window)
             if cp.is_file():
-                pred = predict_split(scorer.head, feature_split(load_feature_cache(cp), chosen))
+                try:  # a cache of other encoder files under the same name is refused
+                    cached = _check_encoder(cp, load_feature_cache(cp), cfg.encoder)
+                except ValueError as err:
+                    print(f"mhmla-eval: {err}", file=sys.stderr)
+                    return 2
+                pred = predict_split(scorer.head, feature_split(cached, chosen))
                 how = "feature cache"
         if pred is None:
             pred = scorer.predict_scores([e.text for e in chosen], p, token_budget=args.token_budget)
@@ -494,7 +513,8 @@ def run_eval(args) -> int:
             entry["seen_by_scorer"] = seen[p]
         result["prompts"][str(p)] = entry
         print(f"prompt {p}: QWK {100 * entry['qwk']:.2f}  exact {100 * entry['exact']:.2f}  "
-              f"({len(chosen)} essays, {how})", flush=True)
+              f"({len(chosen)} essays, {how}"
+              + (f"; {seen[p]} seen by the scorer" if seen.get(p) else "") + ")", flush=True)
     if result["prompts"]:
         result["mean_qwk"] = float(np.mean([e["qwk"] for e in result["prompts"].values()]))
         result["mean_exact"] = float(np.mean([e["exact"] for e in result["prompts"].values()]))
