@@ -509,3 +509,48 @@ def test_an_output_name_too_long_for_its_sidecar_is_refused_before_it_is_made(
                  "--no-progress"]) == 2
     assert "the name is too long for its sidecar" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_resume_is_refused_when_the_encoder_files_the_model_reads_changed(
+        tmp_path, tiny_tagger_dir, capsys):
+    """A model that reads files from its encoder's folder (the shipped ones: word embeddings
+    and tokenizer from the encoder package) records their fingerprint: after those files
+    change (a package upgrade) a resume is refused, not mixed. An output made before the
+    fingerprint was recorded still resumes (its sidecar lacks the key)."""
+    import shutil
+
+    from mhmla_fast.serve.outputs import meta_path
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((tiny_tagger_dir / "config.json").read_text())
+    encoder = shutil.copytree(config["encoder_spec"]["name_or_path"], tmp_path / "encoder")
+    model = shutil.copytree(tiny_tagger_dir, tmp_path / "model")
+    key = "encoder.embeddings.word_embeddings.weight"  # read from the encoder's folder
+    state = load_file(model / "model.safetensors")
+    del state[key]
+    save_file(state, model / "model.safetensors")
+    (model / "config.json").write_text(json.dumps(
+        {**config, "encoder_spec": {**config["encoder_spec"], "name_or_path": str(encoder)},
+         "base_tensors": {key: key[len("encoder."):]}}))
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("".join(f"sentence number {k} is here .\n" for k in range(40)))
+    base = ["tag", str(src), "--output", str(out), "--model", str(model), "--no-progress",
+            "--backend", "torch"]
+    assert main(base) == 0
+    sidecar = json.loads(Path(meta_path(str(out))).read_text())
+    assert len(sidecar["made_from"]["encoder_sha256"]) == 64
+    done = out.read_text().splitlines()
+    out.write_text("\n".join(done[:10]) + "\n")  # as if stopped after 10 records
+    (encoder / "config.json").write_text(json.dumps(
+        {**json.loads((encoder / "config.json").read_text()), "upgraded": 1}))
+    capsys.readouterr()
+    assert main(base + ["--resume"]) == 2
+    assert "encoder_sha256" in capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 10  # untouched
+    # a sidecar from before the key: resumed (and the key recorded from then on)
+    del sidecar["made_from"]["encoder_sha256"]
+    Path(meta_path(str(out))).write_text(json.dumps(sidecar))
+    assert main(base + ["--resume"]) == 0
+    assert len(out.read_text().splitlines()) == 40
+    assert "encoder_sha256" in json.loads(Path(meta_path(str(out))).read_text())["made_from"]

@@ -463,16 +463,22 @@ def made_from(command: str, model: Path, args: argparse.Namespace, **settings: A
     """What an output of ``command`` is made from, for its sidecar: the model directory's
     fingerprint and every option that changes records (``--format``, ``--encoding``,
     ``--max-chars``, ``--over-long``, ``--backend``, ``--check-margin`` when given, and
-    ``settings``, e.g. the resolved dtype and threshold). Batch sizes, token budgets, threads,
+    ``settings``, e.g. the resolved dtype and threshold), and the fingerprint of the encoder
+    files the model reads from the encoder's package (the shipped models' word embeddings and
+    tokenizer: an upgraded package changes them). Batch sizes, token budgets, threads,
     device and kernels are left out: they change probabilities only within float rounding (a
     resumed run may use other ones)."""
+    from ..aes.fingerprints import files_fingerprint
+    from ..serve.export_cache import encoder_source_dir
     from ..serve.inputs import check_encoding
     from ..serve.outputs import directory_fingerprint
 
     # --check-margin 0 is bf16 alone, whose labels and scores may differ (recorded only when
     # given: the sidecars of outputs made without it stay as they were)
     margin = getattr(args, "check_margin", None)
+    encoder = encoder_source_dir(model)
     return {"command": command, "model_sha256": directory_fingerprint(model),
+            **({"encoder_sha256": files_fingerprint(encoder)} if encoder else {}),
             "backend": args.backend, "format": args.format,
             "encoding": check_encoding(args.encoding), "max_chars": args.max_chars,
             "over_long": over_long(args) if args.max_chars else None,

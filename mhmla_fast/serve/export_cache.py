@@ -184,15 +184,24 @@ def source_files(model_dir: str | os.PathLike) -> list[Path]:
     (``base_tensors``) or its tokenizer from there."""
     model_dir = Path(model_dir).resolve()
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    encoder = encoder_source_dir(model_dir)
+    if encoder is not None:
+        files += sorted(p for p in encoder.iterdir() if p.is_file())
+    return files
+
+
+def encoder_source_dir(model_dir: str | os.PathLike) -> Path | None:
+    """The local encoder directory a model directory reads from besides its own files (tensors
+    named in ``base_tensors``, or its tokenizer when it has none), or None."""
+    model_dir = Path(model_dir).resolve()
     config = _read_config(model_dir)
     own_tokenizer = any((model_dir / n).is_file() for n in _TOKENIZER_FILES)
-    if config.get("base_tensors") or not own_tokenizer:
-        spec = config.get("encoder_spec")  # the nested layout; "encoder" the flat one
-        name = spec.get("name_or_path") if isinstance(spec, dict) else config.get("encoder")
-        encoder = _encoder_dir(name)
-        if encoder is not None and encoder != model_dir:
-            files += sorted(p for p in encoder.iterdir() if p.is_file())
-    return files
+    if not (config.get("base_tensors") or not own_tokenizer):
+        return None
+    spec = config.get("encoder_spec")  # the nested layout; "encoder" the flat one
+    name = spec.get("name_or_path") if isinstance(spec, dict) else config.get("encoder")
+    encoder = _encoder_dir(name)
+    return encoder if encoder is not None and encoder != model_dir else None
 
 
 def _chain(err: BaseException | None) -> Iterator[BaseException]:

@@ -215,11 +215,17 @@ def _read_meta(path: str) -> dict[str, Any]:
     return data
 
 
+LATER_KEYS = frozenset({"encoder_sha256"})  # made_from keys recorded since a later version
+
+
 def check_made_from(path: str, then: Mapping[str, Any], now: Mapping[str, Any]) -> None:
     """ResumeMismatchError naming every key whose value differs between ``then`` (what an
-    existing output, or a Ray job folder, was made from) and ``now``; ``path`` names it."""
+    existing output, or a Ray job folder, was made from) and ``now``; ``path`` names it. A key
+    of :data:`LATER_KEYS` that ``then`` lacks is not compared: that output was made before
+    the key was recorded (its resume records it from then on)."""
+    keys = (set(then) | set(now)) - (LATER_KEYS - set(then))
     diffs = [f"{k}: {then.get(k)!r} then, {now.get(k)!r} now"
-             for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+             for k in sorted(keys) if then.get(k) != now.get(k)]
     if diffs:
         raise ResumeMismatchError(
             f"{path} was made with other settings ({'; '.join(diffs)}); refusing to mix outputs. "
@@ -345,6 +351,8 @@ class ResumableJsonlWriter:
                 f"{vouched} input records only; refusing to resume it")
         self.done, self.done_errors, self.last_id = scan.done, scan.n_errors, scan.last_id
         self.vouched, self.vouched_sha256 = vouched, meta["input"]["sha256"]
+        if set(self.made_from) - set(meta["made_from"]):  # a key of LATER_KEYS: record it now
+            self._write_meta(vouched, self.vouched_sha256)
         if os.fstat(self._f.fileno()).st_size > scan.good_bytes:
             self._f.truncate(scan.good_bytes)
             self._f.flush()
