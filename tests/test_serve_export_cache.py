@@ -385,6 +385,24 @@ def test_entries_unused_for_30_days_are_removed_by_the_next_export(tiny_tagger_d
     named = {json.loads(r.read_text())["entry"] for r in (onnx / "index").glob("*.json")}
     assert named == {made[k].key for k in ("used", "locked", "young")} | {new.key}
     assert not list(onnx.glob(".bad-*"))  # set aside, then removed
+    # the removed entry's lock and stamp went with it (its lock stayed for ever before)
+    assert not (onnx / f"{made['old'].key}.lock").exists()
+    assert not (onnx / f"{made['old'].key}.stamp.json").exists()
+    for k in ("used", "locked", "young"):
+        assert (onnx / f"{made[k].key}.stamp.json").is_file()
+    # an older version's leftover lock with neither entry nor failure record: removed once a
+    # day old, by the next export
+    orphan = onnx / ("2" * 32 + ".lock")
+    orphan.touch()
+    os.utime(orphan, (month_ago, month_ago))
+    fresh = onnx / ("3" * 32 + ".lock")
+    fresh.touch()
+    monkeypatch.setattr(export_cache, "runtime_versions", lambda: {**real(), "onnxruntime": "x"})
+    ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter([]))
+    assert not orphan.exists() and fresh.exists()
+    # the entry whose lock was held before is unused and free now: removed with its lock
+    assert not made["locked"].path.exists()
+    assert not (onnx / f"{made['locked'].key}.lock").exists()
 
 
 def test_waiting_for_another_exporter_is_bounded(tmp_path):
@@ -427,6 +445,38 @@ def test_an_incomplete_entry_is_made_again(tiny_tagger_dir, cache, damage):
     ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
     assert len(calls) == 2  # whole again: reused
     assert [p.name for p in (cache / "onnx").iterdir() if p.name.startswith(".bad-")] == []
+
+
+def test_an_entry_changed_at_the_same_size_is_made_again_and_hashed_only_after_a_change(
+        tiny_tagger_dir, cache, monkeypatch):
+    """cache.json lists every file's SHA-256: a byte changed in place (the size unchanged) is
+    seen, and the entry made again, where it used to load (and might run) as it was. The
+    check hashes only when a file's stat differs from the stamp written when they last
+    matched: a start that finds a whole entry hashes nothing."""
+    calls: list = []
+    entry = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    sums = json.loads((entry.path / "cache.json").read_text())["files_sha256"]
+    assert set(sums) == {"export.json", "model.onnx"}
+    assert (cache / "onnx" / f"{entry.key}.stamp.json").is_file()
+    hashed: list = []
+    real = export_cache._files_sha256
+    monkeypatch.setattr(export_cache, "_files_sha256",
+                        lambda folder, names: hashed.append(1) or real(folder, names))
+    assert lookup(tiny_tagger_dir, cache).entry == entry and hashed == []
+    # a copy of the cache (new inodes and ctimes, same contents): hashed once, then stamped
+    (cache / "onnx" / f"{entry.key}.stamp.json").unlink()
+    assert lookup(tiny_tagger_dir, cache).entry == entry and hashed == [1]
+    assert lookup(tiny_tagger_dir, cache).entry == entry and hashed == [1]
+    model = entry.path / "model.onnx"
+    st = model.stat()
+    model.write_bytes(b"NOT really ONNX")  # the same size, its mtime put back
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert lookup(tiny_tagger_dir, cache).entry is None
+    again = ensure_export(tiny_tagger_dir, cache, log=Lines(), exporter=fake_exporter(calls))
+    assert len(calls) == 2 and again.path == entry.path
+    assert model.read_bytes() == b"not really ONNX"
+    n = len(hashed)
+    assert lookup(tiny_tagger_dir, cache).entry == again and len(hashed) == n
 
 
 def test_an_entry_that_will_not_load_is_set_aside_and_torch_runs(tiny_tagger_dir, cache,

@@ -12,6 +12,8 @@ model's ``config.json`` ("format"); it is part of every key, so the two never sh
     <root>/onnx/<key>.failed.json       why the export of <key> failed (it is not retried)
     <root>/onnx/index/<quick>.json      {"entry": <key>, ...}: the quick key's entry
     <root>/onnx/<key>.lock              held (``flock``) while <key> is exported
+    <root>/onnx/<key>.stamp.json        the stat of <key>'s files when their SHA-256 (in its
+                                        cache.json) last matched (:func:`_intact`)
     <root>/onnx/.tmp-<key>-*/           a staging directory (ignored; removed by the next export
                                         of <key>)
 
@@ -20,8 +22,9 @@ set-aside folders a day old are removed, and so are entries and failure records 
 :data:`UNUSED_S` (30 days), with the index records that named them. A start that uses an entry
 sets its folder's mtime (or the record's); a user who cannot (a shared cache he does not own)
 still reads ``model.onnx``, whose access time counts too. A model version nobody runs any more
-does not keep its ~100 MB. Starts take no lock: a start that finds an entry in the instant
-between the evicting export's last look and its rename loses it, and runs torch that once.
+does not keep its ~100 MB (nor, since 2026-12-07, its lock and stamp files). Starts take no
+lock: a start that finds an entry in the instant between the evicting export's last look and
+its rename loses it, and runs torch that once.
 
 ``<root>`` is ``$MHMLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhmla-fast``, else
 ``~/.cache/mhmla-fast``. ``MHMLA_NO_CACHE=1`` (or ``cache=False``) turns the cache off; auto then
@@ -330,9 +333,58 @@ def _complete(entry: Path) -> bool:
         return False
 
 
+def _files_sha256(folder: Path, names) -> dict[str, str]:
+    """``{name: sha256 of its content}`` for the files ``names`` of ``folder``."""
+    out = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(folder / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        out[name] = h.hexdigest()
+    return out
+
+
+def _stamp(folder: Path, names) -> dict[str, list[int]]:
+    """Each file's size, mtime, ctime and inode: a write to a file changes its ctime."""
+    out = {}
+    for name in names:
+        st = (folder / name).stat()
+        out[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    return out
+
+
+def _intact(base: Path, key: str) -> bool:
+    """The complete entry ``base/key`` holds the contents it was made with: ``cache.json``
+    lists each file's SHA-256 (entries from before it list none: sizes only, as
+    :func:`_complete` checks). Hashing them costs about 0.17 s for the shipped tagger's, so
+    a start compares the files' stat with ``<key>.stamp.json`` (written when they last hashed
+    right) and hashes only when it differs: after a write to a file (which changes its
+    ctime), a copy of the cache, or where the stamp cannot be written (then at every start).
+    A change that leaves the stat alone (the disk's own decay) is not seen."""
+    entry = base / key
+    sums = (_read_json(entry / CACHE_META) or {}).get("files_sha256")
+    if not isinstance(sums, dict):
+        return True
+    stamp_file = base / f"{key}.stamp.json"
+    try:
+        stamp = _stamp(entry, sums)
+        if _read_json(stamp_file) == {"files": stamp}:
+            return True
+        if _files_sha256(entry, sums) != sums:
+            return False
+    except OSError:
+        return False
+    try:
+        _write_json_atomic(stamp_file, {"files": stamp})
+    except OSError:
+        pass
+    return True
+
+
 def _state(base: Path, key: str) -> tuple[CacheEntry | None, dict | None]:
     entry = base / key
-    if _complete(entry):
+    if _complete(entry) and _intact(base, key):
         return CacheEntry(entry, key), None
     failed = _read_json(base / f"{key}.failed.json")
     return None, failed
@@ -578,14 +630,16 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
             raise unavailable(changed)
         seconds = time.perf_counter() - t0
         try:
+            names = sorted(f.name for f in stage.iterdir()
+                           if f.is_file() and f.name != CACHE_META)
             _write_json_atomic(stage / CACHE_META, {
                 "format": CACHE_FORMAT, "kind": kind.name, "key": key, "content_sha256": content,
                 "model_dir": str(model_dir.resolve()), "versions": versions,
                 "options": kind.options, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "seconds": round(seconds, 2),
                 "validation": (meta or {}).get("validation"),
-                "files": {f.name: f.stat().st_size for f in sorted(stage.iterdir())
-                          if f.is_file() and f.name != CACHE_META}})
+                "files": {name: (stage / name).stat().st_size for name in names},
+                "files_sha256": _files_sha256(stage, names)})
             _fsync_tree(stage)
             os.chmod(stage, 0o777 & ~current_umask())  # mkdtemp's 0700 would hide it from others
             try:
@@ -594,6 +648,7 @@ def _export_entry(model_dir: Path, base: Path, key: str, content: str, versions:
                 if not _complete(final):  # neither a lost race nor a whole entry: a real failure
                     raise
             fsync_dir(base)
+            _intact(base, key)  # its stamp: the next start compares stat, hashes nothing
         except OSError as err:
             raise unavailable(f"its ONNX export could not be written to {base} "
                               f"({type(err).__name__}: {err})") from err
@@ -652,12 +707,23 @@ def _remove_unused(base: Path, keep: str, now: float | None = None) -> None:
                 with open(base / f"{name}.lock", "a+b") as lock:
                     if filelock.try_lock(lock.fileno()):
                         try:
-                            if unused(path):  # again: a start may have found it meanwhile
-                                _set_aside(path)
+                            if unused(path) and _set_aside(path):  # again: a start may have
+                                (base / f"{name}.stamp.json").unlink(missing_ok=True)  # found it
+                                (base / f"{name}.lock").unlink(missing_ok=True)
                         finally:
                             filelock.unlock(lock.fileno())
             except OSError:
                 pass
+    # a lock or stamp whose entry and failure record are gone (older versions left the locks)
+    for path in [*base.glob("*.lock"), *base.glob("*.stamp.json")]:
+        key = path.name.split(".", 1)[0]
+        if key == keep or (base / key).exists() or (base / f"{key}.failed.json").exists():
+            continue
+        try:
+            if now - path.stat().st_mtime > STALE_S:
+                path.unlink()
+        except OSError:
+            pass
     for record in list((base / "index").glob("*.json")):
         key = (_read_json(record) or {}).get("entry")
         if isinstance(key, str) and key and not (base / key).exists() \
