@@ -164,3 +164,45 @@ def test_ddp_finetune_killed_mid_epoch_resumes_with_the_epoch_loss_counted_once(
     assert names[0] == names[1] == "checkpoint-8.safetensors"
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def _command_worker(rank: int, port: int, encoder: str, data: str, out: str) -> None:
+    """``mhmla-train aes --finetune`` as torchrun starts it on each rank; what the rank
+    printed and its exit status go to ``rank<k>.json``."""
+    import contextlib
+    import io
+
+    from mhmla_fast.commands import aes_finetune
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    _env(rank, port)
+    scored = []
+    real = aes_finetune._cell_predictions
+    aes_finetune._cell_predictions = lambda *a, **kw: scored.append(1) or real(*a, **kw)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = mhmla_train(["aes", "--prompt", "3", "--fold", "0", "--data-dir", data, "--encoder",
+                          encoder, "--out", out, "--finetune", "--epochs", "1", "--backend",
+                          "torch", "--quiet", "--batch-size", "4", "--num-heads", "4"])
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"rc": rc, "stdout": printed.getvalue(), "scored": len(scored)}, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_finetune_command_scores_and_writes_on_the_first_rank_only(tmp_path, tiny_encoder):
+    """Every rank trains the cell (data-parallel); the test and dev predictions, test.json and
+    the results file are the first rank's alone (before, each rank scored the cell again and
+    wrote both files, its 'wrote' line printed once per rank)."""
+    from test_aes_train import write_asap
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    out = tmp_path / "ft"
+    out.mkdir()
+    mp.spawn(_command_worker, args=(free_port(), tiny_encoder, str(data), str(out)),
+             nprocs=WORLD, join=True)
+    ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(WORLD)]
+    assert [r["rc"] for r in ranks] == [0] * WORLD
+    assert ranks[0]["scored"] == 1 and "wrote" in ranks[0]["stdout"]
+    assert all(r["scored"] == 0 and "wrote" not in r["stdout"] for r in ranks[1:])
+    (entry,) = json.loads((out / "results-finetune.json").read_text())["models"].values()
+    assert set(entry["qwk"]["0"]) == {"3"}

@@ -1251,3 +1251,32 @@ def test_protocol_command_refuses_a_joint_head_on_one_prompt_and_path_errors(tmp
     assert mhmla_train(["aes", "--fold", "0", "--prompt", "3", "--models", "surface-ridge",
                         "--data-dir", str(tsv), "--out", str(tmp_path / "run2")]) == 2
     assert "Not a directory" in capsys.readouterr().err
+
+
+def test_under_torchrun_only_finetune_runs_and_ctrl_c_is_exit_130(tmp_path, monkeypatch, capsys):
+    """The CPU protocol (and the export and --collect modes) under torchrun ran once per rank,
+    every rank writing the results: refused on every rank. Ctrl-C in training is one line and
+    exit 130 (a traceback before), said by the first rank only."""
+    from mhmla_fast.commands import train as train_cmd
+    from mhmla_fast.commands.train import main as mhmla_train
+    from mhmla_fast.ged import train as ged_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=10)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for extra in ([], ["--finetune", "--collect"]):
+        assert mhmla_train(["aes", "--prompt", "3", "--fold", "0", "--data-dir", str(data),
+                            "--out", str(tmp_path / "run"), *extra]) == 2
+        assert "under torchrun only `aes --finetune` runs" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.delenv("WORLD_SIZE")
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ged_train, "train", interrupted)
+    for rank, said in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert train_cmd.main(["ged", "--train", "x.tsv", "--dev", "y.tsv", "--out",
+                               str(tmp_path / "g")]) == 130
+        err = capsys.readouterr().err
+        assert ("interrupted; run the same command to resume" in err) is said

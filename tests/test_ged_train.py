@@ -772,6 +772,10 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
     with pytest.raises(ValueError, match=r"a checkpoint of a different run exists \(.*teacher"):
         train(config(tmp_path, tiny_encoder, tmp_path / "plain", epochs=2, teacher=str(teacher)))
     assert not (tmp_path / "plain" / TEACHER_FILE).exists()
+    # a teacher that is no tagger: refused by its folder on every rank, before any barrier
+    # (under torchrun only the first rank opened it, and the others crashed at the barrier)
+    with pytest.raises(ValueError, match=r"--teacher .*: not a saved tagger"):
+        train(config(tmp_path, tiny_encoder, tmp_path / "y", epochs=2, teacher=str(tmp_path)))
     with pytest.raises(ValueError, match="teacher_weight: needs teacher"):
         config(tmp_path, tiny_encoder, tmp_path / "x", teacher_weight=0.3)
     for bad in (0.0, 1.5):

@@ -294,6 +294,73 @@ def test_stdin_is_refused_on_ray(tiny_tagger_dir, tmp_path, capsys):
     assert "not standard input" in capsys.readouterr().err
 
 
+def test_refusals_before_any_file_is_made_on_ray(tmp_path, tiny_tagger_dir, tiny_scorer_dir,
+                                                capsys):
+    """No Ray needed: a model of the wrong kind, an input that is a pipe, an output that cannot
+    be opened, and an input given right after --ray are usage errors (exit 2), nothing made.
+    Before, they were a traceback (exit 1), or exit 3 with a --resume hint that could not
+    help, or a misleading message."""
+    import os
+
+    src = tmp_path / "in.txt"
+    src.write_text("a b\n")
+    out = tmp_path / "o.jsonl"
+    cases = [
+        (["tag", str(src), "--model", str(tiny_scorer_dir)], "not an mhmla GED tagger"),
+        (["score", str(src), "--model", str(tiny_tagger_dir)], "not an mhmla essay scorer"),
+    ]
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    cases.append(([*tag_args(tiny_tagger_dir, fifo)], "not a regular file"))
+    for extra, message in cases:
+        assert main([*extra, *BASE, "--output", str(out), "--ray"]) == 2, extra
+        assert message in capsys.readouterr().err
+        assert not out.exists() and not serve_ray.shards_dir(str(out)).exists()
+    for bad in (tmp_path / "no-such-folder" / "o.jsonl", tmp_path):
+        assert main([*tag_args(tiny_tagger_dir, src), "--output", str(bad), "--ray"]) == 2
+        err = capsys.readouterr().err
+        assert "stopped" not in err and "--resume" not in err, err
+    assert main(["tag", "--ray", str(src), "--output", str(out), "--model",
+                 str(tiny_tagger_dir)]) == 2
+    assert "give the input files before --ray" in capsys.readouterr().err
+
+
+def test_a_job_whose_workers_cannot_start_leaves_nothing(tmp_path, tiny_tagger_dir, local_ray,
+                                                         capsys):
+    """Workers that cannot load the model (here --backend onnx on a model never exported):
+    the job stops before its first shard and removes the output, sidecar and shards folder it
+    made, saying the same command tries again (before: exit 3 with a --resume hint, and
+    three things to delete by hand before anything could run)."""
+    src, out = tmp_path / "in.txt", tmp_path / "o.jsonl"
+    src.write_bytes(sentences(50))
+    assert main([*tag_args(tiny_tagger_dir, src), "--output", str(out), "--ray",
+                 "--backend", "onnx"]) == 3
+    err = capsys.readouterr().err
+    assert "tagging could not start" in err and "nothing was written" in err
+    assert "--resume" not in err.splitlines()[-1]
+    assert not out.exists() and not Path(meta_path(str(out))).exists()
+    assert not serve_ray.shards_dir(str(out)).exists()
+    assert main([*tag_args(tiny_tagger_dir, src), "--output", str(out), "--ray"]) == 0
+
+
+def test_a_single_process_resume_of_a_ray_output_removes_its_shards(tmp_path, tiny_tagger_dir,
+                                                                   local_ray):
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_bytes(sentences(600))
+
+    def stop_after_one(k: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        serve_ray.run_job(_job(tiny_tagger_dir), [str(src)], str(out),
+                          made_from=_made_from(tiny_tagger_dir), workers=2, shard_size=200,
+                          progress=False, on_commit=stop_after_one)
+    assert serve_ray.shards_dir(str(out)).is_dir()
+    assert main([*tag_args(tiny_tagger_dir, src), "--output", str(out), "--resume"]) == 1
+    assert out.read_bytes().count(b"\n") == 600
+    assert not serve_ray.shards_dir(str(out)).exists()  # a second copy of the results before
+
+
 def test_importing_the_package_does_not_import_ray():
     import subprocess
     import sys

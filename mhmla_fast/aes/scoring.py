@@ -19,11 +19,24 @@ from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
            "essay_offset", "essay_offsets", "essay_prompts", "essay_texts", "near_boundary",
-           "piece_windows", "default_model_path", "num_labels"]
+           "piece_windows", "default_model_path", "num_labels", "read_scorer_config"]
 
 FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
 OBJECTIVES = ("classification", "regression")
 DECISIONS = ("argmax", "expected")
+
+
+def read_scorer_config(path: str | Path) -> dict:
+    """``config.json`` of a scorer directory (or its export) as a dict; ValueError when it is
+    not an essay scorer's. Read without the model classes (no torch)."""
+    import json
+
+    file = Path(path) / "config.json"
+    data = json.loads(file.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else None
+        raise ValueError(f"{file}: not an mhmla essay scorer (format {found!r})")
+    return data
 
 
 def default_model_path() -> Path:

@@ -179,6 +179,7 @@ def run_train(args) -> int:
     import torch
 
     from ..checkpoint import RunLockedError
+    from ..distributed import world_size_from_env
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,6 +187,9 @@ def run_train(args) -> int:
         prompts = parse_prompts(args.prompt)
         folds = parse_folds(args.fold)
         _check_mode_options(args)
+        if world_size_from_env() > 1 and (not args.finetune or args.collect):
+            raise ValueError("under torchrun only `aes --finetune` runs (its cells train data-"
+                             "parallel); run the other modes, and --collect, as one process")
         if args.fit_cutpoints:
             from ..aes.shipped import fit_scorer_cutpoints
 
@@ -251,6 +255,10 @@ def run_train(args) -> int:
     except (OSError, ValueError, KeyError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        from .train import interrupted
+
+        return interrupted()
     return 0
 
 

@@ -33,6 +33,7 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
     from ..aes.train import FinetuneConfig, _aggregate, read_asap_folds
     from ..aes.units import data_digest
     from ..configs import LayerAttentionConfig
+    from ..distributed import rank_from_env
     from ..provenance import provenance
 
     head = LayerAttentionConfig(mode=args.mode or "mhmla",
@@ -71,9 +72,12 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
                              f"with these settings and essays: {', '.join(missing)}")
     cells: dict[int, dict[int, dict]] = {k: {} for k in folds}
     cell_dirs: dict[int, dict[int, Path]] = {k: {} for k in folds}
+    main = rank_from_env() == 0  # under torchrun the others train, and write nothing
     for k, cfg, splits in todo:
-        for p, cell in _finetune_cell(cfg, splits, log).items():
+        for p, cell in _finetune_cell(cfg, splits, log, main=main).items():
             cells[k][p], cell_dirs[k][p] = cell, Path(cfg.out)
+    if not main:
+        return 0
     entry = {**_aggregate(cells, folds, prompts), "settings": settings,
              # each cell's epochs: dev QWK and seconds (from its checkpoint), the curve behind
              # the selected epoch (a joint cell's mean dev QWK, for each of its prompts)
@@ -84,7 +88,7 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
     return 0
 
 
-def _finetune_cell(cfg, splits: dict[int, dict], log) -> dict[int, dict]:
+def _finetune_cell(cfg, splits: dict[int, dict], log, *, main: bool = True) -> dict[int, dict]:
     """Train (or reuse) the fine-tuning cell ``cfg`` on the essays of ``splits`` (prompt ->
     train/dev/test) and return each prompt's record: test ``qwk`` and ``exact``, ``dev_qwk`` of
     the selected epoch, ``selected``, ``settings``, ``data`` and the predictions
@@ -94,7 +98,9 @@ def _finetune_cell(cfg, splits: dict[int, dict], log) -> dict[int, dict]:
     same settings and essays is reused (where the folder lies is no setting: a moved one is
     reused); others train on: ``finetune`` resumes a longer run and refuses any other change
     of its config or of its train and dev essays; a changed test split is scored again.
-    ``log``: :func:`~mhmla_fast.aes.finetune.finetune`'s."""
+    ``log``: :func:`~mhmla_fast.aes.finetune.finetune`'s. ``main`` False (ranks other than
+    the first under torchrun): the cell is trained (data-parallel) but neither scored nor
+    written, and ``{}`` returned."""
     from dataclasses import asdict
 
     import numpy as np
@@ -111,6 +117,8 @@ def _finetune_cell(cfg, splits: dict[int, dict], log) -> dict[int, dict]:
     done = out / "test.json"
     cell = _stored_cell(cfg, data)
     if cell is not None:
+        if not main:
+            return {}
         if len(group) > 1:
             return {int(p): c for p, c in cell["prompts"].items()}
         if "pred" not in cell or "dev_pred" not in cell:  # a cell made before them
@@ -120,6 +128,8 @@ def _finetune_cell(cfg, splits: dict[int, dict], log) -> dict[int, dict]:
     train = [e for p in group for e in splits[p]["train"]]
     dev = [e for p in group for e in splits[p]["dev"]]
     model, state = finetune(cfg, train, dev, log=log)
+    if not main:
+        return {}
     best = next((r for r in state["log"] if r["epoch"] == state["best_epoch"]), {})
     records = {}
     for p in group:

@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -501,6 +502,11 @@ def drive_records(records: Any, process: Any, writer: Any, batch_size: int, *,
         summary = run_records(records, process, writer, batch_size, progress=progress,
                               total=total, desc=desc, unit=unit, count_pieces=count_pieces,
                               first_batch=FIRST_BATCH)
+        if output not in (None, "-"):  # a Ray job's shards, now in the finished output
+            from ..serve.ray import shards_dir
+
+            if shards_dir(output).is_dir():
+                shutil.rmtree(shards_dir(output), ignore_errors=True)  # (the lock is held)
         writer.close()
         return summary
 
@@ -518,6 +524,8 @@ def exit_status(run: Any, close: Any, *, output: str | None, verb: str) -> int:
         OutputCorruptError,
         OutputExistsError,
         OutputLockedError,
+        OutputUnusableError,
+        NotStartedError,
         ResumeMismatchError,
     )
 
@@ -525,10 +533,15 @@ def exit_status(run: Any, close: Any, *, output: str | None, verb: str) -> int:
     resume_hint = f"; rerun with --resume to continue {output}" if to_file else ""
     try:
         summary = run()
-    except (ResumeMismatchError, OutputExistsError, OutputLockedError,
-            OutputCorruptError, WideInputError) as err:  # (a resume would not help these)
+    except (ResumeMismatchError, OutputExistsError, OutputLockedError, OutputCorruptError,
+            OutputUnusableError, WideInputError) as err:  # (a resume would not help these)
         close()
         raise UsageError(str(err)) from err
+    except NotStartedError as err:
+        close()
+        print(f"{PROG}: {verb} could not start: {err}; nothing was written (the same command "
+              "tries again)", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         close()  # synced: every complete line counts on --resume
         print(f"{PROG}: interrupted{resume_hint}", file=sys.stderr)
@@ -588,7 +601,7 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
     try:
         import ray  # noqa: F401  (the optional extra)
 
-        from ..serve.ray import RayJob, check_uri, is_uri, run_job
+        from ..serve.ray import RayJob, check_regular_files, check_uri, is_uri, run_job
     except ImportError as err:
         raise UsageError(f"--ray needs Ray Data (pip install 'mhmla-fast[ray]'): {err}") from err
     from ..serve.engine import read_tagger_config
@@ -598,10 +611,15 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
         raise UsageError("--pretty prints to standard output; it cannot be combined with --ray")
     if args.output in (None, "-"):
         raise UsageError("--ray writes its shards next to --output FILE; give --output FILE")
+    address = _ray_address(args.ray)  # first: an input given right after --ray is named
     if "-" in inputs:
         raise UsageError("--ray reads files, not standard input: give the input files")
-    address = _ray_address(args.ray)
-    read_inputs(args, [p for p in inputs if not is_uri(p)], kind)  # the CLI's checks
+    local = [p for p in inputs if not is_uri(p)]
+    read_inputs(args, local, kind)  # the CLI's checks
+    try:
+        check_regular_files(local)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     for uri in filter(is_uri, inputs):
         try:
             check_uri(uri)
@@ -610,20 +628,26 @@ def run_ray(args: argparse.Namespace, kind: str, inputs: Sequence[str]) -> int:
     if kind == "tag":
         opts = check_options(args)
         path = resolve_model_dir(args.model)
+        try:  # the workers load the model; the driver checks its kind first
+            config = read_tagger_config(path)
+        except (OSError, ValueError) as err:
+            raise UsageError(f"cannot load the model from {path}: {err}") from err
         threshold = args.threshold
         if threshold is None:
-            threshold = read_tagger_config(path).get("threshold")
+            threshold = config.get("threshold")
             threshold = 0.5 if threshold is None else threshold
         settings: dict[str, Any] = {"dtype": opts.dtype, "threshold": float(threshold)}
         prompts, batch_size = None, args.batch_size
     else:
-        import json
-
         from ..aes.data import SCORE_RANGES
+        from ..aes.scoring import read_scorer_config
 
         opts = check_options(args, scorer=True)
         path = resolve_scorer_dir(args.model)
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        try:
+            config = read_scorer_config(path)
+        except (OSError, ValueError) as err:
+            raise UsageError(f"cannot load the model from {path}: {err}") from err
         prompts = tuple(int(p) for p in config.get("prompts", sorted(SCORE_RANGES)))
         settings, threshold, batch_size = {"dtype": opts.dtype}, None, args.batch_essays
     # auto's checked bf16 pass is this CPU's choice: with no --dtype each worker makes its own

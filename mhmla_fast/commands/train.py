@@ -43,9 +43,24 @@ def run_ged(args) -> int:
     except (OSError, ValueError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted()
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
         print(f"best model: {best}")
     return 0
+
+
+EXIT_INTERRUPTED = 130
+
+
+def interrupted() -> int:
+    """Ctrl-C: one line (from the first rank under torchrun, whose other ranks get the same
+    signal) and exit 130; the same command resumes from what was saved (the last checkpoint,
+    the finished cells and units)."""
+    if os.environ.get("RANK", "0") == "0":
+        print("mhmla-train: interrupted; run the same command to resume from what was saved",
+              file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:

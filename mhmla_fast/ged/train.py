@@ -514,6 +514,13 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             same_config(early)
         if len(teachers := teacher_dirs(cfg.teacher)) > 1:
             check_cross_fitted_teachers(teachers, cfg.train, cfg.max_train_sentences)
+        for teacher in teachers if not (out / TEACHER_FILE).exists() else ():
+            # on every rank: all refuse alike, none waits at the barrier (a resume reads the
+            # run folder's probabilities, and needs no teacher)
+            try:
+                TaggerConfig.from_json((Path(teacher) / "config.json").read_text())
+            except (OSError, ValueError, TypeError) as err:
+                raise ValueError(f"--teacher {teacher}: not a saved tagger ({err})") from None
         if dist_ctx is not None and not main_rank:
             torch.distributed.barrier()  # the first rank computes the teacher's file
         targets, data["teacher"] = teacher_targets(

@@ -60,6 +60,8 @@ __all__ = [
     "OutputExistsError",
     "OutputLockedError",
     "ResumeMismatchError",
+    "OutputUnusableError",
+    "NotStartedError",
     "ResumableJsonlWriter",
     "check_made_from",
     "directory_fingerprint",
@@ -84,6 +86,15 @@ class OutputLockedError(OSError):
 
 class ResumeMismatchError(ValueError):
     """The input or the options do not match what the output being resumed was made from."""
+
+
+class OutputUnusableError(ValueError):
+    """The output cannot be opened (its folder does not exist, it is a directory, ...)."""
+
+
+class NotStartedError(RuntimeError):
+    """A run failed before it produced anything, and removed the files it had created: the
+    same command starts it again (a ``--resume`` would find nothing to resume)."""
 
 
 def meta_path(path: str) -> str:

@@ -44,11 +44,13 @@ Ray Data's fault tolerance covers the actors; a dead driver is covered by ``resu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,15 +73,19 @@ from .inputs import (
 )
 from .outputs import (
     InputFingerprint,
+    NotStartedError,
     OutputExistsError,
+    OutputLockedError,
+    OutputUnusableError,
     ResumableJsonlWriter,
     ResumeMismatchError,
     check_made_from,
+    meta_path,
 )
 from .records import RunSummary, run_records
 
-__all__ = ["RayJob", "ShardWorker", "check_uri", "is_uri", "plan_shards", "read_shard", "run_job",
-           "shards_dir"]
+__all__ = ["RayJob", "ShardWorker", "check_regular_files", "check_uri", "is_uri", "plan_shards",
+           "read_shard", "run_job", "shards_dir"]
 
 JOB_FORMAT = "mhmla-serve-ray-job/1"
 SHARDS_SUFFIX = ".shards"
@@ -252,6 +258,21 @@ class Plan:
     prefix_sha256: str | None = None
 
 
+def check_regular_files(paths: Sequence[str]) -> None:
+    """ValueError naming a local input that is not a regular file: a job reads each input
+    twice (the plan, then the actors by byte range), which a pipe or a device cannot give
+    (and a resume could not read it again). A missing file is left to the readers' own
+    error."""
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path}: not a regular file (a pipe or a device?); a Ray job "
+                             "reads its inputs twice, by byte range: save it to a file first")
+
+
 def plan_shards(job: RayJob, paths: Sequence[str], shard_size: int, prefix: int = 0) -> Plan:
     """Read ``paths`` once (the CLI's checks and parser) and cut their records into shards of
     ``shard_size``; also fingerprint the first ``prefix`` records. ValueError for standard
@@ -261,6 +282,7 @@ def plan_shards(job: RayJob, paths: Sequence[str], shard_size: int, prefix: int 
     if "-" in paths or not paths:
         raise ValueError("a Ray job reads files, not standard input: give the input files")
     local = [p for p in paths if not is_uri(p)]  # the CLI's checks ([]: arguments only)
+    check_regular_files(local)
     iter_input_records(local, job.kind, format=job.format, encoding=job.encoding)
     for path in paths:
         if is_uri(path):
@@ -499,7 +521,16 @@ def run_job(job: RayJob, paths: Sequence[str], output: str, *, made_from: dict[s
     if folder.exists() and not resume:
         raise OutputExistsError(f"{folder} exists (an unfinished Ray job); pass --resume to "
                                 "continue or remove it")
-    writer = ResumableJsonlWriter(output, resume=resume, made_from=made_from)  # holds the lock
+    # a new job (nothing of it on disk yet): one that fails before its first shard removes what
+    # it created, rather than leaving files that only a --resume (which could not help) takes
+    fresh = not folder.exists() and not os.path.exists(meta_path(output)) and (
+        not os.path.exists(output) or os.path.getsize(output) == 0)
+    try:
+        writer = ResumableJsonlWriter(output, resume=resume, made_from=made_from)  # the lock
+    except (OutputExistsError, OutputLockedError):
+        raise
+    except OSError as err:  # no such folder, a directory, ...: the CLI's usage error
+        raise OutputUnusableError(f"{output}: {err.strerror or err}") from err
     try:
         default_size = 8192 if job.kind == "tag" else 512
         if writer.vouched and not folder.exists():  # finished, or a single-process output
@@ -520,6 +551,14 @@ def run_job(job: RayJob, paths: Sequence[str], output: str, *, made_from: dict[s
         summary = _concatenate(writer, plan, folder)
         if folder.exists():
             shutil.rmtree(folder)  # while the lock is held
+    except Exception as err:
+        if not fresh or any(folder.glob("*.jsonl")) or writer.done + writer.written:
+            raise
+        shutil.rmtree(folder, ignore_errors=True)  # while the lock is held
+        for path in (meta_path(output), output):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise NotStartedError(f"{type(err).__name__}: {err}") from err
     finally:
         writer.close()
     return summary
