@@ -1004,3 +1004,49 @@ def test_backend_triton_on_a_cpu_without_the_interpreter_is_refused_before_train
     with pytest.raises(ValueError, match="--backend: backend 'triton'"):
         train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1, backend="triton"))
     assert not (tmp_path / "run" / "checkpoint.json").exists()
+
+
+def test_a_sentence_past_the_encoders_window_is_scored_in_windows(tiny_tagger_dir, tmp_path,
+                                                                  capsys):
+    """Evaluation (mhmla-eval ged, the dev threshold) gave every word past max_length pieces
+    probability 0, so its gold errors were misses, silently. Now such a sentence is scored in
+    overlapping windows of whole words: every word from the window where it lies farthest
+    from a cut, each window's probabilities those of the window alone. ged-layers reads the
+    encoder's own length too (a traceback at 512 pieces on a 64-position encoder before)."""
+    from mhmla_fast.commands.eval import main as mhmla_eval
+    from mhmla_fast.ged.train import predict_word_probs, word_windows
+
+    model, tok = GedTagger.load(tiny_tagger_dir), load_tokenizer(tiny_tagger_dir)
+    rng = random.Random(3)
+    vocab = "he go to school every day and she have many friend in the town with apples".split()
+    words = [rng.choice(vocab) for _ in range(150)] + ["antidisestablishmentarianism"] * 3
+    short = ["she", "have", "a", "cat"]
+    for budget in (62, 9, 1):  # windows: every word once in the union, each within budget
+        spans = word_windows(tok, words, budget)
+        assert spans[0][0] == 0 and spans[-1][1] == len(words)
+        for (a, b), (c, d) in zip(spans, spans[1:]):
+            assert a < c <= b < d  # progress, overlap or touch, no gap
+        for a, b in spans:
+            n = len(tok(words[a:b], is_split_into_words=True, add_special_tokens=False)
+                    ["input_ids"])
+            assert b - a == 1 or n <= budget
+    probs_long, probs_short = predict_word_probs(model, tok, [words, short])
+    spans = word_windows(tok, words, 62)  # max_length 64 = the encoder's positions
+    assert len(spans) >= 3 and (probs_long > 0).all()
+    want = np.zeros(len(words), dtype=np.float32)
+    for w, (a, b) in enumerate(spans):
+        alone = predict_word_probs(model, tok, [words[a:b]])[0]
+        lo = a if w == 0 else (spans[w - 1][1] + a) // 2
+        hi = b if w == len(spans) - 1 else (b + spans[w + 1][0]) // 2
+        want[lo:hi] = alone[lo - a:hi - a]
+    assert np.allclose(probs_long, want, atol=1e-6)
+    assert np.allclose(probs_short, predict_word_probs(model, tok, [short])[0], atol=1e-6)
+    data = tmp_path / "long.tsv"
+    data.write_text("\n".join(f"{w}\t{'i' if k % 7 == 0 else 'c'}" for k, w in enumerate(words))
+                    + "\n\nshe\tc\nhave\ti\n")
+    out = tmp_path / "layers.json"
+    assert mhmla_eval(["ged-layers", "--model", str(tiny_tagger_dir), "--data", str(data),
+                       "--json", str(out)]) == 0
+    weights = np.array(json.loads(out.read_text())["weights_per_head"])
+    assert weights.shape[1] == model.config.num_heads
+    assert np.allclose(weights.sum(0), 1.0, atol=1e-5)  # each head's weights over the layers

@@ -20,14 +20,20 @@ def default_model_path() -> Path:
 
 
 def layer_weight_stats(model: GedTagger, tokenizer, sentences: Sequence[Sequence[str]], *,
-                       batch_size: int = 64, max_length: int = 512) -> np.ndarray:
-    """Average layer weight p [L, J] over the first word piece of every word.
+                       batch_size: int = 64, max_length: int | None = None) -> np.ndarray:
+    """Average layer weight p [L, J] over the first word piece of every word (of the first
+    ``max_length`` pieces of a sentence; default: as many as the encoder has positions, at
+    most 512).
 
     Fig. 2 of the paper (per head) and the workshop paper's per-layer averages (the
     row means of this matrix) are read off it.
     """
     import torch
 
+    from .train import eval_max_length
+
+    if max_length is None:
+        max_length = eval_max_length(model)
     with torch.no_grad():
         return _layer_weight_stats(model, tokenizer, sentences, batch_size, max_length)
 

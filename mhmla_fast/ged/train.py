@@ -59,7 +59,7 @@ from .model import (IGNORE, GedTagger, PackedSentences, TaggerConfig, _ged_encod
 
 __all__ = [
     "TrainConfig", "train", "predict_word_probs", "length_bucketed_batches", "lr_factor",
-    "layer_lr_groups", "LR_SCHEDULES", "word_loss", "teacher_targets",
+    "layer_lr_groups", "LR_SCHEDULES", "word_loss", "teacher_targets", "word_windows",
 ]
 
 
@@ -270,11 +270,13 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
                        progress: str | None = None) -> list[np.ndarray]:
     """Error probability of every word (at its first piece), batched by length.
 
-    Words cut off past ``max_length`` pieces (default: as many as the encoder has positions,
-    at most 512) get probability 0 (predicted correct). ``encoded``: the sentences'
-    :func:`encode_sentences` at that ``max_length``, when the caller keeps it (training
-    evaluates the same dev set every epoch). ``progress``: a progress bar over the batches
-    with that description (default none).
+    A sentence longer than ``max_length`` pieces (default: as many as the encoder has
+    positions, at most 512) is scored in overlapping windows of whole words
+    (:func:`word_windows`), each word from the window where it lies farthest from a cut
+    (before 2026-12-07, words past the cut got probability 0: predicted correct, silently).
+    ``encoded``: the sentences' :func:`encode_sentences` at that ``max_length``, when the
+    caller keeps it (training evaluates the same dev set every epoch). ``progress``: a
+    progress bar over the batches with that description (default none).
     """
     from ..progress import progress_bar
 
@@ -290,6 +292,7 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
     packed = PackedSentences(encoded, tokenizer.pad_token_id)
     bar = progress_bar(total=-(-len(order) // batch_size), desc=progress, unit="batch",
                        disable=progress is None)
+    cut = []  # sentences whose last words lie past max_length pieces
     for k in range(0, len(order), batch_size):
         idx = order[k:k + batch_size]
         batch = packed.collate(idx)
@@ -301,9 +304,55 @@ def predict_word_probs(model: GedTagger, tokenizer, sentences: Sequence[Sequence
             sel = wi >= 0
             p[wi[sel].numpy()] = probs[row][sel].numpy()
             out[i] = p
+            if len(sentences[i]) and int(wi.max()) < len(sentences[i]) - 1:
+                cut.append(i)
         bar.update()
     bar.close()
+    if cut:  # again, in windows of whole words that fit
+        spans = {i: word_windows(tokenizer, sentences[i], max_length - 2) for i in cut}
+        parts = [list(sentences[i][a:b]) for i in cut for a, b in spans[i]]
+        done = iter(predict_word_probs(model, tokenizer, parts, batch_size=batch_size,
+                                       max_length=max_length, device=device))
+        for i in cut:
+            windows = spans[i]
+            for w, ((a, b), probs_w) in enumerate(zip(windows, done)):
+                lo = a if w == 0 else (windows[w - 1][1] + a) // 2  # the middle of an overlap
+                hi = b if w == len(windows) - 1 else (b + windows[w + 1][0]) // 2
+                out[i][lo:hi] = probs_w[lo - a:hi - a]
     return out  # type: ignore[return-value]
+
+
+def word_windows(tokenizer, words: Sequence[str], budget: int) -> list[tuple[int, int]]:
+    """Overlapping windows ``[(a, b)]`` of whole words covering ``words``, each of at most
+    ``budget`` word pieces (a word longer than that alone is a window, cut at scoring), the
+    next starting about a quarter of a window before the previous one ends (after its start,
+    and early enough to take the next word): every word is scored, and each overlap's middle
+    splits it between the two."""
+    if budget < 1:
+        raise ValueError(f"budget: expected >= 1 word piece, got {budget}")
+    enc = tokenizer([list(words)], is_split_into_words=True, add_special_tokens=False,
+                    truncation=False)
+    pieces = np.zeros(len(words), dtype=np.int64)
+    for w in enc.word_ids(0):
+        if w is not None:
+            pieces[w] += 1
+    pieces = np.maximum(pieces, 1)  # a word of no pieces is encoded as the unknown token
+    windows: list[tuple[int, int]] = []
+    a = 0
+    while True:
+        b, used = a, 0
+        while b < len(words) and (b == a or used + pieces[b] <= budget):
+            used += pieces[b]
+            b += 1
+        windows.append((a, b))
+        if b >= len(words):
+            return windows
+        # the next start: about budget / 4 pieces before b, leaving room for word b
+        back, overlap, room = b, 0, min(budget // 4, budget - int(pieces[b]))
+        while back - 1 > a and overlap + pieces[back - 1] <= room:
+            back -= 1
+            overlap += pieces[back]
+        a = back
 
 
 TEACHER_FILE = "teacher_probs.safetensors"  # in the run folder: a resume reads the same targets
