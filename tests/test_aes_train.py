@@ -1214,9 +1214,10 @@ def test_prompt_and_fold_lists_refuse_repeats_and_name_their_option():
 
     assert parse_prompts("all") == list(range(1, 9)) and parse_prompts("3, 1") == [3, 1]
     assert parse_folds("all") == [0, 1, 2, 3, 4] and parse_folds("4,0") == [4, 0]
-    for parse, value, option in ((parse_folds, "0,0,1", "--fold"), (parse_folds, "x", "--fold"),
-                                 (parse_prompts, "3,3", "--prompt"), (parse_prompts, "9", "--prompt"),
-                                 (parse_prompts, ",", "--prompt"), (parse_folds, "1.5", "--fold")):
+    cases = ((parse_folds, "0,0,1", "--fold"), (parse_folds, "x", "--fold"),
+             (parse_prompts, "3,3", "--prompt"), (parse_prompts, "9", "--prompt"),
+             (parse_prompts, ",", "--prompt"), (parse_folds, "1.5", "--fold"))
+    for parse, value, option in cases:
         with pytest.raises(ValueError, match=f"^{option}: expected .* distinct values"):
             parse(value)
 

@@ -15,8 +15,9 @@ from torch import Tensor
 from .data import SCORE_RANGES, Essay
 from .metrics import quadratic_weighted_kappa
 
-__all__ = ["PROTOCOL", "PROMPTS", "Log", "asap_files", "read_asap_essays", "read_asap_folds", "FeatureSplit",
-           "feature_split", "joined_features", "qwk", "split_qwk", "load_prompt_caches"]
+__all__ = ["PROTOCOL", "PROMPTS", "Log", "asap_files", "read_asap_essays", "read_asap_folds",
+           "FeatureSplit", "feature_split", "joined_features", "qwk", "split_qwk",
+           "load_prompt_caches"]
 
 PROTOCOL = "cpu-frozen-encoder"
 PROMPTS = tuple(sorted(SCORE_RANGES))
