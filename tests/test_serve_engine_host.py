@@ -136,6 +136,40 @@ def test_tag_tokens_still_refuses_bad_words(hf_tokenizer):
             engine.tag_tokens([["fine"], bad])
 
 
+def test_bad_arguments_are_value_errors_naming_them(hf_tokenizer):
+    """A lone surrogate failed the whole call with the word-piece tokenizer's TypeError,
+    naming no input; None, a number or an iterator of sentences were TypeErrors (an iterator
+    was used up by the check, then failed); plan_text/plan_tokens checked nothing (a str was
+    planned letter by letter, an empty word accepted)."""
+    engine = Engine(HashRunner(), hf_tokenizer)
+    cases = [
+        (lambda: engine.tag_texts(["fine", "I has a cat \ud83d ."]),
+         r"texts\[1\]: holds a lone surrogate U\+D83D"),
+        (lambda: engine.tag_tokens([["ok"], ["I", "\udc80"]]),
+         r"sentences\[1\]: holds a lone surrogate U\+DC80"),
+        (lambda: engine.plan_text("x \udc80"), r"^text: holds a lone surrogate"),
+        (lambda: engine.plan_tokens(["x", "\ud800"]), r"^words: holds a lone surrogate"),
+        (lambda: engine.tag_texts(None), r"texts: expected a sequence of strings, got NoneType"),
+        (lambda: engine.tag_texts(5), "got int"),
+        (lambda: engine.tag_tokens(None), "sentences: expected a list of sentences"),
+        (lambda: engine.tag_tokens([iter(["I", "has"])]), r"sentences\[0\]"),
+        (lambda: engine.plan_tokens("hello"), "words: expected a list of non-empty strings"),
+        (lambda: engine.plan_tokens(["a", ""]), "words: expected a list of non-empty strings"),
+        (lambda: engine.plan_tokens([None]), "words: expected"),
+        (lambda: engine.plan_text(None), "give text or words"),
+        (lambda: engine.plan_text(b"hi"), "text: expected a string, got bytes"),
+        (lambda: engine.plan_steps(text="a", words=["a"]), "not both or neither"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    # an iterator of sentences is read once, and tagged like the list
+    want = engine.tag_tokens([["I", "has"], ["a", "cat"]])
+    got = engine.tag_tokens(iter([["I", "has"], ["a", "cat"]]))
+    assert [r.to_dict() for r in got] == [r.to_dict() for r in want]
+    assert engine.plan_tokens(("a", "cat")).tokens == ["a", "cat"]
+
+
 def test_tagging_pauses_the_cyclic_gc_and_restores_it(hf_tokenizer):
     import gc
 

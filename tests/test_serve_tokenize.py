@@ -351,6 +351,9 @@ def test_token_boundary_means_the_text_can_be_cut_there():
     "aGVsbG8gd29ybGQ+/aGVsbG8=+/Zm9vYmFy",   # base64
     "http://example.com/a/b?c=d&e=f#frag",
     "word/word/ab+cd=ef",
+    "a,b,c,d,e,f,g,h,i,j,k,l",                # number separators between letters: no join
+    "é.é.é.é.é.é.é.é.é.é.é.é",
+    "我,你.他,她.它,们",
 ])
 def test_texts_without_spaces_have_boundaries_inside(text):
     cuts = [i for i in range(1, len(text)) if token_boundary(text, i)]
@@ -358,7 +361,19 @@ def test_texts_without_spaces_have_boundaries_inside(text):
     assert all(_split_at(text, i) == word_tokenize(text) for i in cuts)
 
 
+def test_a_long_list_without_spaces_is_tokenized_in_small_steps():
+    """``a,a,a,...`` had no cut point: one step over the whole text (1.4 s and 257 MB for a
+    million characters), where the step is meant to be a few thousand characters."""
+    from mhmla_fast.serve.engine import iter_word_tokenize
+
+    text = "é," * 50_000
+    steps = list(iter_word_tokenize(text, 4096))
+    assert len(steps) >= 20
+    assert [t for part in steps for t in part] == word_tokenize(text)
+
+
 @pytest.mark.parametrize("text,i", [
+    ("1,000", 1), ("1,000", 2), ("a'b", 1),
     ("don't", 3), ("3.14", 1), ("3.14", 2), ("a-b", 1), ("a-b", 2), ("!!", 1), ("...", 2),
     ("\u1100\u1161", 1), ("👨\u200d👩", 2), ("\U0001f1ef\U0001f1f5", 1), ("e\u0301", 1),
     ("我\u0301", 1), ("John's", 4), ("a\u00adb", 1), ("#\u20e3", 1),

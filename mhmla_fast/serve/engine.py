@@ -32,6 +32,7 @@ import gc
 import json
 import numbers
 import os
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -312,6 +313,36 @@ def gc_paused():
             gc.enable()
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _raise_if_surrogate(inputs: Sequence[Any], what: str, indexed: bool = True) -> None:
+    """ValueError naming the first input (a text, or a sentence's word) holding a lone
+    surrogate, which is no text: the word-piece tokenizer cannot encode it, and failed the
+    whole call with a TypeError naming none. Called after such a failure, so the usual call
+    pays nothing."""
+    for i, item in enumerate(inputs):
+        for value in (item,) if isinstance(item, str) else item:
+            found = _SURROGATE.search(value) if isinstance(value, str) else None
+            if found:
+                name = f"{what}[{i}]" if indexed else what
+                raise ValueError(f"{name}: holds a lone surrogate U+{ord(found.group()):04X}, "
+                                 "which is not text (decode with errors='replace' first)")
+
+
+def _as_sequence(value: Any, what: str, expected: str) -> Sequence[Any]:
+    """``value`` itself when it is a sequence other than a str or bytes, else a list of it (an
+    iterator, read once); ValueError naming ``what`` for anything else."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{what}: expected {expected}, got a {type(value).__name__}")
+    if isinstance(value, Sequence):
+        return value
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"{what}: expected {expected}, got {type(value).__name__}") from None
+
+
 def _check_sentences(sentences: Sequence[Sequence[str]]) -> None:
     """ValueError naming the first sentence that is not a list of non-empty strings.
 
@@ -328,7 +359,7 @@ def _check_sentences(sentences: Sequence[Sequence[str]]) -> None:
     except TypeError:  # a sentence that is not iterable: found below
         pass
     for i, s in enumerate(sentences):
-        if isinstance(s, str) or not isinstance(s, Iterable) or \
+        if isinstance(s, str) or not isinstance(s, Sequence) or \
                 not all(isinstance(w, str) and w for w in s):
             raise ValueError(f"sentences[{i}]: expected a list of non-empty strings")
 
@@ -618,7 +649,26 @@ class Engine:
         """:meth:`plan_text` (``text``) or :meth:`plan_tokens` (``words``) in small steps, for a
         caller that interleaves them with other work: yields None after each piece of about
         ``chunk_chars`` characters tokenised or ``ENCODE_CHUNK`` words word-pieced, and the
-        :class:`WindowPlan` last. (Words are pieced one by one, so chunks change nothing.)"""
+        :class:`WindowPlan` last. (Words are pieced one by one, so chunks change nothing.)
+        ValueError, before the first step, for anything :meth:`tag_texts` or :meth:`tag_tokens`
+        refuses, and unless exactly one of ``text`` and ``words`` is given."""
+        if (text is None) == (words is None):
+            raise ValueError("plan_steps: give text or words, not both or neither")
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError(f"text: expected a string, got {type(text).__name__}")
+            _raise_if_surrogate([text], "text", indexed=False)
+        else:
+            words = _as_sequence(words, "words", "a list of non-empty strings")
+            try:
+                _check_sentences([words])
+            except ValueError:
+                raise ValueError("words: expected a list of non-empty strings") from None
+            _raise_if_surrogate([words], "words", indexed=False)
+        return self._plan_steps(text, words, chunk_chars)
+
+    def _plan_steps(self, text: str | None, words: Sequence[str] | None,
+                    chunk_chars: int) -> Iterator[WindowPlan | None]:
         offsets = None
         if text is not None:
             toks: list[Token] = []
@@ -703,13 +753,20 @@ class Engine:
                 for s in range(len(bounds) - 1)]
 
     def tag_tokens(self, sentences: Sequence[Sequence[str]], on_pieces=None) -> list[TagResult]:
-        """Tag pre-tokenised sentences (lists of words); ``on_pieces``: see :meth:`word_probs`."""
+        """Tag pre-tokenised sentences (lists of words); ``on_pieces``: see :meth:`word_probs`.
+        ValueError names the first sentence that is not a list of non-empty strings, or whose
+        word holds a lone surrogate."""
+        sentences = _as_sequence(sentences, "sentences", "a list of sentences (lists of words)")
         _check_sentences(sentences)
         with gc_paused():
-            pool = self._host_pool(len(sentences))
-            encoded = pool.tokens(sentences) if pool is not None else None
-            return self._flat_results(sentences,
-                                      *self._flat_word_probs(sentences, on_pieces, encoded))
+            try:
+                pool = self._host_pool(len(sentences))
+                encoded = pool.tokens(sentences) if pool is not None else None
+                probs = self._flat_word_probs(sentences, on_pieces, encoded)
+            except (TypeError, RuntimeError):  # the tokenizer's, or a host worker's
+                _raise_if_surrogate(sentences, "sentences")
+                raise
+            return self._flat_results(sentences, *probs)
 
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
@@ -717,20 +774,25 @@ class Engine:
         if isinstance(texts, (str, bytes)):  # (a str would be tagged letter by letter)
             raise ValueError(f"texts: expected a sequence of strings, got a {type(texts).__name__}"
                              "; pass [text] for one text")
-        texts = list(texts)
+        texts = list(_as_sequence(texts, "texts", "a sequence of strings"))
         if not _ONLY_STR.issuperset(map(type, texts)):  # (a C loop; str subclasses pass below)
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
                     raise ValueError(f"texts[{i}]: expected a string, got {type(t).__name__}")
         with gc_paused():
-            pool = self._host_pool(len(texts))
-            if pool is not None:
-                words, offsets, encoded = pool.texts(texts)
-            else:
-                words, offsets = word_tokenize_texts(texts)
-                encoded = None
-            return self._flat_results(words, *self._flat_word_probs(words, on_pieces, encoded),
-                                      offsets, texts, own_tokens=True)  # the call's own word lists
+            try:
+                pool = self._host_pool(len(texts))
+                if pool is not None:
+                    words, offsets, encoded = pool.texts(texts)
+                else:
+                    words, offsets = word_tokenize_texts(texts)
+                    encoded = None
+                probs = self._flat_word_probs(words, on_pieces, encoded)
+            except (TypeError, RuntimeError):  # the tokenizer's, or a host worker's
+                _raise_if_surrogate(texts, "texts")
+                raise
+            return self._flat_results(words, *probs, offsets, texts,
+                                      own_tokens=True)  # the call's own word lists
 
     def _host_pool(self, n_inputs: int):
         """The host workers for a call of ``n_inputs`` inputs, or None (none asked for, or too

@@ -433,7 +433,10 @@ def token_boundary(text: str, i: int) -> bool:
     True at a separator on either side (rule 1), and between two base characters whose tokens
     cannot continue into each other: a word, digit or CJK base (rules 4b, 4c) or a symbol that
     is not a joiner, followed by a CJK base, a symbol that is not a joiner (and not the same
-    symbol: rule 4d runs), or, after a CJK base or a symbol, by a word or digit base. Hangul,
+    symbol: rule 4d runs), or, after a CJK base or a symbol, by a word or digit base; and
+    between a number separator (``.``, ``,``, U+066B, U+066C) and a word (not digit) or CJK
+    base on either side of it, since it joins only digit to digit (rule 4c; without this, a
+    text such as ``a,b,c,...`` had no cut at all and was tokenized in one step). Hangul,
     emoji, regional indicators, marks and invisible characters never make a boundary (they can
     combine with their neighbours). This lets a long text without spaces (Chinese, Japanese, a
     URL, base64) be tokenized piece by piece."""
@@ -442,11 +445,15 @@ def token_boundary(text: str, i: int) -> bool:
     ca, cb = cls[a], cls[b]
     if ca == _SEP or cb == _SEP:
         return True
-    if ca not in _CUT_AFTER or (ca == _SYM and a in _JOINERS):
+    if ca not in _CUT_AFTER:
         return False
+    if ca == _SYM and a in _JOINERS:
+        return a in _NUMBER_SEPARATORS and cb in (_WORD, _CJK)
     if cb == _CJK:
         return True
     if cb == _SYM:
+        if b in _NUMBER_SEPARATORS and ca in (_WORD, _CJK):
+            return True
         return b not in _JOINERS and b != a
     if cb in (_WORD, _DIGIT):
         return ca in (_CJK, _SYM)
