@@ -6,6 +6,7 @@ and ``export`` are wired to the app and the exporters."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -346,6 +347,13 @@ def test_export_delegates_to_the_exporters(tmp_path, tiny_tagger_dir, monkeypatc
 
     from mhmla_fast.serve import tensorrt_engine
 
+    if importlib.util.find_spec("tensorrt") is None:  # refused before any export (an ONNX
+        capsys.readouterr()                           # export of 94 MB was left there before)
+        assert main(["export", "--tensorrt", str(tmp_path / "t"), "--model",
+                     str(tiny_tagger_dir)]) == 2
+        assert "TensorRT" in capsys.readouterr().err and not (tmp_path / "t").exists()
+        assert len(calls) == 1
+    monkeypatch.setattr(tensorrt_engine, "import_tensorrt", lambda: None)
     monkeypatch.setattr(tensorrt_engine, "build_engine_dir", lambda d, **kw: calls.append(
         ("trt", Path(d), kw)) or Path(d) / "model.plan")
     assert main(["export", "--tensorrt", str(tmp_path / "t"), "--model", str(tiny_tagger_dir),
@@ -355,8 +363,8 @@ def test_export_delegates_to_the_exporters(tmp_path, tiny_tagger_dir, monkeypatc
                                                   "fp16": True, "bf16": False})]
     export_dir = tmp_path / "export"  # an ONNX export is built in place, never re-exported
     export_dir.mkdir()
-    for name in ("config.json", "model.onnx"):
-        (export_dir / name).write_text("{}")
+    (export_dir / "config.json").write_text('{"format": "mhmla-ged-tagger/1"}')
+    (export_dir / "model.onnx").write_text("{}")
     assert main(["export", "--tensorrt", str(export_dir), "--model", str(export_dir)]) == 0
     assert calls[3][:2] == ("trt", export_dir)
     assert main(["export", "--tensorrt", str(tmp_path / "other"), "--model", str(export_dir)]) == 2
@@ -365,6 +373,16 @@ def test_export_delegates_to_the_exporters(tmp_path, tiny_tagger_dir, monkeypatc
     assert main(["export", "--onnx", str(tmp_path / "t"), "--precision", "bf16",
                  "--model", str(tiny_tagger_dir)]) == 2
     assert main(["export"]) == 2
+    # not a tagger, or an export to export again: usage errors (exit 1, "export failed", before)
+    capsys.readouterr()
+    scorer = tmp_path / "scorer"
+    scorer.mkdir()
+    (scorer / "config.json").write_text('{"format": "mhmla-aes-scorer/1"}')
+    assert main(["export", "--onnx", str(tmp_path / "s"), "--model", str(scorer)]) == 2
+    assert "not an mhmla GED tagger" in capsys.readouterr().err
+    assert main(["export", "--onnx", str(tmp_path / "s"), "--model", str(export_dir)]) == 2
+    assert "no model.safetensors" in capsys.readouterr().err
+    assert len(calls) == 4
 
 
 # ------------------------------------------------------------------- a review's findings

@@ -4,6 +4,7 @@ and leaves the output directory alone, and the engine tags the same over either 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -173,17 +174,45 @@ def test_validation_checks_mean_difference_and_label_agreement(export_dir, tagge
 
 
 def test_export_into_the_tagger_directory_itself(tagger_dir, tmp_path):
+    """An export beside the weights: it changes neither the model's fingerprint (an output
+    begun before still resumes) nor the export cache's key (auto exported the same weights
+    again before); once the weights change, the ONNX runner refuses the stale graph (it ran
+    the old weights' graph under the new config, silently). A re-export removes a TensorRT
+    plan built from the graph it replaces."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
+    from mhmla_fast.serve.export_cache import source_files
+    from mhmla_fast.serve.outputs import directory_fingerprint
+
     here = shutil.copytree(tagger_dir, tmp_path / "tagger")
+    before = directory_fingerprint(here), [p.name for p in source_files(here)]
+    (here / "model.plan").write_text("an engine of another graph")
     export_onnx(here, here)
     assert {"model.onnx", "export.json", "model.safetensors", "config.json"} <= {
         p.name for p in here.iterdir()}
+    assert not (here / "model.plan").exists()
+    assert (directory_fingerprint(here), [p.name for p in source_files(here)]) == before
     ids, mask = ragged(2, [(2, 12)])[0]
     real = mask.astype(bool)
     onnx_probs = make_runner(here, backend="onnx")(ids, mask)
     torch_probs = make_runner(here, backend="torch", device="cpu")(ids, mask)
     assert np.abs(onnx_probs[real] - torch_probs[real]).max() <= 1e-4
+    state = load_file(here / "model.safetensors")
+    state["classifier.bias"] = state["classifier.bias"] + 1.0  # retrained in place
+    save_file(state, here / "model.safetensors")
+    for backend in ("onnx", "openvino"):
+        if backend == "openvino" and importlib.util.find_spec("openvino") is None:
+            continue
+        with pytest.raises(ValueError, match="its ONNX export is stale"):
+            make_runner(here, backend=backend)
+
+
+def test_a_failed_export_leaves_no_new_folder(tagger_dir, tmp_path):
+    with pytest.raises(ExportValidationError):
+        export_onnx(tagger_dir, tmp_path / "new" / "sub", atol=1e-12)
+    assert not (tmp_path / "new").exists()
 
 
 def test_an_export_never_writes_into_a_folder_that_is_not_an_export(tagger_dir, tmp_path,
@@ -318,6 +347,18 @@ def test_onnx_lanes_give_the_same_probabilities_and_engine_results(export_dir):
     with pytest.raises(ValueError, match=r"^lanes: 3 passes at a time need at least as many "
                                          r"threads, got threads 2"):
         make_runner(export_dir, backend="onnx", device="cpu", threads=2, lanes=3)
+
+
+def test_auto_on_an_export_names_the_option_that_makes_it_torch(export_dir):
+    """backend auto runs torch for a dtype ONNX Runtime's float32 graph cannot honour; on an
+    export folder that said "not a tagger directory", naming no option."""
+    from mhmla_fast.serve.options import checked_bf16_available
+
+    if checked_bf16_available():
+        pytest.skip("here auto runs bfloat16 as the checked OpenVINO pass, not torch")
+    with pytest.raises(ValueError, match=r"is an ONNX export, .* with dtype='bfloat16'"):
+        Engine.load(export_dir, dtype="bfloat16")
+    assert Engine.load(export_dir).runner is not None  # float32: run as it is
 
 
 def test_engine_on_an_export_imports_no_torch(export_dir):

@@ -217,6 +217,14 @@ def test_the_score_command_runs_auto_and_no_cache_keeps_torch(warm, tiny_scorer_
         made = json.loads(Path(f"{out}.meta.json").read_text())["made_from"]
         assert made["backend"] == ("torch" if "torch" in extra else "auto")
     assert not fresh.exists()
+    # the export folder itself as --model runs as it is (it was refused for want of
+    # model.safetensors, though load_scorer takes it)
+    (entry,) = [p for p in (warm / "onnx").iterdir() if (p / "model.onnx").is_file()]
+    out = tmp_path / "from-export.jsonl"
+    assert cli.main(["score", str(src), "-o", str(out), "--model", str(entry),
+                     "--no-progress", "--threads", "1"]) == 0
+    assert seen[-1] == "OnnxScorer"
+    assert [json.loads(x)["score"] for x in out.read_text().splitlines()] == want
 
 
 def test_the_http_scorer_follows_the_taggers_backend(warm, tiny_scorer_dir, monkeypatch):
@@ -228,6 +236,25 @@ def test_the_http_scorer_follows_the_taggers_backend(warm, tiny_scorer_dir, monk
                         (["--no-cache"], EssayScorer)]:
         _, scorer = cli.load_http_scorer(cli.build_parser().parse_args([*base, *extra]))
         assert isinstance(scorer, kind), extra
+
+
+def test_the_http_servers_kernels_option_spares_a_ridge_scorer(monkeypatch, capsys):
+    """--kernels is the tagger's: with the shipped ridge scorer (no layer attention) it
+    stopped the server at start; now the scorer runs as it is, with a note. load_scorer checks
+    threads as Engine.load does."""
+    from mhmla_fast.commands import serve as cli
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer
+
+    args = cli.build_parser().parse_args(["http", "--kernels", "torch", "--backend", "torch",
+                                          "--threads", "1"])
+    path, scorer = cli.load_http_scorer(args)
+    assert path == default_scorer_path() and scorer is not None
+    assert "--kernels torch is the tagger's" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kernels: .* is a ridge scorer"):
+        load_scorer(default_scorer_path(), backend="torch", kernels="torch")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="threads: expected a positive integer"):
+            load_scorer(default_scorer_path(), backend="torch", threads=bad)
 
 
 # ---------------------------------------------------------------------------- failures
@@ -278,7 +305,7 @@ def test_close_outputs_with_a_different_score_fail_the_validation(tiny_scorer_di
     monkeypatch.setattr(score_onnx, "_torch_outputs", reversed_per_prompt)
     with pytest.raises(ExportValidationError, match="the integer score differs from torch's"):
         export_scorer(tiny_scorer_dir, tmp_path / "out", atol=1.0, threads=1)
-    assert [p.name for p in (tmp_path / "out").iterdir()] == []  # nothing written
+    assert not (tmp_path / "out").exists()  # nothing written, nor the folder it made
 
 
 def test_another_kind_of_model_is_refused_not_exported(tiny_tagger_dir, cache):

@@ -154,7 +154,7 @@ def test_tensorrt_dtypes_map_to_torch():
 
 def test_missing_tensorrt_is_a_clear_runtime_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # as if not installed
-    for call in (te._import_tensorrt, te.has_plugin_api, te.register_layer_attention_plugin,
+    for call in (te.import_tensorrt, te.has_plugin_api, te.register_layer_attention_plugin,
                  lambda: te.build_engine(tmp_path / "model.onnx", tmp_path / "model.plan"),
                  lambda: te.TensorRTRunner(tmp_path / "model.plan")):
         with pytest.raises(RuntimeError, match=r"^TensorRT is not installed: .*pip install"):

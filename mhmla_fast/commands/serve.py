@@ -210,22 +210,24 @@ def resolve_scorer_dir(model: str | None, option: str = "--model") -> Path:
                 "`mhmla-train aes --export-shipped DIR`.")
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory")
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+    has_model = any((path / name).is_file() for name in ("model.safetensors", "model.onnx"))
+    if not (path / "config.json").is_file() or not has_model:  # (an ONNX export runs as it is)
         raise UsageError(f"{path}: not an essay-scorer directory (it needs config.json and "
-                         "model.safetensors)")
+                         "model.safetensors, or an export's model.onnx)")
     return path
 
 
 def load_scorer_dir(path: Path, args: argparse.Namespace, *, backend: str = "auto",
-                    dtype: str | None = None, check_margin: float | None = None):
-    """``serve.score.load_scorer(path)`` with ``backend``, ``args``' device, kernels, threads and
-    ``--no-cache`` (and ``dtype``, ``check_margin``); any failure becomes a UsageError naming
-    ``path``."""
+                    dtype: str | None = None, check_margin: float | None = None,
+                    kernels: str | None = None):
+    """``serve.score.load_scorer(path)`` with ``backend``, ``args``' device, kernels (or
+    ``kernels``), threads and ``--no-cache`` (and ``dtype``, ``check_margin``); any failure
+    becomes a UsageError naming ``path``."""
     from ..serve.score import load_scorer
 
     try:
         return load_scorer(path, backend=backend, device=args.device, dtype=dtype,
-                           kernels=args.kernels, threads=args.threads,
+                           kernels=kernels or args.kernels, threads=args.threads,
                            cache=False if getattr(args, "no_cache", False) else None,
                            check_margin=check_margin)
     except Exception as err:  # any failure to load is a model problem for the user
@@ -840,9 +842,10 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
     Runtime on its cached export; ``--no-cache`` turns that off), on ``--device`` with
     ``--kernels``, in ``--dtype`` when it is one of the scorer's (float32, bfloat16, float16;
     for another, such as the ONNX tagger's int8, the scorer keeps its default and stderr says
-    so); see :mod:`mhmla_fast.serve.options`."""
+    so, as it does for ``--kernels`` with a ridge scorer); see
+    :mod:`mhmla_fast.serve.options`."""
     from ..serve.options import resolve_dtype
-    from ..serve.score import DTYPES
+    from ..serve.score import DTYPES, head_kind
 
     path = http_scorer_dir(args)
     if path is None:
@@ -852,7 +855,12 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
         print(f"{PROG} http: --dtype {dtype} is the tagger's; the essay scorer has no such "
               f"dtype ({', '.join(DTYPES)}) and runs in its default", file=sys.stderr)
         dtype = None
-    return path, load_scorer_dir(path, args, dtype=dtype,
+    kernels = args.kernels
+    if kernels != "auto" and head_kind(path) == "ridge":
+        print(f"{PROG} http: --kernels {kernels} is the tagger's; the essay scorer is a ridge "
+              "scorer, with no layer attention, and runs as it is", file=sys.stderr)
+        kernels = "auto"
+    return path, load_scorer_dir(path, args, dtype=dtype, kernels=kernels,
                                  backend="torch" if args.backend == "torch" else "auto")
 
 
@@ -875,6 +883,8 @@ def http_scorer_dir(args: argparse.Namespace) -> Path | None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from ..serve.engine import read_tagger_config
+
     model = resolve_model_dir(args.model)
     if args.int8 and not args.onnx:
         raise UsageError("--int8 goes with --onnx")
@@ -885,18 +895,25 @@ def run_export(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise UsageError(f"ONNX export needs onnx and onnxruntime: {err}") from err
     try:  # before minutes of export, not after them
+        read_tagger_config(model)  # a tagger's, or its export's
+        if args.onnx and not (model / "model.safetensors").is_file():
+            raise ValueError(f"{model}: not a tagger directory (no model.safetensors): the "
+                             "ONNX export is made from a tagger's weights")
         check_export_target(model, args.onnx or args.tensorrt)
-    except ValueError as err:
+    except (OSError, ValueError) as err:
         raise UsageError(str(err)) from err
+    if args.tensorrt:
+        try:  # installed? (before the ONNX export it builds on writes ~100 MB into the folder)
+            from ..serve import tensorrt_engine
+
+            tensorrt_engine.import_tensorrt()
+        except (ImportError, RuntimeError) as err:
+            raise UsageError(f"TensorRT support is not available: {err}") from err
     try:
         if args.onnx:
             out = export_onnx(model, args.onnx, int8=args.int8)
             print(f"{PROG}: wrote {out}", file=sys.stderr)
             return EXIT_OK
-        try:
-            from ..serve import tensorrt_engine
-        except ImportError as err:
-            raise UsageError(f"TensorRT support is not available: {err}") from err
         out_dir = Path(args.tensorrt)
         if not (model / "model.safetensors").is_file():  # an ONNX export, not a tagger
             if not (model / ONNX_FILE).is_file():

@@ -483,6 +483,8 @@ class Engine:
                                     or threads < 1):
             raise ValueError(f"threads: expected a positive integer or None, got {threads!r}")
         path = Path(model_dir) if model_dir is not None else default_tagger_path()
+        if backend == "auto" and opts.backend == "torch":
+            runners.check_auto_torch(path, dtype=dtype, device=device, kernels=kernels)
         config = read_tagger_config(path)
         tokenizer = WordPieces.from_dir(path) or load_tokenizer(path)
         if threshold is None:

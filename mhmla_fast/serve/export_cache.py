@@ -183,10 +183,15 @@ def kind_of(model_dir: str | os.PathLike) -> ExportKind:
 
 def source_files(model_dir: str | os.PathLike) -> list[Path]:
     """The files a model directory (tagger or scorer) is loaded from, in a fixed order: its
-    regular files, then those of its encoder's local directory when it reads tensors
-    (``base_tensors``) or its tokenizer from there."""
+    regular files (but, beside the weights, an export's own: ``onnx_export.EXPORT_FILES``),
+    then those of its encoder's local directory when it reads tensors (``base_tensors``) or
+    its tokenizer from there."""
+    from .onnx_export import EXPORT_FILES
+
     model_dir = Path(model_dir).resolve()
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    if (model_dir / "model.safetensors").is_file():  # an export in place is not the model
+        files = [p for p in files if p.name not in EXPORT_FILES]
     encoder = encoder_source_dir(model_dir)
     if encoder is not None:
         files += sorted(p for p in encoder.iterdir() if p.is_file())

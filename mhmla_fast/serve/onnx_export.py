@@ -61,7 +61,7 @@ __all__ = [
     "ExportValidationError", "OnnxRunner", "export_onnx", "validate_onnx", "validation_batches",
     "error_probability_module", "load_tagger_for_export", "torch_to_onnx", "example_inputs",
     "physical_cores", "ONNX_FILE", "INT8_FILE", "EXPORT_META", "INPUT_NAMES", "OUTPUT_NAME",
-    "check_export_target", "export_stage",
+    "check_export_target", "export_stage", "staging", "check_fresh", "EXPORT_FILES",
     "DEFAULT_OPSET", "Int8Tolerance", "VALIDATION_SENTENCES", "sentence_batch",
     "eager_attention",
 ]
@@ -70,6 +70,10 @@ ONNX_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
 EXPORT_META = "export.json"
 STAGE_PREFIX = ".onnx-export-"  # + "<pid>-<random>": an export's staging folder in its out_dir
+# what an export writes beside a tagger's own files, its TensorRT engine included
+# (tensorrt_engine.PLAN_FILE, its ".json", PLUGIN_ONNX_FILE): not part of the model
+EXPORT_FILES = frozenset({ONNX_FILE, INT8_FILE, EXPORT_META, "model.plan", "model.plan.json",
+                          "model.plugin.onnx"})
 INPUT_NAMES = ("input_ids", "attention_mask")
 OUTPUT_NAME = "error_prob"
 DEFAULT_OPSET = 17
@@ -454,6 +458,48 @@ def check_export_target(model_dir: str | os.PathLike, out_dir: str | os.PathLike
                          "empty folder, or an earlier export's")
 
 
+def check_fresh(export_dir: str | os.PathLike) -> None:
+    """ValueError when ``export_dir`` is an export in place, beside a tagger's weights, whose
+    ``model.safetensors`` changed since (``export.json``'s ``source.model_sha256``): its graph
+    would still give the old weights' probabilities, under the new config's threshold.
+    Nothing to check (and nothing hashed) for an export folder of its own."""
+    export_dir = Path(export_dir)
+    weights = export_dir / "model.safetensors"
+    if not weights.is_file() or not (export_dir / EXPORT_META).is_file():
+        return
+    try:
+        source = json.loads((export_dir / EXPORT_META).read_text()).get("source") or {}
+    except (OSError, ValueError):
+        return
+    made = source.get("model_sha256")
+    if made is not None and made != _sha256(weights):
+        raise ValueError(f"{export_dir}: its ONNX export is stale (model.safetensors changed "
+                         f"since it was exported); export it again: mhmla-serve export --onnx "
+                         f"{export_dir} --model {export_dir}")
+
+
+@contextmanager
+def staging(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Iterator[Path]:
+    """:func:`export_stage` for the ``with`` block, removed after it; a block that fails also
+    removes the folders the stage's making created (``out_dir`` and its parents), so that a
+    failed export leaves ``out_dir`` as it was."""
+    out_dir = Path(out_dir)
+    made = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
+    stage = export_stage(model_dir, out_dir)
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for folder in made:  # the deepest first; one that holds something stops it
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def export_stage(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """A new staging folder in ``out_dir`` (made) for an export of ``model_dir``, after
     :func:`check_export_target`; the staging folders of exports killed part-way (their
@@ -510,8 +556,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     max_length = max_input_length(hf)
     threshold = tagger.config.threshold if tagger.config.threshold is not None else 0.5
 
-    stage = export_stage(model_dir, out_dir)
-    try:
+    with staging(model_dir, out_dir) as stage:
         t0 = time.perf_counter()
         with eager_attention(tagger.encoder) as attention:
             onnx_path = torch_to_onnx(module, example_inputs(vocab, pad_id), stage / ONNX_FILE,
@@ -572,10 +617,10 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         (stage / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         for p in stage.iterdir():
             os.replace(p, out_dir / p.name)
-        if not int8 and (out_dir / INT8_FILE).exists():
-            (out_dir / INT8_FILE).unlink()  # stale: export.json no longer describes it
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        stale = [] if int8 else [INT8_FILE]  # export.json no longer describes it
+        stale += ["model.plan", "model.plan.json", "model.plugin.onnx"]  # another graph's engine
+        for name in stale:
+            (out_dir / name).unlink(missing_ok=True)
     return out_dir / ONNX_FILE
 
 
@@ -650,6 +695,7 @@ class OnnxRunner(LaneRunner):
         else:
             name, flag = INT8_FILE, " --int8"
         file = path / name
+        check_fresh(path)
         if not file.is_file():
             raise FileNotFoundError(
                 f"{path}: no ONNX export ({name} is missing). Export the tagger first: "

@@ -131,9 +131,10 @@ class OpenVinoRunner(LaneRunner):
         """The runner on an export directory's ``model.onnx`` (see :class:`OpenVinoRunner`).
         Raises ValueError for an option OpenVINO cannot honour here (:mod:`.options`),
         FileNotFoundError saying how to export when the graph is missing."""
-        from .onnx_export import ONNX_FILE
+        from .onnx_export import ONNX_FILE, check_fresh
 
         opts = resolve_options("openvino", device, dtype, kernels, lanes=lanes)
+        check_fresh(path)
         file = Path(path) / ONNX_FILE
         if not file.is_file():
             raise FileNotFoundError(

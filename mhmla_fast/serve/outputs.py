@@ -182,10 +182,16 @@ class InputFingerprint:
 
 def directory_fingerprint(path: str | os.PathLike) -> str:
     """SHA-256 over the names and contents of the regular files directly in ``path`` (a model
-    directory: config, weights, tokenizer), in name order."""
+    directory: config, weights, tokenizer), in name order; in a tagger's folder that also
+    holds an export of it (``model.safetensors`` beside ``model.onnx``), the export's own files
+    (``onnx_export.EXPORT_FILES``) are left out: exporting in place changes no model."""
+    from .onnx_export import EXPORT_FILES
+
     h = hashlib.sha256()
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        if not entry.is_file():
+    entries = sorted(os.scandir(path), key=lambda e: e.name)
+    skip = EXPORT_FILES if any(e.name == "model.safetensors" for e in entries) else ()
+    for entry in entries:
+        if not entry.is_file() or entry.name in skip:
             continue
         h.update(entry.name.encode("utf-8", "surrogateescape") + b"\0")
         with open(entry.path, "rb") as f:

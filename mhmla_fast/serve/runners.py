@@ -436,6 +436,22 @@ def check_margin_option(check_margin: float | None, opts) -> float | None:
     return float(check_margin)
 
 
+def check_auto_torch(model_dir: str | os.PathLike, *, dtype: str | None, device: str | None,
+                     kernels: str) -> None:
+    """ValueError naming the options when backend "auto" chose torch for them (a dtype, device
+    or kernels ONNX Runtime's float32 CPU graph cannot honour) on an ONNX export, which torch
+    cannot load (it said "not a tagger directory", naming none of them)."""
+    export = Path(model_dir)
+    if (export / "model.onnx").is_file() and not (export / "model.safetensors").is_file():
+        named = ", ".join(f"{k}={v!r}" for k, v in (("dtype", dtype), ("device", device),
+                                                     ("kernels", kernels))
+                          if v not in (None, "auto"))
+        raise ValueError(
+            f"{export} is an ONNX export, which runs in float32 on the CPU: with {named}, "
+            "backend 'auto' runs torch, which needs the tagger's own folder; give that, or "
+            "leave the option out")
+
+
 def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
                 device: str | None = None, dtype: str | None = None, kernels: str = "auto",
                 threads: int | None = None, cache: bool | None = None,
@@ -459,6 +475,8 @@ def make_runner(model_dir: str | os.PathLike, *, backend: str = "torch",
                            lanes=lanes, dtype=opts.dtype, threshold=threshold,
                            check_margin=margin)
     if opts.backend == "torch":
+        if backend == "auto":
+            check_auto_torch(model_dir, dtype=dtype, device=device, kernels=kernels)
         return TorchRunner(model_dir, device=opts.device, dtype=opts.dtype, kernels=opts.kernels,
                            threads=threads, cuda_graphs=cuda_graphs, lanes=lanes)
     if backend == "onnx":

@@ -37,7 +37,7 @@ from .options import (TORCH_DTYPES, ServeOptions, default_token_budget, resolve_
 from .inputs import location
 
 __all__ = ["DTYPES", "NO_PIECES", "check_prompts", "default_scorer_path", "essay_pieces_check",
-           "scorer_token_budget",
+           "head_kind", "scorer_token_budget",
            "load_scorer", "piece_encoder", "score_essays", "score_records", "scorer_options",
            "unsupported_prompt"]
 
@@ -94,13 +94,17 @@ def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None =
 
     ``backend`` "onnx" or "tensorrt" is a ValueError, as is an unknown dtype or kernels name
     (or kernels other than "auto" for a ridge scorer, which has no layer attention),
-    or a ``check_margin`` where no checked scorer runs. Load errors (not a scorer directory,
+    ``threads`` that is not a positive integer or None, or a ``check_margin`` where no checked
+    scorer runs. Load errors (not a scorer directory,
     bad weights) propagate."""
     from .runners import check_margin_option
 
     opts = scorer_options(backend, device, dtype, kernels)
     margin = check_margin_option(check_margin, opts)
-    if opts.kernels != "auto" and _head_kind(path) == "ridge":  # whichever backend runs it
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"threads: expected a positive integer or None, got {threads!r}")
+    if opts.kernels != "auto" and head_kind(path) == "ridge":  # whichever backend runs it
         raise ValueError(f"kernels: {path} is a ridge scorer, with no layer attention to run "
                          f"on {opts.kernels!r} kernels; leave kernels at 'auto'")
     if opts.backend == "auto":
@@ -123,7 +127,7 @@ def _torch_scorer(path: str | Path, opts: ServeOptions, threads: int | None):
                             backend=opts.kernels)
 
 
-def _head_kind(path: str | Path) -> str | None:
+def head_kind(path: str | Path) -> str | None:
     """The ``head_kind`` a scorer directory's ``config.json`` names (the default
     "layer-attention" when it names none); None when the file cannot be read (the load then
     says why)."""

@@ -75,7 +75,7 @@ from ..aes.scoring import (EssayPlan, combine_windows, essay_offset, essay_offse
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
-                          ExportValidationError, OnnxRunner, eager_attention, export_stage)
+                          ExportValidationError, OnnxRunner, eager_attention, staging)
 from .options import default_token_budget
 
 __all__ = ["CHECK_FILE", "EXPORT_FORMAT", "OUTPUT_NAME", "VALIDATION_ESSAYS", "CheckedScorer",
@@ -754,8 +754,7 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     hf = scorer.encoder.config
     cfg = scorer.config
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    stage = export_stage(model_dir, out_dir)
-    try:
+    with staging(model_dir, out_dir) as stage:
         t0 = time.perf_counter()
         path = stage / ONNX_FILE
         try:
@@ -802,6 +801,4 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             (stage / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         for p in stage.iterdir():
             os.replace(p, out_dir / p.name)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return out_dir / ONNX_FILE

@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from ..encoder import max_input_length
-from .onnx_export import INPUT_NAMES, ONNX_FILE, OUTPUT_NAME
+from .onnx_export import INPUT_NAMES, ONNX_FILE, OUTPUT_NAME, check_fresh
 from .options import resolve_options
 from .runners import Pending, download, upload
 
@@ -77,7 +77,7 @@ __all__ = [
     "build_engine_dir", "TensorRTRunner", "register_layer_attention_plugin",
     "export_plugin_onnx", "layer_attention_plugin_forward", "engine_meta", "read_engine_meta",
     "write_engine_meta", "meta_path", "check_engine_compatible", "check_plan_options",
-    "plan_precisions", "has_plugin_api",
+    "plan_precisions", "has_plugin_api", "import_tensorrt",
     "PLAN_FILE", "PLUGIN_ONNX_FILE", "PLUGIN_ID",
 ]
 
@@ -304,7 +304,7 @@ def check_plan_options(meta: dict, *, dtype: str | None, kernels: str = "auto") 
 # ---------------------------------------------------------------- TensorRT imports
 
 
-def _import_tensorrt():
+def import_tensorrt():
     """``tensorrt``, or RuntimeError saying how to install it."""
     try:
         import tensorrt as trt
@@ -315,7 +315,7 @@ def _import_tensorrt():
 
 def has_plugin_api() -> bool:
     """Whether the installed TensorRT has the Python plugin API ``tensorrt.plugin``."""
-    _import_tensorrt()
+    import_tensorrt()
     try:
         import tensorrt.plugin  # noqa: F401
     except ImportError:
@@ -490,7 +490,7 @@ def build_engine(onnx_path: str | os.PathLike, engine_path: str | os.PathLike, *
     ``layer_attention`` node (None: detected from the graph); the plugin is registered
     before parsing. Untested here: needs TensorRT and a GPU.
     """
-    trt = _import_tensorrt()
+    trt = import_tensorrt()
     import torch
 
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
@@ -597,7 +597,7 @@ class TensorRTRunner:
     """
 
     def __init__(self, plan_path: str | os.PathLike, *, device: str | None = None):
-        trt = _import_tensorrt()
+        trt = import_tensorrt()
         import torch
 
         if not torch.cuda.is_available():
@@ -642,6 +642,7 @@ class TensorRTRunner:
         before TensorRT is imported."""
         path = Path(path)
         opts = resolve_options("tensorrt", device, dtype, kernels)
+        check_fresh(path)
         plan = path / PLAN_FILE
         if not plan.is_file():
             first = ("" if (path / ONNX_FILE).is_file()
