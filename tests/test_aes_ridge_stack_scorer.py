@@ -58,6 +58,43 @@ def test_essay_offsets_are_the_surface_features_times_each_prompts_weights():
             for e, p in enumerate(prompts)]
     np.testing.assert_allclose(got, want, rtol=1e-12)
     assert essay_offsets(TEXTS, prompts, {}) is None
+    # clipped to each prompt's training range: a feature past it counts as its bound
+    from mhmla_fast.aes.scoring import surface_bounds_of
+
+    bounds = {3: surface_bounds_of(s[:2]), 4: surface_bounds_of(s[1:3])}
+    long_word = ["short words and then " + "a" * 2000]
+    for p in (3, 4):
+        lo, hi = map(np.array, bounds[p])
+        x = surface_features(long_word)[0]
+        assert x[SURFACE_FEATURES.index("mean_word_length")] > hi.max()  # far past the range
+        clipped = essay_offsets(long_word, [p], weights, bounds)[0]
+        assert clipped == pytest.approx(float(np.clip(x, lo, hi) @ np.array(weights[p])))
+    np.testing.assert_allclose(essay_offsets(TEXTS[:2], [3, 3], weights, bounds),
+                               essay_offsets(TEXTS[:2], [3, 3], weights))  # inside: unchanged
+
+
+def test_surface_features_read_canonically_equivalent_text_alike():
+    import unicodedata
+
+    text = "Le café était très bon, et l'élève a été ravi. Très bien !"
+    nfd = unicodedata.normalize("NFD", text)
+    assert nfd != text
+    np.testing.assert_array_equal(surface_features([nfd]), surface_features([text]))
+
+
+def test_the_shipped_scorer_is_not_gamed_by_one_long_word():
+    """One 3,000-letter token raised a short prompt-1 essay from its score to the scale's top
+    (12): the mean word length, at most 5.8 in ASAP, was extrapolated linearly."""
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer
+
+    scorer = load_scorer(default_scorer_path(), backend="torch", threads=1)
+    assert set(scorer.config.surface_bounds) == set(range(1, 9))
+    essay = ("Computers are good for people because they help us learn and talk with our "
+             "friends. I think the newspaper should say that computers are good.")
+    base, gamed = scorer.predict_scores([essay, essay + " " + "x" * 3000], 1).tolist()
+    assert gamed <= base + 1 and gamed < 12, (base, gamed)
+    top = scorer.predict_scores(["a" * 2000] * 8, list(range(1, 9))).tolist()
+    assert all(t < SCORE_RANGES[p][1] for t, p in zip(top, range(1, 9))), top
 
 
 def test_ridge_stack_config_rules():
@@ -81,6 +118,19 @@ def test_ridge_stack_config_rules():
                      surface_weights={3: [float("nan")] * 9})
     with pytest.raises(ValueError, match="surface_weights: prompt 3 is not among"):
         ScorerConfig(head_kind="ridge", objective="regression", prompts=(4,), surface_weights=w)
+    b = {3: ([0.0] * len(SURFACE_FEATURES), [1.0] * len(SURFACE_FEATURES))}
+    bounded = ScorerConfig(encoder="x", head_kind="ridge", objective="regression",
+                           pooling="cls+mean", prompts=(3, 4), surface_weights=w,
+                           surface_bounds=b)
+    assert ScorerConfig.from_json(bounded.to_json()).surface_bounds == {
+        3: (tuple(b[3][0]), tuple(b[3][1]))}
+    assert "surface_bounds" not in json.loads(cfg.to_json())  # none: the file as before
+    with pytest.raises(ValueError, match="surface_bounds: prompt 4 has no surface weights"):
+        ScorerConfig(head_kind="ridge", objective="regression", prompts=(3, 4),
+                     surface_weights=w, surface_bounds={4: b[3]})
+    with pytest.raises(ValueError, match="surface_bounds of prompt 3: expected two lists"):
+        ScorerConfig(head_kind="ridge", objective="regression", prompts=(3,),
+                     surface_weights=w, surface_bounds={3: (b[3][1], b[3][0])})
 
 
 def test_cls_mean_head_is_a_linear_map_of_each_layers_cls_and_token_mean(tiny_encoder):
@@ -147,6 +197,7 @@ def test_fitted_ridge_stack_scorer_is_the_protocols_stack(tiny_encoder, tmp_path
                                     encoder=tiny_encoder, log=None)
     cfg, training = scorer.config, scorer.config.training
     assert cfg.pooling == "cls+mean" and training["folded_max_abs_diff"] < 1e-8
+    from mhmla_fast.aes.scoring import surface_bounds_of
     essays, folds = read_asap_folds(data)
     caches = load_prompt_caches(essays, [3, 4], cache, tiny_encoder, poolings=("cls", "mean"),
                                 log=None)
@@ -156,6 +207,8 @@ def test_fitted_ridge_stack_scorer_is_the_protocols_stack(tiny_encoder, tmp_path
         assert [training["alphas"][str(p)][m] for m in members] == [
             u["selected"]["alpha"] for u in units]
         splits = split_essays(essays, folds, 0, prompt=p)
+        assert cfg.surface_bounds[p] == surface_bounds_of(  # the train split's range
+            surface_features([e.text for e in splits["train"]]))
         train_gold = np.array([e.score for e in splits["train"]])
         w, cuts = stack_blend([np.array(u["continuous"]["train_oof"]) for u in units],
                               train_gold, p)
@@ -243,3 +296,21 @@ def test_export_ridge_stack_command(tiny_encoder, tmp_path, capsys):
     capsys.readouterr()
     assert mhmla_train(["aes", *common, "--ridge-stack"]) == 2
     assert "--ridge-stack: with --export-ridge DIR" in capsys.readouterr().err
+
+
+def test_scorer_arguments_are_value_errors_naming_them():
+    """None as the essays and a text that is no str in plan_essay were TypeErrors from deep
+    inside (the torch and ONNX scorers' differing); an unknown prompt passed for no essays;
+    a numpy 0-d prompt failed."""
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer
+
+    scorer = load_scorer(default_scorer_path(), backend="torch", threads=1)
+    for call, message in ((lambda: scorer.predict_scores(None, 1), "texts: expected a sequence"),
+                          (lambda: scorer.predict_scores([], 9), r"prompts \[9\]"),
+                          (lambda: scorer.plan_essay(None, 1), r"texts\[0\]: expected a string"),
+                          (lambda: scorer.plan_essay(b"x", 1), "got bytes"),
+                          (lambda: scorer.plan_essay("x", 9), r"prompts \[9\]")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert scorer.predict_scores(["An essay."], np.array(3)).tolist() == \
+        scorer.predict_scores(["An essay."], 3).tolist()

@@ -374,8 +374,10 @@ def test_the_shipped_scorer_on_auto_scores_like_torch_fp32(cache, capsys):
     meta = json.loads((entry.path / "export.json").read_text())
     assert meta["validation"]["windows"]["essay_scores"]["differing"] == 0
     texts = [*VALIDATION_ESSAYS[:-1], *(t.replace(".", " ,") for t in VALIDATION_ESSAYS[:8])]
+    texts += ["a" * 2000, VALIDATION_ESSAYS[0] + " " + "x" * 3000]  # clipped surface features
     prompts = [1 + k % 8 for k in range(len(texts))]
     want, _ = torch_scores(default_model_path(), texts, prompts)
+    assert meta["surface_bounds"]  # the export carries the clipping
     scorer = load_scorer(default_model_path(), threads=2)  # the defaults: auto
     assert isinstance(scorer, OnnxScorer) and scorer.path == entry.path
     assert capsys.readouterr().err == ""  # found, not exported again

@@ -105,7 +105,9 @@ class ScorerConfig:
     ``layer_attention`` is not used); surface_weights: a ridge head's weights on the essay's
     raw surface features per prompt (``{prompt: [len(SURFACE_FEATURES)]}``, normalised score
     units; :func:`~.scoring.essay_offsets`), added to its averaged window outputs (none: no such
-    term).
+    term); surface_bounds: per prompt the features' range on the essays its surface weights
+    were fitted on (``{prompt: [lo[S], hi[S]]}``), to which they are clipped first (none: not
+    clipped; scorers fitted before 2026-12-07 have none).
 
     Files and keyword arguments in the flat layout of before (``encoder``, ``head``,
     ``num_heads``, ``key_size``, ``dropout``, ``window``, ``freeze_encoder``) are read into
@@ -125,6 +127,8 @@ class ScorerConfig:
     cutpoints: dict[int, tuple[float, ...]] = field(default_factory=dict)
     head_kind: str = "layer-attention"
     surface_weights: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    surface_bounds: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head_kind not in HEADS:
@@ -179,6 +183,16 @@ class ScorerConfig:
                 raise ValueError(f"surface_weights of prompt {p}: expected "
                                  f"{len(SURFACE_FEATURES)} finite values "
                                  f"({', '.join(SURFACE_FEATURES)}), got {list(w)}")
+        self.surface_bounds = {int(p): (tuple(float(v) for v in lo), tuple(float(v) for v in hi))
+                               for p, (lo, hi) in (self.surface_bounds or {}).items()}
+        for p, (lo, hi) in self.surface_bounds.items():
+            if p not in self.surface_weights:
+                raise ValueError(f"surface_bounds: prompt {p} has no surface weights")
+            if (len(lo) != len(SURFACE_FEATURES) or len(hi) != len(SURFACE_FEATURES)
+                    or not all(math.isfinite(a) and math.isfinite(b) and a <= b
+                               for a, b in zip(lo, hi))):
+                raise ValueError(f"surface_bounds of prompt {p}: expected two lists of "
+                                 f"{len(SURFACE_FEATURES)} finite values, lo <= hi")
 
     @property
     def encoder(self) -> str:
@@ -210,6 +224,11 @@ class ScorerConfig:
         else:
             data["surface_weights"] = {str(p): list(w)
                                        for p, w in sorted(self.surface_weights.items())}
+        if not self.surface_bounds:  # and one without bounds
+            del data["surface_bounds"]
+        else:
+            data["surface_bounds"] = {str(p): [list(lo), list(hi)]
+                                      for p, (lo, hi) in sorted(self.surface_bounds.items())}
         return json.dumps({"format": FORMAT, **data}, indent=2)
 
     @classmethod
@@ -412,7 +431,8 @@ class EssayScorer(ModelDirMixin, nn.Module):
         scores, outputs = essay_scores([p.numpy() for p in preds], essay_index, prompts,
                                        self.config.objective, self.config.decision,
                                        self.config.cutpoints,
-                                       essay_offsets(texts, prompts, self.config.surface_weights))
+                                       essay_offsets(texts, prompts, self.config.surface_weights,
+                                                     self.config.surface_bounds))
         return (scores, outputs) if return_outputs else scores
 
     @torch.no_grad()
@@ -445,13 +465,15 @@ class EssayScorer(ModelDirMixin, nn.Module):
         """One essay tokenized and cut into the windows :meth:`predict_scores` would use, to be
         scored window by window (:meth:`score_windows`, any order and batches) and combined
         (:meth:`finish_essay`) into exactly :meth:`predict_scores`' score."""
-        essay_prompts(1, prompt, self.config.prompts)
+        (text,) = essay_texts([text])
+        (prompt,) = essay_prompts(1, prompt, self.config.prompts)
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
         pieces = tokenizer([text], add_special_tokens=False, truncation=False,
                            verbose=False)["input_ids"][0]
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
                          tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id,
-                         essay_offset(text, prompt, self.config.surface_weights))
+                         essay_offset(text, prompt, self.config.surface_weights,
+                                      self.config.surface_bounds))
 
     def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
                       ) -> list[Tensor]:

@@ -45,6 +45,7 @@ from .cutpoints import apply_cutpoints
 from .data import normalise_score, split_essays
 from .metrics import exact_agreement
 from .model import EssayScorer, ScorerConfig
+from .scoring import surface_bounds_of
 from .splits import PROMPTS, PROTOCOL, Log, feature_split, load_prompt_caches, qwk, read_asap_folds
 from .windows import average_windows
 
@@ -251,6 +252,7 @@ def fit_ridge_stack_scorer(
             out.bias.fill_(stack["b"])
         config.cutpoints[p] = tuple(float(t) for t in stack["cutpoints"])
         config.surface_weights[p] = tuple(float(x) for x in stack["c"])
+        config.surface_bounds[p] = surface_bounds_of(stack["surface"][0])  # the train split's
         dev, test = by_pooling["cls"]["dev"], by_pooling["cls"]["test"]
         record["alphas"][str(p)] = dict(zip((m for m, _ in RIDGE_STACK_MEMBERS), stack["alphas"]))
         record["weights"][str(p)] = dict(zip((m for m, _ in RIDGE_STACK_MEMBERS),

@@ -18,7 +18,8 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
-           "essay_offset", "essay_offsets", "essay_prompts", "essay_texts", "near_boundary",
+           "essay_offset", "essay_offsets", "surface_bounds_of", "essay_prompts", "essay_texts",
+           "near_boundary",
            "piece_windows", "default_model_path", "num_labels", "read_scorer_config"]
 
 FORMAT = "mhmla-aes-scorer/1"  # config.json "format" of a saved scorer
@@ -80,7 +81,11 @@ def essay_texts(texts: Sequence[str]) -> list[str]:
     if isinstance(texts, (str, bytes)):
         raise ValueError(f"texts: expected a sequence of essays, got a {type(texts).__name__}; "
                          "pass [text] for one essay")
-    texts = list(texts)
+    try:
+        texts = list(texts)
+    except TypeError:
+        raise ValueError(f"texts: expected a sequence of essays, got "
+                         f"{type(texts).__name__}") from None
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise ValueError(f"texts[{i}]: expected a string, got {type(t).__name__}")
@@ -89,7 +94,10 @@ def essay_texts(texts: Sequence[str]) -> list[str]:
 
 def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int]) -> list[int]:
     """Each of ``n_texts`` essays' prompt (one ``prompt`` for all, or one per essay); ValueError
-    when the counts differ or a prompt is not among ``known`` (the scorer's heads)."""
+    when the counts differ or a prompt is not among ``known`` (the scorer's heads; one
+    ``prompt`` is checked even for no essays)."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 0:  # a numpy scalar's array form
+        prompt = prompt.item()
     one = isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool)
     given = [prompt] if one or isinstance(prompt, (str, bytes)) or not isinstance(
         prompt, Iterable) else list(prompt)
@@ -99,39 +107,61 @@ def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int
     prompts = [int(prompt)] * n_texts if one else [int(p) for p in given]
     if len(prompts) != n_texts:
         raise ValueError(f"{n_texts} texts but {len(prompts)} prompts")
-    unknown = sorted(set(prompts) - set(known))
+    unknown = sorted(set(prompts if not one else [int(prompt)]) - set(known))  # (none: checked)
     if unknown:
         raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
                          f"{list(known)} only")
     return prompts
 
 
+SurfaceBounds = dict[int, tuple[Sequence[float], Sequence[float]]]
+
+
 def essay_offsets(texts: Sequence[str], prompts: Sequence[int],
-                  surface_weights: dict[int, Sequence[float]]) -> np.ndarray | None:
+                  surface_weights: dict[int, Sequence[float]],
+                  surface_bounds: SurfaceBounds | None = None) -> np.ndarray | None:
     """Each essay's own term of a regression scorer with surface weights, in normalised score
-    units: ``o_e = s(text_e) . c_{prompt_e}`` [n_essays] float64, ``s`` the raw surface
-    features (:func:`.surface.surface_features`) and ``c_p`` ``surface_weights[p]``
-    [len(SURFACE_FEATURES)] (0 for a prompt without weights); None when ``surface_weights`` is
-    empty (the scorer has no such term). It is added to the essay's averaged window outputs
-    before the cut (:func:`combine_windows`' ``offsets``)."""
+    units: ``o_e = clip(s(text_e), lo_p, hi_p) . c_{prompt_e}`` [n_essays] float64, ``s`` the
+    raw surface features (:func:`.surface.surface_features`), ``c_p`` ``surface_weights[p]``
+    [len(SURFACE_FEATURES)] (0 for a prompt without weights) and ``(lo_p, hi_p)``
+    ``surface_bounds[p]``, the features' range on the essays the weights were fitted on (none:
+    not clipped). The linear term is never extrapolated past what it was fitted on: a single
+    2,000-letter "word" made the mean word length 2,000 (at most 5.8 in ASAP) and the score
+    the scale's top. None when ``surface_weights`` is empty (the scorer has no such term). It
+    is added to the essay's averaged window outputs before the cut (:func:`combine_windows`'
+    ``offsets``)."""
     if not surface_weights:
         return None
     from .surface import surface_features
 
     s = surface_features(list(texts))
+    bounds = surface_bounds or {}
     out = np.zeros(len(texts), dtype=np.float64)
     for e, p in enumerate(prompts):
         c = surface_weights.get(int(p))
         if c is not None:
-            out[e] = float(s[e] @ np.asarray(c, dtype=np.float64))
+            x = s[e]
+            if int(p) in bounds:
+                lo, hi = bounds[int(p)]
+                x = np.clip(x, np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64))
+            out[e] = float(x @ np.asarray(c, dtype=np.float64))
     return out
 
 
-def essay_offset(text: str, prompt: int, surface_weights: dict[int, Sequence[float]]) -> float:
+def essay_offset(text: str, prompt: int, surface_weights: dict[int, Sequence[float]],
+                 surface_bounds: SurfaceBounds | None = None) -> float:
     """One essay's own term (:func:`essay_offsets`), 0.0 for a scorer without surface weights:
     an :class:`EssayPlan`'s ``offset``."""
-    offset = essay_offsets([text], [int(prompt)], surface_weights)
+    offset = essay_offsets([text], [int(prompt)], surface_weights, surface_bounds)
     return 0.0 if offset is None else float(offset[0])
+
+
+def surface_bounds_of(features: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(lo, hi)``: each surface feature's least and greatest value over the essays of
+    ``features`` [n_essays, S] (a prompt's training split): what :func:`essay_offsets` clips
+    to."""
+    features = np.asarray(features, dtype=np.float64)
+    return (tuple(float(v) for v in features.min(0)), tuple(float(v) for v in features.max(0)))
 
 
 def piece_windows(pieces: Sequence[Sequence[int]], window: int, cls_id: int, sep_id: int

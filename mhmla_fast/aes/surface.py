@@ -10,13 +10,17 @@ strongest single predictor of an ASAP score. :func:`surface_features` gives, per
 
 Words are maximal runs of letters, digits and apostrophes (lower-cased for "distinct");
 sentences are runs of text ended by ``.``, ``!`` or ``?`` (at least one for a non-empty
-essay). The values are raw; models standardise them on their training split.
+essay). The text is read in Unicode's composed form (NFC), so that canonically equivalent
+texts have the same features (a decomposed accent split a word in two; no ASAP essay changes).
+The values are raw; models standardise them on their training split, and a ridge scorer
+clips them to their training range (:func:`~.scoring.essay_offsets`).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +39,7 @@ def surface_features(texts: Sequence[str]) -> np.ndarray:
     """Essays -> float64 [n_essays, len(SURFACE_FEATURES)] (see the module doc)."""
     rows = []
     for text in texts:
+        text = unicodedata.normalize("NFC", text)
         words = _WORD.findall(text)
         n = len(words)
         sentences = len([s for s in _SENTENCE_END.split(text) if s.strip()]) if text.strip() else 0

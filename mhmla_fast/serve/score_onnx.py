@@ -304,8 +304,9 @@ def _batches(windows: Sequence[Sequence[int]], token_budget: int) -> list[list[i
 @dataclass(frozen=True)
 class ExportedScorerConfig:
     """What the HTTP app and the CLI read of a scorer's config: its prompts and how windows
-    become scores (``window``: word pieces per window without [CLS]/[SEP]; ``surface_weights``:
-    a ridge scorer's essay-level term, :func:`~mhmla_fast.aes.scoring.essay_offsets`)."""
+    become scores (``window``: word pieces per window without [CLS]/[SEP]; ``surface_weights``
+    and ``surface_bounds``: a ridge scorer's essay-level term,
+    :func:`~mhmla_fast.aes.scoring.essay_offsets`)."""
 
     prompts: tuple[int, ...]
     objective: str
@@ -313,6 +314,8 @@ class ExportedScorerConfig:
     window: int
     cutpoints: dict[int, tuple[float, ...]] = field(default_factory=dict)
     surface_weights: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    surface_bounds: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict)
 
 
 class OnnxScorer:
@@ -344,7 +347,9 @@ class OnnxScorer:
             tuple(int(p) for p in meta["prompts"]), meta["objective"], meta["decision"],
             int(meta["window"]),
             {int(p): tuple(c) for p, c in meta.get("cutpoints", {}).items()},
-            {int(p): tuple(c) for p, c in meta.get("surface_weights", {}).items()})
+            {int(p): tuple(c) for p, c in meta.get("surface_weights", {}).items()},
+            {int(p): (tuple(lo), tuple(hi))
+             for p, (lo, hi) in meta.get("surface_bounds", {}).items()})
         self.columns = {int(p): tuple(c) for p, c in meta["columns"].items()}
         self.width = max(end for _, end in self.columns.values())  # K
         self.cls_id, self.sep_id, self.pad_id = (int(meta["special_ids"][k])
@@ -400,7 +405,8 @@ class OnnxScorer:
             return (scores, outputs) if return_outputs else scores
         windows, essay_index = piece_windows(self.encode(texts), self.config.window,
                                              self.cls_id, self.sep_id)
-        offsets = essay_offsets(texts, prompts, self.config.surface_weights)
+        offsets = essay_offsets(texts, prompts, self.config.surface_weights,
+                                self.config.surface_bounds)
         scores, outputs = self._essay_scores(windows, essay_index, prompts, token_budget, offsets)
         return (scores, outputs) if return_outputs else scores
 
@@ -417,11 +423,13 @@ class OnnxScorer:
 
     def plan_essay(self, text: str, prompt: int) -> EssayPlan:
         """One essay word-pieced and cut into the windows :meth:`predict_scores` would use."""
-        essay_prompts(1, prompt, self.config.prompts)
+        (text,) = essay_texts([text])
+        (prompt,) = essay_prompts(1, prompt, self.config.prompts)
         pieces = self.encode([text])[0]
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
                          self.cls_id, self.sep_id, self.pad_id,
-                         essay_offset(text, prompt, self.config.surface_weights))
+                         essay_offset(text, prompt, self.config.surface_weights,
+                                      self.config.surface_bounds))
 
     def score_windows(self, pairs: Sequence[tuple[EssayPlan, int]], *, token_budget: int = 8192
                       ) -> list[np.ndarray]:
@@ -787,6 +795,8 @@ def export_scorer(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             "objective": cfg.objective, "decision": cfg.decision, "pooling": cfg.pooling,
             "cutpoints": {str(p): list(c) for p, c in sorted(cfg.cutpoints.items())},
             "surface_weights": {str(p): list(w) for p, w in sorted(cfg.surface_weights.items())},
+            "surface_bounds": {str(p): [list(lo), list(hi)]
+                               for p, (lo, hi) in sorted(cfg.surface_bounds.items())},
             "window": int(cfg.window), "max_length": int(cfg.encoder_spec.max_length),
             "special_ids": {"cls": int(tokenizer.cls_token_id),
                             "sep": int(tokenizer.sep_token_id), "pad": pad_id},
