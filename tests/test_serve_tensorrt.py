@@ -161,6 +161,13 @@ def test_missing_tensorrt_is_a_clear_runtime_error(monkeypatch, tmp_path):
             call()
 
 
+def test_an_onnx_reexport_knows_the_engine_files_it_makes_stale():
+    from mhmla_fast.serve.onnx_export import TENSORRT_FILES
+
+    assert set(TENSORRT_FILES) == {te.PLAN_FILE, te.meta_path(te.PLAN_FILE).name,
+                                   te.PLUGIN_ONNX_FILE}
+
+
 def test_missing_engine_says_how_to_build_it(tmp_path):
     from mhmla_fast.serve.runners import make_runner
 

@@ -107,7 +107,7 @@ def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int
     prompts = [int(prompt)] * n_texts if one else [int(p) for p in given]
     if len(prompts) != n_texts:
         raise ValueError(f"{n_texts} texts but {len(prompts)} prompts")
-    unknown = sorted(set(prompts if not one else [int(prompt)]) - set(known))  # (none: checked)
+    unknown = sorted({int(p) for p in given} - set(known))  # (one prompt: checked for no essays)
     if unknown:
         raise ValueError(f"prompts {unknown}: this scorer has heads for prompts "
                          f"{list(known)} only")

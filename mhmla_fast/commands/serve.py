@@ -521,22 +521,13 @@ def exit_status(run: Any, close: Any, *, output: str | None, verb: str) -> int:
     messages): 0, 1 when some input lines were malformed, 3 when it stopped on an error, 130
     interrupted, 141 broken pipe; a refused resume (other input or settings, an output that is
     not ours or is locked) raises UsageError. ``close()`` runs when ``run`` fails."""
-    from ..serve.inputs import WideInputError
-    from ..serve.outputs import (
-        OutputCorruptError,
-        OutputExistsError,
-        OutputLockedError,
-        OutputUnusableError,
-        NotStartedError,
-        ResumeMismatchError,
-    )
+    from ..serve.outputs import REFUSALS, NotStartedError
 
     to_file = output not in (None, "-")
     resume_hint = f"; rerun with --resume to continue {output}" if to_file else ""
     try:
         summary = run()
-    except (ResumeMismatchError, OutputExistsError, OutputLockedError, OutputCorruptError,
-            OutputUnusableError, WideInputError) as err:  # (a resume would not help these)
+    except REFUSALS as err:  # (a resume would not help these)
         close()
         raise UsageError(str(err)) from err
     except NotStartedError as err:

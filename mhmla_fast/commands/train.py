@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from ..distributed import rank_from_env
 from ..paths import shared_data_dir
 from .aes import add_train_parser as add_aes_parser
 from .aes import run_train as run_aes
@@ -45,7 +45,7 @@ def run_ged(args) -> int:
         return 2
     except KeyboardInterrupt:
         return interrupted()
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
+    if rank_from_env() == 0:  # under torchrun, rank 0 reports
         print(f"best model: {best}")
     return 0
 
@@ -57,7 +57,7 @@ def interrupted() -> int:
     """Ctrl-C: one line (from the first rank under torchrun, whose other ranks get the same
     signal) and exit 130; the same command resumes from what was saved (the last checkpoint,
     the finished cells and units)."""
-    if os.environ.get("RANK", "0") == "0":
+    if rank_from_env() == 0:
         print("mhmla-train: interrupted; run the same command to resume from what was saved",
               file=sys.stderr)
     return EXIT_INTERRUPTED

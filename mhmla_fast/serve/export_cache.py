@@ -340,14 +340,9 @@ def _complete(entry: Path) -> bool:
 
 def _files_sha256(folder: Path, names) -> dict[str, str]:
     """``{name: sha256 of its content}`` for the files ``names`` of ``folder``."""
-    out = {}
-    for name in names:
-        h = hashlib.sha256()
-        with open(folder / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        out[name] = h.hexdigest()
-    return out
+    from .onnx_export import file_sha256
+
+    return {name: file_sha256(folder / name) for name in names}
 
 
 def _stamp(folder: Path, names) -> dict[str, list[int]]:

@@ -62,6 +62,7 @@ __all__ = [
     "error_probability_module", "load_tagger_for_export", "torch_to_onnx", "example_inputs",
     "physical_cores", "ONNX_FILE", "INT8_FILE", "EXPORT_META", "INPUT_NAMES", "OUTPUT_NAME",
     "check_export_target", "export_stage", "staging", "check_fresh", "EXPORT_FILES",
+    "TENSORRT_FILES", "file_sha256",
     "DEFAULT_OPSET", "Int8Tolerance", "VALIDATION_SENTENCES", "sentence_batch",
     "eager_attention",
 ]
@@ -70,10 +71,11 @@ ONNX_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
 EXPORT_META = "export.json"
 STAGE_PREFIX = ".onnx-export-"  # + "<pid>-<random>": an export's staging folder in its out_dir
-# what an export writes beside a tagger's own files, its TensorRT engine included
-# (tensorrt_engine.PLAN_FILE, its ".json", PLUGIN_ONNX_FILE): not part of the model
-EXPORT_FILES = frozenset({ONNX_FILE, INT8_FILE, EXPORT_META, "model.plan", "model.plan.json",
-                          "model.plugin.onnx"})
+# a TensorRT engine built on the export (tensorrt_engine.PLAN_FILE, its ".json",
+# PLUGIN_ONNX_FILE): stale once the graph is replaced
+TENSORRT_FILES = ("model.plan", "model.plan.json", "model.plugin.onnx")
+# what an export writes beside a tagger's own files: not part of the model
+EXPORT_FILES = frozenset({ONNX_FILE, INT8_FILE, EXPORT_META, *TENSORRT_FILES})
 INPUT_NAMES = ("input_ids", "attention_mask")
 OUTPUT_NAME = "error_prob"
 DEFAULT_OPSET = 17
@@ -394,7 +396,8 @@ def validate_onnx(onnx_path: str | os.PathLike, reference: Sequence[np.ndarray],
 # ------------------------------------------------------------------------- export
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's content."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -472,7 +475,7 @@ def check_fresh(export_dir: str | os.PathLike) -> None:
     except (OSError, ValueError):
         return
     made = source.get("model_sha256")
-    if made is not None and made != _sha256(weights):
+    if made is not None and made != file_sha256(weights):
         raise ValueError(f"{export_dir}: its ONNX export is stale (model.safetensors changed "
                          f"since it was exported); export it again: mhmla-serve export --onnx "
                          f"{export_dir} --model {export_dir}")
@@ -567,7 +570,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             "format": EXPORT_FORMAT,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "source": {"model_dir": str(model_dir.resolve()),
-                       "model_sha256": _sha256(model_dir / "model.safetensors")},
+                       "model_sha256": file_sha256(model_dir / "model.safetensors")},
             "exporter": exporter, "opset": int(opset), "folded": bool(fold),
             "attention": attention,
             "versions": _versions(),
@@ -618,7 +621,7 @@ def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         for p in stage.iterdir():
             os.replace(p, out_dir / p.name)
         stale = [] if int8 else [INT8_FILE]  # export.json no longer describes it
-        stale += ["model.plan", "model.plan.json", "model.plugin.onnx"]  # another graph's engine
+        stale += TENSORRT_FILES  # the engine of the graph replaced
         for name in stale:
             (out_dir / name).unlink(missing_ok=True)
     return out_dir / ONNX_FILE

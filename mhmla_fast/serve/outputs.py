@@ -50,7 +50,7 @@ from typing import Any, BinaryIO
 
 from .. import filelock
 from ..durable import atomic_write_text, fsync_parent
-from .inputs import InputRecord, is_int, location
+from .inputs import InputRecord, WideInputError, is_int, location
 
 __all__ = [
     "InputFingerprint",
@@ -62,6 +62,7 @@ __all__ = [
     "ResumeMismatchError",
     "OutputUnusableError",
     "NotStartedError",
+    "REFUSALS",
     "ResumableJsonlWriter",
     "check_made_from",
     "directory_fingerprint",
@@ -95,6 +96,11 @@ class OutputUnusableError(ValueError):
 class NotStartedError(RuntimeError):
     """A run failed before it produced anything, and removed the files it had created: the
     same command starts it again (a ``--resume`` would find nothing to resume)."""
+
+
+# what refuses a run (the CLI's usage errors, exit 2): a resume would not help these
+REFUSALS = (ResumeMismatchError, OutputExistsError, OutputLockedError, OutputCorruptError,
+            OutputUnusableError, WideInputError)
 
 
 def meta_path(path: str) -> str:

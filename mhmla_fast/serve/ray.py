@@ -70,12 +70,11 @@ from .inputs import (
     parquet_records,
     read_bound,
     strip_line,
-    WideInputError,
 )
 from .outputs import (
+    REFUSALS,
     InputFingerprint,
     NotStartedError,
-    OutputCorruptError,
     OutputExistsError,
     OutputLockedError,
     OutputUnusableError,
@@ -90,9 +89,6 @@ __all__ = ["RayJob", "ShardWorker", "check_regular_files", "check_uri", "is_uri"
            "read_shard", "run_job", "shards_dir"]
 
 JOB_FORMAT = "mhmla-serve-ray-job/1"
-# what the CLI answers as a usage error (exit 2), not as a job that stopped
-REFUSALS = (ResumeMismatchError, OutputExistsError, OutputLockedError, OutputCorruptError,
-            OutputUnusableError, WideInputError)
 SHARDS_SUFFIX = ".shards"
 
 
@@ -563,7 +559,7 @@ def run_job(job: RayJob, paths: Sequence[str], output: str, *, made_from: dict[s
         for path in (meta_path(output), output):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if isinstance(err, REFUSALS):  # the CLI's refusals stay what they are
+        if isinstance(err, REFUSALS):  # the CLI's refusals stay what they are (usage errors)
             raise
         raise NotStartedError(f"{type(err).__name__}: {err}") from err
     finally:

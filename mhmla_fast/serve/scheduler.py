@@ -14,12 +14,11 @@ batches so far (estimated pieces per second, a moving average per family, from i
 batch on: the first pays the runtime's warm-up; :meth:`MicroBatcher.warm_up`, which the HTTP
 server runs before it accepts connections, runs and measures such batches of a fixed sample
 first, so that a burst reaching a cold server is admitted by time too). Round-robin batches
-share the worker as
-processor sharing does, so a request of ``x`` seconds of work is answered after ``x`` plus,
-of each unfinished request's ``w``, ``min(w, x)``. Under sustained overload some requests
-are then refused at once instead of every one being admitted and timing out part-done, while
-a short request beside a long text still gets in (the HTTP server passes half its request
-deadline).
+share the worker as processor sharing does, so a request of ``x`` seconds of work is answered
+after ``x`` plus, of each unfinished request's ``w``, ``min(w, x)``. Under sustained overload
+some requests are then refused at once instead of every one being admitted and timing out
+part-done, while a short request beside a long text still gets in (the HTTP server passes half
+its request deadline).
 
 Work items and windows
 ----------------------

@@ -131,12 +131,11 @@ def head_kind(path: str | Path) -> str | None:
     """The ``head_kind`` a scorer directory's ``config.json`` names (the default
     "layer-attention" when it names none); None when the file cannot be read (the load then
     says why)."""
-    import json
+    from ..aes.scoring import read_scorer_config
 
     try:
-        return json.loads((Path(path) / "config.json").read_text()).get("head_kind",
-                                                                          "layer-attention")
-    except (OSError, ValueError, AttributeError):
+        return read_scorer_config(path).get("head_kind", "layer-attention")
+    except (OSError, ValueError):
         return None
 
 
