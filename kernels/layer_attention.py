@@ -1065,8 +1065,11 @@ def _rates(dropout: tuple[float, float, float]) -> dict:
 @functools.lru_cache(maxsize=256)
 def _constant_seed(seed: int, device: torch.device) -> Tensor:
     """An int seed as the kernels take it, made once per (seed, device) and never written to
-    (0 is the seed of every call without dropout, saved for the backward as is)."""
-    return torch.tensor(seed, dtype=torch.int64, device=device)
+    (0 is the seed of every call without dropout, saved for the backward as is). Made outside
+    inference mode: an inference tensor cached by a first call under ``torch.inference_mode``
+    could not be saved for the backward of a later training call."""
+    with torch.inference_mode(False):
+        return torch.tensor(seed, dtype=torch.int64, device=device)
 
 
 def _seed_tensor(seed: Tensor | int, device: torch.device) -> Tensor:
@@ -1078,7 +1081,9 @@ def _seed_tensor(seed: Tensor | int, device: torch.device) -> Tensor:
             raise ValueError(f"seed: expected an int64 scalar tensor, got {seed.dtype} "
                              f"{list(seed.shape)}")
         return seed if seed.device == device else seed.to(device)
-    if torch.compiler.is_compiling():  # a constant of the traced graph (Dynamo skips caches)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        # a constant of the traced graph (Dynamo skips caches), or a tensor of the active
+        # dispatch mode (a FakeTensorMode's fake tensor must not outlive the mode in the cache)
         return torch.tensor(int(seed), dtype=torch.int64, device=device)
     return _constant_seed(int(seed), device)
 
@@ -1358,7 +1363,8 @@ class LayerAttentionFunction(torch.autograd.Function):
     ``kernels`` = (forward, backward), each ``"triton"`` (the fused ops) or ``"torch"`` (the
     eager reference on the same dropout masks, which the fused kernels' seed regenerates), so
     ``backend="auto"`` can take the faster one in each direction. Saves the inputs and
-    p [L, N, J], nothing L x N x H.
+    p [L, N, J], nothing L x N x H. Differentiable once: a second-order gradient
+    (``create_graph=True``) needs the eager reference (``backend="torch"``).
     """
 
     @staticmethod
@@ -1383,6 +1389,7 @@ class LayerAttentionFunction(torch.autograd.Function):
         return c, p
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises, saying so
     def backward(ctx, dc, dp):
         hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed = ctx.saved_tensors
         inputs = (hidden, w_v, b_v, w_k, b_k, w_a, b_a)

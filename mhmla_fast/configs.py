@@ -106,6 +106,13 @@ class LayerAttentionConfig:
                 or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a rate in [0, 1), got {self.dropout!r}")
 
+    def check_backend(self, backend: str) -> None:
+        """ValueError when the head cannot honour ``backend``: "triton" (the fused kernels) in
+        the "avgl" and "last" modes, which have no layer attention to run."""
+        if backend == "triton" and self.mode in ("avgl", "last"):
+            raise ValueError(f"backend: 'triton' (the fused kernels) has nothing to run in mode "
+                             f"{self.mode!r}, which has no layer attention; use 'auto' or 'torch'")
+
     @property
     def heads(self) -> int:
         """J as the mode uses it: ``num_heads`` for "mhmla", else 1."""

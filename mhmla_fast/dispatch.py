@@ -102,8 +102,14 @@ def fused_unsupported(device_type: str, dtype: torch.dtype, H: int, K: int) -> s
     and every shape with H or K a multiple of 16 matched eager (issue 10, open). The
     interpreter's memory check finds every access in bounds there
     (``tests/test_layer_attention_memcheck.py``), so the fault is in the compiled code. Every
-    BERT-like encoder's H is a multiple of 64.
+    BERT-like encoder's H is a multiple of 64. On the CPU (the Triton interpreter, a test
+    mode) bf16 is refused: the interpreter's bf16 ``tl.dot`` is wrong (a 16x16 product off by
+    about 2e10 in Triton 3.6), so the kernels would return garbage there.
     """
+    if device_type == "cpu" and dtype == torch.bfloat16:
+        return ("the fused kernels on the CPU (the Triton interpreter) cannot take bf16: the "
+                "interpreter's bf16 dot products are wrong (Triton 3.6); use fp32 or fp16 there, "
+                "or backend='auto' or 'torch'")
     if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and (H % 16 or K % 16):
         return (f"the fused kernels in {str(dtype).removeprefix('torch.')} on CUDA need H and K "
                 f"multiples of 16, got H={H}, K={K} (a kernel fault at H=120, K=72 is open); "

@@ -122,6 +122,19 @@ def _check(
     return L, N, H, K
 
 
+def _autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype autocast gives matmuls on ``t``'s device, when autocast is on there and ``t``
+    is float32 (an encoder's hidden states under autocast are: its LayerNorms run in float32);
+    else None."""
+    if t.dtype is not torch.float32:
+        return None
+    device_type = t.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return None if dtype is torch.float32 else dtype
+
+
 def _block_diagonal_dense(w_a: Tensor) -> Tensor:
     """[L, K/J, J] per-head scorers -> the equivalent dense [L, K, J] (zeros off the blocks)."""
     L, Kj, J = w_a.shape
@@ -174,14 +187,22 @@ def layer_attention(
         block_diagonal: per-head scoring from the head's own K/J slice of the keys.
 
     Returns:
-        c: [*, H] in the input dtype (Eq. 9); with ``return_weights`` also
+        c: [*, H] in the input dtype (autocast's, see below; Eq. 9); with ``return_weights`` also
         p: [*, L, J] float32 (float64 for float64 input), the softmax weights before
         attention dropout.
 
-    All tensors must share dtype and device; bad shapes, dtypes, devices or rates raise
-    ValueError naming the argument. A token whose inputs are non-finite gives non-finite
-    outputs for that token only.
+    Under ``torch.autocast``, float32 inputs run in autocast's dtype on both backends (the
+    eager reference through autocast's own matmuls, the fused kernels on inputs cast to it),
+    and c comes out in that dtype.
+
+    All tensors must share dtype and device; bad shapes, dtypes, devices, rates or flags that
+    are not bools raise ValueError naming the argument. A token whose inputs are non-finite
+    gives non-finite outputs for that token only.
     """
+    for name, flag in (("training", training), ("return_weights", return_weights),
+                       ("block_diagonal", block_diagonal)):
+        if not isinstance(flag, bool):  # ("no" would be true)
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
     hidden = _stack_hidden(hidden)
     params = {"w_v": w_v, "b_v": b_v, "w_k": w_k, "b_k": b_k, "w_a": w_a, "b_a": b_a}
     rates = {"dropout_h": dropout_h, "dropout_k": dropout_k, "dropout_p": dropout_p}
@@ -190,9 +211,10 @@ def layer_attention(
     flat = hidden.reshape(L, N, H)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (flat, *params.values()))
-    unsupported = fused_unsupported(flat.device.type, flat.dtype, H, K)  # "triton" raises it
+    compute = _autocast_dtype(flat) or flat.dtype  # the dtype the GEMMs run in
+    unsupported = fused_unsupported(flat.device.type, compute, H, K)  # "triton" raises it
     kernels = layer_attention_kernels(backend, flat.device, needs_grad, work=L * N * H * (H + K),
-                                      unsupported=unsupported, dtype=flat.dtype)
+                                      unsupported=unsupported, dtype=compute)
     dropout = tuple(float(r) if training else 0.0 for r in rates.values())
     if kernels == ("torch", "torch"):
         c, p = layer_attention_reference(
@@ -203,6 +225,9 @@ def layer_attention(
     else:
         from mhmla_fast.kernels.layer_attention import layer_attention_triton
 
+        if compute is not flat.dtype:  # under autocast: its dtype, as the eager matmuls take
+            flat = flat.to(compute)
+            w_v, b_v, w_k, b_k, w_a, b_a = (t.to(compute) for t in (w_v, b_v, w_k, b_k, w_a, b_a))
         if block_diagonal:
             w_a = _block_diagonal_dense(w_a)
         c, p = layer_attention_triton(flat, w_v, b_v, w_k, b_k, w_a, b_a, num_heads,

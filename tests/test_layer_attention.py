@@ -1001,3 +1001,74 @@ def test_bad_input_raises_value_error_naming_the_argument():
     else:
         meta = [t.to("meta") for t in ts]
         expect(r"w_v: device meta:?0? differs", ts[0], meta[1], *ts[2:], J)
+    for flag in ("training", "return_weights", "block_diagonal"):  # "no" would be true
+        expect(rf"{flag}: expected a bool, got 'no'", *ts, J, **{flag: "no"})
+
+
+@needs_triton
+def test_the_cached_zero_seed_outlives_inference_mode_and_fake_tensor_mode():
+    """The zero seed of calls without dropout is made once and cached: a first call under
+    ``torch.inference_mode`` (a validation pass) or ``FakeTensorMode`` (a shape estimate) must
+    not cache an inference or fake tensor that a later training call then saves or reads."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mhmla_fast.kernels import layer_attention as kernels
+
+    L, N, H, K, J = 2, 5, 16, 16, 2
+    ts = make_inputs(L, N, H, K, J, device=DEVICE)
+    for first in (torch.inference_mode, lambda: FakeTensorMode(allow_non_fake_inputs=True)):
+        kernels._constant_seed.cache_clear()
+        with first():
+            layer_attention(*ts, J, backend="triton")
+        args = leaves(ts)
+        layer_attention(*args, J, backend="triton").sum().backward()
+        want = leaves(ts)
+        layer_attention(*want, J, backend="torch").sum().backward()
+        for name, a, b in zip(NAMES, args, want):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@needs_triton
+def test_the_fused_path_runs_in_autocasts_dtype_as_eager_does():
+    """Under autocast, float32 hidden states (an encoder's, whose LayerNorms run in float32)
+    and weights run the fused kernels in autocast's dtype, as eager's matmuls do: c in that
+    dtype on both backends, near each other, gradients back in float32; bf16 on the
+    interpreter (whose bf16 dot products are wrong) is refused, not computed."""
+    L, N, H, K, J = 3, 9, 32, 16, 4
+    base = make_inputs(L, N, H, K, J, device=DEVICE)
+    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    out = {}
+    for backend in ("torch", "triton"):
+        ts = leaves(base)
+        with torch.autocast(DEVICE, dtype=half):
+            c = layer_attention(*ts, J, backend=backend)
+        c.float().square().sum().backward()
+        out[backend] = (c, [t.grad for t in ts])
+    (c_t, g_t), (c_f, g_f) = out["torch"], out["triton"]
+    assert c_t.dtype == c_f.dtype == half
+    torch.testing.assert_close(c_f, c_t, rtol=2e-2, atol=2e-2)
+    for name, a, b in zip(NAMES, g_f, g_t):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2, msg=name)
+    if DEVICE == "cpu":
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+                ValueError, match="cannot take bf16"):
+            layer_attention(*base, J, backend="triton")
+
+
+@needs_triton
+def test_a_second_order_gradient_through_the_fused_path_raises():
+    """The fused backward is differentiable once: a gradient penalty's backward raises saying
+    so (the eager reference gives one)."""
+    L, N, H, K, J = 2, 3, 8, 8, 2
+    for backend, works in (("torch", True), ("triton", False)):
+        ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE))
+        c = layer_attention(*ts, J, backend=backend)
+        (gh,) = torch.autograd.grad(c.square().sum(), ts[0], create_graph=True)
+        loss = c.sum() + gh.square().sum()
+        if works:
+            loss.backward()
+            assert ts[1].grad.abs().sum() > 0
+        else:
+            with pytest.raises(RuntimeError, match="once_differentiable"):
+                loss.backward()

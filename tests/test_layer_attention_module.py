@@ -142,3 +142,37 @@ def test_triton_backend_matches_torch_backend(block_diagonal):
     torch.testing.assert_close(fused(hs), eager(hs), rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(fused.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bad_hidden_states_are_named_in_every_mode():
+    """The input, not a parameter or a constructor argument, is named for a wrong width in
+    every mode; None (an encoder called without output_hidden_states=True) and a generator
+    are ValueErrors saying what was expected."""
+    hs = tiny_bert_hidden_states()
+    for mode in ("mhmla", "shmla", "avgl", "last"):
+        mod = FusedLayerAttention(48, 3, num_heads=4, mode=mode, backend="torch")
+        for width in (40, 36):  # 36 is not divisible by J = 4
+            with pytest.raises(ValueError, match=rf"hidden: expected layers \[\*, H\] with H = "
+                                                 rf"48 .* got \[2, 7, {width}\]"):
+                mod(tuple(h[..., :width] for h in hs))
+        with pytest.raises(ValueError, match="got None; call the encoder with "
+                                             "output_hidden_states=True"):
+            mod(None)
+        with pytest.raises(ValueError, match="hidden_states: expected the encoder's hidden "
+                                             "states .* got generator"):
+            mod(h for h in hs)
+
+
+def test_the_triton_backend_is_refused_where_a_mode_has_nothing_to_fuse():
+    """"triton" in the avgl and last modes (no layer attention) is an error, not eager run
+    under the name; the training configs refuse it before a run starts."""
+    from mhmla_fast.configs import LayerAttentionConfig
+    from mhmla_fast.ged.train import TrainConfig
+
+    for mode in ("avgl", "last"):
+        with pytest.raises(ValueError, match=f"'triton' .* nothing to run in mode '{mode}'"):
+            FusedLayerAttention(48, 3, mode=mode, backend="triton")
+        with pytest.raises(ValueError, match=f"nothing to run in mode '{mode}'"):
+            TrainConfig(out="x", train="t", dev="d", backend="triton",
+                        layer_attention=LayerAttentionConfig(mode=mode))
+        assert FusedLayerAttention(48, 3, mode=mode, backend="torch").mode == mode

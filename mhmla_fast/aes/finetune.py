@@ -92,6 +92,7 @@ class FinetuneConfig:
         check_train_precision(self.precision)
         check_counts(self, "epochs", "batch_size", "checkpoint_every")
         check_positive(self, "lr", "head_lr")
+        self.layer_attention.check_backend(self.backend)
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
         if self.batching not in BATCHINGS:

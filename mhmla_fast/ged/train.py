@@ -162,6 +162,7 @@ class TrainConfig:
         if not 0.0 < self.layer_lr_decay <= 1.0:
             raise ValueError(f"layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay!r}")
         check_synthetic_rate(self.synthetic_errors)
+        self.layer_attention.check_backend(self.backend)
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
         if isinstance(self.teacher_weight, bool) or not isinstance(self.teacher_weight, (int, float)) \

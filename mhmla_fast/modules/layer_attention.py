@@ -18,7 +18,14 @@ __all__ = ["FusedLayerAttention", "LayerAttentionConfig", "MODES", "select_hidde
 def select_hidden_states(hidden_states: Tensor | Sequence[Tensor], num_layers: int,
                          layers: Sequence[int]) -> list[Tensor]:
     """Entries ``layers`` of an encoder's ``hidden_states`` (the HF tuple of ``num_layers + 1``
-    tensors [*, H], or a tensor [num_layers + 1, *, H]); ValueError for another count."""
+    tensors [*, H], or a tensor [num_layers + 1, *, H]); ValueError for another count or
+    anything else (None: the encoder was called without ``output_hidden_states=True``)."""
+    if hidden_states is None:
+        raise ValueError("hidden_states: got None; call the encoder with "
+                         "output_hidden_states=True")
+    if not isinstance(hidden_states, (Tensor, Sequence)) or isinstance(hidden_states, (str, bytes)):
+        raise ValueError(f"hidden_states: expected the encoder's hidden states (a tuple of "
+                         f"tensors or one tensor), got {type(hidden_states).__name__}")
     n = len(hidden_states)
     if n != num_layers + 1:
         shape = list(hidden_states.shape) if isinstance(hidden_states, Tensor) else f"{n} tensors"
@@ -59,13 +66,15 @@ class FusedLayerAttention(nn.Module):
             modes on h^l only), ``block_diagonal`` (head j scores only from its own K/J slice
             of k^l).
         backend: ``"auto"`` (per device and direction the implementation measured fastest,
-            see ``mhmla_fast.dispatch``), ``"torch"`` (eager), ``"triton"`` (fused).
+            see ``mhmla_fast.dispatch``), ``"torch"`` (eager), ``"triton"`` (fused; refused
+            in the ``"avgl"`` and ``"last"`` modes, which have no layer attention).
 
     Parameters, per selected layer: ``w_v`` [L, H, H], ``b_v`` [L, H], ``w_k`` [L, H, K],
     ``b_k`` [L, K], ``w_a`` [L, K, J] ([L, K/J, J] block-diagonal), ``b_a`` [L, J]. Weights
     are initialised like ``nn.Linear`` (uniform in +-1/sqrt(fan_in)), biases to zero, so
     the initial layer weights are close to uniform. They are kept in the module's dtype and
-    cast to the hidden states' dtype in ``forward`` (for example bf16 under autocast).
+    cast to the hidden states' dtype in ``forward`` (for example bf16 for a bf16 encoder;
+    under autocast, whose hidden states are float32, the op runs in autocast's dtype).
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class FusedLayerAttention(nn.Module):
         layers, heads, key_size = config.resolve(hidden_size, num_layers)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        config.check_backend(backend)
         self.config = config
         self.hidden_size, self.num_layers, self.num_heads = hidden_size, num_layers, heads
         self.key_size, self.mode, self.layers = key_size, config.mode, layers
@@ -134,7 +144,10 @@ class FusedLayerAttention(nn.Module):
         """
         hs = self.select(hidden_states)
         rate = self.dropout if self.training else 0.0
-        if self.mode in ("last", "avgl"):  # (layer_attention checks its own input)
+        first = hs[0]
+        if self.mode in ("last", "avgl") or not isinstance(first, Tensor) or (
+                first.shape[-1:] != (self.hidden_size,)):
+            # (layer_attention checks the rest of its input, but would blame a wrong H on w_v)
             check_layers(hs, self.hidden_size)
         if self.mode == "last":
             c = F.dropout(hs[-1], rate, training=self.training)
