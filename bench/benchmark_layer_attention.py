@@ -53,7 +53,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -1061,18 +1060,14 @@ def _json_safe(x: Any) -> Any:
 
 
 def git_commit() -> str:
-    """$MHMLA_BENCH_COMMIT if set (a device's copy of the tree may carry a stale .git); else
-    ``git rev-parse HEAD`` of this checkout; else "unknown"."""
+    """$MHMLA_BENCH_COMMIT if set, else :func:`mhmla_fast.provenance.git_commit` ($MHMLA_COMMIT,
+    which the GPU scripts set since a device's copy of the tree has no .git; else this
+    checkout's HEAD; else "unknown")."""
     if os.environ.get("MHMLA_BENCH_COMMIT", "").strip():
         return os.environ["MHMLA_BENCH_COMMIT"].strip()
-    try:
-        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=10, check=False)
-        if res.returncode == 0 and res.stdout.strip():
-            return res.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+    from mhmla_fast.provenance import git_commit as package_commit
+
+    return package_commit()
 
 
 def gpu_slug(name: str) -> str:

@@ -107,6 +107,9 @@ CLI_COMMANDS = ("tag", "hf", "score")
 # default: the command's own (auto); torch-bf16: --backend torch --dtype bfloat16
 CLI_TAG_BACKENDS = ("default", "default-lanes1", "torch", "onnx", "torch-bf16")
 TAG_PATHS = ("plain", "hf", "engine", "onnx")
+# the plain-torch reference row's warm-up at most (it has no autotuner to keep out of its timed
+# pass; a warm-up of every sentence, as the engine's rows take, only doubled its time)
+PLAIN_WARMUP = 1024
 
 # defaults that differ by device: (cpu, cuda)
 DEVICE_DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -640,7 +643,8 @@ def run_tag(run: Run) -> list[dict]:
         {"path": "plain_torch", "backend": "torch", "dtype": "float32",
          "setting": {"batch_size": args.plain_batch_size}},
         tagbench.plain_torch_tagger(model, load_tokenizer(run.model_dir), args.plain_batch_size,
-                                    run.max_pieces, device), sentences, n_words, args)
+                                    run.max_pieces, device), sentences, n_words, args,
+        warmup=min(args.warmup, PLAIN_WARMUP))
     finish(row, reference)
     del model
 
@@ -682,9 +686,10 @@ def run_tag(run: Run) -> list[dict]:
                 budgeted.runner = Synchronous(engine.runner)
             tag = tagbench.engine_tagger(budgeted, chunk)
             row, _ = measure(base, tag)
-            if args.profile and row.get("error") is None:  # (where the host's time goes)
-                row["profile"] = {sort: tagbench.profile_text(tag, sentences, top=30, sort=sort)
-                                  .splitlines() for sort in ("tottime", "cumulative")}
+            if args.profile and row.get("error") is None:  # (where the host's time goes; one
+                # profiled pass, printed by both sorts)
+                row["profile"] = {sort: text.splitlines() for sort, text in
+                                  tagbench.profile_texts(tag, sentences, top=30).items()}
             captured = getattr(engine.runner, "captured", None)
             if captured is not None:
                 row["graph_captures"] = captured.captures  # of this engine's rows so far

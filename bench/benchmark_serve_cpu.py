@@ -329,12 +329,13 @@ def compare(reference: WordProbs, probs: WordProbs, thresholds: dict[str, float]
 
 def measured_row(base: dict, tag: Callable[[list[list[str]]], WordProbs],
                  sentences: list[list[str]], n_words: int, args: argparse.Namespace,
-                 ) -> tuple[dict, WordProbs | None]:
-    """Time one path and fill in its speed; errors become ``row["error"]``."""
-    row = dict(base, error=None)
+                 warmup: int | None = None) -> tuple[dict, WordProbs | None]:
+    """Time one path and fill in its speed (after a warm-up pass of ``warmup`` sentences,
+    default ``args.warmup``); errors become ``row["error"]``."""
+    warmup = args.warmup if warmup is None else warmup
+    row = dict(base, error=None, warmup_sentences=min(warmup, len(sentences)))
     try:
-        times, probs, cpus = time_passes(tag, sentences, repeats=args.repeats,
-                                         warmup=args.warmup)
+        times, probs, cpus = time_passes(tag, sentences, repeats=args.repeats, warmup=warmup)
     except Exception as e:  # noqa: BLE001 - recorded, the other rows go on
         row["error"] = f"{type(e).__name__}: {e}"
         return row, None
@@ -349,15 +350,24 @@ def measured_row(base: dict, tag: Callable[[list[list[str]]], WordProbs],
 def profile_text(fn: Callable, *args, top: int = 25, sort: str = "tottime") -> str:
     """``fn(*args)`` run under ``cProfile``: its ``top`` functions by ``sort``, as pstats prints
     them (cProfile slows Python-heavy code more than the rest: shares, not times)."""
+    return profile_texts(fn, *args, top=top, sorts=(sort,))[sort]
+
+
+def profile_texts(fn: Callable, *args, top: int = 25,
+                  sorts: tuple[str, ...] = ("tottime", "cumulative")) -> dict[str, str]:
+    """:func:`profile_text` for each of ``sorts``, from one profiled call of ``fn(*args)``."""
     import cProfile
     import io
     import pstats
 
     prof = cProfile.Profile()
     prof.runcall(fn, *args)
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
-    return buf.getvalue()
+    texts = {}
+    for sort in sorts:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
+        texts[sort] = buf.getvalue()
+    return texts
 
 
 def error_row(base: dict, message: str) -> dict:

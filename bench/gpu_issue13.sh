@@ -2,8 +2,11 @@
 # Issue 13 on a lent GPU: Table 2 on the paper's encoder shape (all-mpnet-base-v2, 12 x 768).
 # Its weights (438 MB in fp32, 219 MB in fp16) travel in parts of at most $PART_MB MiB (default:
 # what is left of the 64 MiB a call carries beside the tree, less the GED data of part 1 and a
-# 1 MiB margin; 14 MiB with the 40 MiB tree of 2026-12-01, so 16 parts), one device call
-# per part while the machine stays warm (30 s idle), then a call trains and evaluates.
+# 1 MiB margin; 14 MiB with the 40 MiB tree of 2026-12-01, so 16 parts; 11 MiB with the 43.5
+# MiB tree of 2026-12-07, so 22 parts), one device call per part while the machine stays warm
+# (30 s idle), then a call trains and evaluates. 22 transfer calls and a training call of up to
+# 10 minutes do not fit in the 15 minutes of device time a session now has: this plan needs a
+# session with more device time (or a smaller tree).
 #
 # Here (a machine with the shared data folder, a package index and this repository's venv):
 #   bash bench/gpu_issue13.sh pack-mpnet   # .gpu/mpnet/1..K: fp16 parts; part 1 also has the
@@ -70,6 +73,12 @@ case "$stage" in
       timeout "${T_TRAIN:-570}" training/ged_table2.sh "${EPOCHS:-5}" "${SEED:-0}" \
       ${HEADS:-mhmla last avgl shmla} > "$OUT/mpnet_table2.log" 2>&1 || true
     tail -20 "$OUT/mpnet_table2.log"
+    # each run's log.json (the epoch times this call is for) and the end of its log (a failure's
+    # cause), in one file: a call returns at most 8
+    (cd /tmp/mpnet_runs 2>/dev/null && for d in ged-*/; do
+       n=${d%/}; [ -f "$d/log.json" ] && cp "$d/log.json" "${n}_log.json"
+       [ -f "$n.log" ] && tail -c 20000 "$n.log" > "${n}_tail.log"
+     done; tar czf "$OUT/mpnet_run_logs.tar.gz" ./*_log.json ./*_tail.log 2>/dev/null) || true
     ls "$OUT" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
