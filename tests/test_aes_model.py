@@ -300,15 +300,18 @@ def test_finetuning_resumes_from_safetensors_as_if_never_stopped(tiny_encoder, t
 
 @pytest.mark.parametrize("every, killed_in, saved", [
     (3, ("step", 4), (0, 3)), (3, ("step", 8), (1, 2)), (3, ("step", 5), (1, 0)),
-    (2, ("dev scoring", 1), (0, 4))])
+    (2, ("dev scoring", 1), (0, 4)), (200, ("dev scoring", 1), (0, 4)),
+    (200, ("best saved", 1), (0, 4))])
 def test_finetuning_killed_mid_epoch_resumes_from_its_last_step_checkpoint(
         tiny_encoder, tmp_path, monkeypatch, every, killed_in, saved):
     """Killed in its n-th step or its n-th dev scoring (``killed_in``; two epochs of 4 steps, a
     checkpoint every ``every`` steps and after each epoch's dev scoring), a run has a
     checkpoint of (epoch, step_in_epoch) ``saved``: mid-epoch, (1, 0) the first epoch's end,
-    or (0, 4) all its steps but not its dev scoring; resumed, it runs only the steps after
-    that checkpoint and ends with the weights, optimizer state and log (epoch losses
-    included) of an uninterrupted run."""
+    or (0, 4) all its steps but not its dev scoring (the run's first checkpoint is written
+    before its first dev scoring, whatever ``every``: killed right after best/ is saved, a run
+    still has a checkpoint to resume from); resumed, it runs only the steps after that
+    checkpoint and ends with the weights, optimizer state and log (epoch losses included) of
+    an uninterrupted run."""
     from safetensors.torch import load_file
 
     from mhmla_fast.aes import finetune as ft
@@ -322,18 +325,20 @@ def test_finetuning_killed_mid_epoch_resumes_from_its_last_step_checkpoint(
                 lr=1e-3, head_lr=3e-3, backend="torch", epochs=2, checkpoint_every=every)
     _, whole = ft.finetune(FinetuneConfig(out=str(tmp_path / "whole"), **base), train, dev,
                            log=None)
-    calls: dict[str, list] = {"step": [], "dev scoring": []}
+    calls: dict[str, list] = {"step": [], "dev scoring": [], "best saved": []}
 
-    def killed(name, real):
+    def killed(name, real, after=False):
         def call(*args, **kwargs):
             calls[name].append(1)
+            out = real(*args, **kwargs) if after else None
             if killed_in == (name, len(calls[name])):
-                raise KeyboardInterrupt  # as a kill in the middle of it
-            return real(*args, **kwargs)
+                raise KeyboardInterrupt  # as a kill in the middle of it (or right after it)
+            return out if after else real(*args, **kwargs)
         return call
 
     monkeypatch.setattr(ft, "_window_loss", killed("step", ft._window_loss))
     monkeypatch.setattr(ft, "qwk", killed("dev scoring", ft.qwk))
+    monkeypatch.setattr(ft.EssayScorer, "save", killed("best saved", ft.EssayScorer.save, True))
     cut = FinetuneConfig(out=str(tmp_path / "cut"), **base)
     with pytest.raises(KeyboardInterrupt):
         ft.finetune(cut, train, dev, log=None)

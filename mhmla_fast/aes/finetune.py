@@ -286,8 +286,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             bar.update(1)
             bar.set_postfix(windows_s=f"{n / (time.perf_counter() - t0):.1f}", refresh=False)
             state["step_in_epoch"] = step + 1
-            # (none before the dev scoring as well: a GPU epoch is short, and each checkpoint
-            # copies the weights and the optimizer's state out of the device)
+            # (none before the dev scoring as well, but for the run's first: a GPU epoch is
+            # short, and each checkpoint copies the weights and the optimizer's state out of the
+            # device)
             if (state["epoch"] * steps_per_epoch + step + 1) % cfg.checkpoint_every == 0:
                 state["open_epoch"] = open_epoch()
                 checkpoint()
@@ -297,6 +298,12 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
             torch.distributed.barrier()
             state.update(epoch=state["epoch"] + 1, step_in_epoch=0, open_epoch=None)
             continue
+        if not (out / "checkpoint.json").is_file():
+            # the run's first checkpoint, of the epoch's steps (a resume goes on to its dev
+            # scoring), complete before best/ can be saved: a best/ without a checkpoint beside
+            # it would stop the next run in this folder (check_run_folder)
+            checkpoint()
+            writer.wait()
         dev_q = {}
         for p in sorted({e.prompt for e in dev_essays}):
             es = [e for e in dev_essays if e.prompt == p]
