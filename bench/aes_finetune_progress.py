@@ -41,10 +41,21 @@ def progress(cell: Path) -> dict:
             "precision_applied": meta.get("precision_applied"),
             "epochs_done": meta["epoch"], "epochs": config.get("epochs"),
             "steps_done_of_next_epoch": meta.get("step_in_epoch", 0),
-            "finished": (cell / "test.json").is_file(),
+            "finished": _finished(cell, meta, config),
             "best_epoch": best and best["epoch"],
             "best_dev_mean_qwk": best and best["dev_mean_qwk"],
             "log": epochs}
+
+
+def _finished(cell: Path, meta: dict, config: dict) -> bool:
+    """Whether the cell is scored for the run its checkpoint is of: a ``test.json`` made for
+    as many epochs as the checkpoint's config asks, all of them done (a cell extended to more
+    epochs keeps its earlier ``test.json`` while it trains on)."""
+    try:
+        made = json.loads((cell / "test.json").read_text(encoding="utf-8"))["settings"]["epochs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return made == config.get("epochs") and meta.get("epoch") == config.get("epochs")
 
 
 def main(argv: list[str] | None = None) -> int:

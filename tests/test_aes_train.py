@@ -812,6 +812,48 @@ def test_commands_finetune_collect_gathers_finished_cells_and_trains_nothing(
         assert got["qwk"]["0"][prompt] == alone["models"][name]["qwk"]["0"][prompt]
     assert mhmla_train(["aes", "--collect", "--out", str(tmp_path / "x")]) == 2
     assert "--collect: --finetune only" in capsys.readouterr().err
+    # each cell records how and where it ran, and the entry keeps it cell by cell
+    run3 = got["cells"]["0"]["3"]
+    assert run3["precision_applied"] == "fp32" and run3["compile_applied"] == "off"
+    assert len(run3["encoder_sha256"]) == 64 and "commit" in run3["provenance"]
+    assert "compile" not in got["settings"] and "device" in got["written_by"]
+    # cells that ran in other arithmetic (bf16 on a GPU, fp32 here) are not one model's
+    p4 = both / name / "fold0-p4" / "test.json"
+    cell4 = json.loads(p4.read_text())
+    p4.write_text(json.dumps({**cell4, "precision_applied": "bf16"}))
+    assert mhmla_train(collect) == 2
+    assert "its cells ran in different arithmetic" in capsys.readouterr().err
+    # a cell made from other encoder files under the same name is not this model's
+    p4.write_text(json.dumps({**cell4, "encoder_sha256": "0" * 64}))
+    assert mhmla_train(collect) == 2
+    assert "1 of 2 cells are not finished" in capsys.readouterr().err
+    p4.write_text(json.dumps(cell4)[:100])  # cut short in its copy
+    assert mhmla_train(collect) == 2
+    err = capsys.readouterr().err
+    assert f"{p4}: not a readable finished cell" in err and "remove it" in err
+    assert len(finetune_calls) == 2  # still nothing trained
+
+
+def test_commands_finetune_refuses_what_it_cannot_honour_before_training(
+        tiny_encoder, tmp_path, finetune_calls, capsys):
+    """Options of other modes, a negative seed and a prompt without essays in a split are
+    refused before any cell trains (a joint cell trained to its end, then failed to score)."""
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    data = write_asap(tmp_path / "data", n_per_prompt=20)
+    common = ["aes", "--fold", "0", "--data-dir", str(data), "--encoder", tiny_encoder,
+              "--out", str(tmp_path / "ft"), "--finetune", "--epochs", "1", "--backend",
+              "torch", "--quiet"]
+    for extra, said in ((["--fit-cutpoints", str(tmp_path)], "--fit-cutpoints: not used by"),
+                        (["--cache-dir", str(tmp_path)], "--cache-dir: not used by"),
+                        (["--prompt", "1,3", "--joint"], "fold 0 has no essays for prompt "
+                                                          "1's train, prompt 1's dev")):
+        assert mhmla_train([*common, *extra]) == 2
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mhmla_train([*common, "--prompt", "3", "--seed", "-1"])
+    assert "--seed: expected an integer >= 0" in capsys.readouterr().err
+    assert finetune_calls == [] and not (tmp_path / "ft").exists()
 
 
 def test_commands_finetune_joint_trains_one_scorer_for_all_prompts(tiny_encoder, tmp_path,

@@ -38,6 +38,12 @@ def test_progress_reports_the_checkpoints_epochs(tmp_path, tiny_encoder, capsys)
     assert got["best_epoch"] == state["best_epoch"]
     assert got["best_dev_mean_qwk"] == pytest.approx(100 * state["best"])
     assert got["finished"] is False  # no test.json: the CLI writes it once the test split is scored
+    # a test.json of this run finishes it; one left by a shorter run that is being extended
+    # (its checkpoint's config asks for more epochs) does not
+    (cell / "test.json").write_text(json.dumps({"settings": {"epochs": 2}}))
+    assert script.progress(cell)["finished"] is True
+    (cell / "test.json").write_text(json.dumps({"settings": {"epochs": 1}}))
+    assert script.progress(cell)["finished"] is False
     assert got["settings"]["batch_size"] == 4 and "out" not in got["settings"]
     assert got["run_command"].startswith("mhmla-train aes") and "commit" in got["provenance"]
     assert "epochs 2/2" in capsys.readouterr().out

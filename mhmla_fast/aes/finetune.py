@@ -32,6 +32,7 @@ from ..distributed import check_resume_world, rank_from_env, shard, training_dev
 from ..encoder import load_tokenizer
 from ..progress import progress_bar
 from .data import SCORE_RANGES, Essay, digest_essays
+from .fingerprints import encoder_fingerprint
 from .heads import _epoch_batches
 from .model import EssayScorer, ScorerConfig
 from .splits import PROMPTS, Log, qwk
@@ -92,6 +93,8 @@ class FinetuneConfig:
         check_train_precision(self.precision)
         check_counts(self, "epochs", "batch_size", "checkpoint_every")
         check_positive(self, "lr", "head_lr")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed: expected a non-negative integer, got {self.seed!r}")
         self.layer_attention.check_backend(self.backend)
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
@@ -169,7 +172,9 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     ]
     opt = fused_optimizer(torch.optim.Adam, groups)
     config = json.loads(json.dumps(asdict(cfg)))
-    data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays)}
+    # (the encoder's files too: a resume after they changed under the same name is refused)
+    data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays),
+            "encoder": encoder_fingerprint(cfg.encoder_spec.name_or_path)}
     precision = applied_precision(cfg.precision, device)
     compile_mode = applied_compile(cfg.compile, device, distributed=dist_ctx is not None)
     # step_in_epoch: the optimizer steps done of epoch + 1; open_epoch: their loss sum, windows

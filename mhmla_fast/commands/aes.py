@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..configs import MODES
 from ..devices import TRAIN_COMPILE_MODES, TRAIN_PRECISIONS
-from .argtypes import positive_float, positive_int
+from .argtypes import non_negative_int, positive_float, positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
            "export_shipped_scorer", "export_ridge_scorer", "parse_prompts", "parse_folds"]
@@ -59,13 +59,16 @@ def _int_list(value: str, option: str, span: str, allowed: set[int]) -> list[int
     return out
 
 
+CACHE_DIR = "runs/aes-cache"  # --cache-dir's default
+
+
 def _common(p) -> None:
     p.add_argument("--prompt", default="all", help="ASAP prompt 1-8, a comma list, or all (default)")
     p.add_argument("--data-dir", default=None, help="the shared data folder or its asap_aes "
                    "folder (default $MHMLA_SHARED_DATA or ../shared/data)")
-    p.add_argument("--cache-dir", default="runs/aes-cache",
-                   help="feature cache folder (per-layer [CLS] or mean vectors; default "
-                   "runs/aes-cache)")
+    p.add_argument("--cache-dir", default=None,
+                   help=f"feature cache folder (per-layer [CLS] or mean vectors; default "
+                   f"{CACHE_DIR}; not with --finetune, which caches nothing)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
@@ -103,7 +106,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--head-lr", type=positive_float, default=None, help="--finetune: head lr (default 1e-3)")
     p.add_argument("--batch-size", type=positive_int, default=None, help="windows per batch "
                    "(default 32; --finetune: 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--objective", default=None, choices=("classification", "regression"),
                    help="--export-shipped: the head's output (default: train both, keep the "
                    "better on dev); --finetune: the head's output (default classification)")
@@ -187,6 +190,7 @@ def run_train(args) -> int:
         prompts = parse_prompts(args.prompt)
         folds = parse_folds(args.fold)
         _check_mode_options(args)
+        args.cache_dir = args.cache_dir or CACHE_DIR
         if world_size_from_env() > 1 and (not args.finetune or args.collect):
             raise ValueError("under torchrun only `aes --finetune` runs (its cells train data-"
                              "parallel); run the other modes, and --collect, as one process")
@@ -290,7 +294,8 @@ def _check_mode_options(args) -> None:
                          "--models, e.g. mhmla-joint-reg)")
     if args.finetune:
         refuse(("patience", "cache_only", "models", "members", "export_shipped",
-                "export_ridge", "feature_precision"), "not used by --finetune")
+                "export_ridge", "feature_precision", "fit_cutpoints", "cache_dir"),
+               "not used by --finetune")
         if args.joint and len(parse_prompts(args.prompt)) < 2:
             raise ValueError("--joint: give two or more prompts in --prompt (a joint scorer "
                              "of one prompt is the per-prompt one)")
@@ -461,6 +466,7 @@ def run_eval(args) -> int:
     import numpy as np
     import torch
 
+    args.cache_dir = args.cache_dir or CACHE_DIR
     from ..aes.data import split_essays
     from ..aes.features import _check_encoder, cache_path, load_feature_cache
     from ..aes.metrics import exact_agreement

@@ -51,7 +51,7 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
                           checkpoint_every=args.checkpoint_every or 200)
     name = model_name(base)
     settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
-                if key not in ("out", "prompts", "fold", *RUN_ONLY)}
+                if key not in ("out", "prompts", "fold", "compile", *RUN_ONLY)}
     path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
                                  else Path(args.out) / "results-finetune.json"))
     header = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
@@ -62,14 +62,19 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
     for k in folds:
         for group in groups:
             out = Path(args.out) / name / f"fold{k}-p{'_'.join(map(str, group))}"
-            todo.append((k, replace(base, out=str(out), prompts=group, fold=k),
-                         {p: split_essays(essays, fold_ids, k, prompt=p) for p in group}))
+            splits = {p: split_essays(essays, fold_ids, k, prompt=p) for p in group}
+            empty = [f"prompt {p}'s {part}" for p in group for part in ("train", "dev", "test")
+                     if not splits[p][part]]
+            if empty:  # (else a joint cell would train to its end, then fail to score)
+                raise ValueError(f"{args.data_dir or 'the data'}: fold {k} has no essays for "
+                                 f"{', '.join(empty)}; leave those prompts out of --prompt")
+            todo.append((k, replace(base, out=str(out), prompts=group, fold=k), splits))
     if args.collect:  # every missing cell named at once, before anything is written
         missing = [str(cfg.out) for _, cfg, splits in todo
                    if _stored_cell(cfg, data_digest(splits, list(cfg.prompts))) is None]
         if missing:
             raise ValueError(f"--collect: {len(missing)} of {len(todo)} cells are not finished "
-                             f"with these settings and essays: {', '.join(missing)}")
+                             f"with these settings, essays and encoder files: {', '.join(missing)}")
     cells: dict[int, dict[int, dict]] = {k: {} for k in folds}
     cell_dirs: dict[int, dict[int, Path]] = {k: {} for k in folds}
     main = rank_from_env() == 0  # under torchrun the others train, and write nothing
@@ -78,11 +83,13 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
             cells[k][p], cell_dirs[k][p] = cell, Path(cfg.out)
     if not main:
         return 0
+    runs = _cell_runs(cells, name)  # each cell's arithmetic, encoder files and machine
     entry = {**_aggregate(cells, folds, prompts), "settings": settings,
              # each cell's epochs: dev QWK and seconds (from its checkpoint), the curve behind
              # the selected epoch (a joint cell's mean dev QWK, for each of its prompts)
              "epochs": {str(k): {str(p): _epoch_log(cell_dirs[k][p], base.epochs)
-                                 for p in prompts} for k in folds}}
+                                 for p in prompts} for k in folds},
+             "cells": runs, "written_by": provenance()}
     _add_results_entry(path, header, name, entry, provenance())
     print(f"wrote {path} ({name})")
     return 0
@@ -105,10 +112,12 @@ def _finetune_cell(cfg, splits: dict[int, dict], log, *, main: bool = True) -> d
 
     import numpy as np
 
+    from ..aes.fingerprints import encoder_fingerprint
     from ..aes.metrics import exact_agreement
     from ..aes.train import finetune, qwk
     from ..aes.units import data_digest
     from ..durable import atomic_write_text
+    from ..provenance import provenance
 
     group = tuple(cfg.prompts)
     out = Path(cfg.out)
@@ -130,6 +139,9 @@ def _finetune_cell(cfg, splits: dict[int, dict], log, *, main: bool = True) -> d
     model, state = finetune(cfg, train, dev, log=log)
     if not main:
         return {}
+    ran = {"encoder_sha256": encoder_fingerprint(cfg.encoder_spec.name_or_path),
+           "precision_applied": state["precision_applied"],
+           "compile_applied": state["compile_applied"], "provenance": provenance()}
     best = next((r for r in state["log"] if r["epoch"] == state["best_epoch"]), {})
     records = {}
     for p in group:
@@ -139,12 +151,12 @@ def _finetune_cell(cfg, splits: dict[int, dict], log, *, main: bool = True) -> d
         records[p] = {"qwk": qwk(gold, np.array(preds["pred"]), p),
                       "exact": exact_agreement(gold, np.array(preds["pred"])),
                       "dev_qwk": dev_qwk, "selected": {"epoch": state["best_epoch"]},
-                      "settings": cell_settings, "data": data, **preds}
+                      "settings": cell_settings, "data": data, **ran, **preds}
     if len(group) == 1:
         stored = records[group[0]]
     else:
         stored = {"settings": cell_settings, "data": data, "dev_qwk": state["best"],
-                  "selected": {"epoch": state["best_epoch"]},
+                  "selected": {"epoch": state["best_epoch"]}, **ran,
                   "prompts": {str(p): r for p, r in records.items()}}
     atomic_write_text(done, json.dumps(stored))
     return records
@@ -153,15 +165,53 @@ def _finetune_cell(cfg, splits: dict[int, dict], log, *, main: bool = True) -> d
 def _stored_cell(cfg, data: dict) -> dict | None:
     """The finished cell ``<cfg.out>/test.json`` when it was made with ``cfg``'s settings
     (:func:`_without_out`) on the essays whose digest is ``data``
-    (:func:`~mhmla_fast.aes.units.data_digest`); None otherwise."""
+    (:func:`~mhmla_fast.aes.units.data_digest`) and from the encoder files that ``cfg``'s
+    encoder names now (their sha256; a cell from before the record is taken on its settings);
+    None otherwise. ValueError, naming the file, for a ``test.json`` that cannot be read."""
     from dataclasses import asdict
+
+    from ..aes.fingerprints import encoder_fingerprint
 
     done = Path(cfg.out) / "test.json"
     if not done.is_file():
         return None
-    cell = json.loads(done.read_text())
-    same = _without_out(cell.get("settings")) == _without_out(json.loads(json.dumps(asdict(cfg))))
-    return cell if same and cell.get("data") == data else None
+    try:
+        cell = json.loads(done.read_text(encoding="utf-8"))
+        settings = cell.get("settings")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"{done}: not a readable finished cell ({err}); remove it, and the "
+                         "same command scores the cell again from its checkpoint") from None
+    same = _without_out(settings) == _without_out(json.loads(json.dumps(asdict(cfg))))
+    if not same or cell.get("data") != data:
+        return None
+    made = cell.get("encoder_sha256")
+    if made is not None and made != encoder_fingerprint(cfg.encoder_spec.name_or_path):
+        return None
+    return cell
+
+
+def _cell_runs(cells: dict[int, dict[int, dict]], name: str) -> dict[str, dict[str, dict]]:
+    """Each cell's run record (``encoder_sha256``, ``precision_applied``, ``compile_applied``,
+    ``provenance``; None in a cell from before the record) by fold and prompt. ValueError when
+    the cells of one model ran in different arithmetic or from different encoder files (cells
+    trained over several sessions and machines, ``--collect``): they are not one model's."""
+    keys = ("encoder_sha256", "precision_applied", "compile_applied", "provenance")
+    runs = {str(k): {str(p): {key: cell.get(key) for key in keys} for p, cell in by_p.items()}
+            for k, by_p in cells.items()}
+    for key, what in (("precision_applied", "arithmetic"), ("encoder_sha256", "encoder files")):
+        seen: dict = {}
+        for k, by_p in runs.items():
+            for p, run in by_p.items():
+                if run[key] is not None:
+                    seen.setdefault(run[key], []).append(f"fold {k} prompt {p}")
+        if len(seen) > 1:
+            said = "; ".join(f"{v[:12]}: {', '.join(where[:4])}"
+                             + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+                             for v, where in seen.items())
+            raise ValueError(f"{name}: its cells ran in different {what} ({said}); train "
+                             "the odd ones again (remove their folders) so that one model's "
+                             "cells share them")
+    return runs
 
 
 def _prompt_value(per_prompt: dict | None, prompt: int) -> float | None:
