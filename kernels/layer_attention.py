@@ -844,6 +844,7 @@ def _precompile(name: str, args: tuple, kwargs: dict) -> None:
 # (kernel, $MHMLA_TRITON_CONFIGS, autotuning key values, first argument's dtype) -> the
 # autotuner's pick for that key, as launch keyword arguments (tiles, num_warps, num_stages, ...)
 _PICKS: dict[tuple, dict] = {}
+_TUNE_LOCK = threading.Lock()  # held while the autotuner runs a key's first launch (_launch)
 # (launch key, device, argument classes) -> (the compiled kernel's launcher, its function
 # handle, its packed metadata, the kernel's arguments after the positional ones): see _run
 _COMPILED: dict[tuple, tuple] = {}
@@ -893,14 +894,19 @@ def _launch(name: str, grid, *args, **kwargs) -> None:
         key = _pick_key(name, choice, args, kwargs)
         config = _PICKS.get(key)
         if config is None:
-            tuned = _tuned(name)
-            _TUNING.launch = (name, args, kwargs)
-            try:
-                tuned[grid](*args, **kwargs)
-            finally:
-                _TUNING.launch = None
-            _PICKS[key] = tuned.best_config.all_kwargs()
-            return
+            # one tuning at a time: the autotuner keeps one best_config per kernel, not per
+            # key, so two threads tuning two keys at once could store each other's pick
+            with _TUNE_LOCK:
+                config = _PICKS.get(key)  # (tuned by another thread meanwhile)
+                if config is None:
+                    tuned = _tuned(name)
+                    _TUNING.launch = (name, args, kwargs)
+                    try:
+                        tuned[grid](*args, **kwargs)
+                    finally:
+                        _TUNING.launch = None
+                    _PICKS[key] = tuned.best_config.all_kwargs()
+                    return
     _run(_KERNELS[name], grid(config), args, {**kwargs, **config}, (key, *kwargs.values()))
 
 

@@ -848,6 +848,56 @@ def test_autotuned_launches_reuse_the_pick_of_their_key(monkeypatch):
     kernels._key_positions.cache_clear()
 
 
+def test_two_threads_tuning_two_keys_at_once_keep_their_own_picks(monkeypatch):
+    """The autotuner keeps one ``best_config`` per kernel, not per key: two threads tuning two
+    keys of one kernel at once must each store the pick of their own key (a fake autotuner
+    that picks by H and yields the CPU mid-tuning, so the two interleave without the lock)."""
+    import threading
+    import time
+
+    import triton
+
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    class FakeKernel:
+        arg_names = kernels._KERNELS["fwd_scores"].arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    class FakeAutotuner:
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                FakeAutotuner.best_config = triton.Config({"BLOCK_N": args[7] // 6},
+                                                          num_warps=4, num_stages=2)
+                time.sleep(0.2)  # the other thread's tuning runs meanwhile, if it may
+            return run
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.delenv("MHMLA_TRITON_CONFIGS", raising=False)
+    monkeypatch.setitem(kernels._KERNELS, "fwd_scores", FakeKernel())
+    monkeypatch.setattr(kernels, "_tuned", lambda name: FakeAutotuner())
+    monkeypatch.setattr(kernels, "_PICKS", {})
+    kernels._key_positions.cache_clear()
+    hidden, out = torch.zeros(2, dtype=torch.float16), torch.zeros(2)
+
+    def launch(H):
+        args = (hidden, hidden, hidden, hidden, hidden, out, 4096, H, 768, 12, 0, 0.0, 1.0)
+        kernels._launch("fwd_scores", lambda meta: (1,), *args, DROP_K=False, N_BUCKET=4096)
+
+    threads = [threading.Thread(target=launch, args=(H,)) for H in (384, 768)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    h_at = [k for k, _ in kernels._key_positions("fwd_scores")].index("H")  # in a key's values
+    picks = {key[2][h_at]: cfg["BLOCK_N"] for key, cfg in kernels._PICKS.items()}
+    assert picks == {384: 64, 768: 128}
+    kernels._key_positions.cache_clear()
+
+
 @needs_triton
 def test_direct_calls_and_the_custom_ops_give_the_same_bits(monkeypatch):
     """Outside torch.compile the autograd Function calls the launchers directly; through the
