@@ -572,3 +572,23 @@ def test_a_resume_is_refused_when_the_encoder_files_the_model_reads_changed(
     assert main(base + ["--resume"]) == 0
     assert len(out.read_text().splitlines()) == 40
     assert "encoder_sha256" in json.loads(Path(meta_path(str(out))).read_text())["made_from"]
+
+
+def test_sigterm_stops_tag_as_ctrl_c_does(tmp_path, tiny_tagger_dir, capsys, monkeypatch):
+    """A plain kill (SIGTERM) of `tag` stops it as Ctrl-C does (Python's default ended the
+    process without its cleanup, leaving host workers running): exit 130, the --resume hint;
+    the handler before the command is back after it."""
+    import signal
+
+    from mhmla_fast.serve.engine import Engine
+
+    def terminated(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt the call")
+
+    monkeypatch.setattr(Engine, "tag_texts", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    rc, records = tag(tmp_path, tiny_tagger_dir, b"He go to school .\n")
+    assert rc == 130 and records == []
+    assert "interrupted; rerun with --resume" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before

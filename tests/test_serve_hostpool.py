@@ -187,3 +187,59 @@ def test_calls_from_several_threads_each_get_their_own_results(tiny_engine):
                 [(i.tolist(), f.tolist()) for i, f in want]
     finally:
         pool.close()
+
+
+def test_inputs_that_do_not_pickle_are_sent_plain_or_raise_instead_of_hanging(tiny_engine):
+    """Texts of a str subclass defined in a function (which pickle cannot send) are sent as
+    plain str and tagged as such; a task that still cannot be sent (such words) raises in the
+    caller within a poll instead of leaving the call, and the pool's lock, waiting for ever;
+    the pool then answers the next call."""
+    class Local(str):
+        pass
+
+    pool = hostpool.HostPool(2, tiny_engine.pieces.to_str(), tiny_engine._unk)
+    try:
+        plain = ["a cat", "the well-known café"]
+        got = pool.texts([Local(t) for t in plain])
+        assert got[0] == pool.texts(plain)[0] and len(got[2]) == 2
+        with pytest.raises(RuntimeError, match="a chunk could not be sent to the workers"):
+            pool.tokens([[Local("a"), Local("cat")]])
+        assert len(pool.tokens([["a", "cat"]])) == 1
+    finally:
+        pool.close()
+
+
+def test_host_workers_exit_when_their_parent_is_killed(tmp_path):
+    """A parent killed with kill -9 (or a plain kill: SIGTERM skips the atexit handlers that
+    stop daemon children) left its host workers waiting for tasks for ever; they now follow it
+    out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mhmla_fast.filelock import process_alive
+    from mhmla_fast.serve.engine import default_tagger_path
+
+    tokenizer = default_tagger_path() / "tokenizer.json"
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import sys, time\nfrom mhmla_fast.serve import hostpool\n"
+        "if __name__ == '__main__':\n"
+        f"    pool = hostpool.HostPool(2, open({str(tokenizer)!r}).read(), '[UNK]')\n"
+        "    print(*[p.pid for p in pool._procs], flush=True)\n"
+        "    time.sleep(600)\n", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        pids = proc.stdout.readline().split()
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(process_alive(p) for p in pids)
+    finally:
+        proc.kill()

@@ -236,3 +236,84 @@ def test_a_group_worker_refreshes_its_queue_gauge():
         return seen
 
     assert asyncio.run(run()) == [3, 7]
+
+
+def test_a_killed_parent_takes_its_workers_with_it_and_ttou_changes_nothing(tiny_tagger_dir,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    """SIGTTOU (uvicorn's "one worker fewer") is ignored: the group's size is fixed, and
+    /healthz's workers and workers_ready stay equal. A parent killed with kill -9 left its
+    workers serving on the port unsupervised (a restart failed with "address already in use");
+    they now stop within seconds, and the next group removes the dead parent's folder."""
+    import tempfile
+
+    proc, url = _start(tiny_tagger_dir, tmp_path)
+    try:
+        first = _wait_ready(proc, url)
+        pids, deadline = {first["pid"]}, time.monotonic() + 30
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, f"only worker {pids} answered"
+            pids.add(_health(url)["pid"])
+        os.kill(proc.pid, signal.SIGTTOU)
+        time.sleep(2)
+        h = _health(url)
+        assert h["workers"] == h["workers_ready"] == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(http_workers.process_alive(p) for p in pids):
+            assert time.monotonic() < deadline, "the workers outlived their parent"
+            time.sleep(0.2)
+        port = int(url.rsplit(":", 1)[1])
+        with socket.socket() as s:  # the port is free again
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (stale,) = tmp_path.glob("mhmla-http-*")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    group = WorkerGroup.create(2)
+    try:
+        assert not stale.exists() and group.root.name.startswith(f"mhmla-http-{os.getpid()}-")
+    finally:
+        group.remove()
+
+
+def test_the_supervisor_closes_its_socket_before_it_stops_the_workers():
+    """At shutdown the parent's copy of the listening socket is closed first: with it open and
+    nobody accepting, new clients connected, waited for the workers' last requests, then were
+    reset (a single process refuses them at once)."""
+    events = []
+
+    class Base:
+        def __init__(self, sockets):
+            self.sockets = sockets
+
+        def terminate_all(self):
+            events.append([s.fileno() for s in self.sockets])
+
+    sock = socket.socket()
+    supervisor = http_workers._supervisor(Base)([sock])
+    supervisor.terminate_all()
+    assert events == [[-1]]  # closed when the workers were told to stop
+    supervisor.handle_ttin()  # logged and ignored: no worker added
+    supervisor.handle_ttou()
+
+
+def test_workers_are_bounded_and_web_concurrency_is_not_ours(tiny_tagger_dir, monkeypatch,
+                                                             capsys):
+    """A count of workers beyond twice the logical CPUs is a usage error (each loads the
+    models: a mistyped count spawned workers until memory ran out); one process passes
+    workers=1 to uvicorn, which otherwise read $WEB_CONCURRENCY and failed."""
+    import uvicorn
+
+    too_many = http_workers.max_workers() + 1
+    assert cli.main(["http", "--model", str(tiny_tagger_dir), "--no-scorer",
+                     "--workers", str(too_many)]) == 2
+    assert f"--workers: at most {too_many - 1} on this machine" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(cli, "build_http_app", lambda args: object())
+    monkeypatch.setenv("WEB_CONCURRENCY", "4")
+    assert cli.main(["http", "--model", str(tiny_tagger_dir), "--no-scorer"]) == 0
+    assert seen["workers"] == 1

@@ -742,8 +742,8 @@ def run_http(args: argparse.Namespace) -> int:
                   access_log=not args.no_access_log,
                   timeout_graceful_shutdown=args.graceful_timeout,
                   limit_concurrency=args.limit_concurrency or None)
-    if args.workers == 1:
-        uvicorn.run(build_http_app(args), **server)
+    if args.workers == 1:  # (workers=1: $WEB_CONCURRENCY, which uvicorn reads, is not for us)
+        uvicorn.run(build_http_app(args), workers=1, **server)
         return EXIT_OK
     return run_http_workers(args, server)
 
@@ -755,8 +755,12 @@ def run_http_workers(args: argparse.Namespace, server: dict[str, Any]) -> int:
     import json
 
     from ..devices import physical_cores
-    from ..serve.http_workers import serve_workers
+    from ..serve.http_workers import max_workers, serve_workers
 
+    if args.workers > max_workers():
+        raise UsageError(f"--workers: at most {max_workers()} on this machine (twice its "
+                         f"{os.cpu_count()} logical CPUs; each worker loads its own copy of the "
+                         f"models), got {args.workers}")
     check_options(args)
     resolve_model_dir(args.model)
     scorer = http_scorer_dir(args)  # decided (and a missing scorer said) once, not per worker
@@ -785,8 +789,9 @@ def http_worker_app():
 
     from uvicorn.config import STARTUP_FAILURE
 
-    from ..serve.http_workers import WorkerGroup
+    from ..serve.http_workers import WorkerGroup, follow_parent
 
+    follow_parent()  # a parent killed with kill -9 takes its workers with it
     try:
         args = argparse.Namespace(**json.loads(os.environ[HTTP_ARGS_ENV]))
         return build_http_app(args, group=WorkerGroup.from_env())
@@ -1077,6 +1082,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    # SIGTERM (a plain kill, a supervisor's stop) as Ctrl-C: Python's default ends the process
+    # without its cleanup, which left host workers running and outputs unsynced (the HTTP
+    # server has uvicorn's own handling)
+    before = _terminate_as_interrupt() if args.command != "http" else None
     try:
         return args.run(args)
     except UsageError as err:
@@ -1085,6 +1094,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the records run (imports, model load, export)
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if before is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, before)
+
+
+def _terminate_as_interrupt():
+    """Make SIGTERM raise KeyboardInterrupt (in the main thread; elsewhere nothing changes), so
+    that a terminated command stops as an interrupted one does: outputs synced for
+    ``--resume``, host workers and Ray stopped, exit 130. Returns the handler it replaced, or
+    None when it replaced none."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, interrupt)
+    return signal.SIG_DFL if before is None else before
 
 
 if __name__ == "__main__":

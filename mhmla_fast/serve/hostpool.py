@@ -27,6 +27,7 @@ import the script's main module); ``mhmla-serve`` does.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import threading
@@ -46,6 +47,7 @@ _STATE: dict[str, Any] = {}  # in a worker: the word-piece tokenizer and the unk
 READY_TIMEOUT = 300.0  # seconds HostPool waits for its workers to start
 _READY = ("ready",)  # the key of a worker's start-up report
 _POLL_S = 1.0  # how often a wait for results checks that the workers are alive
+_ONLY_STR = frozenset({str})
 _EXIT_S = 2.0  # how long close() lets the workers finish before terminating them
 
 
@@ -61,10 +63,28 @@ def _init(tokenizer_json: str, unk: str) -> None:
     _STATE.update(words=WordCache(pieces, unk))
 
 
+def exit_with_parent(how=lambda: os._exit(1)) -> None:
+    """In a spawned child process: call ``how`` (by default, exit at once) when the parent
+    process is gone, from a daemon thread that waits on the parent's sentinel. A parent killed
+    with ``kill -9`` or a plain ``kill`` (SIGTERM ends a Python process without its atexit
+    handlers, so multiprocessing never stops its daemon children) left its children waiting
+    for ever."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        how()
+
+    threading.Thread(target=watch, daemon=True, name="mhmla-parent-watch").start()
+
+
 def _serve(setup, tasks, results) -> None:
     """A worker: take ``(tokenizer_json, unk)`` from ``setup``, build the tokenizer, report
     ready, then answer ``(key, kind, chunk)`` tasks with ``(key, True, result)`` (or
-    ``(key, False, "<error>")``) until a None task."""
+    ``(key, False, "<error>")``) until a None task, or until the parent process is gone."""
+    exit_with_parent()
     results.cancel_join_thread()  # exiting never waits for a caller who stopped reading
     _init(*setup.get())
     results.put((_READY, True, os.getpid()))
@@ -126,6 +146,10 @@ class HostPool:
         self.workers = int(workers)
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        # a task the tasks queue's feeder thread cannot pickle is dropped there with a printed
+        # traceback, and its call would wait for ever: kept here, raised by the waiting call
+        self._unsent: BaseException | None = None
+        self._tasks._on_queue_feeder_error = self._task_not_sent
         # The tokenizer (about a megabyte of JSON) goes to the workers on a queue, one copy
         # each, not in the Process arguments: those are written to the child's pipe by the
         # starting thread itself, which then blocks for good if the child dies before it has
@@ -169,6 +193,8 @@ class HostPool:
         words: list[list[str]] = []
         offsets: list[np.ndarray] = []
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
+        if not _ONLY_STR.issuperset(map(type, texts)):  # a str subclass may not pickle
+            texts = [str(t) for t in texts]
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
         with self._lock:
             for w, n_tokens, offs, packed in self._map("texts", chunks):
@@ -213,7 +239,16 @@ class HostPool:
             except queue.Empty:
                 self._check_alive()
 
+    def _task_not_sent(self, err: BaseException, obj) -> None:
+        """(The tasks queue's feeder thread, on a task it could not pickle.)"""
+        self._unsent = err
+
     def _check_alive(self) -> None:
+        if self._unsent is not None:
+            err, self._unsent = self._unsent, None
+            raise RuntimeError(f"host_workers: a chunk could not be sent to the workers "
+                               f"({type(err).__name__}: {err}); pass plain str words and "
+                               "texts") from err
         dead = [p for p in self._procs if p.exitcode is not None]
         if dead:
             codes = sorted({p.exitcode for p in dead})

@@ -42,11 +42,32 @@ from typing import Any
 
 from ..filelock import process_alive
 
-__all__ = ["MIN_UVICORN", "WORKERS_ENV", "WorkerGroup", "serve_workers"]
+__all__ = ["MIN_UVICORN", "WORKERS_ENV", "WorkerGroup", "follow_parent", "max_workers",
+           "serve_workers"]
 
 WORKERS_ENV = "MHMLA_HTTP_WORKERS"
 MIN_UVICORN = (0, 50)  # a worker that fails to start stops the supervisor (uvicorn #3001)
 _METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_GROUP_PREFIX = "mhmla-http-"  # the group folder: mhmla-http-<parent pid>-<random>
+
+
+def max_workers() -> int:
+    """The most workers ``http --workers`` starts on this machine: twice its logical CPUs (each
+    worker loads its own copy of the models; a mistyped count spawned workers until the
+    machine ran out of memory)."""
+    return 2 * (os.cpu_count() or 1)
+
+
+def follow_parent() -> None:
+    """In a worker: stop gracefully (SIGTERM to itself: uvicorn finishes the requests in
+    flight) when the supervising parent is gone. A parent killed with ``kill -9`` (or by the
+    OOM killer) left its workers serving on the port unsupervised, a restart then failing
+    with "address already in use"."""
+    import signal
+
+    from .hostpool import exit_with_parent
+
+    exit_with_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
 @dataclass(frozen=True)
@@ -58,10 +79,16 @@ class WorkerGroup:
 
     @classmethod
     def create(cls, size: int) -> WorkerGroup:
-        """A new group in a fresh temporary folder (``remove`` deletes it)."""
+        """A new group in a fresh temporary folder named after this (the parent) process
+        (``remove`` deletes it); the folders of groups whose parent died without removing
+        theirs (``kill -9``) go first."""
         if size < 2:
             raise ValueError(f"workers: expected >= 2 for a group, got {size}")
-        root = Path(tempfile.mkdtemp(prefix="mhmla-http-"))
+        for old in Path(tempfile.gettempdir()).glob(f"{_GROUP_PREFIX}*-*"):
+            pid = old.name[len(_GROUP_PREFIX):].split("-")[0]
+            if pid.isdigit() and not process_alive(pid):
+                shutil.rmtree(old, ignore_errors=True)
+        root = Path(tempfile.mkdtemp(prefix=f"{_GROUP_PREFIX}{os.getpid()}-"))
         (root / "metrics").mkdir()
         (root / "ready").mkdir()
         return cls(root, size)
@@ -134,6 +161,33 @@ def _uvicorn_version() -> tuple[int, ...]:
     return tuple(int(p) for p in version("uvicorn").split(".")[:2] if p.isdigit())
 
 
+def _supervisor(base: type) -> type:
+    """uvicorn's :class:`~uvicorn.supervisors.Multiprocess` (``base``) as this server runs it:
+
+    - at shutdown the parent closes its copy of the listening socket before it stops the
+      workers, so that new clients are refused at once (the port stayed open with nobody
+      accepting: clients connected, waited for the workers' in-flight requests, then were
+      reset);
+    - SIGTTIN and SIGTTOU (add, remove a worker) are ignored: the group's size is fixed
+      (``/healthz``'s ``workers`` and ``workers_ready``, which a client waits on to be equal).
+    """
+    from uvicorn.supervisors.multiprocess import logger
+
+    class Supervisor(base):
+        def terminate_all(self) -> None:
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
+
+        def handle_ttin(self) -> None:
+            logger.info("Received SIGTTIN: ignored (the number of workers is fixed; restart "
+                        "with another --workers)")
+
+        handle_ttou = handle_ttin
+
+    return Supervisor
+
+
 def serve_workers(app: str, workers: int, *, env: Mapping[str, str] | None = None,
                   healthcheck_timeout_s: int = 20, **config: Any) -> bool:
     """Serve the ASGI app factory ``app`` ("module:function", called once in each worker) from
@@ -161,7 +215,7 @@ def serve_workers(app: str, workers: int, *, env: Mapping[str, str] | None = Non
         cfg = uvicorn.Config(app, factory=True, workers=workers,
                              timeout_worker_healthcheck=healthcheck_timeout_s, **config)
         sock = cfg.bind_socket()
-        supervisor = Multiprocess(cfg, sockets=[sock])
+        supervisor = _supervisor(Multiprocess)(cfg, sockets=[sock])
         supervisor.run()
         sock.close()
         return not any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
