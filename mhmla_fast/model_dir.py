@@ -31,7 +31,8 @@ from .encoder import EMBEDDED_ENCODER, resolve_encoder
 
 __all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
            "row_delta", "apply_row_delta", "DELTA_PARTS", "require_model_dir", "check_save_target",
-           "write_model_dir", "read_model_state", "load_checked_state", "ModelDirMixin"]
+           "write_model_dir", "install_model_dir", "staging_paths", "recover_model_dir",
+           "read_model_state", "load_checked_state", "ModelDirMixin"]
 
 def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
     """Frozen ``encoder.*`` parameters of ``model``: model key -> base encoder key."""
@@ -124,11 +125,23 @@ def check_save_target(path: Path) -> None:
                               "Give another folder")
 
 
+def staging_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    """The sibling folders :func:`write_model_dir` stages in: the new directory being written
+    and the old one between the two renames, ``.<name>.mhmla-save.tmp`` and
+    ``.<name>.mhmla-save.old`` (names no user picks: a ``<name>.old`` backup of a user's is
+    never touched; hidden, so the package's data globs leave a leftover out of a wheel)."""
+    full = Path(path).absolute()
+    stem = f".{full.name}.mhmla-save"
+    return full.with_name(stem + ".tmp"), full.with_name(stem + ".old")
+
+
 def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], config_json: str,
                     tokenizer=None) -> Path:
-    """Write a model directory: complete and fsynced in a sibling ``<name>.tmp`` first, then
-    swapped in by two renames (the old one to ``<name>.old``, removed last). A crash leaves
-    the old directory, the new one, or (between the renames) the old one as ``<name>.old``.
+    """Write a model directory: complete and fsynced in a sibling staging folder first
+    (:func:`staging_paths`; ``config.json`` written last, so a staged folder that has it is
+    whole), then swapped in by two renames (the old one to the ``.old`` staging name, removed
+    last). A crash leaves the old directory, the new one, or (between the renames) both staged,
+    which :func:`recover_model_dir` sorts out.
 
     ``path`` must be absent, empty, or a model directory (FileExistsError otherwise, before
     anything is written): a directory is replaced whole, so a folder of other files is never
@@ -138,7 +151,7 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
     path = Path(path)
     check_save_target(path)
     full = path.absolute()
-    tmp = full.with_name(full.name + ".tmp")
+    tmp, old = staging_paths(full)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -146,42 +159,58 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
     # safetensors creates its file private (0600) whatever the umask; a model folder is read
     # by whoever serves it, so its weights get the mode of any other new file
     os.chmod(tmp / "model.safetensors", 0o666 & ~current_umask())
-    (tmp / "config.json").write_text(config_json)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    (tmp / "config.json").write_text(config_json)  # last: its presence marks a whole folder
     for f in tmp.iterdir():
         fsync_file(f)
     fsync_dir(tmp)
-    if full.exists():
-        old = full.with_name(full.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(full, old)
-        os.replace(tmp, full)
-        fsync_dir(full.parent)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, full)
-    fsync_dir(full.parent)
+    _swap_in(tmp, full, old)
     return path
 
 
+def install_model_dir(staged: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Put the whole model directory ``staged`` (written and checked beside ``path``, on the
+    same file system) in place at ``path``, replacing a model directory there, by the two
+    renames of :func:`write_model_dir`: a script that ships a model checks it in a folder of
+    its own first, so that the shipped one is replaced only by one that passed."""
+    path = Path(path)
+    check_save_target(path)
+    full = path.absolute()
+    _swap_in(Path(staged).absolute(), full, staging_paths(full)[1])
+    return path
+
+
+def _swap_in(new: Path, full: Path, old: Path) -> None:
+    """``new`` to ``full``; a directory there first to ``old``, removed after the swap."""
+    if full.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(full, old)
+        os.replace(new, full)
+        fsync_dir(full.parent)
+        shutil.rmtree(old)
+    else:
+        os.replace(new, full)
+    fsync_dir(full.parent)
+
+
 def recover_model_dir(path: str | os.PathLike) -> None:
-    """Finish what a killed :func:`write_model_dir` left at ``path``: between its two renames
-    the directory is missing, with the new one complete (fsynced before the first rename) in
-    ``<name>.tmp`` and the old one in ``<name>.old``; the new one is put in place, else the old
-    one; a ``<name>.old`` left beside a directory in place (a kill before its removal) is
-    removed. Nothing else happens when ``path`` exists, or when neither is there."""
+    """Finish what a killed :func:`write_model_dir` left at ``path``: when the directory is
+    missing (a kill between the two renames, or during a first save), the staged new one is
+    put in place if it is whole (its ``config.json``, written last, is there), else the staged
+    old one; leftover staging folders are then removed. Nothing else is touched."""
     full = Path(path).absolute()
-    tmp, old = full.with_name(full.name + ".tmp"), full.with_name(full.name + ".old")
+    tmp, old = staging_paths(full)
     if not full.exists():
         for candidate in (tmp, old):
             if (candidate / "config.json").is_file() and (candidate / "model.safetensors").is_file():
                 os.replace(candidate, full)
                 fsync_dir(full.parent)
                 break
-    if full.exists() and old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def read_model_state(path: str | os.PathLike, base_tensors: dict[str, str],

@@ -1193,6 +1193,16 @@ def test_ship_aes_scorer_ships_a_joint_cell_only_when_it_beats_the_shipped_on_de
     assert ship.main([str(cell), *args, "--shipped", shipped(-0.9)]) == 1
     assert "no longer beats" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    # the candidate is checked in a folder of its own: interrupted in its check (minutes on a
+    # CPU), the shipped scorer is as it was, and nothing is left beside it
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    ship.dev_qwks = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ship.main([str(cell), *args, "--shipped", shipped(-0.9)])
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["aes"]
 
 
 def test_ship_aes_scorer_with_cutpoints_judges_the_cross_fitted_dev_qwk(tiny_encoder, tmp_path,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mhmla_fast.ged.model import GedTagger, TaggerConfig, encode_words, load_tokenizer
@@ -102,3 +103,10 @@ def test_a_run_with_trained_word_embeddings_ships_under_the_budget(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(shipped(ids, mask).softmax(-1), run(ids, mask).softmax(-1),
                                    atol=5e-3, rtol=0)
+    # a candidate over the budget is measured beside the shipped model and never replaces it
+    before = {f.name: f.read_bytes() for f in (tmp_path / "shipped").iterdir()}
+    ship.MAX_MB = 0.01
+    with pytest.raises(SystemExit, match="over the 0.01 MB budget: not shipped"):
+        ship.main([str(tmp_path / "best"), "--out", str(tmp_path / "shipped")])
+    assert {f.name: f.read_bytes() for f in (tmp_path / "shipped").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "shipped"]

@@ -396,22 +396,25 @@ def test_empty_data_or_a_dev_set_without_errors_is_refused(tmp_path, tiny_encode
 
 
 def test_a_kill_between_the_renames_of_best_resumes_to_the_same_model(tmp_path, tiny_encoder):
-    """Saving best/ swaps two renames (old to best.old, best.tmp to best): a kill between them
-    leaves no best/, which a finished run's resume used to need and refused; and the temporary
-    files of writes a kill cut short are removed."""
+    """Saving best/ swaps two renames (old to its .old staging name, the new one from its .tmp
+    staging name to best): a kill between them leaves no best/, which a finished run's resume
+    used to need and refused; and the temporary files of writes a kill cut short are removed."""
     import shutil
+
+    from mhmla_fast.model_dir import staging_paths
 
     cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
     best = train(cfg)
     want = (best / "config.json").read_text()
-    shutil.copytree(best, tmp_path / "run" / "best.old")  # the state the kill left
-    os.replace(best, tmp_path / "run" / "best.tmp")
+    staged, old = staging_paths(best)
+    shutil.copytree(best, old)  # the state the kill left
+    os.replace(best, staged)
     (tmp_path / "run" / ".tmpAbC123").write_bytes(b"x" * 100)  # safetensors' own temporary
     (tmp_path / "run" / ".checkpoint.json.k2j3.tmp").write_text("{")
     assert (train(cfg) / "config.json").read_text() == want
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".")) == \
         [".lock"]
-    assert not (tmp_path / "run" / "best.old").exists()
+    assert not old.exists() and not staged.exists()
 
 
 def test_a_locked_run_folder_is_a_message_not_a_traceback(tmp_path, tiny_encoder, capsys):

@@ -52,6 +52,60 @@ def test_a_folder_of_other_files_is_refused_untouched(tmp_path, layout, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
 
 
+def test_a_users_old_and_tmp_folders_beside_the_model_are_never_touched(tmp_path):
+    """Saves staged in ``<name>.tmp`` and ``<name>.old`` and removed them unchecked: a user's
+    ``cp -r tagger tagger.old`` backup was lost. The staging names are now the save's own."""
+    from mhmla_fast.model_dir import recover_model_dir
+
+    model = tmp_path / "tagger"
+    _write(model, 1.0)
+    for name in ("tagger.old", "tagger.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "NOTES.txt").write_text("mine")
+    _write(model, 2.0)
+    recover_model_dir(model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tagger", "tagger.old", "tagger.tmp"]
+    assert all((tmp_path / n / "NOTES.txt").read_text() == "mine" for n in ("tagger.old",
+                                                                            "tagger.tmp"))
+
+
+def test_a_first_save_killed_before_its_config_is_not_taken_for_a_model(tmp_path, monkeypatch):
+    """config.json is written last: a first save killed before it (here, while the tokenizer is
+    written) leaves a staged folder that recovery removes instead of putting in place as a
+    model (which then failed to load with an error naming no file); one killed after it, and
+    before the rename, is whole and put in place."""
+    from mhmla_fast import model_dir
+
+    class Killed(BaseException):
+        pass
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            (Path(folder) / "tokenizer.json").write_text('{"half": ')
+            raise Killed
+
+    from pathlib import Path
+
+    model = tmp_path / "best"
+    with pytest.raises(Killed):
+        write_model_dir(model, {"w": torch.ones(2)}, "{}", tokenizer=Tokenizer())
+    staged, _ = model_dir.staging_paths(model)
+    assert staged.is_dir() and not (staged / "config.json").exists()
+    model_dir.recover_model_dir(model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    def killed_at_rename(src, dst):
+        raise Killed
+
+    monkeypatch.setattr(model_dir.os, "replace", killed_at_rename)
+    with pytest.raises(Killed):
+        _write(model, 5.0)
+    monkeypatch.undo()
+    model_dir.recover_model_dir(model)
+    assert json.loads((model / "config.json").read_text()) == {"v": 5.0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
 def test_a_file_is_refused(tmp_path):
     (tmp_path / "model").write_text("not a folder")
     with pytest.raises(FileExistsError, match="is not a directory"):

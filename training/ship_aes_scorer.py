@@ -36,7 +36,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +111,7 @@ def main(argv=None) -> int:
     from mhmla_fast.aes.train import qwk
     from mhmla_fast.durable import atomic_write_text
     from mhmla_fast.encoder import EMBEDDED_ENCODER
+    from mhmla_fast.model_dir import install_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cell",
@@ -193,10 +193,13 @@ def main(argv=None) -> int:
         model.config.cutpoints = {p: tuple(float(c) for c in c_p) for p, c_p in cuts.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        backup = Path(tmp) / "previous"
-        if out.exists():
-            shutil.copytree(out, backup)
+    # written and checked beside the shipped scorer first: it is replaced only by a candidate
+    # that passed (one interrupted in its read-back check was left shipped, unchecked, and a
+    # Ctrl-C there deleted the only copy of the old one)
+    staged = out.with_name(f".{out.name}.candidate")
+    if staged.exists():
+        shutil.rmtree(staged)
+    try:
         model.config.training = {
             "protocol": "finetune", "data": "ASAP training_set_rel3, Taghipour & Ng folds",
             "fold": fold, "cell": str(cell), "weights_dtype": "float16",
@@ -210,24 +213,21 @@ def main(argv=None) -> int:
             "test_exact": {str(p): record["prompts"][str(p)]["exact"] for p in prompts},
             **({"cutpoints": cut} if cut is not None else {}),
         }
-        written = model.save(out, dtype=torch.float16, tokenizer=model.tokenizer,
+        written = model.save(staged, dtype=torch.float16, tokenizer=model.tokenizer,
                              row_deltas=deltas)
         size = sum(f.stat().st_size for f in Path(written).iterdir()) / 2**20
         back = EssayScorer.load(written)
         back_dev = split_outputs(back, splits, prompts)
         dev = dev_qwks(back, splits, prompts, back_dev)
         again = float(np.mean(list(dev.values())))
-        print(f"wrote {written} ({size:.1f} MB); read back, dev mean QWK {100 * again:.2f}")
+        print(f"wrote the candidate ({size:.1f} MB); read back, dev mean QWK {100 * again:.2f}")
         reason = (f"{size:.1f} MB, over the {MAX_MB} MB budget" if size > MAX_MB else
                   f"in fp16 its dev mean QWK {100 * again:.2f} no longer beats {100 * old:.2f}"
                   if not again > old else None)
         if reason is not None:
-            shutil.rmtree(out)
-            if backup.exists():
-                shutil.copytree(backup, out)
-            print(f"not shipped: {reason}; the previous scorer is back in {out}", file=sys.stderr)
+            print(f"not shipped: {reason}; {out} is unchanged", file=sys.stderr)
             return 1
-        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((staged / "config.json").read_text(encoding="utf-8"))
         config["training"]["dev_qwk_fp16"] = dev
         if cut is not None:  # dev scores the stored weights change; then the final check on test
             same = [back_dev[p][0] == apply_cutpoints(outputs[p][1], cuts[p], p) for p in prompts]
@@ -243,7 +243,11 @@ def main(argv=None) -> int:
             print(f"final check, fold {fold} test mean QWK: cut "
                   f"{100 * np.mean(list(test.values())):.2f}, rounded (the cell) "
                   f"{100 * model.config.training['test_mean_qwk']:.2f}")
-        atomic_write_text(out / "config.json", json.dumps(config, indent=2))
+        atomic_write_text(staged / "config.json", json.dumps(config, indent=2))
+        install_model_dir(staged, out)
+        print(f"shipped in {out}")
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     return 0
 
 

@@ -13,12 +13,14 @@ against 7.2 MB as fp16 rows and 23.4 MB whole), which keeps the model under the 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import torch
 
 from mhmla_fast.ged.model import GedTagger, load_tokenizer
 from mhmla_fast.ged.predict import default_model_path
+from mhmla_fast.model_dir import install_model_dir
 
 MAX_MB = 30
 EMBEDDINGS = "encoder.embeddings.word_embeddings.weight"
@@ -47,15 +49,27 @@ def main(argv=None) -> int:
         rows = int((mine != base.to(mine.dtype)).any(dim=1).sum())
         print(f"the run trained the word-piece embeddings: {rows:,} of {len(mine):,} rows "
               "changed, stored as a row delta")
-    out = model.save(args.out, dtype=torch.float16, tokenizer=load_tokenizer(args.run_best),
-                     row_deltas=deltas)
-    size = sum(f.stat().st_size for f in Path(out).iterdir()) / 2**20
-    if deltas:
-        back = GedTagger.load(out).encoder.get_input_embeddings().weight.detach()
-        print(f"word-piece embeddings read back: max |error| {float((back - mine).abs().max()):.2e}")
+    # written and measured beside the shipped model first: it is replaced only by one within
+    # the budget (a candidate over it was left shipped, the old one gone)
+    out = Path(args.out)
+    staged = out.with_name(f".{out.name}.candidate")
+    if staged.exists():
+        shutil.rmtree(staged)
+    try:
+        model.save(staged, dtype=torch.float16, tokenizer=load_tokenizer(args.run_best),
+                   row_deltas=deltas)
+        size = sum(f.stat().st_size for f in staged.iterdir()) / 2**20
+        if deltas:
+            back = GedTagger.load(staged).encoder.get_input_embeddings().weight.detach()
+            print(f"word-piece embeddings read back: max |error| "
+                  f"{float((back - mine).abs().max()):.2e}")
+        if size > MAX_MB:
+            raise SystemExit(f"the candidate is {size:.1f} MB, over the {MAX_MB} MB budget: "
+                             f"not shipped ({out} is unchanged)")
+        install_model_dir(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     print(f"wrote {out} ({size:.1f} MB)")
-    if size > MAX_MB:
-        raise SystemExit(f"{out} is {size:.1f} MB, over the {MAX_MB} MB budget")
     return 0
 
 
