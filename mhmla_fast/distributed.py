@@ -44,8 +44,10 @@ class DistContext:
 
 
 def rank_from_env() -> int:
-    """``RANK`` as torchrun sets it (0 when absent)."""
-    return int(os.environ.get("RANK", "0"))
+    """``RANK`` as torchrun sets it: 0 when absent, and 0 in a single process (``WORLD_SIZE``
+    absent or 1) whatever ``RANK`` says: a launcher's or a job template's stray ``RANK`` turned
+    off a lone run's lock on its folder and its start-up checks."""
+    return int(os.environ.get("RANK", "0")) if world_size_from_env() > 1 else 0
 
 
 def world_size_from_env() -> int:

@@ -417,10 +417,17 @@ def test_a_kill_between_the_renames_of_best_resumes_to_the_same_model(tmp_path, 
     assert not old.exists() and not staged.exists()
 
 
-def test_a_locked_run_folder_is_a_message_not_a_traceback(tmp_path, tiny_encoder, capsys):
+@pytest.mark.parametrize("rank", [None, "1"])
+def test_a_locked_run_folder_is_a_message_not_a_traceback(tmp_path, tiny_encoder, capsys,
+                                                          monkeypatch, rank):
+    """A second run in a folder is refused, also where a stray RANK (a launcher's, a job
+    template's) is set without a process group (it turned the lock off)."""
     from mhmla_fast.checkpoint import run_lock
     from mhmla_fast.commands.train import main
 
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if rank is not None:
+        monkeypatch.setenv("RANK", rank)
     cfg = config(tmp_path, tiny_encoder, tmp_path / "run", epochs=1)
     with run_lock(tmp_path / "run"):
         status = main(["ged", "--train", cfg.train, "--dev", cfg.dev, "--out", cfg.out,
