@@ -62,13 +62,14 @@ def _int_list(value: str, option: str, span: str, allowed: set[int]) -> list[int
 CACHE_DIR = "runs/aes-cache"  # --cache-dir's default
 
 
-def _common(p) -> None:
+def _common(p, finetune: bool = False) -> None:
     p.add_argument("--prompt", default="all", help="ASAP prompt 1-8, a comma list, or all (default)")
     p.add_argument("--data-dir", default=None, help="the shared data folder or its asap_aes "
                    "folder (default $MHMLA_SHARED_DATA or ../shared/data)")
     p.add_argument("--cache-dir", default=None,
                    help=f"feature cache folder (per-layer [CLS] or mean vectors; default "
-                   f"{CACHE_DIR}; not with --finetune, which caches nothing)")
+                   f"{CACHE_DIR}" + ("; not with --finetune, which caches nothing)"
+                                     if finetune else ")"))
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
@@ -84,7 +85,7 @@ def add_train_parser(sub) -> None:
         "human agreement, ensembles). --finetune: full fine-tuning (GPU). --export-ridge: "
         "fit the shipped scorer (fold 0); --export-shipped: train the MHMLA scorer shipped "
         "until 2026-12-06.")
-    _common(p)
+    _common(p, finetune=True)
     p.add_argument("--fold", default="all", help="fold 0-4, a comma list, or all (default)")
     p.add_argument("--out", default="runs/aes-cpu", help="run folder (per-unit predictions, "
                    "checkpoints; reused on restart)")

@@ -986,20 +986,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_option(g, help="the runtime: auto (default: on the CPU in float32, ONNX "
                         "Runtime on a cached export of the scorer validated to give torch's "
                         "scores, made once on first use; on a CPU with AMX and OpenVINO "
-                        "installed, the checked bfloat16 scorer on that export; torch on a GPU "
-                        "or where onnxruntime is missing) or torch; the scorer has no onnx or "
-                        "tensorrt backend")
+                        "installed, the checked bfloat16 scorer on that export where the "
+                        "scorer has measured bf16 margins (the shipped ridge scorer has none: "
+                        "ONNX Runtime float32); torch on a GPU or where onnxruntime is missing) "
+                        "or torch; the scorer has no onnx, openvino or tensorrt backend of its "
+                        "own")
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
                    type=lambda text: resolve_dtype(text, "cpu"),  # bf16, fp32 ... as for tag
                    help="scorer weights and compute: float32/bfloat16/float16, or bf16/fp32/fp16 "
                    "(default bfloat16 on cuda, float32 on cpu; auto on a CPU with AMX and "
-                   "OpenVINO: the checked bfloat16 scorer unless float32 is asked for)")
+                   "OpenVINO: the checked bfloat16 scorer, where the scorer has margins, unless "
+                   "float32 is asked for)")
     g.add_argument("--check-margin", type=float, default=None, metavar="M",
                    help="the checked bfloat16 scorer (auto on a CPU with AMX): essays whose "
                    "averaged bf16 output lies within M (normalised score units; probability "
                    "for a classifier) of a rounding boundary are scored again in fp32 "
-                   "(default: the scorer's per-prompt margins in its bf16_check.json, 0.015 "
-                   "where it has none; 0: bf16 alone)")
+                   "(default: the scorer's per-prompt margins in its bf16_check.json; 0.015 "
+                   "for a layer-attention scorer without it, while a ridge scorer without it "
+                   "runs ONNX Runtime float32 unless M is given; 0: bf16 alone)")
     g.add_argument("--no-cache", action="store_true",
                    help="backend auto: neither read nor write the ONNX export cache (run torch); "
                    "also MHMLA_NO_CACHE=1")
