@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         prof.disable()
         progress.progress_bar = open_bar
     if started:
-        note = f"mhmla-train ged {' '.join(train_args)}: profiled from epoch {args.from_epoch} (exit {rc})"
+        note = (f"mhmla-train ged {' '.join(train_args)}: profiled from epoch "
+                f"{args.from_epoch} (exit {rc})")
         text = stats_text(prof, args.top, note)
     else:
         text = f"epoch {args.from_epoch} never started (exit {rc}): nothing profiled\n"

@@ -780,6 +780,19 @@ def test_config_choice_restricts_the_value_kernels_to_one_form(monkeypatch):
         kernels.layer_attention_configs("fwd_values")
 
 
+def _fake_tuning(monkeypatch, kernel, autotuner) -> None:
+    """fwd_scores launched as on a GPU (no interpreter, autotuned configs) through fakes of
+    Triton's kernel and autotuner, with no picks yet."""
+    import mhmla_fast.kernels.layer_attention as kernels
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.delenv("MHMLA_TRITON_CONFIGS", raising=False)
+    monkeypatch.setitem(kernels._KERNELS, "fwd_scores", kernel)
+    monkeypatch.setattr(kernels, "_tuned", lambda name: autotuner)
+    monkeypatch.setattr(kernels, "_PICKS", {})
+    kernels._key_positions.cache_clear()
+
+
 def test_autotuned_launches_reuse_the_pick_of_their_key(monkeypatch):
     """On a GPU the autotuner takes the first launch of each key (its key arguments, the
     tensors' dtypes, and the config choice); later launches of that key go to the kernel
@@ -807,12 +820,7 @@ def test_autotuned_launches_reuse_the_pick_of_their_key(monkeypatch):
                     {"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)
             return run
 
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    monkeypatch.delenv("MHMLA_TRITON_CONFIGS", raising=False)
-    monkeypatch.setitem(kernels._KERNELS, "fwd_scores", FakeKernel())
-    monkeypatch.setattr(kernels, "_tuned", lambda name: FakeAutotuner())
-    monkeypatch.setattr(kernels, "_PICKS", {})
-    kernels._key_positions.cache_clear()
+    _fake_tuning(monkeypatch, FakeKernel(), FakeAutotuner())
     h16, h32, out = torch.zeros(2, dtype=torch.float16), torch.zeros(2), torch.zeros(2)
 
     def grid(meta):
@@ -875,12 +883,7 @@ def test_two_threads_tuning_two_keys_at_once_keep_their_own_picks(monkeypatch):
                 time.sleep(0.2)  # the other thread's tuning runs meanwhile, if it may
             return run
 
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    monkeypatch.delenv("MHMLA_TRITON_CONFIGS", raising=False)
-    monkeypatch.setitem(kernels._KERNELS, "fwd_scores", FakeKernel())
-    monkeypatch.setattr(kernels, "_tuned", lambda name: FakeAutotuner())
-    monkeypatch.setattr(kernels, "_PICKS", {})
-    kernels._key_positions.cache_clear()
+    _fake_tuning(monkeypatch, FakeKernel(), FakeAutotuner())
     hidden, out = torch.zeros(2, dtype=torch.float16), torch.zeros(2)
 
     def launch(H):
