@@ -34,7 +34,9 @@ it holds for any n; its smallest p is 2 / 2^n (0.25 at 3 seeds, 0.0625 at 5), so
 reach 5% below 6 seeds. The verdict uses the t-test: ``too few seeds (need >= 3)`` for n < 3
 (``one seed: no test`` where a lower minimum lets one seed through), else ``MHMLA higher,
 p=...`` / ``MHMLA lower, p=...`` when p_t < 0.05, else ``no significant difference at 5%
-(p=...)``. The tests are not corrected for the 4 sets x 3 baselines.
+(p=...)``. ``p_holm`` and ``verdict_holm``: the same after Holm's adjustment over each
+family (per encoder and metric, every baseline and set; in the J sweep, every J against the
+reference).
 No best seed is ever reported: every seed's value is listed, and only their spread is summarised.
 
 Written: ``--out`` (default ``bench/results/ged_seed_stats.json``): ``unit``, ``inputs``
@@ -371,14 +373,29 @@ def _adjust_families(comparisons: list[dict], alpha: float) -> None:
 def adjust_family(members: list[dict], alpha: float, name: str = "MHMLA") -> None:
     """Holm's adjustment over one family of :func:`paired` results: each gains ``p_holm``,
     ``family_size`` and ``verdict_holm`` (the verdict at ``alpha`` after the adjustment, of
-    system ``name``). A comparison with too few seeds, or no p-value, is no test: not in the
-    family, and it keeps its verdict."""
-    tests = [x for x in members
-             if not x["verdict"].startswith("too few") and x["p_ttest"] is not None]
+    system ``name``). A comparison with too few seeds (or one seed) is no test: not in the
+    family, and it keeps its verdict; one whose differences are all zero counts with p = 1
+    (:func:`family_tests`)."""
+    tests = family_tests(members)
     for x in members:
         x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
-    for x, p in zip(tests, holm([x["p_ttest"] for x in tests])):
+    for (x, _), p in zip(tests, holm([p for _, p in tests])):
         x["p_holm"], x["verdict_holm"] = p, verdict(x["n"], x["mean_diff"], p, alpha, 0, name)
+
+
+def family_tests(members: Sequence[dict]) -> list[tuple[dict, float]]:
+    """The members of a family that are tests, each with the p-value Holm's adjustment takes:
+    its t-test's; 1 for one whose differences are all zero (t is undefined; left out, it made
+    the family smaller and every other adjusted p smaller with it)."""
+    tests = []
+    for x in members:
+        if x["verdict"].startswith("too few") or x["n"] < 2:
+            continue
+        if x["p_ttest"] is not None:
+            tests.append((x, x["p_ttest"]))
+        elif all(d == 0 for d in x.get("differences") or ()):
+            tests.append((x, 1.0))
+    return tests
 
 
 def compare(systems: dict[tuple, list[Run]], stats: dict[str, Any], mhmla_j: int,
@@ -508,13 +525,14 @@ def j_sweep(stats: dict[str, Any], systems: dict[tuple, list[Run]] | None = None
             rows.append(row)
         for key in SWEEP_TESTED:  # one family per encoder and score: every J against the reference
             judged = [(r["J"], r["vs_j"][key]) for r in rows if key in r.get("vs_j", {})]
-            tests = [(j, x) for j, x in judged if not x["verdict"].startswith("too few")
-                     and x["p_ttest"] is not None]
+            j_of = {id(x): j for j, x in judged}
+            tests = family_tests([x for _, x in judged])
             for _, x in judged:
                 x["p_holm"], x["family_size"], x["verdict_holm"] = None, len(tests), x["verdict"]
-            for (j, x), p in zip(tests, holm([x["p_ttest"] for _, x in tests])):
+            for (x, _), p in zip(tests, holm([p for _, p in tests])):
                 x["p_holm"] = p
-                x["verdict_holm"] = verdict(x["n"], x["mean_diff"], p, alpha, 0, f"J = {j}")
+                x["verdict_holm"] = verdict(x["n"], x["mean_diff"], p, alpha, 0,
+                                            f"J = {j_of[id(x)]}")
         out[encoder] = rows
     return out
 

@@ -114,6 +114,20 @@ def test_holm_adjusts_a_family_of_p_values(gs):
     assert gs.holm([]) == [] and gs.holm([None]) == [None]
 
 
+def test_a_comparison_of_identical_scores_stays_in_its_holm_family(gs):
+    """All differences zero: t is undefined (p None), but the comparison is a test, counted
+    with p = 1; left out, it shrank the family and every other adjusted p with it. One seed
+    is no test."""
+    members = [gs.paired([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),
+               gs.paired([1.5, 2.1, 3.9], [1.0, 2.0, 3.0]),
+               gs.paired([1.0], [0.5])]
+    assert members[0]["p_ttest"] is None
+    gs.adjust_family(members, 0.05)
+    p = members[1]["p_ttest"]
+    assert members[1]["family_size"] == 2 and members[1]["p_holm"] == pytest.approx(min(1, 2 * p))
+    assert members[0]["p_holm"] == 1.0 and members[2]["p_holm"] is None
+
+
 def test_table2_statistics_match_numpy_and_scipy(gs, tmp_path, capsys):
     rng = np.random.default_rng(0)
     last = rng.uniform(0.25, 0.6, size=(5, 4))
