@@ -129,9 +129,12 @@ def _autocast_dtype(t: Tensor) -> torch.dtype | None:
     if t.dtype is not torch.float32:
         return None
     device_type = t.device.type
-    if not torch.is_autocast_enabled(device_type):
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        dtype = torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta, lazy): none there
         return None
-    dtype = torch.get_autocast_dtype(device_type)
     return None if dtype is torch.float32 else dtype
 
 
@@ -211,7 +214,8 @@ def layer_attention(
     flat = hidden.reshape(L, N, H)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (flat, *params.values()))
-    compute = _autocast_dtype(flat) or flat.dtype  # the dtype the GEMMs run in
+    # the dtype the GEMMs run in (eager's autocast handles itself: asked only for the others)
+    compute = (_autocast_dtype(flat) if backend != "torch" else None) or flat.dtype
     unsupported = fused_unsupported(flat.device.type, compute, H, K)  # "triton" raises it
     kernels = layer_attention_kernels(backend, flat.device, needs_grad, work=L * N * H * (H + K),
                                       unsupported=unsupported, dtype=compute)

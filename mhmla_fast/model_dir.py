@@ -204,8 +204,11 @@ def recover_model_dir(path: str | os.PathLike) -> None:
     old one; leftover staging folders are then removed. Nothing else is touched."""
     full = Path(path).absolute()
     tmp, old = staging_paths(full)
+    # (<name>.tmp and <name>.old: the staging names of versions before 2026-12-07, taken only
+    # when nothing else is there, and never removed: such a folder may be a user's)
+    legacy = (full.with_name(full.name + ".tmp"), full.with_name(full.name + ".old"))
     if not full.exists():
-        for candidate in (tmp, old):
+        for candidate in (tmp, old, *legacy):
             if (candidate / "config.json").is_file() and (candidate / "model.safetensors").is_file():
                 os.replace(candidate, full)
                 fsync_dir(full.parent)
@@ -249,8 +252,8 @@ def _check_base(path: Path, base_file: Path, base: dict[str, torch.Tensor],
         if Path(resolve_encoder(EMBEDDED_ENCODER)).resolve() != base_file.parent.resolve():
             return
         recorded = _embedded_checksums()
-    differ = sorted(b for b in set(base_tensors.values())
-                    if b in recorded and tensor_checksum(base[b]) != recorded[b])
+    differ = sorted(b for b in set(base_tensors.values())  # (a missing one: said by the caller)
+                    if b in recorded and b in base and tensor_checksum(base[b]) != recorded[b])
     if not differ:
         return
     message = (f"{path}: made against other encoder files than {base_file} ({len(differ)} "
@@ -387,13 +390,19 @@ class ModelDirMixin:
         config_file, weights_file = path / "config.json", path / "model.safetensors"
         try:
             config = cls.config_class.from_json(config_file.read_text())
-            model = cls(config, pretrained=False, backend=backend)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             newer = (" (settings of a newer mhmla-fast?)" if isinstance(err, TypeError)
                      and "unexpected" in str(err) else "")
             message = str(err).removeprefix("config.json: ")
             raise ValueError(f"{config_file}: not a usable {cls.model_kind} config: "
                              f"{message}{newer}") from err
+        try:
+            model = cls(config, pretrained=False, backend=backend)
+        except ValueError as err:  # (a config's own complaint names the file, not the folder)
+            if str(err).startswith("config.json: "):
+                raise ValueError(f"{config_file}: {str(err).removeprefix('config.json: ')}"
+                                 ) from err
+            raise
         try:
             state = read_model_state(path, config.base_tensors,
                                      resolve_encoder(config.encoder_spec))

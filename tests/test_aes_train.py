@@ -1327,9 +1327,19 @@ def test_under_torchrun_only_finetune_runs_and_ctrl_c_is_exit_130(tmp_path, monk
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ged_train, "train", interrupted)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (a RANK without a process group is rank 0)
     for rank, said in (("0", True), ("1", False)):
         monkeypatch.setenv("RANK", rank)
         assert train_cmd.main(["ged", "--train", "x.tsv", "--dev", "y.tsv", "--out",
                                str(tmp_path / "g")]) == 130
         err = capsys.readouterr().err
         assert ("interrupted; run the same command to resume" in err) is said
+
+
+def test_a_hub_encoder_name_has_no_local_fingerprint(tiny_encoder):
+    """Fine-tuning takes a Hugging Face hub name too: its files are not a local folder, so
+    they are not fingerprinted (this failed every such run with FileNotFoundError)."""
+    from mhmla_fast.aes.fingerprints import encoder_fingerprint, local_encoder_fingerprint
+
+    assert local_encoder_fingerprint("sentence-transformers/all-mpnet-base-v2") is None
+    assert local_encoder_fingerprint(tiny_encoder) == encoder_fingerprint(tiny_encoder)

@@ -1056,6 +1056,10 @@ def test_bad_input_raises_value_error_naming_the_argument():
         expect(r"w_v: device meta:?0? differs", ts[0], meta[1], *ts[2:], J)
     for flag in ("training", "return_weights", "block_diagonal"):  # "no" would be true
         expect(rf"{flag}: expected a bool, got 'no'", *ts, J, **{flag: "no"})
+    # meta tensors (shape passes): autocast, which knows no meta device, is not in the way
+    for backend in ("torch", "auto"):
+        c = layer_attention(*[t.to("meta") for t in ts], J, backend=backend)
+        assert c.device.type == "meta" and c.shape == (N, H)
 
 
 @needs_triton

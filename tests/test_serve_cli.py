@@ -592,3 +592,34 @@ def test_sigterm_stops_tag_as_ctrl_c_does(tmp_path, tiny_tagger_dir, capsys, mon
     assert rc == 130 and records == []
     assert "interrupted; rerun with --resume" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sigterm_handling_survives_ray_init_and_respects_an_ignored_sigterm(monkeypatch):
+    """ray.init installs a SIGTERM handler that exits at once: _init_ray puts the command's
+    back. A SIGTERM a parent set to be ignored stays ignored."""
+    import signal
+
+    ray = pytest.importorskip("ray")
+    from mhmla_fast.commands import serve as cli
+    from mhmla_fast.serve import ray as ray_jobs
+
+    def rays_own(signum, frame):
+        raise SystemExit(signum)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: signal.signal(signal.SIGTERM, rays_own))
+    before = signal.getsignal(signal.SIGTERM)
+    mine = cli._terminate_as_interrupt()
+    try:
+        ours = signal.getsignal(signal.SIGTERM)
+        assert ray_jobs._init_ray(None, 1) is True
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, mine)
+    assert signal.getsignal(signal.SIGTERM) == before
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        assert cli._terminate_as_interrupt() is None
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

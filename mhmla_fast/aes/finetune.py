@@ -32,7 +32,7 @@ from ..distributed import check_resume_world, rank_from_env, shard, training_dev
 from ..encoder import load_tokenizer
 from ..progress import progress_bar
 from .data import SCORE_RANGES, Essay, digest_essays
-from .fingerprints import encoder_fingerprint
+from .fingerprints import local_encoder_fingerprint
 from .heads import _epoch_batches
 from .model import EssayScorer, ScorerConfig
 from .splits import PROMPTS, Log, qwk
@@ -172,9 +172,11 @@ def _finetune(cfg: FinetuneConfig, train_essays: Sequence[Essay], dev_essays: Se
     ]
     opt = fused_optimizer(torch.optim.Adam, groups)
     config = json.loads(json.dumps(asdict(cfg)))
-    # (the encoder's files too: a resume after they changed under the same name is refused)
-    data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays),
-            "encoder": encoder_fingerprint(cfg.encoder_spec.name_or_path)}
+    # (the encoder's files too, when they are in a local folder: a resume after they changed
+    # under the same name is refused)
+    data = {"train": _essays_digest(train_essays), "dev": _essays_digest(dev_essays)}
+    if (encoder_sha := local_encoder_fingerprint(cfg.encoder_spec.name_or_path)) is not None:
+        data["encoder"] = encoder_sha
     precision = applied_precision(cfg.precision, device)
     compile_mode = applied_compile(cfg.compile, device, distributed=dist_ctx is not None)
     # step_in_epoch: the optimizer steps done of epoch + 1; open_epoch: their loss sum, windows

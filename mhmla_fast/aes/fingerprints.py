@@ -8,7 +8,7 @@ import functools
 import hashlib
 from pathlib import Path
 
-__all__ = ["encoder_fingerprint", "files_fingerprint"]
+__all__ = ["encoder_fingerprint", "files_fingerprint", "local_encoder_fingerprint"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -19,6 +19,14 @@ def encoder_fingerprint(encoder: str) -> str:
     from ..encoder import resolve_encoder
 
     return files_fingerprint(Path(resolve_encoder(encoder)))
+
+
+def local_encoder_fingerprint(encoder: str) -> str | None:
+    """:func:`encoder_fingerprint` of an encoder in a local folder (the embedded one, a path);
+    None for a Hugging Face hub name, whose files are not checked (fine-tuning takes one)."""
+    from ..encoder import resolve_encoder
+
+    return encoder_fingerprint(encoder) if Path(resolve_encoder(encoder)).is_dir() else None
 
 
 def files_fingerprint(root: Path) -> str:

@@ -112,7 +112,7 @@ def _finetune_cell(cfg, splits: dict[int, dict], log, *, main: bool = True) -> d
 
     import numpy as np
 
-    from ..aes.fingerprints import encoder_fingerprint
+    from ..aes.fingerprints import local_encoder_fingerprint
     from ..aes.metrics import exact_agreement
     from ..aes.train import finetune, qwk
     from ..aes.units import data_digest
@@ -139,7 +139,7 @@ def _finetune_cell(cfg, splits: dict[int, dict], log, *, main: bool = True) -> d
     model, state = finetune(cfg, train, dev, log=log)
     if not main:
         return {}
-    ran = {"encoder_sha256": encoder_fingerprint(cfg.encoder_spec.name_or_path),
+    ran = {"encoder_sha256": local_encoder_fingerprint(cfg.encoder_spec.name_or_path),
            "precision_applied": state["precision_applied"],
            "compile_applied": state["compile_applied"], "provenance": provenance()}
     best = next((r for r in state["log"] if r["epoch"] == state["best_epoch"]), {})
@@ -170,7 +170,7 @@ def _stored_cell(cfg, data: dict) -> dict | None:
     None otherwise. ValueError, naming the file, for a ``test.json`` that cannot be read."""
     from dataclasses import asdict
 
-    from ..aes.fingerprints import encoder_fingerprint
+    from ..aes.fingerprints import local_encoder_fingerprint
 
     done = Path(cfg.out) / "test.json"
     if not done.is_file():
@@ -185,7 +185,7 @@ def _stored_cell(cfg, data: dict) -> dict | None:
     if not same or cell.get("data") != data:
         return None
     made = cell.get("encoder_sha256")
-    if made is not None and made != encoder_fingerprint(cfg.encoder_spec.name_or_path):
+    if made is not None and made != local_encoder_fingerprint(cfg.encoder_spec.name_or_path):
         return None
     return cell
 

@@ -1115,11 +1115,13 @@ def _terminate_as_interrupt():
 
     if threading.current_thread() is not threading.main_thread():
         return None
+    before = signal.getsignal(signal.SIGTERM)
+    if before is signal.SIG_IGN:  # a parent's choice: left alone
+        return None
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    before = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, interrupt)
     return signal.SIG_DFL if before is None else before
 

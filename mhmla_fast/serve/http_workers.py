@@ -183,7 +183,9 @@ def _supervisor(base: type) -> type:
             logger.info("Received SIGTTIN: ignored (the number of workers is fixed; restart "
                         "with another --workers)")
 
-        handle_ttou = handle_ttin
+        def handle_ttou(self) -> None:
+            logger.info("Received SIGTTOU: ignored (the number of workers is fixed; restart "
+                        "with another --workers)")
 
     return Supervisor
 

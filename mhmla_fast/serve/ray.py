@@ -50,7 +50,9 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -475,6 +477,10 @@ def _init_ray(address: str | None, num_cpus: int) -> bool:
 
     if ray.is_initialized():
         return False
+    # ray.init replaces the SIGTERM handler (with one that exits at once): the command's, which
+    # stops a terminated job as an interrupted one (synced for --resume, exit 130), is put back
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
     if address in (None, "", "local"):
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     else:  # a cluster's workers do not inherit this shell: give them the cache's settings
@@ -482,6 +488,8 @@ def _init_ray(address: str | None, num_cpus: int) -> bool:
 
         env = {k: os.environ[k] for k in (CACHE_ENV, NO_CACHE_ENV) if k in os.environ}
         ray.init(address=address, **({"runtime_env": {"env_vars": env}} if env else {}))
+    if before is not None:
+        signal.signal(signal.SIGTERM, before)
     return True
 
 
