@@ -194,7 +194,7 @@ class HostPool:
         offsets: list[np.ndarray] = []
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
         if not _ONLY_STR.issuperset(map(type, texts)):  # a str subclass may not pickle
-            texts = [str(t) for t in texts]
+            texts = [str(t) if isinstance(t, str) else t for t in texts]  # (others fail there)
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
         with self._lock:
             for w, n_tokens, offs, packed in self._map("texts", chunks):
