@@ -219,22 +219,26 @@ def quantiles(times: list[float], qs: tuple[float, ...] = QUANTILES) -> tuple[fl
 
 
 class CudaTimer:
-    """Median and 20th/80th percentile in ms through ``triton.testing.do_bench`` (CUDA events,
-    L2 flushed before every run); ``warmup_ms`` and ``rep_ms`` are do_bench's budgets in ms."""
+    """Median and 20th/80th percentile in ms of CUDA events around each call, the L2 flushed
+    and the GPU idle before every run (the flush, then a synchronisation); ``warmup_ms`` and
+    ``rep_ms`` are the warm-up and measuring budgets in ms (as ``triton.testing.do_bench``'s).
+
+    One harness for every provider. ``do_bench``, used for most of them before 2026-12-07, does
+    not synchronise after its flush: a host-bound call issued its launches while the 256 MiB
+    memset ran (about 0.09 ms on an H100) and was timed as its host time less that, a GPU-bound
+    call as its GPU time, which favoured the fused op's host-bound rows (forward + backward at
+    BERT-base N = 4096, every MiniLM row) over eager's by about the size of the recorded tie."""
 
     def __init__(self, warmup_ms: int = 25, rep_ms: int = 100):
         self.warmup_ms = warmup_ms
         self.rep_ms = rep_ms
 
     def bench(self, fn: Callable[[], Any]) -> tuple[float, float, float]:
-        from triton.testing import do_bench
-
-        res = do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=list(QUANTILES))
-        return tuple(float(x) for x in res)  # type: ignore[return-value]
+        return self.bench_with_setup(lambda: None, lambda _: fn())
 
     def bench_with_setup(self, setup: Callable[[], Any], fn: Callable[[Any], Any]) -> tuple[float, float, float]:
-        """Time ``fn(setup())`` with CUDA events around ``fn`` only (for a backward whose graph
-        cannot be replayed: the forward runs in ``setup``, outside the events)."""
+        """Time ``fn(setup())`` with CUDA events around ``fn`` only (``setup`` outside them: for
+        a backward whose graph cannot be replayed, the forward runs there)."""
         import torch
 
         flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
@@ -245,6 +249,7 @@ class CudaTimer:
             for i in range(n):
                 state = setup()
                 flush.zero_()
+                torch.cuda.synchronize()  # idle: the call is timed from its first launch
                 starts[i].record()
                 fn(state)
                 ends[i].record()
@@ -1114,8 +1119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="train-mode dropout rate on h, k and p (default 0: no dropout; > 0 skips the "
                         "comparison with eager, whose masks differ)")
     p.add_argument("--seed", type=int, default=0, help="input seed (each N adds N to it)")
-    p.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up budget, ms")
-    p.add_argument("--rep-ms", type=positive_int, default=100, help="do_bench repetition budget, ms")
+    p.add_argument("--warmup-ms", type=positive_int, default=25, help="timer warm-up budget, ms")
+    p.add_argument("--rep-ms", type=positive_int, default=100, help="timer measuring budget, ms")
     p.add_argument("--bwd-group-elements", type=positive_int, default=None,
                    help="the fused backward's layer-group budget (kernels.layer_attention."
                         "BWD_GROUP_ELEMENTS; default: the module's, 2^27): fewer elements use less "
@@ -1158,7 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import triton
     except ImportError as e:
-        print(f"triton is needed for timing (triton.testing.do_bench): {e}", file=sys.stderr)
+        print(f"triton is needed (the fused op): {e}", file=sys.stderr)
         return 1
     try:
         op = _import_layer_attention()
@@ -1223,8 +1228,10 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_ceiling": ceilings,
         "copy_ceiling": copy,
         "flop_convention": FLOP_CONVENTION,
-        "timing": f"triton.testing.do_bench(quantiles={list(QUANTILES)}, warmup={args.warmup_ms}, "
-                  f"rep={args.rep_ms}) ms; L2 flushed before each run",
+        "timing": f"CudaTimer: CUDA events around each call, quantiles {list(QUANTILES)}, "
+                  f"warm-up {args.warmup_ms} ms, measured {args.rep_ms} ms; L2 flushed and the "
+                  "GPU synchronised (idle) before each run (before 2026-12-07: "
+                  "triton.testing.do_bench, no synchronisation after its flush)",
         "peak_extra_mem": "max_memory_allocated() after reset_peak_memory_stats() minus memory_allocated() "
                           "before one call, MiB (2^20 bytes); inputs (and for backward the built graph) excluded",
         "bwd_group_elements": kernels.BWD_GROUP_ELEMENTS,
