@@ -91,3 +91,19 @@ def process_alive(pid: int | str) -> bool:
     except (PermissionError, ValueError, OverflowError):
         pass
     return True
+
+
+def process_temp_dir(prefix: str, dir: str | os.PathLike | None = None):
+    """A new temporary folder ``<prefix><pid>-<random>`` in ``dir`` (default: the system's)
+    for this process; the folders of that form whose process is gone (killed before it
+    removed its own) are removed first. Returns its Path."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    parent = Path(tempfile.gettempdir() if dir is None else dir)
+    for old in parent.glob(f"{prefix}*-*"):
+        pid = old.name[len(prefix):].split("-")[0]
+        if pid.isdigit() and not process_alive(pid):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=dir))

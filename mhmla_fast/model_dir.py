@@ -17,11 +17,12 @@ on the AES scorer's matrices) at half the bytes. :class:`ModelDirMixin` gives a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -33,7 +34,8 @@ from .encoder import EMBEDDED_ENCODER, resolve_encoder
 
 __all__ = ["EMBEDDED_ENCODER", "resolve_encoder", "frozen_encoder_keys", "state_to_save",
            "row_delta", "apply_row_delta", "DELTA_PARTS", "require_model_dir", "check_save_target",
-           "write_model_dir", "install_model_dir", "staging_paths", "recover_model_dir",
+           "write_model_dir", "install_model_dir", "candidate_dir", "staging_paths",
+           "recover_model_dir",
            "read_model_state", "load_checked_state", "ModelDirMixin"]
 
 def frozen_encoder_keys(model: nn.Module) -> dict[str, str]:
@@ -183,6 +185,22 @@ def install_model_dir(staged: str | os.PathLike, path: str | os.PathLike) -> Pat
     return path
 
 
+@contextlib.contextmanager
+def candidate_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A fresh folder ``.<name>.candidate`` beside ``path`` for a model to be written and
+    checked in, removed on leaving the block; :func:`install_model_dir` (inside the block)
+    puts one that passed in place. So a ship script replaces a shipped model only with a
+    checked one, and one cut short or refused leaves it untouched."""
+    path = Path(path)
+    staged = path.with_name(f".{path.name}.candidate")
+    if staged.exists():
+        shutil.rmtree(staged)
+    try:
+        yield staged
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
 def _swap_in(new: Path, full: Path, old: Path) -> None:
     """``new`` to ``full``; a directory there first to ``old``, removed after the swap."""
     if full.exists():
@@ -284,12 +302,12 @@ def read_model_state(path: str | os.PathLike, base_tensors: dict[str, str],
     from safetensors.torch import load_file
 
     path = Path(path)
-    state = load_file(path / "model.safetensors")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:  # (once: tensors and metadata)
+        state = {k: f.get_tensor(k) for k in f.keys()}
+        recorded = (f.metadata() or {}).get(BASE_CHECKSUMS)
     if base_tensors:
         base_file = Path(encoder_dir) / "model.safetensors"
         base = load_file(base_file)
-        with safe_open(str(path / "model.safetensors"), "pt") as f:
-            recorded = (f.metadata() or {}).get(BASE_CHECKSUMS)
         _check_base(path, base_file, base, base_tensors,
                     json.loads(recorded) if recorded else None)
         for key, base_key in base_tensors.items():

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
     from mhmla_fast.aes.train import qwk
     from mhmla_fast.durable import atomic_write_text
     from mhmla_fast.encoder import EMBEDDED_ENCODER
-    from mhmla_fast.model_dir import install_model_dir
+    from mhmla_fast.model_dir import candidate_dir, install_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cell",
@@ -196,10 +195,7 @@ def main(argv=None) -> int:
     # written and checked beside the shipped scorer first: it is replaced only by a candidate
     # that passed (one interrupted in its read-back check was left shipped, unchecked, and a
     # Ctrl-C there deleted the only copy of the old one)
-    staged = out.with_name(f".{out.name}.candidate")
-    if staged.exists():
-        shutil.rmtree(staged)
-    try:
+    with candidate_dir(out) as staged:
         model.config.training = {
             "protocol": "finetune", "data": "ASAP training_set_rel3, Taghipour & Ng folds",
             "fold": fold, "cell": str(cell), "weights_dtype": "float16",
@@ -246,8 +242,6 @@ def main(argv=None) -> int:
         atomic_write_text(staged / "config.json", json.dumps(config, indent=2))
         install_model_dir(staged, out)
         print(f"shipped in {out}")
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
     return 0
 
 

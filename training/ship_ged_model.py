@@ -13,14 +13,13 @@ against 7.2 MB as fp16 rows and 23.4 MB whole), which keeps the model under the 
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import torch
 
 from mhmla_fast.ged.model import GedTagger, load_tokenizer
 from mhmla_fast.ged.predict import default_model_path
-from mhmla_fast.model_dir import install_model_dir
+from mhmla_fast.model_dir import candidate_dir, install_model_dir
 
 MAX_MB = 30
 EMBEDDINGS = "encoder.embeddings.word_embeddings.weight"
@@ -52,10 +51,7 @@ def main(argv=None) -> int:
     # written and measured beside the shipped model first: it is replaced only by one within
     # the budget (a candidate over it was left shipped, the old one gone)
     out = Path(args.out)
-    staged = out.with_name(f".{out.name}.candidate")
-    if staged.exists():
-        shutil.rmtree(staged)
-    try:
+    with candidate_dir(out) as staged:
         model.save(staged, dtype=torch.float16, tokenizer=load_tokenizer(args.run_best),
                    row_deltas=deltas)
         size = sum(f.stat().st_size for f in staged.iterdir()) / 2**20
@@ -67,8 +63,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"the candidate is {size:.1f} MB, over the {MAX_MB} MB budget: "
                              f"not shipped ({out} is unchanged)")
         install_model_dir(staged, out)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
     print(f"wrote {out} ({size:.1f} MB)")
     return 0
 

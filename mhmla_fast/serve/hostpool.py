@@ -47,7 +47,6 @@ _STATE: dict[str, Any] = {}  # in a worker: the word-piece tokenizer and the unk
 READY_TIMEOUT = 300.0  # seconds HostPool waits for its workers to start
 _READY = ("ready",)  # the key of a worker's start-up report
 _POLL_S = 1.0  # how often a wait for results checks that the workers are alive
-_ONLY_STR = frozenset({str})
 _EXIT_S = 2.0  # how long close() lets the workers finish before terminating them
 
 
@@ -193,6 +192,8 @@ class HostPool:
         words: list[list[str]] = []
         offsets: list[np.ndarray] = []
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
+        from .engine import _ONLY_STR
+
         if not _ONLY_STR.issuperset(map(type, texts)):  # a str subclass may not pickle
             texts = [str(t) if isinstance(t, str) else t for t in texts]  # (others fail there)
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]

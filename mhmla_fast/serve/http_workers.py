@@ -34,13 +34,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..filelock import process_alive
+from ..filelock import process_alive, process_temp_dir
 
 __all__ = ["MIN_UVICORN", "WORKERS_ENV", "WorkerGroup", "follow_parent", "max_workers",
            "serve_workers"]
@@ -84,11 +83,7 @@ class WorkerGroup:
         theirs (``kill -9``) go first."""
         if size < 2:
             raise ValueError(f"workers: expected >= 2 for a group, got {size}")
-        for old in Path(tempfile.gettempdir()).glob(f"{_GROUP_PREFIX}*-*"):
-            pid = old.name[len(_GROUP_PREFIX):].split("-")[0]
-            if pid.isdigit() and not process_alive(pid):
-                shutil.rmtree(old, ignore_errors=True)
-        root = Path(tempfile.mkdtemp(prefix=f"{_GROUP_PREFIX}{os.getpid()}-"))
+        root = process_temp_dir(_GROUP_PREFIX)
         (root / "metrics").mkdir()
         (root / "ready").mkdir()
         return cls(root, size)

@@ -41,7 +41,6 @@ import logging
 import os
 import platform
 import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -53,7 +52,7 @@ import numpy as np
 
 from ..devices import default_threads, physical_cores
 from ..encoder import max_input_length
-from ..filelock import process_alive
+from ..filelock import process_temp_dir
 from .options import check_lanes, resolve_options
 from .runners import Lanes, LaneRunner, check_pass
 
@@ -510,11 +509,7 @@ def export_stage(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     check_export_target(model_dir, out_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob(STAGE_PREFIX + "*"):
-        pid = old.name[len(STAGE_PREFIX):].split("-")[0]
-        if pid.isdigit() and not process_alive(pid):
-            shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=out_dir))
+    return process_temp_dir(STAGE_PREFIX, out_dir)
 
 
 def export_onnx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
