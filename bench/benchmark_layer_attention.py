@@ -9,7 +9,7 @@ Providers (all on the same random inputs; all but ``cublas`` checked against eag
     compile      torch.compile (default mode, static shapes) of a function calling backend="torch"
     compile-max  the same function under torch.compile(mode="max-autotune-no-cudagraphs")
     fused        backend="triton" (fused forward and backward kernels through autograd)
-    auto         backend="auto" (what a user gets by default: the per-device, per-direction policy)
+    auto         backend="auto" (what a user gets by default: the per-device rule of mhmla_fast.dispatch)
     cublas       the "cuBLAS line": torch.bmm of the two projections alone, v = h W_v and
                  z = h W_k for all L layers (no bias, ReLU, scores, softmax or sum); backward is
                  autograd through those two bmm. A floor for the counted GEMMs, not the head:
@@ -22,7 +22,7 @@ Modes:
                provider's graph cannot be replayed, the forward is rebuilt before every
                timed backward, outside the CUDA events (row field ``backward_timing``)
     full       forward + backward (gradients of hidden, all weights and biases)
-    inference  (opt-in, ``--modes inference``) the forward under ``torch.no_grad()``
+    inference  the forward under ``torch.no_grad()`` (what auto decides for serving)
 
 FLOP convention ("model FLOPs"; a GEMM [M x K] @ [K x N] is 2*M*N*K FLOPs):
     forward  = 2 * L * N * H * (H + K)   the two projections per layer, h W_v ([N,H]@[H,H])
@@ -36,9 +36,11 @@ FLOP convention ("model FLOPs"; a GEMM [M x K] @ [K x N] is 2*M*N*K FLOPs):
     runs exactly the counted GEMMs, so its TFLOP/s is what cuBLAS reaches on them.
 
 Summaries written beside the rows: ``speedups`` (other provider's median / fused's, and the
-same for auto), ``targets`` (the op issue's, PASS/FAIL/n-a), ``direction_winners`` (eager or
-fused per direction, the input of the ``auto`` policy) and ``determinism`` (fused weight
-gradients bitwise equal over two identical runs).
+same for auto), ``targets`` (the op issue's, PASS/FAIL/n-a), ``auto_evidence`` (eager or
+fused for each decision ``auto`` makes, inference and training, and whether the shipped rule
+picked the faster; schema 3; files of schema 2 have ``direction_winners``, read from the
+forward and backward rows instead) and ``determinism`` (fused weight gradients bitwise equal
+over two identical runs).
 
 On a machine without a CUDA GPU this prints a message to stderr and exits 0, writing nothing.
 See bench/README.md for every output field and the targets.
@@ -85,8 +87,8 @@ N_SWEEP = (1024, 2048, 4096, 8192, 16384)  # tokens; 4096 = batch 32 x 128
 PROVIDERS = ("eager", "compile", "compile-max", "fused", "auto", "cublas")
 # What fused (and auto) are compared with in the summary: other median / their median.
 BASELINES = ("eager", "compile", "compile-max", "cublas")
-MODES = ("forward", "backward", "full")
-ALL_MODES = MODES + ("inference",)
+MODES = ("forward", "backward", "full", "inference")
+ALL_MODES = MODES
 QUANTILES = (0.5, 0.2, 0.8)  # median, 20th, 80th percentile
 INPUT_NAMES = ("hidden", "w_v", "b_v", "w_k", "b_k", "w_a", "b_a")
 WEIGHT_NAMES = INPUT_NAMES[1:]
@@ -145,8 +147,9 @@ SWEEP_TARGETS = tuple(Target(mode, metric, ">", 1.0) for mode in ("forward", "fu
                       for metric in ("fused_vs_eager", "fused_vs_compile_max"))
 TARGETS = {"headline": HEADLINE_TARGETS, "sweep": SWEEP_TARGETS}
 
-# The auto policy's evidence: the mode that measures each direction.
-DIRECTIONS = {"forward": "forward", "backward": "backward"}
+# The auto policy's evidence: each decision backend="auto" makes, and the mode whose rows measure
+# it (inference: the forward without a gradient; training: the fused pair against eager end to end).
+AUTO_DECISIONS = {"inference": "inference", "training": "full"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -885,24 +888,73 @@ def evaluate_targets(speedups: list[dict], device_name: str) -> dict:
     }
 
 
-def direction_winners(rows: list[dict], device_name: str) -> dict:
-    """Which of eager and fused is faster, per (shape, dtype, N) and direction: the evidence
-    for the ``auto`` backend's per-device, per-direction choice.
+def _auto_pick(decision: str, shape: Shape, dtype: str, n: int) -> str:
+    """What the shipped CUDA rule (``mhmla_fast.dispatch``) runs for one entry: "fused",
+    "eager" or "mixed" (a fused forward behind an eager backward or the reverse)."""
+    import torch
 
-    Direction ``forward`` is measured by mode forward, ``backward`` by mode backward. Each
-    entry: both medians (and auto's, to see what auto picked), ``winner`` ("fused", "eager",
-    "tie", or None when either failed or was not run), ``ratio`` = the slower median / the
-    faster (>= 1) and ``fused_vs_eager`` = eager / fused. ``recommendation[direction]`` is
-    "triton" only if fused won every entry of that direction (at least one), else "torch";
-    ``tally`` counts fused's wins.
+    from mhmla_fast.dispatch import fused_unsupported, layer_attention_kernels
+
+    torch_dtype = _torch_dtype(dtype)
+    pair = layer_attention_kernels(
+        "auto", torch.device("cuda"), needs_grad=decision == "training", work=auto_work(shape, n),
+        unsupported=fused_unsupported("cuda", torch_dtype, shape.H, shape.K), dtype=torch_dtype)
+    if decision == "inference":
+        pair = (pair[0], pair[0])
+    return {("triton", "triton"): "fused", ("torch", "torch"): "eager"}.get(pair, "mixed")
+
+
+def auto_work(shape: Shape, n: int) -> int:
+    """L N H (H + K): the work measure of ``backend="auto"``'s thresholds (``dispatch.AutoRule``)."""
+    return shape.L * n * shape.H * (shape.H + shape.K)
+
+
+def _threshold(entries: list[dict]) -> dict:
+    """Where fused starts winning along the work axis, from one decision and dtype's entries.
+
+    ``eager_up_to_work``: the most work at which eager won or tied; ``fused_from_work``: the
+    least at which fused won. ``separable``: every fused win lies above every eager win or tie,
+    so a work threshold in (eager_up_to_work, fused_from_work] reproduces the measurements."""
+    decided = [e for e in entries if e["winner"] is not None]
+    eager = [e["work"] for e in decided if e["winner"] in ("eager", "tie")]
+    fused = [e["work"] for e in decided if e["winner"] == "fused"]
+    eager_up_to, fused_from = max(eager, default=None), min(fused, default=None)
+    return {"entries": len(entries), "decided": len(decided), "fused_wins": len(fused),
+            "eager_up_to_work": eager_up_to, "fused_from_work": fused_from,
+            "separable": bool(decided) and (eager_up_to is None or fused_from is None or eager_up_to < fused_from)}
+
+
+def auto_evidence(rows: list[dict], device_name: str) -> dict:
+    """Eager against fused for each decision ``backend="auto"`` makes on CUDA, and whether the
+    shipped rule (``mhmla_fast.dispatch.AUTO_KERNELS["cuda"]``) picked the faster one.
+
+    The decisions (``AUTO_DECISIONS``): ``inference``, the forward when no gradient is needed
+    (mode inference rows: fused forward against eager forward, under ``torch.no_grad``), and
+    ``training``, forward + backward when one is (mode full rows: the fused pair against
+    eager end to end; auto never mixes them there, since an eager backward behind a fused
+    forward would re-run the eager forward). Each entry, per (shape, dtype, N, decision): both
+    medians and auto's (what auto ran, measured), ``work`` = L N H (H + K), ``winner``
+    ("fused", "eager", "tie", or None when either failed or was not run, with a ``note``),
+    ``ratio`` = slower median / faster (>= 1), ``fused_vs_eager`` = eager / fused,
+    ``auto_picks`` (the shipped rule's choice: "fused", "eager" or "mixed") and ``auto_right``
+    (it picked the winner or the entry was a tie; None without a winner).
+
+    ``thresholds[decision][dtype]`` (:func:`_threshold`) places the measured crossover on the
+    work axis beside the rule's threshold for that decision (``rule_min_work``: ``min_fused_work``
+    for inference, ``min_fused_backward_work`` for training); ``rule_right`` is False if the
+    rule picked the slower implementation at any measured entry of that dtype, True if it picked
+    the winner (or a tie) at every entry, None without a decided entry.
     """
+    from mhmla_fast.dispatch import AUTO_KERNELS, AutoRule
+
+    rule = AUTO_KERNELS.get("cuda", AutoRule())
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        for direction, mode in DIRECTIONS.items():
+        for decision, mode in AUTO_DECISIONS.items():
             if r["mode"] == mode and r["provider"] in ("eager", "fused", "auto"):
-                groups.setdefault((r["shape"], r["dtype"], r["N"], direction), {})[r["provider"]] = r
+                groups.setdefault((r["shape"], r["dtype"], r["N"], decision), {})[r["provider"]] = r
     entries = []
-    for (shape, dtype, n, direction), by in groups.items():
+    for (shape, dtype, n, decision), by in groups.items():
         if "eager" not in by and "fused" not in by:
             continue
         eager_ms, fused_ms = _median(by.get("eager")), _median(by.get("fused"))
@@ -916,22 +968,31 @@ def direction_winners(rows: list[dict], device_name: str) -> dict:
             winner, ratio = "eager", fused_ms / eager_ms
         else:
             winner, ratio = "tie", 1.0
-        entries.append({"shape": shape, "dtype": dtype, "N": n, "direction": direction,
-                        "mode": DIRECTIONS[direction], "eager_ms": eager_ms, "fused_ms": fused_ms,
-                        "auto_ms": _median(by.get("auto")), "winner": winner, "ratio": ratio,
-                        "fused_vs_eager": _ratio(eager_ms, fused_ms), "note": note})
-    recommendation, tally = {}, {}
-    for direction in DIRECTIONS:
-        mine = [e for e in entries if e["direction"] == direction]
-        wins = sum(e["winner"] == "fused" for e in mine)
-        recommendation[direction] = "triton" if mine and wins == len(mine) else "torch"
-        tally[direction] = {"fused_wins": wins, "entries": len(mine)}
+        picks = _auto_pick(decision, SHAPES[shape], dtype, n) if shape in SHAPES else None
+        right = None if winner is None or picks is None else winner == "tie" or winner == picks
+        entries.append({"shape": shape, "dtype": dtype, "N": n, "decision": decision,
+                        "mode": AUTO_DECISIONS[decision],
+                        "work": auto_work(SHAPES[shape], n) if shape in SHAPES else None,
+                        "eager_ms": eager_ms, "fused_ms": fused_ms, "auto_ms": _median(by.get("auto")),
+                        "winner": winner, "ratio": ratio, "fused_vs_eager": _ratio(eager_ms, fused_ms),
+                        "auto_picks": picks, "auto_right": right, "note": note})
+    rule_work = {"inference": rule.min_fused_work, "training": rule.min_fused_backward_work}
+    thresholds: dict[str, dict[str, dict]] = {}
+    for decision in AUTO_DECISIONS:
+        for dtype in sorted({e["dtype"] for e in entries if e["decision"] == decision}):
+            mine = [e for e in entries if e["decision"] == decision and e["dtype"] == dtype
+                    and e["work"] is not None]
+            thresholds.setdefault(decision, {})[dtype] = {
+                **_threshold(mine), "rule_min_work": rule_work[decision],
+                "rule_right": _verdict([e["auto_right"] for e in mine if e["auto_right"] is not None]),
+            }
     return {
         "device": device_name,
-        "rule": "per direction: 'triton' only if fused had the lower median at every measured shape, dtype "
-                "and N of that direction (forward: mode forward; backward: mode backward), else 'torch'",
-        "recommendation": recommendation,
-        "tally": tally,
+        "rule": {"forward": rule.forward, "backward": rule.backward, "min_fused_work": rule.min_fused_work,
+                 "min_fused_backward_work": rule.min_fused_backward_work},
+        "decisions": {d: f"mode {m} rows" for d, m in AUTO_DECISIONS.items()},
+        "rule_right": _verdict([e["auto_right"] for e in entries if e["auto_right"] is not None]),
+        "thresholds": thresholds,
         "entries": entries,
     }
 
@@ -1018,21 +1079,34 @@ def format_speedups(speedups: list[dict], targets: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_direction_winners(winners: dict) -> str:
-    lines = [f"direction winners on {winners['device']} (ratio = slower median / faster):"]
-    head = (f"  {'direction':9s} {'shape':9s} {'dtype':5s} {'N':>6s} {'eager ms':>9s} {'fused ms':>9s} "
-            f"{'auto ms':>9s} {'winner':>7s} {'ratio':>6s}")
+def format_auto_evidence(evidence: dict) -> str:
+    rule = evidence["rule"]
+    lines = [f"auto's evidence on {evidence['device']} (ratio = slower median / faster; picks = what the "
+             f"shipped rule runs: fused forward from work {rule['min_fused_work']:.3g}, fused pair in "
+             f"training from {rule['min_fused_backward_work']:.3g}, work = L N H (H + K)):"]
+    head = (f"  {'decision':9s} {'shape':9s} {'dtype':5s} {'N':>6s} {'work':>8s} {'eager ms':>9s} "
+            f"{'fused ms':>9s} {'auto ms':>9s} {'winner':>7s} {'ratio':>6s} {'picks':>6s} {'right':>5s}")
     lines += [head, "  " + "-" * (len(head) - 2)]
-    for direction in DIRECTIONS:
-        for e in (e for e in winners["entries"] if e["direction"] == direction):
+    for decision in AUTO_DECISIONS:
+        for e in (e for e in evidence["entries"] if e["decision"] == decision):
             times = " ".join(f"{_fmt(e[k], '.3f'):>9s}" for k in ("eager_ms", "fused_ms", "auto_ms"))
-            lines.append(f"  {direction:9s} {e['shape']:9s} {e['dtype']:5s} {e['N']:6d} {times} "
-                         f"{e['winner'] or '-':>7s} {_fmt(e['ratio'], '.2f'):>6s}"
-                         + (f"  ({e['note']})" if e["note"] else ""))
-    for direction, backend in winners["recommendation"].items():
-        t = winners["tally"][direction]
-        lines.append(f"  recommendation for auto, {direction}: {backend} "
-                     f"(fused won {t['fused_wins']} of {t['entries']})")
+            right = {True: "yes", False: "NO", None: "-"}[e["auto_right"]]
+            lines.append(f"  {decision:9s} {e['shape']:9s} {e['dtype']:5s} {e['N']:6d} {_fmt(e['work'], '.2e'):>8s} "
+                         f"{times} {e['winner'] or '-':>7s} {_fmt(e['ratio'], '.2f'):>6s} "
+                         f"{e['auto_picks'] or '-':>6s} {right:>5s}" + (f"  ({e['note']})" if e["note"] else ""))
+    for decision, by_dtype in evidence["thresholds"].items():
+        for dtype, t in by_dtype.items():
+            if not t["decided"]:
+                lines.append(f"  {decision} {dtype}: nothing decided (eager or fused not measured)")
+                continue
+            where = ("fused never won" if t["fused_from_work"] is None else
+                     f"fused won from work {t['fused_from_work']:.3g}"
+                     + ("" if t["eager_up_to_work"] is None else f", eager up to {t['eager_up_to_work']:.3g}"))
+            lines.append(f"  {decision} {dtype}: {where} ({t['fused_wins']} of {t['decided']} decided"
+                         f"{'' if t['separable'] else '; NOT separable by work'}); rule's threshold "
+                         f"{t['rule_min_work']:.3g}: {_VERDICT[t['rule_right']]}")
+    lines.append(f"  the shipped rule picked the faster implementation everywhere measured: "
+                 f"{_VERDICT[evidence['rule_right']]}")
     return "\n".join(lines)
 
 
@@ -1097,7 +1171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "Triton, backend auto, and the cuBLAS line of the two projections alone) on a CUDA "
                     "GPU: median ms with 20th/80th percentiles, TFLOP/s against the measured bf16 matmul "
                     "ceiling, peak extra memory, and the difference from eager; then the speedups, the "
-                    "op issue's targets, the per-direction winners (eager or fused, for backend auto) and "
+                    "op issue's targets, auto's evidence (eager or fused in inference and in training, against the "
+                    "shipped rule) and "
                     "fused's weight-gradient determinism. Writes one JSON file.",
         epilog=f"FLOP convention: {FLOP_CONVENTION} See bench/README.md.",
     )
@@ -1114,7 +1189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
                    help=f"default: {' '.join(PROVIDERS)} (compile-max autotunes for minutes per shape, dtype and N)")
     p.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
-                   help="default: forward backward full ('inference' = forward under no_grad, opt-in)")
+                   help="default: forward backward full inference ('inference' = forward under no_grad; auto's "
+                        "evidence reads the inference and full rows)")
     p.add_argument("--dropout", type=rate, default=0.0,
                    help="train-mode dropout rate on h, k and p (default 0: no dropout; > 0 skips the "
                         "comparison with eager, whose masks differ)")
@@ -1125,6 +1201,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the fused backward's layer-group budget (kernels.layer_attention."
                         "BWD_GROUP_ELEMENTS; default: the module's, 2^27): fewer elements use less "
                         "memory and more launches; recorded in the header")
+    p.add_argument("--evidence-from", nargs="+", metavar="FILE", default=None,
+                   help="measure nothing: print auto's evidence from these result files (one per run; any "
+                        "schema), against the rule this checkout ships; runs without a GPU")
     args = p.parse_args(argv)
     if args.shapes is None:
         args.shapes = ["bert-base"] if args.quick else list(SHAPES)
@@ -1151,8 +1230,35 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def evidence_from_files(paths: list[str]) -> int:
+    """Auto's evidence recomputed from result files of earlier runs, one file at a time (its
+    rows are one run's), against the rule this checkout ships. A file that is not a
+    layer-attention result is named on stderr and skipped (so a glob over a results folder
+    works); exit 2 if none was one."""
+    read = 0
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            device = data["header"]["device"]
+            # a run's partial file (written row by row) names N "n"
+            rows = [{**r, "N": r["N"] if "N" in r else r["n"]} for r in data["rows"]]
+            for r in rows:
+                r["shape"], r["dtype"], r["mode"], r["provider"]  # noqa: B018 (the fields read)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"{path}: skipped, not a layer-attention result file ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            continue
+        read += 1
+        print(f"== {path} (commit {data['header'].get('commit', 'unknown')}, "
+              f"schema {data.get('schema_version', 1)})")
+        print(format_auto_evidence(auto_evidence(rows, device)))
+    return 0 if read else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.evidence_from:
+        return evidence_from_files(args.evidence_from)
 
     import torch
 
@@ -1211,7 +1317,7 @@ def main(argv: list[str] | None = None) -> int:
                          ceiling_tflops=ceiling_tflops, meta=meta, log=_log)
     speedups = summarize_speedups(rows)
     targets = evaluate_targets(speedups, device_name)
-    winners = direction_winners(rows, device_name)
+    evidence = auto_evidence(rows, device_name)
     determinism = summarize_determinism(rows)
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -1239,15 +1345,15 @@ def main(argv: list[str] | None = None) -> int:
                    "providers": cfg.providers, "modes": cfg.modes, "dropout": cfg.dropout, "seed": cfg.seed,
                    "argv": list(sys.argv[1:] if argv is None else argv)},
     }
-    result = {"benchmark": "layer_attention", "schema_version": 2, "header": header, "rows": rows,
-              "speedups": speedups, "targets": targets, "direction_winners": winners,
+    result = {"benchmark": "layer_attention", "schema_version": 3, "header": header, "rows": rows,
+              "speedups": speedups, "targets": targets, "auto_evidence": evidence,
               "determinism": determinism}
 
     print(format_table(rows))
     print()
     print(format_speedups(speedups, targets))
     print()
-    print(format_direction_winners(winners))
+    print(format_auto_evidence(evidence))
     print()
     print(format_determinism(determinism))
     path = resolve_out_path(args.out, device_name, now.date())

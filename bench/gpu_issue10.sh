@@ -16,7 +16,8 @@
 #   bash bench/gpu_issue10.sh setup && bash bench/gpu_issue10.sh host-probe   # event/host/CUDA-graph times + cProfile, the new GPU tests, then the kernel tests from the 31st on, one tarball (one call, <= 8 min)
 #
 # Then: copy $OUT/*.json into bench/results/, set mhmla_fast/dispatch.py AUTO_KERNELS["cuda"] from
-# the runs' direction_winners, and quote the files in README.md. MHMLA_BENCH_COMMIT names the
+# the runs' auto_evidence (the inference and full rows against the shipped rule), and quote the
+# files in README.md. MHMLA_BENCH_COMMIT names the
 # commit (the device's copy of the tree has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,7 @@ case "$stage" in
   sweep)
     shape=${2:?shape}; dtype=${3:?dtype}
     python bench/benchmark_layer_attention.py --shapes "$shape" --dtypes "$dtype" \
-      --providers eager compile-max fused --modes forward backward full \
+      --providers eager compile-max fused --modes forward backward full inference \
       --out "$OUT/" 2>&1 | tee "$OUT/sweep_${shape}_${dtype}.log" ;;
   memory)  # the speed/memory trade-off of the backward's layer groups (2^23: 1 layer at BERT-base)
     for budget in 8388608 16777216 33554432 67108864; do
@@ -85,7 +86,7 @@ PY
       timeout 140 python bench/benchmark_layer_attention.py --shapes $shape --dtypes $dtype \
         --n 1024 4096 16384 --providers eager fused --modes inference forward full \
         --out "$OUT/sweep_${shape}_${dtype}.json" > "$OUT/sweep_${shape}_${dtype}.log" 2>&1 || true
-      grep -A12 "^direction winners" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
+      grep -A24 "^auto's evidence" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
     done; done
     timeout 330 python bench/benchmark_layer_attention.py --quick --modes inference forward full \
       --out "$OUT/headline.json" > "$OUT/headline.log" 2>&1 || true
@@ -102,9 +103,9 @@ PY
     tail -3 "$OUT/tests_gpu.log" || true
     for shape in bert-base minilm; do for dtype in bf16 fp16; do
       TRITON_PRINT_AUTOTUNING=1 timeout 40 python bench/benchmark_layer_attention.py --shapes $shape \
-        --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes forward full \
+        --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes inference forward full \
         --out "$OUT/sweep_${shape}_${dtype}.json" > "$OUT/sweep_${shape}_${dtype}.log" 2>&1 || true
-      grep -A16 "^direction winners" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
+      grep -A24 "^auto's evidence" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
     done; done
     timeout 45 bash "$0" profile > /dev/null 2>&1 || true ;;
   rerun)  # (run 'setup' first) a shorter call after a kernel change: headline without the
@@ -116,9 +117,9 @@ PY
     sed -n '/^speedup/,/^  \* headline/p' "$OUT/headline.log" | head -12
     for shape in bert-base minilm; do
       TRITON_PRINT_AUTOTUNING=1 timeout 80 python bench/benchmark_layer_attention.py --shapes $shape \
-        --dtypes bf16 --n 1024 4096 16384 --providers eager fused --modes forward full \
+        --dtypes bf16 --n 1024 4096 16384 --providers eager fused --modes inference forward full \
         --out "$OUT/sweep_${shape}_bf16.json" > "$OUT/sweep_${shape}_bf16.log" 2>&1 || true
-      grep -A12 "^direction winners" "$OUT/sweep_${shape}_bf16.log" || tail -3 "$OUT/sweep_${shape}_bf16.log"
+      grep -A24 "^auto's evidence" "$OUT/sweep_${shape}_bf16.log" || tail -3 "$OUT/sweep_${shape}_bf16.log"
     done
     timeout 40 bash "$0" profile > /dev/null 2>&1 || true
     timeout 60 bash "$0" tests > /dev/null 2>&1 || true
@@ -138,7 +139,7 @@ PY
     else
       for shape in bert-base minilm; do for dtype in bf16 fp16; do
         TRITON_PRINT_AUTOTUNING=1 timeout 90 python bench/benchmark_layer_attention.py --shapes $shape \
-          --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes forward full \
+          --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes inference forward full \
           --out "$raw/sweep_${shape}_${dtype}.json" > "$raw/sweep_${shape}_${dtype}.log" 2>&1 || true
         grep -E "^$shape +$dtype .*(eager|fused|auto) +full" "$raw/sweep_${shape}_${dtype}.log" || true
       done; done

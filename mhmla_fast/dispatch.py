@@ -6,9 +6,10 @@ a fused forward with an eager backward on the same dropout masks, or the other w
 (``mhmla_fast.kernels.layer_attention.LayerAttentionFunction``). ``AUTO_KERNELS`` holds, per
 device type, an :class:`AutoRule`: the (forward, backward) pair that ``backend="auto"`` picks
 and the least work at which the fused forward pays. It changes only with a benchmark run on
-that device (``python bench/benchmark_layer_attention.py``, whose ``direction_winners``
-section names the faster implementation of each direction at every measured shape, dtype
-and N).
+that device (``python bench/benchmark_layer_attention.py``, whose ``auto_evidence`` section
+names the faster implementation of each decision, a forward without a gradient and forward +
+backward, at every measured shape, dtype and N, and whether this rule picked it;
+``--evidence-from FILE...`` recomputes it from committed result files).
 
 CUDA, as measured on an NVIDIA H100 80GB HBM3 (torch 2.11, triton 3.6, commit 07aac5b,
 ``bench/results/gpu_2026-11-23/sweep_*.json``; bf16 and fp16, N = 1024, 4096, 16384):

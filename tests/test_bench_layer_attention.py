@@ -1,7 +1,7 @@
 """CPU tests of bench/benchmark_layer_attention.py: the no-GPU exit, the FLOP and byte counts,
 argument parsing, the sweep's bookkeeping (rows, checks against eager, the cuBLAS line, the
 determinism check, error rows) run on CPU with a stand-in op, a wall-clock timer and no memory
-probe, and the summaries (speedups, targets, direction winners) on synthetic rows."""
+probe, and the summaries (speedups, targets, auto's evidence) on synthetic rows."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_quick_and_default_arguments():
     args = bench.parse_args(["--quick"])
     assert (args.shapes, args.dtypes, args.ns) == (["bert-base"], ["bf16"], [4096])
     assert args.providers == ["eager", "compile", "compile-max", "fused", "auto", "cublas"]
-    assert args.modes == ["forward", "backward", "full"]
+    assert args.modes == ["forward", "backward", "full", "inference"]
     args = bench.parse_args([])
     assert args.shapes == ["bert-base", "minilm"] and args.dtypes == ["bf16", "fp16"]
     assert args.ns == [1024, 2048, 4096, 8192, 16384]
@@ -502,37 +502,89 @@ def test_sweep_complete_and_passed():
     assert [c["passed"] for c in sweep] == [False, False, None, None]  # forward; full not measured
 
 
-def test_direction_winners():
+def test_auto_evidence_reads_the_inference_and_full_rows_against_the_shipped_rule():
+    work = {n: 12 * n * 768 * (768 + 768) for n in (1024, 4096, 16384)}  # BERT-base's L N H (H + K)
+    assert [bench.auto_work(bench.SHAPES["bert-base"], n) for n in work] == list(work.values())
+    assert work[1024] < 1 << 34 <= work[4096] and work[4096] < 1 << 37 <= work[16384]
     rows = []
     for n in (1024, 4096):
-        rows += [_srow("eager", "forward", 2.0, n=n), _srow("fused", "forward", 1.0, n=n),
-                 _srow("auto", "forward", 2.0, n=n), _srow("compile", "forward", 0.1, n=n),
-                 _srow("eager", "backward", 2.0, n=n), _srow("fused", "backward", 4.0 if n == 4096 else 1.0, n=n),
-                 _srow("eager", "full", 9.0, n=n), _srow("fused", "full", 1.0, n=n)]
-    winners = bench.direction_winners(rows, "NVIDIA H100 80GB HBM3")
-    assert winners["device"] == "NVIDIA H100 80GB HBM3"
-    entries = {(e["direction"], e["N"]): e for e in winners["entries"]}
-    assert set(entries) == {("forward", 1024), ("forward", 4096), ("backward", 1024), ("backward", 4096)}
-    assert entries["forward", 1024]["winner"] == "fused" and entries["forward", 1024]["ratio"] == 2.0
-    assert entries["forward", 1024]["auto_ms"] == 2.0 and entries["forward", 1024]["fused_vs_eager"] == 2.0
-    assert entries["backward", 4096]["winner"] == "eager" and entries["backward", 4096]["ratio"] == 2.0
-    assert entries["backward", 4096]["fused_vs_eager"] == 0.5 and entries["backward", 4096]["mode"] == "backward"
-    assert winners["recommendation"] == {"forward": "triton", "backward": "torch"}
-    assert winners["tally"] == {"forward": {"fused_wins": 2, "entries": 2}, "backward": {"fused_wins": 1, "entries": 2}}
-    text = bench.format_direction_winners(winners)
-    assert "recommendation for auto, forward: triton" in text and "backward: torch" in text
+        rows += [_srow("eager", "inference", 1.0, n=n), _srow("fused", "inference", 2.0 if n == 1024 else 0.5, n=n),
+                 _srow("auto", "inference", 0.9, n=n), _srow("compile", "inference", 0.1, n=n),
+                 # the forward and backward rows (with autograd) are not auto's evidence
+                 _srow("eager", "forward", 1.0, n=n), _srow("fused", "forward", 9.0, n=n),
+                 _srow("eager", "backward", 1.0, n=n), _srow("fused", "backward", 9.0, n=n),
+                 _srow("eager", "full", 2.0, n=n), _srow("fused", "full", 1.0, n=n)]
+    rows += [_srow("eager", "full", 4.0, dtype="fp16", n=16384), _srow("fused", "full", 2.0, dtype="fp16", n=16384)]
+    ev = bench.auto_evidence(rows, "NVIDIA H100 80GB HBM3")
+    assert ev["device"] == "NVIDIA H100 80GB HBM3"
+    assert ev["rule"] == {"forward": "triton", "backward": "triton", "min_fused_work": 1 << 34,
+                          "min_fused_backward_work": 1 << 37}
+    entries = {(e["decision"], e["dtype"], e["N"]): e for e in ev["entries"]}
+    assert set(entries) == {("inference", "bf16", 1024), ("inference", "bf16", 4096), ("training", "bf16", 1024),
+                            ("training", "bf16", 4096), ("training", "fp16", 16384)}
+    small, large = entries["inference", "bf16", 1024], entries["inference", "bf16", 4096]
+    assert (small["winner"], small["ratio"], small["auto_picks"], small["auto_right"]) == ("eager", 2.0, "eager", True)
+    assert (large["winner"], large["ratio"], large["auto_picks"], large["auto_right"]) == ("fused", 2.0, "fused", True)
+    assert large["mode"] == "inference" and large["work"] == work[4096] and large["auto_ms"] == 0.9
+    # training at BERT-base N = 4096: fused won, the rule runs eager there (below 2^37): wrong
+    t = entries["training", "bf16", 4096]
+    assert (t["mode"], t["winner"], t["fused_vs_eager"], t["auto_picks"], t["auto_right"]) == (
+        "full", "fused", 2.0, "eager", False)
+    assert entries["training", "fp16", 16384]["auto_picks"] == "fused"
+    assert entries["training", "fp16", 16384]["auto_right"] is True
+    th = ev["thresholds"]
+    assert th["inference"]["bf16"] == {"entries": 2, "decided": 2, "fused_wins": 1, "eager_up_to_work": work[1024],
+                                       "fused_from_work": work[4096], "separable": True,
+                                       "rule_min_work": 1 << 34, "rule_right": True}
+    assert th["training"]["bf16"]["fused_from_work"] == work[1024] and th["training"]["bf16"]["eager_up_to_work"] is None
+    assert th["training"]["bf16"]["rule_right"] is False and th["training"]["bf16"]["rule_min_work"] == 1 << 37
+    assert th["training"]["fp16"]["rule_right"] is True
+    assert ev["rule_right"] is False
+    text = bench.format_auto_evidence(ev)
+    assert "training bf16: fused won from work 1.45e+10" in text and "rule's threshold 1.37e+11: FAIL" in text
+    assert "inference bf16: fused won from work 5.8e+10, eager up to 1.45e+10" in text
+    assert "everywhere measured: FAIL" in text
 
-    # a failed fused measurement, a tie, and a direction never measured: all "torch"
-    rows = [_srow("eager", "forward", 1.0), _srow("fused", "forward", 1.0),
-            _srow("eager", "forward", 1.0, n=8192), _srow("fused", "forward", None, n=8192, error="oom")]
-    winners = bench.direction_winners(rows, "gpu")
-    assert [e["winner"] for e in winners["entries"]] == ["tie", None]
-    assert "fused not measured" in winners["entries"][1]["note"] and winners["entries"][1]["ratio"] is None
-    assert winners["recommendation"] == {"forward": "torch", "backward": "torch"}
-    assert winners["tally"]["backward"] == {"fused_wins": 0, "entries": 0}
-    # fused wins everywhere but eager was not run: no evidence, "torch"
-    winners = bench.direction_winners([_srow("fused", "backward", 1.0)], "gpu")
-    assert winners["entries"][0]["winner"] is None and winners["recommendation"]["backward"] == "torch"
+    # a failed fused measurement, a tie, and winners that interleave along the work axis
+    rows = [_srow("eager", "inference", 1.0), _srow("fused", "inference", 1.0),
+            _srow("eager", "inference", 1.0, n=8192), _srow("fused", "inference", None, n=8192, error="oom"),
+            _srow("eager", "inference", 1.0, n=1024), _srow("fused", "inference", 0.5, n=1024)]
+    ev = bench.auto_evidence(rows, "gpu")
+    by_n = {e["N"]: e for e in ev["entries"]}
+    assert by_n[4096]["winner"] == "tie" and by_n[4096]["auto_right"] is True
+    assert by_n[8192]["winner"] is None and "fused not measured" in by_n[8192]["note"]
+    assert by_n[8192]["ratio"] is None and by_n[8192]["auto_right"] is None
+    assert by_n[1024]["auto_picks"] == "eager" and by_n[1024]["auto_right"] is False
+    t = ev["thresholds"]["inference"]["bf16"]
+    assert t["separable"] is False and (t["decided"], t["fused_wins"]) == (2, 1)
+    assert "NOT separable" in bench.format_auto_evidence(ev)
+    # fused measured alone: no evidence either way
+    ev = bench.auto_evidence([_srow("fused", "full", 1.0)], "gpu")
+    assert ev["entries"][0]["winner"] is None and ev["rule_right"] is None
+    assert ev["thresholds"]["training"]["bf16"]["separable"] is False
+    assert "training bf16: nothing decided" in bench.format_auto_evidence(ev)
+
+
+def test_auto_evidence_from_result_files(tmp_path, capsys):
+    """--evidence-from: no GPU needed; a run's partial file names N "n"; a file that is not a
+    result is skipped with a message, and exit 2 if no file was one."""
+    rows = [_srow("eager", "inference", 1.0), _srow("fused", "inference", 0.5),
+            {**_srow("eager", "full", 1.0), "n": 4096}, _srow("fused", "full", 2.0)]
+    del rows[2]["N"]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"header": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}, "rows": rows}))
+    assert bench.main(["--evidence-from", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"== {path} (commit abc1234, schema 1)" in out
+    assert "inference bf16: fused won from work 5.8e+10 (1 of 1 decided)" in out
+    assert "training bf16: fused never won (0 of 1 decided)" in out and "everywhere measured: PASS" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"header": {"device": "x"}, "rows": [{"mode": "full"}]}))
+    assert bench.main(["--evidence-from", str(bad), str(path)]) == 0
+    captured = capsys.readouterr()
+    assert f"{bad}: skipped, not a layer-attention result file (KeyError" in captured.err
+    assert "everywhere measured: PASS" in captured.out
+    assert bench.main(["--evidence-from", str(bad)]) == 2
 
 
 def test_main_end_to_end_with_a_pretend_gpu(tmp_path, monkeypatch, capsys):
@@ -566,8 +618,8 @@ def test_main_end_to_end_with_a_pretend_gpu(tmp_path, monkeypatch, capsys):
                 "flop_convention"):
         assert key in header
     assert header["commit"] == "0123abc" and header["matmul_ceiling_bf16_tflops"] == 800.0
-    assert data["schema_version"] == 2
-    assert len(data["rows"]) == 4 * 3
+    assert data["schema_version"] == 3
+    assert len(data["rows"]) == 4 * 4
     for r in data["rows"]:
         for key in ("device", "torch", "triton", "cuda", "commit", "shape", "dtype", "provider", "mode",
                     "ms_p50", "ms_p20", "ms_p80", "tflops", "ratio_to_matmul_ceiling", "peak_extra_mem_mb",
@@ -575,15 +627,17 @@ def test_main_end_to_end_with_a_pretend_gpu(tmp_path, monkeypatch, capsys):
             assert key in r
         assert r["error"] is None and r["peak_extra_mem_mb"] == 3.0
         assert r["ratio_to_matmul_ceiling"] == pytest.approx(r["tflops"] / 800.0)
-    assert {(s["mode"], s["N"]) for s in data["speedups"]} == {("forward", 8), ("backward", 8), ("full", 8)}
+    assert {(s["mode"], s["N"]) for s in data["speedups"]} == {("forward", 8), ("backward", 8), ("full", 8),
+                                                               ("inference", 8)}
     assert all(s["weight_grads_deterministic"] is True for s in data["speedups"])
     assert data["determinism"]["weight_grads_deterministic"] is True
     # N = 8 is outside the sweep's range and not the headline: every check n/a, none dropped
     assert data["targets"]["headline_passed"] is None and data["targets"]["sweep_passed"] is None
     assert len(data["targets"]["checks"]) == len(bench.HEADLINE_TARGETS)
-    winners = data["direction_winners"]
-    assert {(e["direction"], e["N"]) for e in winners["entries"]} == {("forward", 8), ("backward", 8)}
-    assert set(winners["recommendation"]) == {"forward", "backward"}
+    evidence = data["auto_evidence"]
+    assert {(e["decision"], e["mode"], e["N"]) for e in evidence["entries"]} == {("inference", "inference", 8),
+                                                                                ("training", "full", 8)}
+    assert all(e["auto_picks"] == "eager" for e in evidence["entries"])  # N = 8 is far below the thresholds
     out = capsys.readouterr().out
-    assert "wrote" in out and "direction winners" in out and "recommendation for auto" in out
+    assert "wrote" in out and "auto's evidence on NVIDIA H100 80GB HBM3" in out and "the shipped rule picked" in out
     assert "fused weight gradients over two identical runs: bitwise equal" in out
