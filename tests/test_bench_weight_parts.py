@@ -116,3 +116,17 @@ def test_row_blocks_fill_each_part():
     assert [n for n, _ in parts[0]] == ["small", "big@0"]
     with pytest.raises(ValueError, match="big: one row"):
         wp.split_state({"big": torch.zeros(4, 5000)}, 8000)
+    # tensors under half a part are cut too where they do not fit: five of 3,000 B make two
+    # parts, not three (whole tensors only: 6,000 + 6,000 + 3,000)
+    state = {f"m{i}": torch.full((15, 100), float(i)) for i in range(5)}
+    parts = wp.split_state(state, 8000)
+    assert [sum(t.numel() * t.element_size() for _, t in part) for part in parts] == [8000, 7000]
+    assert [n for n, _ in parts[0]] == ["m0", "m1", "m2@0"] and [n for n, _ in parts[1]][:2] == ["m2@10", "m3"]
+    merged = wp.merge_state([dict(p) for p in parts], 5)
+    assert all(torch.equal(merged[k], v) for k, v in state.items())
+    # only a sliver of room left (under an eighth of a part): the next tensor starts a part
+    parts = wp.split_state({"a": torch.zeros(3600), "b": torch.zeros(15, 100)}, 8000)
+    assert [[n for n, _ in part] for part in parts] == [["a"], ["b"]]
+    # a scalar is never cut
+    parts = wp.split_state({"a": torch.zeros(4000), "s": torch.tensor(1.0)}, 8000)
+    assert [[n for n, _ in part] for part in parts] == [["a"], ["s"]]
