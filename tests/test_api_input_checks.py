@@ -100,3 +100,23 @@ def test_kernels_for_a_ridge_scorer_are_refused_whatever_the_backend():
     for backend in ("auto", "torch"):
         with pytest.raises(ValueError, match="kernels: .* is a ridge scorer"):
             load_scorer(default_scorer_path(), backend=backend, device="cpu", kernels="torch")
+
+
+def test_text_list_is_the_one_check_of_the_taggers_and_scorers_texts():
+    """``inputs.text_list``: a list back for any iterable of str (generators read once, str
+    subclasses kept), one str or bytes refused with the unit named, non-iterables and non-str
+    elements refused by index."""
+    from mhmla_fast.inputs import text_list
+
+    class Note(str):
+        pass
+
+    assert text_list(t for t in ("a", "b")) == ["a", "b"]
+    kept = text_list(("a", Note("b")))
+    assert kept == ["a", "b"] and type(kept[1]) is Note
+    with pytest.raises(ValueError, match=r"texts: expected a sequence of essays, got a bytes; pass \[text\] for one essay"):
+        text_list(b"essay", "essay")
+    with pytest.raises(ValueError, match="texts: expected a sequence of strings, got int"):
+        text_list(3)
+    with pytest.raises(ValueError, match=r"texts\[2\]: expected a string, got bytes"):
+        text_list(["a", "b", b"c"])

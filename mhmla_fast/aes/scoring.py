@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..inputs import text_list
 from .cutpoints import apply_cutpoints
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
@@ -76,20 +77,9 @@ class EssayPlan:
 
 
 def essay_texts(texts: Sequence[str]) -> list[str]:
-    """``texts`` as a list; ValueError for one str (it would be scored letter by letter) or an
-    element that is not a str."""
-    if isinstance(texts, (str, bytes)):
-        raise ValueError(f"texts: expected a sequence of essays, got a {type(texts).__name__}; "
-                         "pass [text] for one essay")
-    try:
-        texts = list(texts)
-    except TypeError:
-        raise ValueError(f"texts: expected a sequence of essays, got "
-                         f"{type(texts).__name__}") from None
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise ValueError(f"texts[{i}]: expected a string, got {type(t).__name__}")
-    return texts
+    """``texts`` as a list (``inputs.text_list``): ValueError for one str (it would be scored
+    letter by letter) or an element that is not a str."""
+    return text_list(texts, "essay")
 
 
 def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int]) -> list[int]:

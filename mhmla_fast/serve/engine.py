@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from ..encoder import max_input_length
+from ..inputs import ONLY_STR, text_list
 from ..packing import pack_by_token_budget
 from .options import default_token_budget
 from .pieces import WordCache, WordPieces
@@ -52,7 +53,6 @@ from .tokenize import Token, token_boundary, word_tokenize, word_tokenize_lists
 __all__ = ["TagResult", "WindowPlan", "Engine", "plan_windows", "load_tokenizer",
            "read_tagger_config", "default_tagger_path", "result_dicts", "round_probs"]
 
-_ONLY_STR = frozenset({str})
 _LIST_TYPES = frozenset({list, tuple})
 TAGGER_FORMAT = "mhmla-ged-tagger/1"  # config.json "format" of a tagger (ged.model)
 
@@ -354,7 +354,7 @@ def _check_sentences(sentences: Sequence[Sequence[str]]) -> None:
     words = chain.from_iterable
     try:
         if (_LIST_TYPES.issuperset(map(type, sentences)) and all(words(sentences))
-                and _ONLY_STR.issuperset(map(type, words(sentences)))):
+                and ONLY_STR.issuperset(map(type, words(sentences)))):
             return
     except TypeError:  # a sentence that is not iterable: found below
         pass
@@ -773,14 +773,7 @@ class Engine:
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
         ``on_pieces``: see :meth:`word_probs`."""
-        if isinstance(texts, (str, bytes)):  # (a str would be tagged letter by letter)
-            raise ValueError(f"texts: expected a sequence of strings, got a {type(texts).__name__}"
-                             "; pass [text] for one text")
-        texts = list(_as_sequence(texts, "texts", "a sequence of strings"))
-        if not _ONLY_STR.issuperset(map(type, texts)):  # (a C loop; str subclasses pass below)
-            for i, t in enumerate(texts):
-                if not isinstance(t, str):
-                    raise ValueError(f"texts[{i}]: expected a string, got {type(t).__name__}")
+        texts = text_list(texts)  # (a str would be tagged letter by letter)
         with gc_paused():
             try:
                 pool = self._host_pool(len(texts))

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from ..inputs import ONLY_STR
+
 __all__ = ["HostPool", "CHUNK"]
 
 CHUNK = 128  # inputs per task
@@ -192,9 +194,7 @@ class HostPool:
         words: list[list[str]] = []
         offsets: list[np.ndarray] = []
         encoded: list[tuple[np.ndarray, np.ndarray]] = []
-        from .engine import _ONLY_STR
-
-        if not _ONLY_STR.issuperset(map(type, texts)):  # a str subclass may not pickle
+        if not ONLY_STR.issuperset(map(type, texts)):  # a str subclass may not pickle
             texts = [str(t) if isinstance(t, str) else t for t in texts]  # (others fail there)
         chunks = [list(texts[a:a + CHUNK]) for a in range(0, len(texts), CHUNK)]
         with self._lock:
