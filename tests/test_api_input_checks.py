@@ -103,10 +103,10 @@ def test_kernels_for_a_ridge_scorer_are_refused_whatever_the_backend():
 
 
 def test_text_list_is_the_one_check_of_the_taggers_and_scorers_texts():
-    """``inputs.text_list``: a list back for any iterable of str (generators read once, str
+    """``texts.text_list``: a list back for any iterable of str (generators read once, str
     subclasses kept), one str or bytes refused with the unit named, non-iterables and non-str
     elements refused by index."""
-    from mhmla_fast.inputs import text_list
+    from mhmla_fast.texts import text_list
 
     class Note(str):
         pass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..inputs import text_list
+from ..texts import text_list
 from .cutpoints import apply_cutpoints
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
@@ -77,7 +77,7 @@ class EssayPlan:
 
 
 def essay_texts(texts: Sequence[str]) -> list[str]:
-    """``texts`` as a list (``inputs.text_list``): ValueError for one str (it would be scored
+    """``texts`` as a list (``texts.text_list``): ValueError for one str (it would be scored
     letter by letter) or an element that is not a str."""
     return text_list(texts, "essay")
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from ..encoder import max_input_length
-from ..inputs import ONLY_STR, text_list
+from ..texts import ONLY_STR, text_list
 from ..packing import pack_by_token_budget
 from .options import default_token_budget
 from .pieces import WordCache, WordPieces

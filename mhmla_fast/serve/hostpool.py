@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..inputs import ONLY_STR
+from ..texts import ONLY_STR
 
 __all__ = ["HostPool", "CHUNK"]
 
