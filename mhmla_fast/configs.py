@@ -113,6 +113,18 @@ class LayerAttentionConfig:
             raise ValueError(f"backend: 'triton' (the fused kernels) has nothing to run in mode "
                              f"{self.mode!r}, which has no layer attention; use 'auto' or 'torch'")
 
+    def check_training(self) -> None:
+        """ValueError for an option the mode has no use for, given to a training run (where it
+        would be recorded as applied and do nothing): ``key_size`` or ``block_diagonal`` in
+        the "avgl" and "last" modes, which have no keys. Not checked when a saved model loads:
+        a model trained with such an option before this check still loads."""
+        if self.mode in ("avgl", "last"):
+            for name, unused in (("key_size", self.key_size is not None),
+                                 ("block_diagonal", self.block_diagonal)):
+                if unused:
+                    raise ValueError(f"{name}: mode {self.mode!r} has no keys (only 'mhmla' and "
+                                     "'shmla' score layers from a key); leave it out")
+
     @property
     def heads(self) -> int:
         """J as the mode uses it: ``num_heads`` for "mhmla", else 1."""

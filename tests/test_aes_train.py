@@ -936,6 +936,10 @@ def test_commands_finetune_with_word_embeddings_frozen(tiny_encoder, tmp_path):
     assert not torch.equal(other, fresh.embeddings.position_embeddings.weight)  # trained
     with pytest.raises(ValueError, match="leaves nothing of the encoder to fine-tune"):
         FinetuneConfig(out=str(tmp_path / "x"), freeze="all")
+    from mhmla_fast.configs import LayerAttentionConfig
+
+    with pytest.raises(ValueError, match="key_size: mode 'avgl' has no keys"):
+        FinetuneConfig(out=str(tmp_path / "x"), layer_attention=LayerAttentionConfig(mode="avgl", key_size=8))
 
 
 def test_commands_finetune_refuses_a_results_file_of_another_run_before_training(

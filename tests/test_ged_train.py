@@ -453,6 +453,39 @@ def test_linear_schedule_warms_up_then_decays_to_zero(tmp_path):
         TrainConfig(train="t", dev="d", out="o", layer_lr_decay=0.0)
 
 
+def test_options_a_run_cannot_apply_are_refused_not_recorded(tiny_encoder):
+    """Layer-wise learning rates for a frozen encoder, and a key size or block-diagonal
+    scoring in a mode without keys: refused (they were recorded in the checkpoint and the
+    saved model as if applied); a saved model with them still loads (LayerAttentionConfig
+    alone does not check them)."""
+    from mhmla_fast.configs import EncoderSpec, LayerAttentionConfig
+
+    frozen = EncoderSpec(name_or_path=tiny_encoder, max_length=32, freeze="all")
+    with pytest.raises(ValueError, match=r"layer_lr_decay: the encoder is frozen \(freeze 'all'\)"):
+        TrainConfig(train="t", dev="d", out="o", encoder_spec=frozen, layer_lr_decay=0.5)
+    TrainConfig(train="t", dev="d", out="o", encoder_spec=frozen)  # (1.0: one lr)
+    for mode in ("avgl", "last"):
+        for kw, name in ((dict(key_size=8), "key_size"), (dict(block_diagonal=True), "block_diagonal")):
+            head = LayerAttentionConfig(mode=mode, **kw)  # a saved model's config: accepted
+            with pytest.raises(ValueError, match=f"{name}: mode '{mode}' has no keys"):
+                TrainConfig(train="t", dev="d", out="o", layer_attention=head)
+    for mode in ("mhmla", "shmla"):
+        TrainConfig(train="t", dev="d", out="o",
+                    layer_attention=LayerAttentionConfig(mode=mode, key_size=8, block_diagonal=True))
+
+
+def test_a_warm_up_that_rounds_to_nothing_or_everything_is_warned_of(tmp_path, tiny_encoder, capsys):
+    """warmup_ratio x the run's steps is rounded to whole steps: when that gives no warm-up,
+    or a warm-up over the whole run (no decay), the run says so once at its start."""
+    cfg = config(tmp_path, tiny_encoder, tmp_path / "w", epochs=1, lr_schedule="linear",
+                 warmup_ratio=0.01)  # 16 steps: 0.16 rounds to 0
+    train(cfg)
+    assert "warmup_ratio 0.01 of 16 steps rounds to 0 warm-up steps: no warm-up" in capsys.readouterr().err
+    train(config(tmp_path, tiny_encoder, tmp_path / "w2", epochs=1, lr_schedule="linear",
+                 warmup_ratio=0.5))
+    assert "warmup_ratio" not in capsys.readouterr().err
+
+
 def test_layer_wise_learning_rates(tiny_encoder):
     from mhmla_fast.ged.model import TaggerConfig
     from mhmla_fast.ged.train import layer_lr_groups
@@ -768,11 +801,17 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
                     teacher_weight=0.7)
     with pytest.raises(ValueError, match=r"a checkpoint of a different run exists \(.*teacher"):
         train(reused)
+    # without the checkpoint the file is a cache no run depends on: made by other teacher
+    # files, it is computed again (test_a_teacher_file_no_checkpoint_depends_on_is_checked)
     (tmp_path / "x").mkdir()
     shutil.copy(tmp_path / "full" / TEACHER_FILE, tmp_path / "x" / TEACHER_FILE)
-    with pytest.raises(ValueError, match="the probabilities of teacher .*teacher/best, not of"):
-        train(config(tmp_path, tiny_encoder, tmp_path / "x", epochs=3, teacher=str(full),
-                     teacher_weight=0.7))
+    capsys.readouterr()
+    train(config(tmp_path, tiny_encoder, tmp_path / "x", epochs=1, teacher=str(full),
+                 teacher_weight=0.7))
+    assert "made by other teacher files" in capsys.readouterr().err
+    want = predict_word_probs(GedTagger.load(full), load_tokenizer(full), [s.tokens for s in sentences])
+    assert np.allclose(load_numpy(str(tmp_path / "x" / TEACHER_FILE))["probs"], np.concatenate(want),
+                       atol=1e-6)
     # a run folder of a run without a teacher, resumed with one: refused before the teacher's
     # pass over the training set (minutes on a real teacher), which must not start
     def no_teacher_pass(*args, **kwargs):
@@ -791,6 +830,83 @@ def test_a_teacher_gives_soft_targets_kept_for_the_resume(tmp_path, tiny_encoder
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="teacher_weight: expected a share"):
             config(tmp_path, tiny_encoder, tmp_path / "x", teacher=str(teacher), teacher_weight=bad)
+
+
+def test_a_teacher_file_no_checkpoint_depends_on_is_checked(tmp_path, tiny_encoder, capsys):
+    """A run stopped after the teacher's pass and before its first checkpoint leaves the
+    teacher's file alone in its folder. Run again, the file is reused only when the same
+    teacher files made it for the same sentences; after a teacher retrained in place, or a
+    training file edited with the same word counts, it is computed again (with a note), not
+    trained on. A resume (a checkpoint exists) reads it without the teacher, and refuses one
+    for other word counts."""
+    import shutil
+
+    from safetensors.numpy import load_file as load_numpy
+
+    from mhmla_fast.ged.data import Sentence, read_ged
+    from mhmla_fast.ged.train import TEACHER_FILE, predict_word_probs, teacher_targets
+
+    t1 = train(config(tmp_path, tiny_encoder, tmp_path / "t1", epochs=1))
+    t2 = train(config(tmp_path, tiny_encoder, tmp_path / "t2", epochs=2, seed=7))
+    teacher, out, cpu = tmp_path / "teacher", tmp_path / "s", torch.device("cpu")
+    shutil.copytree(t1, teacher)
+    out.mkdir()
+    sentences = read_ged(tmp_path / "train.tsv")
+
+    def q_of(model_dir, sents):
+        return np.concatenate(predict_word_probs(GedTagger.load(model_dir), load_tokenizer(model_dir),
+                                                 [s.tokens for s in sents]))
+
+    def saved():
+        return load_numpy(str(out / TEACHER_FILE))["probs"]
+
+    _, digest = teacher_targets(str(teacher), 0.7, sentences, out, device=cpu)
+    assert np.allclose(saved(), q_of(t1, sentences), atol=1e-6)
+    capsys.readouterr()
+    assert teacher_targets(str(teacher), 0.7, sentences, out, device=cpu)[1] == digest  # reused
+    assert capsys.readouterr().err == ""
+    # the teacher retrained in place: computed again from its new files
+    shutil.rmtree(teacher)
+    shutil.copytree(t2, teacher)
+    _, digest2 = teacher_targets(str(teacher), 0.7, sentences, out, device=cpu)
+    assert "made by other teacher files" in capsys.readouterr().err
+    assert digest2 != digest and np.allclose(saved(), q_of(t2, sentences), atol=1e-6)
+    # the training sentences edited, each word count kept: computed again
+    edited = [Sentence(tuple(reversed(s.tokens)), s.labels, s.source, s.line) for s in sentences]
+    teacher_targets(str(teacher), 0.7, edited, out, device=cpu)
+    assert "made for other sentences" in capsys.readouterr().err
+    assert np.allclose(saved(), q_of(t2, edited), atol=1e-6)
+    # a resume reads the file with the teacher gone (the checkpoint checks the q's digest) ...
+    shutil.rmtree(teacher)
+    assert teacher_targets(str(teacher), 0.7, edited, out, device=cpu, resuming=True)[1] != digest
+    # ... and refuses one for other word counts
+    with pytest.raises(ValueError, match="the teacher's probabilities of other training sentences"):
+        teacher_targets(str(teacher), 0.7, sentences[1:], out, device=cpu, resuming=True)
+
+
+def test_a_teacher_run_resumes_after_its_project_folder_moved(tmp_path, tiny_encoder, monkeypatch):
+    """Teacher, data and student run in one folder, named by relative paths: the folder moved
+    and the same command run from its new place resumes (the teacher's file named the old
+    absolute path and was refused), ending where an uninterrupted run does."""
+    import shutil
+
+    project = tmp_path / "a"
+    project.mkdir()
+    config(project, tiny_encoder, project / "unused")  # writes a/train.tsv and a/dev.tsv
+    monkeypatch.chdir(project)
+    train(config(project, tiny_encoder, "t", epochs=1, train="train.tsv", dev="dev.tsv"))
+
+    def student(out):
+        return config(tmp_path, tiny_encoder, out, epochs=2, train="train.tsv", dev="dev.tsv",
+                      teacher="t/best", teacher_weight=0.7, checkpoint_every=3)
+
+    train(student("s"), stop_after_steps=3)
+    shutil.move(project, tmp_path / "b")
+    monkeypatch.chdir(tmp_path / "b")
+    resumed = train(student("s"))
+    whole = train(student("whole"))
+    a, b = load_file(resumed / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_transfer_set_is_trained_on_the_teachers_probabilities_alone(tmp_path, tiny_encoder):

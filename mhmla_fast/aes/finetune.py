@@ -96,6 +96,7 @@ class FinetuneConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed: expected a non-negative integer, got {self.seed!r}")
         self.layer_attention.check_backend(self.backend)
+        self.layer_attention.check_training()
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
         if self.batching not in BATCHINGS:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -163,6 +164,10 @@ class TrainConfig:
             raise ValueError(f"layer_lr_decay: expected a factor in (0, 1], got {self.layer_lr_decay!r}")
         check_synthetic_rate(self.synthetic_errors)
         self.layer_attention.check_backend(self.backend)
+        self.layer_attention.check_training()
+        if self.layer_lr_decay != 1.0 and self.encoder_spec.freeze == "all":
+            raise ValueError("layer_lr_decay: the encoder is frozen (freeze 'all'), so no layer "
+                             "of it trains; leave it out, or freeze less")
         if self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"compile: expected one of {TRAIN_COMPILE_MODES}, got {self.compile!r}")
         if isinstance(self.teacher_weight, bool) or not isinstance(self.teacher_weight, (int, float)) \
@@ -361,7 +366,8 @@ TEACHER_FILE = "teacher_probs.safetensors"  # in the run folder: a resume reads 
 
 def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], out: Path, *,
                     device: torch.device, batch_size: int = 64, compute: bool = True,
-                    progress: bool = False, unlabelled: int = 0) -> tuple[list[np.ndarray], str]:
+                    progress: bool = False, unlabelled: int = 0,
+                    resuming: bool = False) -> tuple[list[np.ndarray], str]:
     """Each word's training target t = (1 - weight) * gold + weight * q, q the error
     probability the tagger in folder ``teacher`` gives it (its own word pieces, eval mode,
     float32), one float32 array per sentence, and the sha256 of the q's. ``teacher``: one
@@ -371,13 +377,17 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
     (one teacher only).
 
     The q's are computed once and kept in ``out / TEACHER_FILE`` (safetensors: ``probs`` [words],
-    ``counts`` [sentences]), so a resumed run trains on the same targets; a file made for other
-    sentences is refused. ``compute=False`` (ranks other than the first under torchrun) only
-    reads the file. The file names the teacher it came from: one of another teacher (a run
-    folder reused with another ``--teacher``) is refused. ``progress``: a progress bar over the
+    ``counts`` [sentences]; metadata: the teacher folders' paths, a fingerprint of their files
+    and a digest of the sentences), so a resumed run trains on the same targets. ``resuming``
+    (a checkpoint of this run exists): the file is read whatever became of the teacher's
+    folder (moved with the project, or gone: a resume needs no teacher), and the checkpoint's
+    record of the q's (``check_same_data``) tells whether it is the one trained on; a file for
+    another number of words per sentence is refused. Otherwise the file is a cache that no
+    checkpoint depends on (a run stopped before its first one): it is read only if it was
+    made by the same teacher files for the same sentences, and else computed again, with a
+    note. ``compute=False`` (ranks other than the first under torchrun, after the first has
+    checked or written the file) only reads it. ``progress``: a progress bar over the
     teacher's pass (minutes for a BERT-base-sized teacher on a CPU)."""
-    import os
-
     from safetensors import safe_open
     from safetensors.numpy import load_file, save
 
@@ -390,18 +400,27 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
         raise ValueError("unlabelled sentences need one teacher: cross-fitted teachers label "
                          "the blocks of the labelled ones")
     source = ",".join(os.path.realpath(d) for d in dirs)
+    q = None
     if path.exists() or not compute:
         with safe_open(str(path), framework="numpy") as f:
-            made_by = (f.metadata() or {}).get("teacher")
-        if made_by != source:
-            raise ValueError(f"{path}: the probabilities of teacher {made_by}, not of {source}; "
-                             "remove it or use another --out")
+            made = f.metadata() or {}
         saved = load_file(str(path))
-        if not np.array_equal(saved["counts"], counts):
+        same_counts = np.array_equal(saved["counts"], counts)
+        if (resuming or not compute) and not same_counts:
             raise ValueError(f"{path}: the teacher's probabilities of other training sentences; "
-                             "remove it or use another --out")
-        q = saved["probs"]
-    else:
+                             "restore the training data, or use another --out to train afresh")
+        if resuming or not compute:
+            q = saved["probs"]
+        elif not same_counts or made.get("sentences") != sentences_digest(sentences):
+            stale = "for other sentences"
+        elif made.get("teacher_files") != _teacher_files(dirs):
+            stale = f"by other teacher files (of {made.get('teacher')})"
+        else:
+            q = saved["probs"]
+        if q is None:
+            print(f"{path}: made {stale}, and no checkpoint was trained on it: computing the "
+                  "teacher's probabilities again", file=sys.stderr, flush=True)
+    if q is None:
         probs = []
         for k, d in enumerate(dirs, 1):
             block = hold_out_block(len(sentences), k, len(dirs))
@@ -413,12 +432,21 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
                                         progress=name if progress else None)
             del model
         q = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
-        atomic_write_bytes(path, save({"probs": q, "counts": counts}, metadata={"teacher": source}))
+        made = {"teacher": source, "teacher_files": _teacher_files(dirs),
+                "sentences": sentences_digest(sentences)}
+        atomic_write_bytes(path, save({"probs": q, "counts": counts}, metadata=made))
     gold = np.fromiter((y for s in sentences for y in s.labels), dtype=np.float32, count=len(q))
     share = np.full(len(q), weight, np.float32)
     share[int(counts[:len(sentences) - unlabelled].sum()):] = 1.0  # no gold: q alone
     mixed = ((1.0 - share) * gold + share * q).astype(np.float32)
     return np.split(mixed, np.cumsum(counts)[:-1]), hashlib.sha256(q.tobytes()).hexdigest()
+
+
+def _teacher_files(dirs: Sequence[str]) -> str:
+    """Fingerprints of the teacher folders' files (config, tokenizer, weights), in order."""
+    from ..aes.fingerprints import files_fingerprint
+
+    return ",".join(files_fingerprint(Path(d)) for d in dirs)
 
 
 def word_loss(logits: Tensor, labels: Tensor, targets: Tensor | None = None,
@@ -564,7 +592,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
             same_config(early)
         if len(teachers := teacher_dirs(cfg.teacher)) > 1:
             check_cross_fitted_teachers(teachers, cfg.train, cfg.max_train_sentences)
-        for teacher in teachers if not (out / TEACHER_FILE).exists() else ():
+        for teacher in teachers if early is None or not (out / TEACHER_FILE).exists() else ():
             # on every rank: all refuse alike, none waits at the barrier (a resume reads the
             # run folder's probabilities, and needs no teacher)
             try:
@@ -576,7 +604,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         targets, data["teacher"] = teacher_targets(
             cfg.teacher, cfg.teacher_weight, train_set, out, device=device,
             batch_size=cfg.eval_batch_size, compute=main_rank, progress=cfg.progress,
-            unlabelled=n_transfer)
+            unlabelled=n_transfer, resuming=early is not None)
         if dist_ctx is not None and main_rank:
             torch.distributed.barrier()
     # the training set's pieces and labels, flat: a step's batch is a few array operations
@@ -633,6 +661,12 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
                                    eval_max_length(model)) if main_rank else None
     # every epoch has the same number of batches (a function of the lengths and batch size)
     total_steps = cfg.epochs * len(length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, 0))
+    if cfg.warmup_ratio > 0 and main_rank and global_step == 0 and (
+            warmup := round(cfg.warmup_ratio * total_steps)) in (0, total_steps):
+        print(f"warning: warmup_ratio {cfg.warmup_ratio} of {total_steps} steps rounds to "
+              f"{warmup} warm-up steps: " + ("no warm-up" if warmup == 0 else
+                                             "the whole run warms up and never decays"),
+              file=sys.stderr, flush=True)
     while epoch < cfg.epochs:
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, epoch)
         model.train()
@@ -721,7 +755,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         record.pop("_loss_sum")
         if dev_scores["f05"] > best["f05"]:
             best = {"f05": dev_scores["f05"], "epoch": epoch + 1}
-            model.config.training = {"config": asdict(cfg), "epoch": epoch + 1, "dev": dev_scores}
+            # what reproduces the model: the config (its relative paths against cwd) and
+            # digests of the data read (and of the teacher's probabilities, with a teacher)
+            model.config.training = {"config": asdict(cfg), "epoch": epoch + 1, "dev": dev_scores,
+                                     "cwd": os.getcwd(), "data": dict(data)}
             model.save(out / "best", tokenizer=tokenizer)
         epoch += 1
         step_in_epoch = 0
