@@ -97,6 +97,45 @@ def test_the_shipped_scorer_is_not_gamed_by_one_long_word():
     assert all(t < SCORE_RANGES[p][1] for t, p in zip(top, range(1, 9))), top
 
 
+def test_surface_advisories_flag_features_far_outside_the_training_range():
+    """An advisory per surface feature beyond lo - 0.25 (hi - lo) or hi + 0.25 (hi - lo) of its
+    prompt's training range; none inside the margin, for a prompt without bounds, or for a
+    scorer without them."""
+    from mhmla_fast.aes.scoring import surface_advisories
+    from mhmla_fast.aes.surface import SURFACE_FEATURES, surface_features
+
+    texts = ["the " * 300, "Dogs run fast. Cats sleep well, and birds sing."]
+    s = surface_features(texts)
+    i = SURFACE_FEATURES.index("distinct_ratio")
+    lo, hi = np.minimum(s[1], s[0]) - 1e-9, np.maximum(s[1], s[0]) + 1e-9
+    lo[i] = 0.5  # 0.5 .. 1: "the" x 300 (0.0033) lies 0.5 below, past the margin of 0.125
+    bounds = {4: (tuple(lo), tuple(hi))}
+    got = surface_advisories(texts, [4, 4], bounds)
+    assert got[0] == [{"feature": "distinct_ratio", "value": 0.0033, "range": [0.5, round(hi[i], 4)]}]
+    assert got[1] == []
+    assert surface_advisories(texts, [3, 3], bounds) == [[], []]  # no bounds for prompt 3
+    assert surface_advisories(texts, [4, 4], None) == [[], []]
+    lo[i] = 0.12  # 0.0033 lies 0.1167 below: inside the margin of 0.25 * 0.88 = 0.22
+    assert surface_advisories(texts[:1], [4], {4: (tuple(lo), tuple(hi))}) == [[]]
+
+
+def test_the_shipped_scorer_advises_on_one_word_repeated():
+    """One word repeated scored the top of prompts 4 and 5 (the encoder's linear map
+    extrapolates); the score is unchanged, but every result says the essay lies far outside
+    the training essays, and an ordinary essay gets no advisory."""
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer, score_essays
+
+    scorer = load_scorer(default_scorer_path(), backend="torch", threads=1)
+    essay = ("Computers are good for people because they help us learn and talk with our "
+             "friends. I think the newspaper should say that computers are good.")
+    results = score_essays(scorer, ["because " * 300, "because " * 300, essay], [4, 5, 1])
+    for res in results[:2]:
+        assert "distinct_ratio" in [a["feature"] for a in res["advisories"]], res
+    assert "advisories" not in results[2]
+    plain = score_essays(scorer, ["because " * 300], [4], advisories=False)
+    assert plain == [{"prompt": 4, "score": results[0]["score"]}]
+
+
 def test_ridge_stack_config_rules():
     w = {3: [0.1] * len(SURFACE_FEATURES)}
     cfg = ScorerConfig(encoder="x", head_kind="ridge", objective="regression", pooling="cls+mean",

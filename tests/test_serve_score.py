@@ -619,3 +619,37 @@ def test_a_capped_essay_says_so(tmp_path, tiny_scorer_dir, tiny_scorer):
     want = tiny_scorer.predict_scores([text[:20], "short"], 1).tolist()
     assert out == [{"index": 1, "id": "c", "prompt": 1, "score": want[0], "capped_from": len(text)},
                    {"index": 2, "id": 2, "prompt": 1, "score": want[1]}]
+
+
+def test_advisories_come_with_the_score_over_http_and_from_the_command(tmp_path):
+    """The shipped scorer over POST /v1/score and `mhmla-serve score`: an essay of one word
+    repeated gets its score and advisories (distinct / words far below the training essays'),
+    also when the service scores it window by window; an ordinary essay gets none."""
+    from mhmla_fast.serve.http import create_app
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer
+
+    scorer = load_scorer(default_scorer_path(), backend="torch", threads=1)
+    ordinary = ("Computers are good for people because they help us learn and talk with our "
+                "friends. I think the newspaper should say that computers are good.")
+    essays = [{"text": "because " * 300, "prompt": 4, "id": "rep"},
+              {"text": "because " * 1200, "prompt": 5},  # over split_pieces: window by window
+              {"text": ordinary, "prompt": 1}]
+    want = scorer.predict_scores([e["text"] for e in essays], [e["prompt"] for e in essays]).tolist()
+    app = create_app(StubEngine(), scorer=scorer, scorer_name="shipped", split_pieces=600,
+                     warm_up=False)
+    got = {}
+
+    async def body(http) -> None:
+        got["r"] = (await http.post("/v1/score", json={"essays": essays})).json()
+
+    run_app(app, body)
+    results = got["r"]["results"]
+    assert [r["score"] for r in results] == want
+    for r in results[:2]:
+        assert "distinct_ratio" in [a["feature"] for a in r["advisories"]], r
+    assert "advisories" not in results[2]
+
+    data = "".join(json.dumps(e) + "\n" for e in essays).encode()
+    rc, out = score_cli(tmp_path, str(default_scorer_path()), data, "--backend", "torch")
+    assert rc == 0 and [r["score"] for r in out] == want
+    assert [r.get("advisories") for r in out] == [r.get("advisories") for r in results]

@@ -19,7 +19,8 @@ from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
-           "essay_offset", "essay_offsets", "surface_bounds_of", "essay_prompts", "essay_texts",
+           "essay_offset", "essay_offsets", "surface_advisories", "surface_bounds_of",
+           "essay_prompts", "essay_texts",
            "near_boundary",
            "piece_windows", "default_model_path", "num_labels", "read_scorer_config"]
 
@@ -144,6 +145,43 @@ def essay_offset(text: str, prompt: int, surface_weights: dict[int, Sequence[flo
     an :class:`EssayPlan`'s ``offset``."""
     offset = essay_offsets([text], [int(prompt)], surface_weights, surface_bounds)
     return 0.0 if offset is None else float(offset[0])
+
+
+# how far past a surface feature's training range (as a share of the range's width) an essay
+# must lie for an advisory: of fold 0's 5,191 dev and test essays (the shipped scorer's bounds
+# are its training split's), 1 at 0.25, 9 at 0.1 and 49 at 0
+ADVISORY_MARGIN = 0.25
+
+
+def surface_advisories(texts: Sequence[str], prompts: Sequence[int],
+                       surface_bounds: SurfaceBounds | None,
+                       margin: float = ADVISORY_MARGIN) -> list[list[dict]]:
+    """Per essay, the surface features (:data:`.surface.SURFACE_FEATURES`) that lie far outside
+    the range of the essays its prompt's scorer was fitted on: below ``lo - margin (hi - lo)``
+    or above ``hi + margin (hi - lo)``, each ``{"feature", "value", "range": [lo, hi]}``
+    (an empty list: none; every list empty for a scorer without ``surface_bounds``).
+
+    The score of such an essay is an extrapolation and may mean nothing: the encoder's
+    linear map is not clipped, so one word repeated 300 times (distinct / words 0.003, at
+    least 0.335 in prompt 4's training essays) scored the top of prompts 4 and 5. An advisory
+    says so beside the score, as scoring services flag repetitive, too short or too long
+    essays for a human reader; the score itself is unchanged."""
+    if not surface_bounds:
+        return [[] for _ in texts]
+    from .surface import SURFACE_FEATURES, surface_features
+
+    feats = surface_features(list(texts))
+    out: list[list[dict]] = []
+    for x, p in zip(feats, prompts):
+        if int(p) not in surface_bounds:
+            out.append([])
+            continue
+        lo, hi = (np.asarray(v, dtype=np.float64) for v in surface_bounds[int(p)])
+        slack = margin * (hi - lo)
+        far = np.flatnonzero((x < lo - slack) | (x > hi + slack))
+        out.append([{"feature": SURFACE_FEATURES[i], "value": round(float(x[i]), 4),
+                     "range": [round(float(lo[i]), 4), round(float(hi[i]), 4)]} for i in far])
+    return out
 
 
 def surface_bounds_of(features: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

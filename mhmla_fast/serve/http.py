@@ -116,7 +116,7 @@ from .scheduler import (
 )
 from .http_workers import WorkerGroup
 from .outputs import encode_json
-from .score import essay_pieces_check, unsupported_prompt
+from .score import essay_pieces_check, unsupported_prompt, with_advisories
 
 __all__ = ["create_app", "MicroBatcher", "QueueFull", "TooCostly", "Unavailable",
            "EngineFailure", "estimate_pieces", "BodyLimit", "TagFastPath", "TagRequest",
@@ -256,12 +256,23 @@ class ScoreRequest(BaseModel):
     essays: list[EssayIn]
 
 
+class Advisory(BaseModel):
+    """A surface feature of the essay far outside the essays the scorer was fitted on."""
+
+    feature: str
+    value: float
+    range: list[float]
+
+
 class ScoreResult(BaseModel):
-    """One essay's score: ``score`` is an integer on ``prompt``'s scale."""
+    """One essay's score: ``score`` is an integer on ``prompt``'s scale; ``advisories``, where
+    present, say that the essay lies far outside the essays the scorer was fitted on (one word
+    repeated, say), so its score is an extrapolation."""
 
     id: int | str
     prompt: int
     score: int
+    advisories: list[Advisory] | None = None
 
 
 class ScoreResponse(BaseModel):
@@ -606,10 +617,12 @@ def _unscorable(essays: Sequence[EssayIn], prompts: Sequence[int],
     return errors
 
 
-def _with_ids(essays: Sequence[EssayIn], results: Sequence[dict]) -> list[dict]:
-    """``{"id", "prompt", "score"}`` per essay: its own id, else its 1-based position."""
-    return [{"id": e.id if e.id is not None else k, "prompt": r["prompt"], "score": r["score"]}
-            for k, (e, r) in enumerate(zip(essays, results), 1)]
+def _with_ids(essays: Sequence[EssayIn], results: Sequence[dict], scorer: Any = None) -> list[dict]:
+    """``{"id", "prompt", "score"}`` per essay: its own id, else its 1-based position; and
+    ``"advisories"`` where ``scorer``'s :func:`~.score.with_advisories` finds some."""
+    out = [{"id": e.id if e.id is not None else k, "prompt": r["prompt"], "score": r["score"]}
+           for k, (e, r) in enumerate(zip(essays, results), 1)]
+    return with_advisories(scorer, [e.text for e in essays], [e.prompt for e in essays], out)
 
 
 async def _disconnected(request: Request) -> None:
@@ -729,7 +742,9 @@ def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
         results = await wait("essays", [(e.text, e.prompt) for e in essays], request)
         if isinstance(results, Response):
             return results
-        return JSONResponse({"results": _with_ids(essays, results)})
+        # off the event loop: the advisories read every essay's surface features
+        answer = await asyncio.to_thread(_with_ids, essays, results, scorer)
+        return JSONResponse({"results": answer})
 
 
 def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,

@@ -407,7 +407,8 @@ class MicroBatcher:
         if self.scorer is not None and prompts:
             essay = " ".join([WARM_UP_SENTENCE] * WARM_UP_ESSAY_SENTENCES)
             runs.append(("score", estimate_pieces("texts", essay), lambda: score_essays(
-                self.scorer, [essay], [int(prompts[0])], self.score_token_budget)))
+                self.scorer, [essay], [int(prompts[0])], self.score_token_budget,
+                advisories=False)))
         speeds = {}
         for family, cost, run in runs:
             run()  # the runtime's warm-up: not timed
@@ -526,8 +527,10 @@ class MicroBatcher:
         if scoring:
             idx = [k for k, it in enumerate(items) if it.window < 0]
             essays = [items[k].job.inputs[items[k].pos] for k in idx]
+            # (the route adds advisories to every essay's result, windowed ones included)
             for k, res in zip(idx, score_essays(self.scorer, [t for t, _ in essays],
-                                                [p for _, p in essays], self.score_token_budget)):
+                                                [p for _, p in essays], self.score_token_budget,
+                                                advisories=False)):
                 out[k] = res
         for kind, fn in () if scoring else (("texts", self.engine.tag_texts),
                                             ("sentences", self.engine.tag_tokens)):

@@ -7,7 +7,9 @@ essays (texts with their ASAP prompts) to :func:`score_essays`, which makes ONE
 ``predict_scores`` call for the whole chunk, so that all windows of all its essays go through
 the encoder together in token-budget batches. A result is
 ``{"prompt": p, "score": s}`` with ``s`` an integer on prompt ``p``'s scale
-(``SCORE_RANGES[p]``, e.g. 2..12 for prompt 1).
+(``SCORE_RANGES[p]``, e.g. 2..12 for prompt 1), and ``"advisories"`` where the essay lies far
+outside the essays the scorer was fitted on (:func:`with_advisories`: its score is an
+extrapolation, e.g. one word repeated).
 
 A scorer has output layers for some prompts only (``scorer.config.prompts``; the shipped one for
 all eight); :func:`check_prompts` turns input records of the other prompts into error records,
@@ -39,7 +41,7 @@ from .inputs import location
 __all__ = ["DTYPES", "NO_PIECES", "check_prompts", "default_scorer_path", "essay_pieces_check",
            "head_kind", "scorer_token_budget",
            "load_scorer", "piece_encoder", "score_essays", "score_records", "scorer_options",
-           "unsupported_prompt"]
+           "unsupported_prompt", "with_advisories"]
 
 DTYPES = TORCH_DTYPES
 NO_PIECES = ('field "text" gives no word pieces: the scorer\'s tokenizer keeps none of its '
@@ -233,8 +235,11 @@ def scorer_token_budget(scorer: Any, token_budget: int | None = None) -> int:
 
 
 def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
-                 token_budget: int | None = None) -> list[dict[str, int]]:
-    """``[{"prompt": p_i, "score": s_i}]`` for essays ``texts`` [n] of ``prompts`` [n], in order.
+                 token_budget: int | None = None, *, advisories: bool = True
+                 ) -> list[dict[str, Any]]:
+    """``[{"prompt": p_i, "score": s_i}]`` for essays ``texts`` [n] of ``prompts`` [n], in order,
+    with ``"advisories"`` where :func:`with_advisories` finds some (``advisories=False``: never;
+    the HTTP service adds them per request, its windowed essays included).
 
     One ``scorer.predict_scores(texts, prompts, token_budget=...)`` call for all of them (an empty
     list makes no call; ``token_budget``: :func:`scorer_token_budget`). Scores are plain ``int``
@@ -249,7 +254,23 @@ def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
                                    token_budget=scorer_token_budget(scorer, token_budget))
     if len(scores) != len(texts):
         raise ValueError(f"the scorer returned {len(scores)} scores for {len(texts)} essays")
-    return [{"prompt": p, "score": int(s)} for p, s in zip(prompts, scores)]
+    results = [{"prompt": p, "score": int(s)} for p, s in zip(prompts, scores)]
+    return with_advisories(scorer, texts, prompts, results) if advisories else results
+
+
+def with_advisories(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
+                    results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``results`` (one per essay), each given ``"advisories"`` where its essay lies far
+    outside the essays the scorer was fitted on (:func:`~mhmla_fast.aes.scoring.surface_advisories`
+    of the scorer's ``surface_bounds``; none for a scorer without them)."""
+    from ..aes.scoring import surface_advisories
+
+    bounds = getattr(getattr(scorer, "config", None), "surface_bounds", None)
+    if bounds:
+        for res, advisories in zip(results, surface_advisories(texts, prompts, bounds)):
+            if advisories:
+                res["advisories"] = advisories
+    return results
 
 
 def score_records(scorer: Any, records: Sequence[Any], token_budget: int | None = None, *,
