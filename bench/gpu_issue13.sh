@@ -69,9 +69,7 @@ case "$stage" in
       python3 bench/weight_parts.py merge /tmp/mpnet
     fi
     pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/setup13.log" 2>&1 || true
-    if [ -f /tmp/mpnet/data/data.tar.xz ] && [ ! -d /tmp/mpnet/data/fce ]; then
-      python3 bench/data_pack.py unpack /tmp/mpnet/data || exit 3
-    fi
+    unpack_data /tmp/mpnet/data || exit 3
     export MHMLA_SHARED_DATA=/tmp/mpnet/data
     export MHMLA_BENCH_NOTE="gpu_issue13.sh: all-mpnet-base-v2's weights fp16-rounded for the transfer, upcast to fp32"
     ENCODER=/tmp/mpnet/model TAG=mpnet JOBS=1 THREADS= RUNS=/tmp/mpnet_runs RESULTS="$OUT" \

@@ -39,3 +39,9 @@ exclude() {  # here: keep a folder out of git (and so out of the tree that trave
   mkdir -p "$(dirname "$file")"
   grep -qx "$1" "$file" 2>/dev/null || echo "$1" >> "$file"
 }
+
+unpack_data() {  # DIR (on the device): DIR/data.tar.xz (bench/data_pack.py) unpacked in place,
+  # once; nothing to do for a folder carried unpacked
+  [ -f "$1/data.tar.xz" ] || return 0
+  python3 bench/data_pack.py unpack "$1"
+}

@@ -62,22 +62,28 @@ def test_unpack_refuses_a_member_outside_the_folder(tmp_path):
 
 
 def test_prepare_unpacks_the_carried_data_in_place_once(tmp_path):
-    """gpu_issue11.sh's prepare (its data step; the device's environment and the stand-in
-    encoder stubbed out) on a tree that carries only the tarball."""
+    """gpu_issue11.sh's prepare (its data step, travel.sh's unpack_data; the device's
+    environment and the stand-in encoder left out) on a tree that carries only the tarball."""
     dp = load_bench_script("data_pack")
     data = tmp_path / ".gpu" / "data"
     (data / "fce").mkdir(parents=True)
     (data / "fce" / "fce-public.test.original.tsv").write_text("A\tc\n")
     dp.pack(data, ["fce"])
     (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "data_pack.py").write_text((REPO / "bench" / "data_pack.py").read_text())
+    for name in ("data_pack.py", "travel.sh"):
+        (tmp_path / "bench" / name).write_text((REPO / "bench" / name).read_text())
     script = (REPO / "bench" / "gpu_issue11.sh").read_text()
     prepare = script[script.index("prepare() {"):]
     prepare = prepare[:prepare.index("\n}\n") + 3]
     # keep the data step only: everything from the environment on is the device's
     prepare = prepare[:prepare.index("  device_env")] + "}\n"
-    run = f"{prepare}\nprepare && prepare && ls .gpu/data/fce"
+    run = f"source bench/travel.sh\n{prepare}\nprepare && prepare && ls .gpu/data/fce"
     out = subprocess.run(["bash", "-c", run], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     # unpacked by the first call only
-    assert out.splitlines() == [".gpu/data: unpacked fce", "fce-public.test.original.tsv"]
+    assert out.splitlines() == [".gpu/data: unpacked fce", ".gpu/data: already unpacked",
+                                "fce-public.test.original.tsv"]
+    # a folder carried unpacked (no archive): nothing to do
+    (data / "data.tar.xz").unlink()
+    out = subprocess.run(["bash", "-c", run], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["fce-public.test.original.tsv"]
     assert (data / "fce" / "fce-public.test.original.tsv").read_text() == "A\tc\n"
