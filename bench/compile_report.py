@@ -4,9 +4,13 @@
     python bench/compile_report.py --json OUT.json --shapes bert-base --dropout off
 
 For every kernel of ``mhmla_fast.kernels.layer_attention`` and every config it can launch (the
-autotuning candidates its ``keep`` rule admits), at BERT-base (L = 12, H = K = 768, J = 12)
-and MiniLM (L = 6, H = K = 384, J = 12) shape, in bf16, with dropout off and on (training
-launches the dropout variants), this compiles the kernel with ``triton.compile`` for
+autotuning candidates its ``keep`` rule admits, the fixed config of ``MHMLA_TRITON_CONFIGS=fixed``
+and the autotuner's fallback; the softmax backward and the dropout kernels with their one
+launch config), at BERT-base (L = 12, H = K = 768, J = 12) and MiniLM (L = 6, H = K = 384,
+J = 12) shape, in bf16 and fp16 (the 16-bit dtypes the fused op takes on a GPU; fp16 since
+2026-12-07, when three configs the rule then admitted spilled in fp16 with dropout), with
+dropout off and on (training launches the dropout variants), this compiles the kernel with
+``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)``, with the argument alignment Triton's JIT would give a launch at
 that shape (16-byte aligned pointers and 16-divisible sizes, so loads are vectorised and
 pipelined as on the GPU; without it every load compiles scalar and unpipelined), and records:
@@ -18,14 +22,18 @@ pipelined as on the GPU; without it every load compiles scalar and unpipelined),
     wgmma_dots    of those, lowered to Hopper's asynchronous warp-group MMA
     wgmma_ptx     ``wgmma.mma_async`` instructions in the PTX
 
-A config fails the gate when it spills or when one of its dots is not a wgmma (an ``mma.sync``
-or FMA dot is several times slower on Hopper). The exit status is 1 when any config fails, so
-``tests/test_compile_report.py`` runs it as CI's compile gate.
+A config fails the gate when it spills, when one of its dots is not a wgmma (an ``mma.sync``
+or FMA dot is several times slower on Hopper), or when a GEMM kernel has no dot at all. The
+exit status is 1 when any config fails, so ``tests/test_compile_report.py`` runs it as CI's
+compile gate, and compares the rows with the committed ``bench/results/compile_report_sm90.json``
+(regenerate it with this script after a kernel change). ``MHMLA_TRITON_CONFIGS`` is removed
+from the environment too: it narrows the configs a launch can use.
 
 Triton must not be in interpreter mode: this script removes ``TRITON_INTERPRET`` from its own
 environment before importing Triton (under the interpreter ``@triton.jit`` functions cannot be
 compiled), so it can be started from a test session that has it set. Compiles run in a pool of
-processes and land in Triton's on-disk cache, so a second run takes seconds.
+processes and land in Triton's on-disk cache, so a second run takes seconds (a first, cold one
+a few minutes on 2 cores: CI's).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # before Triton is imported: compile, do not interpret
+os.environ.pop("MHMLA_TRITON_CONFIGS", None)  # every config a launch can use, not a choice of them
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -51,6 +60,9 @@ SHAPES = {
     "minilm": dict(L=6, H=384, K=384, J=12),
 }
 ARCH = 90
+DTYPES = ("bf16", "fp16")
+# the GEMM kernels: each must have dots, all of them wgmma
+GEMM_KERNELS = ("fwd_scores", "fwd_values", "bwd_values", "bwd_keys")
 
 
 def _kernels_module():
@@ -73,24 +85,31 @@ def _cuobjdump() -> str:
 
 def _case_key(case: dict) -> tuple:
     consts = tuple(sorted((k, str(v)) for k, v in case["constexprs"].items()))
-    return case["kernel"], consts, case["num_warps"], case["num_stages"]
+    signature = tuple(sorted(case["signature"].items()))
+    return case["kernel"], consts, signature, case["num_warps"], case["num_stages"]
 
 
-def compile_case(job: tuple[str, dict, bool, bool, int]) -> dict:
-    """Compile case ``index`` of ``layer_attention_compile_cases(shape, dropout, candidates)``
-    for sm_90."""
-    shape_name, shape, dropout, candidates, index = job
+def _torch_dtype(name: str):
     import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def compile_case(job: tuple[str, dict, str, bool, bool, int]) -> dict:
+    """Compile case ``index`` of ``layer_attention_compile_cases(dtype, shape, dropout,
+    candidates)`` for sm_90."""
+    shape_name, shape, dtype, dropout, candidates, index = job
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernels = _kernels_module()
-    case = kernels.layer_attention_compile_cases(torch.bfloat16, dropout=dropout,
+    case = kernels.layer_attention_compile_cases(_torch_dtype(dtype), dropout=dropout,
                                                  candidates=candidates, **shape)[index]
     fn = case["fn"]
-    row = {"kernel": case["kernel"], "shape": shape_name, "dtype": "bf16", "dropout": dropout,
-           "tiles": case["tiles"], "num_warps": case["num_warps"], "num_stages": case["num_stages"]}
+    tiles = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in case["tiles"].items()}
+    row = {"kernel": case["kernel"], "shape": shape_name, "dtype": dtype, "dropout": dropout,
+           "tiles": tiles, "num_warps": case["num_warps"], "num_stages": case["num_stages"]}
     try:
         src = ASTSource(fn=fn, signature=case["signature"],
                         constexprs={(fn.arg_names.index(k),): v for k, v in case["constexprs"].items()},
@@ -123,43 +142,45 @@ def compile_case(job: tuple[str, dict, bool, bool, int]) -> dict:
         reasons.append(f"spills {row['spill_bytes']} bytes")
     if plain:
         reasons.append(f"{plain} of {plain + wgmma} dots are not wgmma")
+    if case["kernel"] in GEMM_KERNELS and not plain + wgmma:
+        reasons.append("no dot in a GEMM kernel")
     row["passed"] = not reasons
     row["failure"] = "; ".join(reasons) or None
     return row
 
 
 def run_report(shapes: list[str], dropouts: list[bool], workers: int | None = None,
-               candidates: bool = False, only: list[str] | None = None) -> list[dict]:
-    """Compile every distinct (kernel, config) of the given shapes and dropout settings
+               candidates: bool = False, only: list[str] | None = None,
+               dtypes: tuple[str, ...] = DTYPES) -> list[dict]:
+    """Compile every distinct (kernel, config) of the given dtypes, shapes and dropout settings
     (``candidates``: every autotuning candidate, not only the kept ones; ``only``: these
     kernels)."""
-    import torch
-
     kernels = _kernels_module()
     jobs, seen = [], set()
-    for name in shapes:
-        for dropout in dropouts:
-            for i, case in enumerate(kernels.layer_attention_compile_cases(
-                    torch.bfloat16, dropout=dropout, candidates=candidates, **SHAPES[name])):
-                key = _case_key(case)
-                if only and case["kernel"] not in only:
-                    continue
-                if key not in seen:  # the same constexprs compile to the same binary
-                    seen.add(key)
-                    jobs.append((name, SHAPES[name], dropout, candidates, i))
+    for dtype in dtypes:
+        for name in shapes:
+            for dropout in dropouts:
+                for i, case in enumerate(kernels.layer_attention_compile_cases(
+                        _torch_dtype(dtype), dropout=dropout, candidates=candidates, **SHAPES[name])):
+                    key = _case_key(case)
+                    if only and case["kernel"] not in only:
+                        continue
+                    if key not in seen:  # the same constexprs and types: the same binary
+                        seen.add(key)
+                        jobs.append((name, SHAPES[name], dtype, dropout, candidates, i))
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(compile_case, jobs))
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'kernel':11s} {'shape':9s} {'drop':4s} {'tiles':34s} {'w':>2s} {'s':>2s} {'regs':>4s} "
+    head = (f"{'kernel':14s} {'shape':9s} {'dtype':5s} {'drop':4s} {'tiles':34s} {'w':>2s} {'s':>2s} {'regs':>4s} "
             f"{'spill':>5s} {'smem KB':>7s} {'dots':>4s} {'wgmma':>5s}  verdict")
     lines = [head, "-" * len(head)]
     for r in rows:
         tiles = ",".join(f"{k.removeprefix('BLOCK_')}={v}" for k, v in r["tiles"].items())
         verdict = "ok" if r["passed"] else f"FAIL: {r.get('failure') or r.get('error')}"
         lines.append(
-            f"{r['kernel']:11s} {r['shape']:9s} {'on' if r['dropout'] else 'off':4s} {tiles:34s} "
+            f"{r['kernel']:14s} {r['shape']:9s} {r['dtype']:5s} {'on' if r['dropout'] else 'off':4s} {tiles:34s} "
             f"{r['num_warps']:2d} {r['num_stages']:2d} {r.get('registers') or '-':>4} "
             f"{r.get('spill_bytes') if r.get('spill_bytes') is not None else '-':>5} "
             f"{(r.get('shared_bytes') or 0) / 1024:7.1f} {r.get('dots', '-'):>4} {r.get('wgmma_dots', '-'):>5}  {verdict}"
@@ -171,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compile_report.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     p.add_argument("--dropout", choices=("off", "on", "both"), default="both")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the rows (default: %(default)s)")
     p.add_argument("--no-json", action="store_true", help="print only")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
     p.add_argument("--kernels", nargs="+", default=None,
-                   help="only these kernels (fwd_scores fwd_values bwd_values bwd_keys)")
+                   help="only these kernels (fwd_scores fwd_values bwd_values bwd_keys bwd_softmax "
+                        "dropout_layers dropout_masks)")
     p.add_argument("--candidates", action="store_true",
                    help="every autotuning candidate, also those the keep rule rejects (to calibrate it)")
     args = p.parse_args(argv)
@@ -184,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
-    rows = run_report(args.shapes, dropouts, args.workers, args.candidates, args.kernels)
+    rows = run_report(args.shapes, dropouts, args.workers, args.candidates, args.kernels,
+                      tuple(args.dtypes))
     print(format_rows(rows))
     failed = [r for r in rows if not r["passed"]]
     print(f"\n{len(rows)} configs compiled for sm_{ARCH}; {len(failed)} failed the gate (spill or non-wgmma dot)")
@@ -193,14 +217,15 @@ def main(argv: list[str] | None = None) -> int:
 
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        header = {"target": f"cuda sm_{ARCH} (H100), compiled on a CPU", "dtype": "bf16",
+        header = {"target": f"cuda sm_{ARCH} (H100), compiled on a CPU", "dtypes": args.dtypes,
                   "configs": "every autotuning candidate" if args.candidates else "the kept configs",
                   "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
                   "date": datetime.date.today().isoformat(), "shapes": {s: SHAPES[s] for s in args.shapes},
                   "specialisation": "as Triton's JIT specialises a launch at these shapes: every "
                                     "pointer 16-byte aligned, H, K, D = H / J, J, L divisible by "
                                     "16 where they are; N and layer offsets not",
-                  "gate": "fails on any spill_bytes > 0 or any dot not lowered to wgmma"}
+                  "gate": "fails on any spill_bytes > 0, any dot not lowered to wgmma, or a GEMM "
+                          "kernel without a dot"}
         out.write_text(json.dumps({"report": "layer_attention_compile", "header": header, "rows": rows},
                                   indent=1) + "\n")
         print(f"wrote {out}")

@@ -636,7 +636,8 @@ _TILE_DIMS = {"fwd_scores": ("BLOCK_N", "BLOCK_K"), "fwd_values": ("BLOCK_N", "B
 def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
     """Whether a config of kernel ``name`` fits an sm_90 SM without spilling (see above).
 
-    ``tiles`` holds the config's block sizes, the shape's BLOCK_J and DROP_K (key dropout on).
+    ``tiles`` holds the config's block sizes, the shape's BLOCK_J, DROP_K and DROP_P (key and
+    layer-weight dropout on) and FP16 (the inputs are fp16, not bf16).
     """
     rows, cols = _TILE_DIMS[name]
     smem = stages * 2 * (tiles["BLOCK_N"] + tiles[cols]) * tiles["BLOCK_I"] <= _SMEM_BYTES
@@ -663,7 +664,13 @@ def _keep(name: str, tiles: dict, warps: int, stages: int) -> bool:
         return False
     if name == "bwd_values" and warps == 4 and tiles["BLOCK_N"] > 64:  # 128 x 64: 24 bytes
         return False  # spilled with dropout (the epilogue's row-wise values: p~, dp)
-    return smem  # bf16 operand tiles [BLOCK_N, BLOCK_I] and [BLOCK_I, cols] staged
+    if (name in ("fwd_values", "bwd_values") and tiles.get("FP16") and tiles.get("DROP_P")
+            and warps == 8 and tiles[rows] == tiles[cols] == 128
+            and (name == "bwd_values" or stages == 4)):
+        # fp16 with p dropout spills where bf16 does not (compile gate, 2026-12-07): bwd_values
+        # 128 x 128 on 8 warps 24 bytes, fwd_values flat 128 x 128 on 8 warps, 4 stages: 8
+        return False
+    return smem  # 16-bit operand tiles [BLOCK_N, BLOCK_I] and [BLOCK_I, cols] staged
 
 
 def _candidates(name: str) -> list[tuple[dict, int, int]]:
@@ -734,16 +741,19 @@ def _config_choice() -> str:
     return choice
 
 
-def layer_attention_configs(name: str, H: int = 768, J: int = 12,
-                            dropout_k: bool = False) -> list[tuple[dict, int, int]]:
+def layer_attention_configs(name: str, H: int = 768, J: int = 12, dropout_k: bool = False, *,
+                            dropout_p: bool = False, fp16: bool = False
+                            ) -> list[tuple[dict, int, int]]:
     """The configs kernel ``name`` can launch at hidden size H with J heads (BERT-base by
-    default), with key dropout on or off: the fixed one under the interpreter, else every
-    candidate ``_keep`` admits (the fixed one if none is), or with MHMLA_TRITON_CONFIGS=rowscale
-    (no-rowscale) only the value kernels' ROWSCALE forms (only the others)."""
+    default), with key and layer-weight dropout on or off, in fp16 or not (bf16): the fixed one
+    under the interpreter, else every candidate ``_keep`` admits (the fixed one if none is), or
+    with MHMLA_TRITON_CONFIGS=rowscale (no-rowscale) only the value kernels' ROWSCALE forms
+    (only the others)."""
     if _interpreting():
         tiles, w, s = _FIXED[name]
         return [(dict(tiles), w, s)]
-    shape = {**_shape_constexprs(H, J), "DROP_K": dropout_k, "HEAD_DIM": H // J}
+    shape = {**_shape_constexprs(H, J), "DROP_K": dropout_k, "DROP_P": dropout_p, "FP16": fp16,
+             "HEAD_DIM": H // J}
     kept = [(t, w, s) for t, w, s in _candidates(name) if _keep(name, {**shape, **t}, w, s)]
     choice = _config_choice()
     if choice in ("rowscale", "no-rowscale") and name in ("fwd_values", "bwd_values"):
@@ -764,8 +774,11 @@ def _shape_constexprs(H: int, J: int) -> dict:
 def _kept(name: str, named_args: dict, kwargs: dict) -> list[tuple[dict, int, int]]:
     """The candidates kernel ``name`` is tuned over at a launch with these arguments (by name)
     and keyword arguments: what the autotuner's pruning keeps and ``_precompile`` compiles."""
+    first = named_args[_KERNELS[name].arg_names[0]]  # the input tensor (a pointer argument)
     return layer_attention_configs(name, named_args["H"], named_args["J"],
-                                   bool(kwargs.get("DROP_K", False)))
+                                   bool(kwargs.get("DROP_K", False)),
+                                   dropout_p=bool(kwargs.get("DROP_P", False)),
+                                   fp16=getattr(first, "dtype", None) == torch.float16)
 
 
 @functools.cache
@@ -992,46 +1005,67 @@ def _n_bucket(n: int) -> int:
 def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 12, H: int = 768,
                                   K: int = 768, J: int = 12, dropout: bool = False,
                                   candidates: bool = False) -> list[dict]:
-    """Every (kernel, config) a launch at this shape and dtype can use (with ``candidates``,
-    every autotuning candidate, also those ``_keep`` rejects), as ``triton.compile`` inputs:
-    ``{"kernel", "fn", "signature", "constexprs", "aligned", "num_warps", "num_stages", "tiles"}``.
+    """Every (kernel, config) a launch at this shape and dtype can use, as ``triton.compile``
+    inputs: ``{"kernel", "fn", "signature", "constexprs", "aligned", "num_warps", "num_stages",
+    "tiles"}``. The four GEMM kernels (``_KERNELS``) with every config ``_keep`` admits (with
+    ``candidates``, every autotuning candidate, also those it rejects) and their fixed config
+    (``MHMLA_TRITON_CONFIGS=fixed`` and the autotuner's fallback); then, with their one launch
+    config, the softmax backward and, with ``dropout``, the dropout kernels (h dropped once
+    per layer group, and the keep masks).
 
-    ``signature`` maps each argument to a Triton type ("*bf16", "*fp32", "i32", "fp32" or
-    "constexpr"); ``constexprs`` gives the constexpr values; ``aligned`` names the arguments
-    a launch at this shape passes 16-divisible, as Triton's JIT specialises them: every
-    pointer (torch's allocations are 16-byte aligned) and the sizes H, K, D = H / J, J and L
-    where they are multiples of 16. N and the layer offsets vary between launches and count
-    as unaligned. For ``bench/compile_report.py``.
+    ``signature`` maps each argument to a Triton type ("*bf16", "*fp32", "*i8", "*i64", "i32",
+    "fp32" or "constexpr"); ``constexprs`` gives the constexpr values; ``aligned`` names the
+    arguments a launch at this shape passes 16-divisible, as Triton's JIT specialises them:
+    every pointer (torch's allocations are 16-byte aligned) and the sizes H, K, D = H / J, J
+    and L where they are multiples of 16. N and the layer offsets vary between launches and
+    count as unaligned. For ``bench/compile_report.py``.
     """
     elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWA_ptr", "DBK_ptr"}
+    acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWA_ptr", "DBK_ptr",
+                "DBA_ptr"}
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
     drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
     sizes = dict(H=H, K=K, D=H // J, J=J, L=L)
     aligned_sizes = {a for a, v in sizes.items() if v % 16 == 0}
-    cases = []
+    fixed_launches = [("bwd_softmax", _layer_attention_bwd_softmax_kernel,
+                       dict(BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SLOT))]
+    if dropout:
+        fixed_launches += [
+            ("dropout_layers", _layer_attention_dropout_layers_kernel,
+             dict(STREAM=_STREAM["h"], ACC=tl.float32, BLOCK=_DROPOUT_BLOCK)),
+            ("dropout_masks", _layer_attention_dropout_masks_kernel,
+             dict(STREAM=_STREAM["h"], BLOCK=_DROPOUT_BLOCK))]
+    launches = []
     for name, fn in _KERNELS.items():
-        configs = _candidates(name) if candidates else layer_attention_configs(name, H, J, dropout)
-        for tiles, warps, stages in configs:
-            values = {**common, **drops, **tiles}
-            consts = {a: values[a] for a in fn.arg_names if a in values}
-            signature = {}
-            for a in fn.arg_names:
-                if a in consts:
-                    signature[a] = "constexpr"
-                elif a == "SEED_ptr":
-                    signature[a] = "*i64"
-                elif a.endswith("_ptr"):
-                    signature[a] = "*fp32" if a in acc_ptrs else f"*{elem}"
-                elif a.startswith(("rate", "scale")):
-                    signature[a] = "fp32"
-                else:
-                    signature[a] = "i32"
-            aligned = [a for a in fn.arg_names if a not in consts
-                       and (a.endswith("_ptr") or a in aligned_sizes)]
-            cases.append(dict(kernel=name, fn=fn, signature=signature, constexprs=consts,
-                              aligned=aligned, num_warps=warps, num_stages=stages, tiles=tiles))
+        configs = _candidates(name) if candidates else layer_attention_configs(
+            name, H, J, dropout, dropout_p=dropout, fp16=dtype == torch.float16)
+        configs = configs + [c for c in [_FIXED[name]] if c not in configs]
+        launches += [(name, fn, tiles, warps, stages) for tiles, warps, stages in configs]
+    # (launched with Triton's defaults: 4 warps, 3 stages)
+    launches += [(name, fn, tiles, 4, 3) for name, fn, tiles in fixed_launches]
+    cases = []
+    for name, fn, tiles, warps, stages in launches:
+        values = {**common, **drops, **tiles}
+        consts = {a: values[a] for a in fn.arg_names if a in values}
+        signature = {}
+        for a in fn.arg_names:
+            if a in consts:
+                signature[a] = "constexpr"
+            elif a == "SEED_ptr":
+                signature[a] = "*i64"
+            elif a == "KEEP_ptr":
+                signature[a] = "*i8"
+            elif a.endswith("_ptr"):
+                signature[a] = "*fp32" if a in acc_ptrs else f"*{elem}"
+            elif a.startswith(("rate", "scale")):
+                signature[a] = "fp32"
+            else:
+                signature[a] = "i32"
+        aligned = [a for a in fn.arg_names if a not in consts
+                   and (a.endswith("_ptr") or a in aligned_sizes)]
+        cases.append(dict(kernel=name, fn=fn, signature=signature, constexprs=consts,
+                          aligned=aligned, num_warps=warps, num_stages=stages, tiles=tiles))
     return cases
 
 
@@ -1399,7 +1433,8 @@ class LayerAttentionFunction(torch.autograd.Function):
     def backward(ctx, dc, dp):
         hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed = ctx.saved_tensors
         inputs = (hidden, w_v, b_v, w_k, b_k, w_a, b_a)
-        if dc is None:
+        c_unused = dc is None  # a loss of p alone: W_v and b_v get no gradient, as in eager
+        if c_unused:
             dc = hidden.new_zeros(ctx.c_shape)
         if ctx.backward_kernels == "triton" and _direct(dc):
             num_heads, *dropout = ctx.config
@@ -1416,7 +1451,8 @@ class LayerAttentionFunction(torch.autograd.Function):
                     outs.append(p_ref)
                     douts.append(dp)
                 grads = torch.autograd.grad(outs, leaves, douts, allow_unused=True)
-            grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
+        if c_unused:  # (None, not zeros: an optimizer skips a parameter without a gradient)
+            grads = (grads[0], None, None, *grads[3:])
         return (*grads, None, None, None, None, None, None)
 
 

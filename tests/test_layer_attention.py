@@ -1129,3 +1129,31 @@ def test_a_second_order_gradient_through_the_fused_path_raises():
         else:
             with pytest.raises(RuntimeError, match="once_differentiable"):
                 loss.backward()
+
+
+def test_a_loss_of_the_layer_weights_alone_leaves_w_v_and_b_v_without_a_gradient():
+    """p does not depend on W_v or b_v: with c unused, eager leaves their .grad None, and so
+    do the fused backward and the mixed directions (they returned zeros, on which Adam's
+    momentum and AdamW's weight decay still act, so the backends trained differently); the
+    other gradients agree."""
+    L, N, H, K, J = 2, 5, 16, 8, 2
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=g) * 0.3 for s in
+          [(L, N, H), (L, H, H), (L, H), (L, H, K), (L, K), (L, K, J), (L, J)]]
+    grads = {}
+    for backend, kernels in (("torch", None), ("triton", None), ("triton", ("triton", "torch")),
+                             ("triton", ("torch", "triton"))):
+        x = [t.clone().to(DEVICE).requires_grad_() for t in ts]
+        if kernels is None:
+            _, p = layer_attention(*x, J, backend=backend, return_weights=True)
+        else:
+            from mhmla_fast.kernels.layer_attention import layer_attention_triton
+
+            _, p = layer_attention_triton(*x, J, kernels=kernels)
+        (p * p).sum().backward()
+        assert x[1].grad is None and x[2].grad is None, (backend, kernels)
+        grads[backend, kernels] = [x[i].grad for i in (0, 3, 4, 5, 6)]
+    want = grads["torch", None]
+    for key, got in grads.items():
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
