@@ -10,7 +10,8 @@ launch config), at BERT-base (L = 12, H = K = 768, J = 12) and MiniLM (L = 6, H 
 J = 12) shape, in bf16 and fp16 (the 16-bit dtypes the fused op takes on a GPU; fp16 since
 2026-12-07, when three configs the rule then admitted spilled in fp16 with dropout), with
 dropout off and on (training launches the dropout variants), this compiles the kernel with
-``triton.compile`` for
+``triton.compile`` (twice: with the sizes that follow from N unaligned, as at an odd N, and
+aligned, as at N = 4096, since Triton's JIT compiles other code for each) for
 ``GPUTarget("cuda", 90, 32)``, with the argument alignment Triton's JIT would give a launch at
 that shape (16-byte aligned pointers and 16-divisible sizes, so loads are vectorised and
 pipelined as on the GPU; without it every load compiles scalar and unpipelined), and records:
@@ -86,7 +87,8 @@ def _cuobjdump() -> str:
 def _case_key(case: dict) -> tuple:
     consts = tuple(sorted((k, str(v)) for k, v in case["constexprs"].items()))
     signature = tuple(sorted(case["signature"].items()))
-    return case["kernel"], consts, signature, case["num_warps"], case["num_stages"]
+    return (case["kernel"], consts, signature, tuple(case["aligned"]), case["num_warps"],
+            case["num_stages"])
 
 
 def _torch_dtype(name: str):
@@ -95,20 +97,22 @@ def _torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def compile_case(job: tuple[str, dict, str, bool, bool, int]) -> dict:
+def compile_case(job: tuple[str, dict, str, bool, bool, bool, int]) -> dict:
     """Compile case ``index`` of ``layer_attention_compile_cases(dtype, shape, dropout,
-    candidates)`` for sm_90."""
-    shape_name, shape, dtype, dropout, candidates, index = job
+    candidates, n_aligned)`` for sm_90."""
+    shape_name, shape, dtype, dropout, candidates, n_aligned, index = job
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernels = _kernels_module()
     case = kernels.layer_attention_compile_cases(_torch_dtype(dtype), dropout=dropout,
-                                                 candidates=candidates, **shape)[index]
+                                                 candidates=candidates, n_aligned=n_aligned,
+                                                 **shape)[index]
     fn = case["fn"]
     tiles = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in case["tiles"].items()}
     row = {"kernel": case["kernel"], "shape": shape_name, "dtype": dtype, "dropout": dropout,
+           "n_aligned": n_aligned,
            "tiles": tiles, "num_warps": case["num_warps"], "num_stages": case["num_stages"]}
     try:
         src = ASTSource(fn=fn, signature=case["signature"],
@@ -151,36 +155,40 @@ def compile_case(job: tuple[str, dict, str, bool, bool, int]) -> dict:
 
 def run_report(shapes: list[str], dropouts: list[bool], workers: int | None = None,
                candidates: bool = False, only: list[str] | None = None,
-               dtypes: tuple[str, ...] = DTYPES) -> list[dict]:
-    """Compile every distinct (kernel, config) of the given dtypes, shapes and dropout settings
-    (``candidates``: every autotuning candidate, not only the kept ones; ``only``: these
-    kernels)."""
+               dtypes: tuple[str, ...] = DTYPES, n_aligned: tuple[bool, ...] = (False, True)
+               ) -> list[dict]:
+    """Compile every distinct (kernel, config) of the given dtypes, shapes, dropout settings
+    and N alignments (``candidates``: every autotuning candidate, not only the kept ones;
+    ``only``: these kernels)."""
     kernels = _kernels_module()
     jobs, seen = [], set()
-    for dtype in dtypes:
-        for name in shapes:
-            for dropout in dropouts:
-                for i, case in enumerate(kernels.layer_attention_compile_cases(
-                        _torch_dtype(dtype), dropout=dropout, candidates=candidates, **SHAPES[name])):
-                    key = _case_key(case)
-                    if only and case["kernel"] not in only:
-                        continue
-                    if key not in seen:  # the same constexprs and types: the same binary
-                        seen.add(key)
-                        jobs.append((name, SHAPES[name], dtype, dropout, candidates, i))
+    for aligned in n_aligned:
+        for dtype in dtypes:
+            for name in shapes:
+                for dropout in dropouts:
+                    for i, case in enumerate(kernels.layer_attention_compile_cases(
+                            _torch_dtype(dtype), dropout=dropout, candidates=candidates,
+                            n_aligned=aligned, **SHAPES[name])):
+                        key = _case_key(case)
+                        if only and case["kernel"] not in only:
+                            continue
+                        if key not in seen:  # the same constexprs, types, alignment: one binary
+                            seen.add(key)
+                            jobs.append((name, SHAPES[name], dtype, dropout, candidates, aligned, i))
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(compile_case, jobs))
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'kernel':14s} {'shape':9s} {'dtype':5s} {'drop':4s} {'tiles':34s} {'w':>2s} {'s':>2s} {'regs':>4s} "
+    head = (f"{'kernel':14s} {'shape':9s} {'dtype':5s} {'drop':4s} {'N%16':4s} {'tiles':34s} {'w':>2s} {'s':>2s} {'regs':>4s} "
             f"{'spill':>5s} {'smem KB':>7s} {'dots':>4s} {'wgmma':>5s}  verdict")
     lines = [head, "-" * len(head)]
     for r in rows:
         tiles = ",".join(f"{k.removeprefix('BLOCK_')}={v}" for k, v in r["tiles"].items())
         verdict = "ok" if r["passed"] else f"FAIL: {r.get('failure') or r.get('error')}"
         lines.append(
-            f"{r['kernel']:14s} {r['shape']:9s} {r['dtype']:5s} {'on' if r['dropout'] else 'off':4s} {tiles:34s} "
+            f"{r['kernel']:14s} {r['shape']:9s} {r['dtype']:5s} {'on' if r['dropout'] else 'off':4s} "
+            f"{'yes' if r['n_aligned'] else 'no':4s} {tiles:34s} "
             f"{r['num_warps']:2d} {r['num_stages']:2d} {r.get('registers') or '-':>4} "
             f"{r.get('spill_bytes') if r.get('spill_bytes') is not None else '-':>5} "
             f"{(r.get('shared_bytes') or 0) / 1024:7.1f} {r.get('dots', '-'):>4} {r.get('wgmma_dots', '-'):>5}  {verdict}"
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     p.add_argument("--dropout", choices=("off", "on", "both"), default="both")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--n-aligned", choices=("no", "yes", "both"), default="both",
+                   help="the sizes that follow from N as at an odd N (no), at N = 4096 (yes), or both")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the rows (default: %(default)s)")
     p.add_argument("--no-json", action="store_true", help="print only")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     rows = run_report(args.shapes, dropouts, args.workers, args.candidates, args.kernels,
-                      tuple(args.dtypes))
+                      tuple(args.dtypes),
+                      {"no": (False,), "yes": (True,), "both": (False, True)}[args.n_aligned])
     print(format_rows(rows))
     failed = [r for r in rows if not r["passed"]]
     print(f"\n{len(rows)} configs compiled for sm_{ARCH}; {len(failed)} failed the gate (spill or non-wgmma dot)")
@@ -222,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                   "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
                   "date": datetime.date.today().isoformat(), "shapes": {s: SHAPES[s] for s in args.shapes},
                   "specialisation": "as Triton's JIT specialises a launch at these shapes: every "
-                                    "pointer 16-byte aligned, H, K, D = H / J, J, L divisible by "
-                                    "16 where they are; N and layer offsets not",
+                                    "pointer 16-byte aligned, H, K, D = H / J, J, L and the slot "
+                                    "stride divisible by 16 where they are; N and what follows "
+                                    "from it (T, l0, element counts, N_BUCKET) not (n_aligned "
+                                    "false: an odd N) or as at N = 4096 (n_aligned true)",
                   "gate": "fails on any spill_bytes > 0, any dot not lowered to wgmma, or a GEMM "
                           "kernel without a dot"}
         out.write_text(json.dumps({"report": "layer_attention_compile", "header": header, "rows": rows},

@@ -1004,7 +1004,7 @@ def _n_bucket(n: int) -> int:
 
 def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 12, H: int = 768,
                                   K: int = 768, J: int = 12, dropout: bool = False,
-                                  candidates: bool = False) -> list[dict]:
+                                  candidates: bool = False, n_aligned: bool = False) -> list[dict]:
     """Every (kernel, config) a launch at this shape and dtype can use, as ``triton.compile``
     inputs: ``{"kernel", "fn", "signature", "constexprs", "aligned", "num_warps", "num_stages",
     "tiles"}``. The four GEMM kernels (``_KERNELS``) with every config ``_keep`` admits (with
@@ -1017,8 +1017,12 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     "fp32" or "constexpr"); ``constexprs`` gives the constexpr values; ``aligned`` names the
     arguments a launch at this shape passes 16-divisible, as Triton's JIT specialises them:
     every pointer (torch's allocations are 16-byte aligned) and the sizes H, K, D = H / J, J
-    and L where they are multiples of 16. N and the layer offsets vary between launches and
-    count as unaligned. For ``bench/compile_report.py``.
+    and L where they are multiples of 16. N and what follows from it vary between launches:
+    unaligned, as at an odd N, or with ``n_aligned`` as at N a multiple of 1024 (N = 4096, a
+    batch of 32 x 128), where the JIT specialises N, the token slots T = N / 64, the first
+    group's layer offset l0 = 0, the element counts of the dropout kernels, the autotuning
+    key N_BUCKET and the slot stride (where a multiple of 16) on their divisibility by 16, and
+    compiles other code. For ``bench/compile_report.py``.
     """
     elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     acc_ptrs = {"S_ptr", "P_ptr", "DP_ptr", "DA_ptr", "DPP_ptr", "DBV_ptr", "DWA_ptr", "DBK_ptr",
@@ -1026,7 +1030,10 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
     drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
-    sizes = dict(H=H, K=K, D=H // J, J=J, L=L)
+    stride = L * H + L * K * J + L * K + L * J  # the weight-gradient slots' (layer_attention_bwd)
+    sizes = dict(H=H, K=K, D=H // J, J=J, L=L, SLOT_STRIDE=stride)
+    if n_aligned:
+        sizes.update(N=1024, T=16, l0=0, NW=1024 * H, numel=1024 * H, N_BUCKET=1024)
     aligned_sizes = {a for a, v in sizes.items() if v % 16 == 0}
     fixed_launches = [("bwd_softmax", _layer_attention_bwd_softmax_kernel,
                        dict(BLOCK_J=shape["BLOCK_J"], BLOCK_N=_BWD_SLOT))]

@@ -47,14 +47,15 @@ def report(*args: str, json_out: Path | None = None) -> subprocess.CompletedProc
 
 
 def _row_key(r: dict) -> tuple:
-    return (r["kernel"], r["shape"], r["dtype"], r["dropout"], tuple(sorted(r["tiles"].items())),
-            r["num_warps"], r["num_stages"])
+    return (r["kernel"], r["shape"], r["dtype"], r["dropout"], r["n_aligned"],
+            tuple(sorted(r["tiles"].items())), r["num_warps"], r["num_stages"])
 
 
 @needs_tools
 def test_every_launchable_config_compiles_for_sm90_without_spills_and_with_wgmma(tmp_path):
-    """Every kernel, bf16 and fp16, dropout off and on: no spill, every dot a wgmma; and the
-    committed report is this code's (a kernel change without a new report fails here)."""
+    """Every kernel, bf16 and fp16, dropout off and on, N unaligned and as at N = 4096: no
+    spill, every dot a wgmma; and the committed report is this code's (a kernel change without
+    a new report fails here)."""
     res = report(json_out=tmp_path / "report.json")
     assert res.returncode == 0, f"compile gate failed:\n{res.stdout[-6000:]}\n{res.stderr[-3000:]}"
     lines = [line.split() for line in res.stdout.splitlines() if line.startswith(KERNELS)]
@@ -62,6 +63,7 @@ def test_every_launchable_config_compiles_for_sm90_without_spills_and_with_wgmma
     # a MiniLM config that compiles to the same binary as a BERT-base one is listed once
     assert "bert-base" in {row[1] for row in lines} <= {"bert-base", "minilm"}
     assert {row[2] for row in lines} == {"bf16", "fp16"} and {row[3] for row in lines} == {"on", "off"}
+    assert {row[4] for row in lines} == {"no", "yes"}  # N unaligned (an odd N) and as at N = 4096
     assert all(row[-1] == "ok" for row in lines)
     assert "0 failed the gate" in res.stdout
     fresh = json.loads((tmp_path / "report.json").read_text())["rows"]
@@ -72,7 +74,8 @@ def test_every_launchable_config_compiles_for_sm90_without_spills_and_with_wgmma
              for k, a, b in ((_row_key(r), r, {_row_key(c): c for c in committed}[_row_key(r)]) for r in fresh)
              if any(a[m] != b[m] for m in MEASURED)]
     assert not stale, f"the committed report differs (run python bench/compile_report.py): {stale[:5]}"
-    minilm = report("--shapes", "minilm", "--dropout", "off", "--dtypes", "bf16")  # Triton's cache: seconds
+    minilm = report("--shapes", "minilm", "--dropout", "off", "--dtypes", "bf16",
+                    "--n-aligned", "no")  # Triton's cache: seconds
     rows = [line.split() for line in minilm.stdout.splitlines() if line.startswith(KERNELS)]
     assert minilm.returncode == 0 and rows and all(r[1] == "minilm" and r[-1] == "ok" for r in rows)
 
@@ -84,7 +87,7 @@ def test_the_gate_fails_on_a_config_the_keep_rule_rejects():
                  "--dtypes", "bf16")
     assert res.returncode == 1, res.stdout[-3000:]
     failed = [line.split() for line in res.stdout.splitlines() if "FAIL: spills" in line]
-    assert any(row[4] == "N=64,K=256,I=64" and row[5] == "4" for row in failed), res.stdout[-3000:]
+    assert any(row[5] == "N=64,K=256,I=64" and row[6] == "4" for row in failed), res.stdout[-3000:]
 
 
 def test_fp16_with_layer_weight_dropout_leaves_out_the_configs_that_spill(monkeypatch):
