@@ -149,7 +149,8 @@ def essay_offset(text: str, prompt: int, surface_weights: dict[int, Sequence[flo
 
 # how far past a surface feature's training range (as a share of the range's width) an essay
 # must lie for an advisory: of fold 0's 5,191 dev and test essays (the shipped scorer's bounds
-# are its training split's), 1 at 0.25, 9 at 0.1 and 49 at 0
+# are its training split's), 1 at 0.25, 9 at 0.1 and 49 at 0; every one-word-repeated essay of
+# the review at 0.25 (bench/aes_advisories.py -> bench/results/aes_advisories_fold0.json)
 ADVISORY_MARGIN = 0.25
 
 
