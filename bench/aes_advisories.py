@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     from mhmla_fast.provenance import provenance
 
     model = Path(args.model) if args.model else default_model_path()
-    config = read_scorer_config(model)
+    try:
+        config = read_scorer_config(model)
+    except (OSError, ValueError) as e:
+        print(f"aes_advisories.py: {e}", file=sys.stderr)
+        return 2
     bounds = {int(p): v for p, v in (config.get("surface_bounds") or {}).items()}
     if not bounds:
         print(f"{model}: a scorer without surface_bounds gives no advisories", file=sys.stderr)

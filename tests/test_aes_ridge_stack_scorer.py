@@ -353,3 +353,37 @@ def test_scorer_arguments_are_value_errors_naming_them():
             call()
     assert scorer.predict_scores(["An essay."], np.array(3)).tolist() == \
         scorer.predict_scores(["An essay."], 3).tolist()
+
+
+def test_the_advisories_benchmark_counts_per_split_and_margin(tmp_path, capsys):
+    """bench/aes_advisories.py over a tiny ASAP: per fold, split and margin the essays with an
+    advisory (an essay of one word repeated, put into the test split, among them), and the
+    one-word essays; a scorer without bounds is refused."""
+    from bench_scripts import load_bench_script
+
+    from mhmla_fast.aes.scoring import default_model_path
+
+    data = write_asap(tmp_path / "data", n_per_prompt=10)
+    tsv = data / "asap_aes" / "training_set_rel3.nea_utf8.tsv"
+    tsv.write_text(tsv.read_text() + "999\t4\t\"" + "the " * 300 + "\"\t1\t1\t1\r\n")
+    test_ids = data / "asap_aes" / "nea_folds" / "fold_0" / "test_ids.txt"
+    test_ids.write_text(test_ids.read_text() + "999\n")
+    out = tmp_path / "adv.json"
+    bench = load_bench_script("aes_advisories")
+    assert bench.main(["--data-dir", str(data), "--margins", "0.25", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["split"], r["margin"]): r for r in result["rows"]}
+    test = rows["test", 0.25]
+    assert test["essays"] == 5 and test["with_advisories"] >= 1 and "distinct_ratio" in test["features"]
+    assert result["one_word_repeated"]["with_advisories"] == result["one_word_repeated"]["essays"] == 18
+    assert result["model"] == default_model_path().name and "commit" in result["provenance"]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    config = json.loads((default_model_path() / "config.json").read_text())
+    del config["surface_bounds"]
+    (bare / "config.json").write_text(json.dumps(config))
+    assert bench.main(["--model", str(bare), "--data-dir", str(data), "--out", str(out)]) == 2
+    assert "without surface_bounds" in capsys.readouterr().err
+    (bare / "config.json").write_text("{}")
+    assert bench.main(["--model", str(bare), "--data-dir", str(data), "--out", str(out)]) == 2
+    assert "not an mhmla essay scorer" in capsys.readouterr().err
