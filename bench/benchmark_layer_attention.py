@@ -88,7 +88,6 @@ PROVIDERS = ("eager", "compile", "compile-max", "fused", "auto", "cublas")
 # What fused (and auto) are compared with in the summary: other median / their median.
 BASELINES = ("eager", "compile", "compile-max", "cublas")
 MODES = ("forward", "backward", "full", "inference")
-ALL_MODES = MODES
 QUANTILES = (0.5, 0.2, 0.8)  # median, 20th, 80th percentile
 INPUT_NAMES = ("hidden", "w_v", "b_v", "w_k", "b_k", "w_a", "b_a")
 WEIGHT_NAMES = INPUT_NAMES[1:]
@@ -560,7 +559,7 @@ def measure_mode(mode: str, fn: Callable, inputs: tuple, grad_out: Any, *, devic
         res["host_ms"] = host_ms(call, device)
         return res
     if mode != "backward":
-        raise ValueError(f"mode: expected one of {ALL_MODES}, got {mode!r}")
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     out = fn(*inputs)
     ok, why = _retain_graph_works(out, wrt, grad_out, wrt_names)
     if ok:
@@ -1188,7 +1187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"token counts N (default: {' '.join(map(str, N_SWEEP))})")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
                    help=f"default: {' '.join(PROVIDERS)} (compile-max autotunes for minutes per shape, dtype and N)")
-    p.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="default: forward backward full inference ('inference' = forward under no_grad; auto's "
                         "evidence reads the inference and full rows)")
     p.add_argument("--dropout", type=rate, default=0.0,
@@ -1230,6 +1229,9 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+TIMER_SINCE = "2026-12-07"  # CudaTimer for every provider (before: triton.testing.do_bench)
+
+
 def evidence_from_files(paths: list[str]) -> int:
     """Auto's evidence recomputed from result files of earlier runs, one file at a time (its
     rows are one run's), against the rule this checkout ships. A file that is not a
@@ -1249,8 +1251,13 @@ def evidence_from_files(paths: list[str]) -> int:
                   file=sys.stderr)
             continue
         read += 1
+        timing = data["header"].get("timing") or "not recorded"
         print(f"== {path} (commit {data['header'].get('commit', 'unknown')}, "
-              f"schema {data.get('schema_version', 1)})")
+              f"schema {data.get('schema_version', 1)}; timing: {timing})")
+        if "CudaTimer" not in timing:
+            print(f"   (timed before {TIMER_SINCE}: triton's do_bench timed host-bound calls, the "
+                  "fused forward + backward among them, about 0.09 ms short on an H100; a win by "
+                  "less than that is within the timer's bias)")
         print(format_auto_evidence(auto_evidence(rows, device)))
     return 0 if read else 2
 

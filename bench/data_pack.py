@@ -24,6 +24,9 @@ ARCHIVE = "data.tar.xz"
 def pack(folder: Path, names: list[str]) -> Path:
     """``folder/<name>`` for each name into ``folder/data.tar.xz`` (written beside, then
     renamed), then those subfolders removed."""
+    nested = [n for n in names if "/" in n or n in ("", ".", "..")]
+    if nested:
+        raise ValueError(f"{', '.join(nested)}: name folders directly in {folder}")
     missing = [n for n in names if not (folder / n).is_dir()]
     if missing:
         raise FileNotFoundError(f"{folder}: no folder {', '.join(missing)} to pack")
@@ -38,17 +41,21 @@ def pack(folder: Path, names: list[str]) -> Path:
 
 
 def unpack(folder: Path) -> list[str]:
-    """``folder/data.tar.xz`` extracted into ``folder`` (the archive stays), unless every
-    top-level folder it holds is there already (a second call on a warm machine). Returns the
-    top-level names it extracted."""
-    archive = folder / ARCHIVE
+    """``folder/data.tar.xz`` extracted into ``folder`` (the archive stays), unless this
+    archive was extracted there in full already (a second call on a warm machine: the marker
+    ``data.tar.xz.unpacked`` holds the archive's size and modification time, written after
+    the extraction, so a cut-short one is done again). Returns the top-level names it
+    extracted."""
+    archive, marker = folder / ARCHIVE, folder / (ARCHIVE + ".unpacked")
     if not archive.is_file():
         raise FileNotFoundError(f"{archive}: no such archive (run 'pack' where the data is)")
+    stamp = f"{archive.stat().st_size} {archive.stat().st_mtime_ns}"
+    if marker.is_file() and marker.read_text() == stamp:
+        return []
     with tarfile.open(archive, "r:xz") as tar:
         names = sorted({m.name.split("/", 1)[0] for m in tar.getmembers()})
-        if names and all(n not in ("", ".", "..") and (folder / n).exists() for n in names):
-            return []  # (a member outside the folder is left to the filter, which refuses it)
         tar.extractall(folder, filter="data")
+    marker.write_text(stamp)
     return names
 
 
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             names = unpack(args.folder)
             print(f"{args.folder}: unpacked {' '.join(names)}" if names else
                   f"{args.folder}: already unpacked")
-    except (OSError, tarfile.TarError) as e:
+    except (OSError, ValueError, tarfile.TarError) as e:
         print(f"data_pack.py: {e}", file=sys.stderr)
         return 2
     return 0

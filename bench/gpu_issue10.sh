@@ -84,7 +84,7 @@ PY
     # headline with every provider (compile-max autotunes for minutes)
     for shape in bert-base minilm; do for dtype in bf16 fp16; do
       timeout 140 python bench/benchmark_layer_attention.py --shapes $shape --dtypes $dtype \
-        --n 1024 4096 16384 --providers eager fused --modes inference forward full \
+        --n 1024 4096 16384 --providers eager fused --modes full inference forward \
         --out "$OUT/sweep_${shape}_${dtype}.json" > "$OUT/sweep_${shape}_${dtype}.log" 2>&1 || true
       grep -A24 "^auto's evidence" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
     done; done
@@ -103,7 +103,7 @@ PY
     tail -3 "$OUT/tests_gpu.log" || true
     for shape in bert-base minilm; do for dtype in bf16 fp16; do
       TRITON_PRINT_AUTOTUNING=1 timeout 40 python bench/benchmark_layer_attention.py --shapes $shape \
-        --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes inference forward full \
+        --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes full inference forward \
         --out "$OUT/sweep_${shape}_${dtype}.json" > "$OUT/sweep_${shape}_${dtype}.log" 2>&1 || true
       grep -A24 "^auto's evidence" "$OUT/sweep_${shape}_${dtype}.log" || tail -5 "$OUT/sweep_${shape}_${dtype}.log"
     done; done
@@ -117,7 +117,7 @@ PY
     sed -n '/^speedup/,/^  \* headline/p' "$OUT/headline.log" | head -12
     for shape in bert-base minilm; do
       TRITON_PRINT_AUTOTUNING=1 timeout 80 python bench/benchmark_layer_attention.py --shapes $shape \
-        --dtypes bf16 --n 1024 4096 16384 --providers eager fused --modes inference forward full \
+        --dtypes bf16 --n 1024 4096 16384 --providers eager fused --modes full inference forward \
         --out "$OUT/sweep_${shape}_bf16.json" > "$OUT/sweep_${shape}_bf16.log" 2>&1 || true
       grep -A24 "^auto's evidence" "$OUT/sweep_${shape}_bf16.log" || tail -3 "$OUT/sweep_${shape}_bf16.log"
     done
@@ -139,7 +139,7 @@ PY
     else
       for shape in bert-base minilm; do for dtype in bf16 fp16; do
         TRITON_PRINT_AUTOTUNING=1 timeout 90 python bench/benchmark_layer_attention.py --shapes $shape \
-          --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes inference forward full \
+          --dtypes $dtype --n 1024 4096 16384 --providers eager fused auto --modes full inference forward \
           --out "$raw/sweep_${shape}_${dtype}.json" > "$raw/sweep_${shape}_${dtype}.log" 2>&1 || true
         grep -E "^$shape +$dtype .*(eager|fused|auto) +full" "$raw/sweep_${shape}_${dtype}.log" || true
       done; done

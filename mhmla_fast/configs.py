@@ -116,14 +116,19 @@ class LayerAttentionConfig:
     def check_training(self) -> None:
         """ValueError for an option the mode has no use for, given to a training run (where it
         would be recorded as applied and do nothing): ``key_size`` or ``block_diagonal`` in
-        the "avgl" and "last" modes, which have no keys. Not checked when a saved model loads:
-        a model trained with such an option before this check still loads."""
+        the "avgl" and "last" modes, which have no keys, and ``block_diagonal`` with one head
+        ("shmla", or J = 1), whose slice is the whole key. Not checked when a saved model
+        loads: a model trained with such an option before this check still loads."""
         if self.mode in ("avgl", "last"):
             for name, unused in (("key_size", self.key_size is not None),
                                  ("block_diagonal", self.block_diagonal)):
                 if unused:
                     raise ValueError(f"{name}: mode {self.mode!r} has no keys (only 'mhmla' and "
                                      "'shmla' score layers from a key); leave it out")
+        elif self.block_diagonal and self.heads == 1:
+            raise ValueError(f"block_diagonal: one head (mode {self.mode!r}"
+                             f"{', J = 1' if self.mode == 'mhmla' else ''}) scores from the whole "
+                             "key either way; leave it out")
 
     @property
     def heads(self) -> int:

@@ -11,15 +11,16 @@ __all__ = ["ONLY_STR", "text_list"]
 ONLY_STR = frozenset({str})
 
 
-def text_list(texts: Iterable[str], unit: str = "string") -> list[str]:
+def text_list(texts: Iterable[str], unit: str = "string", one: str | None = None) -> list[str]:
     """``texts`` as a list of str.
 
     ValueError for one str or bytes (it would be read letter by letter: pass ``[text]``), for
     a value that is not iterable, and for an element that is not a str, named by its index.
-    ``unit`` names an element in the messages ("string", "essay")."""
+    ``unit`` names an element in the messages ("string", "essay"), ``one`` what a single one
+    is (default ``unit``)."""
     if isinstance(texts, (str, bytes)):
         raise ValueError(f"texts: expected a sequence of {unit}s, got a {type(texts).__name__}; "
-                         f"pass [text] for one {unit}")
+                         f"pass [text] for one {one or unit}")
     try:
         texts = list(texts)
     except TypeError:

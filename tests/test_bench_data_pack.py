@@ -39,8 +39,15 @@ def test_pack_then_unpack_gives_the_same_files(tmp_path, capsys):
     assert dp.main(["unpack", str(data)]) == 0
     assert capsys.readouterr().out.strip().endswith("unpacked asap_aes fce")
     after = _tree(data)
-    del after["data.tar.xz"]
+    del after["data.tar.xz"], after["data.tar.xz.unpacked"]
     assert after == before
+    # an extraction cut short (no marker) is done again; a finished one is not
+    (data / "fce" / "fce-public.dev.original.tsv").unlink()
+    (data / "data.tar.xz.unpacked").unlink()
+    assert dp.unpack(data) == ["asap_aes", "fce"] and dp.unpack(data) == []
+    assert (data / "fce" / "fce-public.dev.original.tsv").is_file()
+    assert dp.main(["pack", str(data), "fce/sub"]) == 2
+    assert "name folders directly in" in capsys.readouterr().err
 
     assert dp.main(["pack", str(data), "nope"]) == 2
     assert "no folder nope to pack" in capsys.readouterr().err

@@ -575,9 +575,14 @@ def test_auto_evidence_from_result_files(tmp_path, capsys):
     path.write_text(json.dumps({"header": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}, "rows": rows}))
     assert bench.main(["--evidence-from", str(path)]) == 0
     out = capsys.readouterr().out
-    assert f"== {path} (commit abc1234, schema 1)" in out
+    assert f"== {path} (commit abc1234, schema 1; timing: not recorded)" in out
+    assert "within the timer's bias" in out  # (not timed by CudaTimer)
     assert "inference bf16: fused won from work 5.8e+10 (1 of 1 decided)" in out
     assert "training bf16: fused never won (0 of 1 decided)" in out and "everywhere measured: PASS" in out
+    timed = tmp_path / "timed.json"
+    timed.write_text(json.dumps({"header": {"device": "gpu", "timing": "CudaTimer: ..."}, "rows": rows}))
+    assert bench.main(["--evidence-from", str(timed)]) == 0
+    assert "timer's bias" not in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"header": {"device": "x"}, "rows": [{"mode": "full"}]}))
     assert bench.main(["--evidence-from", str(bad), str(path)]) == 0

@@ -469,9 +469,13 @@ def test_options_a_run_cannot_apply_are_refused_not_recorded(tiny_encoder):
             head = LayerAttentionConfig(mode=mode, **kw)  # a saved model's config: accepted
             with pytest.raises(ValueError, match=f"{name}: mode '{mode}' has no keys"):
                 TrainConfig(train="t", dev="d", out="o", layer_attention=head)
-    for mode in ("mhmla", "shmla"):
-        TrainConfig(train="t", dev="d", out="o",
-                    layer_attention=LayerAttentionConfig(mode=mode, key_size=8, block_diagonal=True))
+    TrainConfig(train="t", dev="d", out="o",
+                layer_attention=LayerAttentionConfig(mode="mhmla", key_size=8, block_diagonal=True))
+    TrainConfig(train="t", dev="d", out="o", layer_attention=LayerAttentionConfig(mode="shmla", key_size=8))
+    for head in (LayerAttentionConfig(mode="shmla", block_diagonal=True),
+                 LayerAttentionConfig(mode="mhmla", num_heads=1, block_diagonal=True)):
+        with pytest.raises(ValueError, match="block_diagonal: one head"):
+            TrainConfig(train="t", dev="d", out="o", layer_attention=head)
 
 
 def test_a_warm_up_that_rounds_to_nothing_or_everything_is_warned_of(tmp_path, tiny_encoder, capsys):

@@ -34,7 +34,9 @@
     ``{"text": str, "prompt": int, "id": str|int (optional, default: the line's global 1-based
     index)}``; other fields are ignored. Output: JSONL, one line per input line in input order,
     ``{"index", "id", "prompt", "score"}`` with the integer score on that prompt's scale
-    (``mhmla_fast.aes.data.SCORE_RANGES``), or ``{"index", "id", "error"}`` for a malformed line:
+    (``mhmla_fast.aes.data.SCORE_RANGES``) and ``"advisories"`` where the essay lies far outside
+    the essays the scorer was fitted on (its score is an extrapolation;
+    ``mhmla_fast.serve.score.with_advisories``), or ``{"index", "id", "error"}`` for a malformed line:
     not JSON, plain text, a missing/empty/blank ``"text"``, a ``"prompt"`` that is not an integer
     1..8 or has no output layer in the scorer, a bad ``"id"``, a ``"text"`` that gives no word
     pieces with the scorer's tokenizer (it would be scored as an empty essay); scoring goes on.
@@ -692,7 +694,8 @@ def _check_ray_options(args: argparse.Namespace) -> None:
 
 def run_score(args: argparse.Namespace) -> int:
     """``mhmla-serve score``: essays (JSONL) -> ``{"index", "id", "prompt", "score"}`` records
-    (or error records) in input order; returns the exit status (see :func:`drive_records`)."""
+    (with ``"advisories"`` where there are some; or error records) in input order; returns the
+    exit status (see :func:`drive_records`)."""
     from ..serve.score import check_prompts, essay_pieces_check, score_records
 
     if args.resume and not args.output:

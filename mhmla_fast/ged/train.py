@@ -211,13 +211,18 @@ def _same_paths(key: str, a, b, base: str | None = None) -> bool:
 LOSS_SYNC_STEPS = 50  # the host reads the running loss this often (progress bar and log)
 
 
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    """The linear schedule's warm-up, in optimizer steps: ``round(warmup_ratio * total_steps)``."""
+    return round(cfg.warmup_ratio * total_steps)
+
+
 def lr_factor(cfg: TrainConfig, step: int, total_steps: int) -> float:
     """The multiplier of every group's base lr at optimizer step ``step`` (0-based) of
     ``total_steps``: 1 for "constant"; for "linear", (step + 1) / warmup during the first
     ``warmup = round(warmup_ratio * total_steps)`` steps, then (total - step) / (total - warmup)."""
     if cfg.lr_schedule == "constant":
         return 1.0
-    warmup = round(cfg.warmup_ratio * total_steps)
+    warmup = warmup_steps(cfg, total_steps)
     if step < warmup:
         return (step + 1) / warmup
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
@@ -411,6 +416,8 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
                              "restore the training data, or use another --out to train afresh")
         if resuming or not compute:
             q = saved["probs"]
+        elif "sentences" not in made or "teacher_files" not in made:
+            stale = "without a record of its sentences and teacher files (before 2026-12-07)"
         elif not same_counts or made.get("sentences") != sentences_digest(sentences):
             stale = "for other sentences"
         elif made.get("teacher_files") != _teacher_files(dirs):
@@ -590,9 +597,10 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         # the teacher's pass (minutes) is paid
         if (early := checkpoint_meta(out)) is not None:
             same_config(early)
-        if len(teachers := teacher_dirs(cfg.teacher)) > 1:
+        resumable = early is not None and (out / TEACHER_FILE).exists()  # needs no teacher
+        if len(teachers := teacher_dirs(cfg.teacher)) > 1 and not resumable:
             check_cross_fitted_teachers(teachers, cfg.train, cfg.max_train_sentences)
-        for teacher in teachers if early is None or not (out / TEACHER_FILE).exists() else ():
+        for teacher in teachers if not resumable else ():
             # on every rank: all refuse alike, none waits at the barrier (a resume reads the
             # run folder's probabilities, and needs no teacher)
             try:
@@ -662,7 +670,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     # every epoch has the same number of batches (a function of the lengths and batch size)
     total_steps = cfg.epochs * len(length_bucketed_batches(lengths, cfg.batch_size, cfg.seed, 0))
     if cfg.warmup_ratio > 0 and main_rank and global_step == 0 and (
-            warmup := round(cfg.warmup_ratio * total_steps)) in (0, total_steps):
+            warmup := warmup_steps(cfg, total_steps)) in (0, total_steps):
         print(f"warning: warmup_ratio {cfg.warmup_ratio} of {total_steps} steps rounds to "
               f"{warmup} warm-up steps: " + ("no warm-up" if warmup == 0 else
                                              "the whole run warms up and never decays"),

@@ -773,7 +773,7 @@ class Engine:
     def tag_texts(self, texts: Iterable[str], on_pieces=None) -> list[TagResult]:
         """Tokenise raw texts (``tokenize.word_tokenize``, code-point offsets) and tag them;
         ``on_pieces``: see :meth:`word_probs`."""
-        texts = text_list(texts)  # (a str would be tagged letter by letter)
+        texts = text_list(texts, one="text")  # (a str would be tagged letter by letter)
         with gc_paused():
             try:
                 pool = self._host_pool(len(texts))

@@ -31,7 +31,9 @@ Endpoints (:func:`create_app`)
     Body ``{"essays": [{"text": str, "prompt": int, "id": str|int (optional)}, ...]}``; answer
     ``{"results": [{"id", "prompt", "score"}, ...]}`` in request order, ``score`` an integer on
     the prompt's scale (``mhmla_fast.aes.data.SCORE_RANGES``) and ``id`` the essay's own, else its
-    1-based position in the request. An empty list gives ``{"results": []}``.
+    1-based position in the request; ``"advisories"`` besides where the essay lies far outside
+    the essays the scorer was fitted on (``mhmla_fast.serve.score.with_advisories``). An empty
+    list gives ``{"results": []}``.
 
     Statuses: 200; 415 and 422 for the body as for ``/v1/tag``; 422 a body that breaks the
     schema (``"text"`` missing, not a string or blank;
