@@ -70,9 +70,8 @@ device_env() {  # on the device, every stage: the importable tree, $OUT, the GPU
 }
 
 put_aes() {  # on the device: ASAP (carried in .gpu/aes, `pack-aes` here) into /tmp/aes_data
-  rm -rf /tmp/aes_data && mkdir -p /tmp/aes_data
-  gunzip -c .gpu/aes/training_set_rel3.nea_utf8.tsv.gz > /tmp/aes_data/training_set_rel3.nea_utf8.tsv
-  cp -r .gpu/aes/nea_folds /tmp/aes_data/
+  unpack_data .gpu/aes || exit 2
+  rm -rf /tmp/aes_data && cp -r .gpu/aes/asap_aes /tmp/aes_data
 }
 
 prepare() {  # on the device: the stand-in MiniLM, the data folder, the commit
@@ -290,11 +289,13 @@ PY
     T_PROFILE=${T_PROFILE:-100} train_profile --max-train-sentences 8192 \
       --train "$MHMLA_SHARED_DATA/fce/fce-public.train.original.tsv" \
       --dev "$MHMLA_SHARED_DATA/fce/fce-public.dev.original.tsv" ;;
-  pack-aes)  # here: the whole ASAP TSV (gzip, 5 MB) and the T&N folds in .gpu/aes, for aes-epoch
+  pack-aes)  # here: the whole ASAP TSV and the T&N folds in .gpu/aes, for aes-epoch, as one xz
+    # tarball (bench/data_pack.py, as pack's data; put_aes unpacks it)
     exclude "/.gpu/"
-    rm -rf .gpu/aes && mkdir -p .gpu/aes
-    gzip -9 -c "$SHARED/asap_aes/training_set_rel3.nea_utf8.tsv" > .gpu/aes/training_set_rel3.nea_utf8.tsv.gz
-    cp -r "$SHARED/asap_aes/nea_folds" .gpu/aes/
+    rm -rf .gpu/aes && mkdir -p .gpu/aes/asap_aes
+    cp "$SHARED/asap_aes/training_set_rel3.nea_utf8.tsv" .gpu/aes/asap_aes/
+    cp -r "$SHARED/asap_aes/nea_folds" .gpu/aes/asap_aes/
+    python bench/data_pack.py pack .gpu/aes asap_aes
     du -sh .gpu/aes ;;
   aes-epoch)  # one call (<= 9 min; carry [".gpu/aes"]): the speed of AES fine-tuning, one joint
     # epoch of fold 0 (all 8 prompts, 7,787 training essays), bf16, --batching length, with the

@@ -1030,8 +1030,7 @@ def layer_attention_compile_cases(dtype: torch.dtype = torch.bfloat16, L: int = 
     shape = _shape_constexprs(H, J)
     common = dict(PREC=_precision(dtype), ACC=tl.float32, **shape)
     drops = dict(DROP_H=dropout, DROP_K=dropout, DROP_P=dropout)
-    stride = L * H + L * K * J + L * K + L * J  # the weight-gradient slots' (layer_attention_bwd)
-    sizes = dict(H=H, K=K, D=H // J, J=J, L=L, SLOT_STRIDE=stride)
+    sizes = dict(H=H, K=K, D=H // J, J=J, L=L, SLOT_STRIDE=sum(_slot_sections(L, H, K, J)))
     if n_aligned:
         sizes.update(N=1024, T=16, l0=0, NW=1024 * H, numel=1024 * H, N_BUCKET=1024)
     aligned_sizes = {a for a, v in sizes.items() if v % 16 == 0}
@@ -1183,6 +1182,12 @@ def layer_attention_fwd(
     return c, p
 
 
+def _slot_sections(L: int, H: int, K: int, J: int) -> tuple[int, int, int, int]:
+    """The widths of db_v, dW_a, db_k and db_a in a token slot of the backward's partial sums
+    (side by side: one sum and one cast at the end); their sum is the kernels' SLOT_STRIDE."""
+    return (L * H, L * K * J, L * K, L * J)
+
+
 def _bwd_layer_groups(L: int, N: int, H: int, K: int) -> list[tuple[int, int]]:
     """Layer ranges [l0, l1) of the backward: G x N x (H + K) <= BWD_GROUP_ELEMENTS (at least
     one layer), in groups of equal size but the last."""
@@ -1245,7 +1250,7 @@ def layer_attention_bwd(
     whole_heads = shape["WHOLE_HEADS"]
     dpp_buf = None if whole_heads else torch.empty(S * most * N * J, device=dev, dtype=acc)
     # the bias and scorer gradients, per token slot, side by side: one sum and one cast at the end
-    sections = (L * H, L * K * J, L * K, L * J)  # db_v, dW_a, db_k, db_a
+    sections = _slot_sections(L, H, K, J)
     stride = sum(sections)
     slots = torch.empty((T, stride), device=dev, dtype=acc)
     dbv_slots, dwa_slots, dbk_slots, dba_slots = slots.split_with_sizes(sections, dim=1)

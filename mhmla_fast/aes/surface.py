@@ -43,12 +43,14 @@ def surface_features(texts: Sequence[str]) -> np.ndarray:
         words = _WORD.findall(text)
         n = len(words)
         sentences = len([s for s in _SENTENCE_END.split(text) if s.strip()]) if text.strip() else 0
+        distinct = len(set(map(str.lower, words)))  # (once: read by two features)
+        lengths = list(map(len, words))
         rows.append((
             math.log1p(n), math.log1p(len(text)), math.log1p(max(sentences, 1 if n else 0)),
-            math.log1p(len({w.lower() for w in words})),
-            len({w.lower() for w in words}) / n if n else 0.0,
-            sum(len(w) for w in words) / n if n else 0.0,
-            sum(len(w) >= 7 for w in words) / n if n else 0.0,
+            math.log1p(distinct),
+            distinct / n if n else 0.0,
+            sum(lengths) / n if n else 0.0,
+            sum(k >= 7 for k in lengths) / n if n else 0.0,
             math.log1p(text.count(",")), math.log1p(len(_ANONYMISED.findall(text))),
         ))
     return np.array(rows, dtype=np.float64).reshape(len(texts), len(SURFACE_FEATURES))

@@ -25,6 +25,7 @@ CPU). Batches are length-bucketed (sentences of similar length together, batch o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -405,6 +406,7 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
         raise ValueError("unlabelled sentences need one teacher: cross-fitted teachers label "
                          "the blocks of the labelled ones")
     source = ",".join(os.path.realpath(d) for d in dirs)
+    teacher_files = functools.cache(lambda: _teacher_files(dirs))  # (hashed once, if at all)
     q = None
     if path.exists() or not compute:
         with safe_open(str(path), framework="numpy") as f:
@@ -420,7 +422,7 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
             stale = "without a record of its sentences and teacher files (before 2026-12-07)"
         elif not same_counts or made.get("sentences") != sentences_digest(sentences):
             stale = "for other sentences"
-        elif made.get("teacher_files") != _teacher_files(dirs):
+        elif made.get("teacher_files") != teacher_files():
             stale = f"by other teacher files (of {made.get('teacher')})"
         else:
             q = saved["probs"]
@@ -439,7 +441,7 @@ def teacher_targets(teacher: str, weight: float, sentences: Sequence[Sentence], 
                                         progress=name if progress else None)
             del model
         q = np.concatenate(probs).astype(np.float32) if probs else np.zeros(0, np.float32)
-        made = {"teacher": source, "teacher_files": _teacher_files(dirs),
+        made = {"teacher": source, "teacher_files": teacher_files(),
                 "sentences": sentences_digest(sentences)}
         atomic_write_bytes(path, save({"probs": q, "counts": counts}, metadata=made))
     gold = np.fromiter((y for s in sentences for y in s.labels), dtype=np.float32, count=len(q))
