@@ -31,3 +31,35 @@ def test_empty_and_shape():
     assert X[1, 1] == math.log1p(3) and (np.delete(X[1], 1) == 0).all()  # blanks: only characters
     assert X[2, 2] == math.log1p(1) and X[3, 2] == math.log1p(1)  # a sentence without a full stop
     assert surface_features([]).shape == (0, len(SURFACE_FEATURES))
+
+
+def test_rows_are_kept_and_equal_a_fresh_computation():
+    """A text read twice (a scorer's score, then its advisories) is computed once, to the same
+    row; a row read from the cache cannot be changed through the returned array."""
+    from mhmla_fast.aes import surface
+
+    texts = [f"Essay number {i}, with words of some length." for i in range(3)]
+    surface._surface_row.cache_clear()
+    first = surface_features(texts)
+    first[:] = -1.0  # the caller's array, not the kept rows
+    again = surface_features(texts)
+    info = surface._surface_row.cache_info()
+    assert (info.misses, info.hits) == (3, 3)
+    surface._surface_row.cache_clear()
+    assert np.array_equal(again, surface_features(texts)) and (again > -1).all()
+    assert surface.CACHED_ESSAYS >= 64  # above a `mhmla-serve score` batch (--batch-essays)
+
+
+def test_a_score_call_reads_each_essays_features_once(monkeypatch):
+    """``score_essays`` with advisories: the offsets and the advisories read one row per
+    essay (the second read a cache hit); the advisories are those of a fresh computation."""
+    from mhmla_fast.aes import surface
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer, score_essays
+
+    scorer = load_scorer(default_scorer_path(), backend="torch", threads=1)
+    essays = ["because " * 300, "Computers help us learn, and they help us talk with friends."]
+    surface._surface_row.cache_clear()
+    results = score_essays(scorer, essays, [4, 1])
+    info = surface._surface_row.cache_info()
+    assert (info.misses, info.hits) == (2, 2), info
+    assert "advisories" in results[0] and "advisories" not in results[1]

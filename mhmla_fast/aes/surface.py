@@ -18,6 +18,7 @@ clips them to their training range (:func:`~.scoring.essay_offsets`).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import unicodedata
@@ -36,21 +37,37 @@ _ANONYMISED = re.compile(r"@[A-Z]+\d*")
 
 
 def surface_features(texts: Sequence[str]) -> np.ndarray:
-    """Essays -> float64 [n_essays, len(SURFACE_FEATURES)] (see the module doc)."""
-    rows = []
-    for text in texts:
-        text = unicodedata.normalize("NFC", text)
-        words = _WORD.findall(text)
-        n = len(words)
-        sentences = len([s for s in _SENTENCE_END.split(text) if s.strip()]) if text.strip() else 0
-        distinct = len(set(map(str.lower, words)))  # (once: read by two features)
-        lengths = list(map(len, words))
-        rows.append((
-            math.log1p(n), math.log1p(len(text)), math.log1p(max(sentences, 1 if n else 0)),
-            math.log1p(distinct),
-            distinct / n if n else 0.0,
-            sum(lengths) / n if n else 0.0,
-            sum(k >= 7 for k in lengths) / n if n else 0.0,
-            math.log1p(text.count(",")), math.log1p(len(_ANONYMISED.findall(text))),
-        ))
-    return np.array(rows, dtype=np.float64).reshape(len(texts), len(SURFACE_FEATURES))
+    """Essays -> float64 [n_essays, len(SURFACE_FEATURES)] (see the module doc).
+
+    The rows of the last :data:`CACHED_ESSAYS` distinct texts are kept: a scorer reads an
+    essay's features for its score and again for its advisories (``mhmla-serve score``, HTTP),
+    and the second read is then a look-up."""
+    return np.array([_surface_row(text) for text in texts],
+                    dtype=np.float64).reshape(len(texts), len(SURFACE_FEATURES))
+
+
+# texts whose feature rows are kept (least recently used dropped): above the 64 essays of a
+# `mhmla-serve score` batch and the few dozen of an HTTP batch (8,192 word pieces), so that a
+# batch's second read hits; a larger batch reads as if nothing were kept
+CACHED_ESSAYS = 512
+
+
+@functools.lru_cache(maxsize=CACHED_ESSAYS)
+def _surface_row(text: str) -> tuple[float, ...]:
+    """One essay's features (:func:`surface_features`), a tuple (immutable: it is cached)."""
+    if not isinstance(text, str):
+        raise TypeError(f"an essay must be a str, not {type(text).__name__}")
+    text = unicodedata.normalize("NFC", text)
+    words = _WORD.findall(text)
+    n = len(words)
+    sentences = len([s for s in _SENTENCE_END.split(text) if s.strip()]) if text.strip() else 0
+    distinct = len(set(map(str.lower, words)))  # (once: read by two features)
+    lengths = list(map(len, words))
+    return (
+        math.log1p(n), math.log1p(len(text)), math.log1p(max(sentences, 1 if n else 0)),
+        math.log1p(distinct),
+        distinct / n if n else 0.0,
+        sum(lengths) / n if n else 0.0,
+        sum(k >= 7 for k in lengths) / n if n else 0.0,
+        math.log1p(text.count(",")), math.log1p(len(_ANONYMISED.findall(text))),
+    )
