@@ -115,10 +115,17 @@ class LayerAttentionConfig:
 
     def check_training(self) -> None:
         """ValueError for an option the mode has no use for, given to a training run (where it
-        would be recorded as applied and do nothing): ``key_size`` or ``block_diagonal`` in
-        the "avgl" and "last" modes, which have no keys, and ``block_diagonal`` with one head
-        ("shmla", or J = 1), whose slice is the whole key. Not checked when a saved model
-        loads: a model trained with such an option before this check still loads."""
+        would be recorded as applied and do nothing): ``num_heads`` other than its default
+        outside the "mhmla" mode (the others have one head or none), ``key_size`` or
+        ``block_diagonal`` in the "avgl" and "last" modes, which have no keys, and
+        ``block_diagonal`` with one head ("shmla", or J = 1), whose slice is the whole key. Not
+        checked when a saved model loads: a model trained with such an option before this
+        check still loads."""
+        default_heads = type(self).__dataclass_fields__["num_heads"].default
+        if self.mode != "mhmla" and self.num_heads != default_heads:
+            raise ValueError(f"num_heads: J = {self.num_heads} is read by mode 'mhmla' only "
+                             f"(mode {self.mode!r} has "
+                             f"{'one head' if self.mode == 'shmla' else 'no heads'}); leave it out")
         if self.mode in ("avgl", "last"):
             for name, unused in (("key_size", self.key_size is not None),
                                  ("block_diagonal", self.block_diagonal)):

@@ -476,6 +476,12 @@ def test_options_a_run_cannot_apply_are_refused_not_recorded(tiny_encoder):
                  LayerAttentionConfig(mode="mhmla", num_heads=1, block_diagonal=True)):
         with pytest.raises(ValueError, match="block_diagonal: one head"):
             TrainConfig(train="t", dev="d", out="o", layer_attention=head)
+    for mode, heads in (("shmla", "one head"), ("avgl", "no heads"), ("last", "no heads")):
+        head = LayerAttentionConfig(mode=mode, num_heads=4)  # a saved model's config: accepted
+        with pytest.raises(ValueError, match=f"num_heads: J = 4 is read by mode 'mhmla' only "
+                                             rf"\(mode '{mode}' has {heads}\)"):
+            TrainConfig(train="t", dev="d", out="o", layer_attention=head)
+        TrainConfig(train="t", dev="d", out="o", layer_attention=LayerAttentionConfig(mode=mode))
 
 
 def test_a_warm_up_that_rounds_to_nothing_or_everything_is_warned_of(tmp_path, tiny_encoder, capsys):
