@@ -1405,8 +1405,9 @@ def _direct(t: Tensor) -> bool:
     """Whether to call the launchers themselves rather than the registered custom ops: for
     plain tensors outside ``torch.compile``'s tracing, where the ops' dispatch layers would
     only add host time (about 100 us per forward + backward on the CPU this was measured on);
-    tracing and fake tensors go through the ops, which have fake implementations."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
+    tracing, fake and meta tensors go through the ops, which have fake implementations."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta
+            and not torch.compiler.is_compiling())
 
 
 class LayerAttentionFunction(torch.autograd.Function):
@@ -1415,13 +1416,17 @@ class LayerAttentionFunction(torch.autograd.Function):
     ``kernels`` = (forward, backward), each ``"triton"`` (the fused ops) or ``"torch"`` (the
     eager reference on the same dropout masks, which the fused kernels' seed regenerates), so
     ``backend="auto"`` can take the faster one in each direction. Saves the inputs and
-    p [L, N, J], nothing L x N x H. Differentiable once: a second-order gradient
-    (``create_graph=True``) needs the eager reference (``backend="torch"``).
+    p [L, N, J], nothing L x N x H.
+
+    A backward that must itself be differentiable (``create_graph=True``: a gradient penalty,
+    a Hessian-vector product) is the eager reference's, recomputed on the saved inputs and
+    the same masks, when ``second_order`` is "torch" (``backend="auto"``); with "raise"
+    (``backend="triton"``, whose fused backward is not differentiable) it raises.
     """
 
     @staticmethod
     def forward(ctx, hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout_h, dropout_k,
-                dropout_p, seed, kernels):
+                dropout_p, seed, kernels, second_order="raise"):
         dropout = (dropout_h, dropout_k, dropout_p)
         if kernels[0] == "triton" and _direct(hidden):
             c, p = layer_attention_fwd(hidden, w_v, b_v, w_k, b_k, w_a, b_a, num_heads, dropout,
@@ -1437,14 +1442,16 @@ class LayerAttentionFunction(torch.autograd.Function):
         ctx.c_shape = c.shape
         ctx.config = (num_heads, *dropout)
         ctx.backward_kernels = kernels[1]
+        ctx.second_order = second_order
         ctx.set_materialize_grads(False)
         return c, p
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a double backward raises, saying so
     def backward(ctx, dc, dp):
         hidden, w_v, b_v, w_k, b_k, w_a, b_a, p, seed = ctx.saved_tensors
         inputs = (hidden, w_v, b_v, w_k, b_k, w_a, b_a)
+        if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
+            return LayerAttentionFunction._differentiable_backward(ctx, inputs, dc, dp, seed)
         c_unused = dc is None  # a loss of p alone: W_v and b_v get no gradient, as in eager
         if c_unused:
             dc = hidden.new_zeros(ctx.c_shape)
@@ -1465,19 +1472,49 @@ class LayerAttentionFunction(torch.autograd.Function):
                 grads = torch.autograd.grad(outs, leaves, douts, allow_unused=True)
         if c_unused:  # (None, not zeros: an optimizer skips a parameter without a gradient)
             grads = (grads[0], None, None, *grads[3:])
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
+
+    @staticmethod
+    def _differentiable_backward(ctx, inputs, dc, dp, seed):
+        """The backward as differentiable eager ops (``create_graph=True``): the reference
+        recomputed on the saved inputs (which carry their autograd history) and the fused
+        kernels' masks, then ``autograd.grad`` with ``create_graph``. A second-order gradient
+        through the fused backward was silently zero (its gradients had no history)."""
+        if ctx.backward_kernels == "triton" and ctx.second_order != "torch":
+            raise RuntimeError(
+                "layer_attention: backend 'triton' (the fused kernels) is differentiable once; "
+                "a backward with create_graph=True (a second-order gradient) needs "
+                "backend='torch' or 'auto'")
+        num_heads, *dropout = ctx.config
+        wants = [i for i, t in enumerate(inputs) if t.requires_grad]
+        c, p_ref = _reference_replaying_masks(inputs, num_heads, tuple(dropout), seed)
+        outs, douts = [], []
+        for out, grad in ((c, dc), (p_ref, dp)):
+            if grad is not None:
+                outs.append(out)
+                douts.append(grad)
+        grads = [None] * len(inputs)
+        if outs and wants:
+            got = torch.autograd.grad(outs, [inputs[i] for i in wants], douts,
+                                      create_graph=True, allow_unused=True)
+            for i, g in zip(wants, got):
+                grads[i] = g
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def layer_attention_triton(
     hidden: Tensor, w_v: Tensor, b_v: Tensor, w_k: Tensor, b_k: Tensor, w_a: Tensor,
     b_a: Tensor, num_heads: int, *, dropout: tuple[float, float, float] = (0.0, 0.0, 0.0),
     seed: Optional[int] = None, kernels: tuple[str, str] = ("triton", "triton"),
+    second_order: str = "raise",
 ) -> tuple[Tensor, Tensor]:
     """Differentiable fused MHMLA on validated [L, N, H] inputs: (c [N, H], p [L, N, J]).
 
     ``seed`` fixes the dropout masks (drawn from torch's default generator if None).
-    ``kernels`` = (forward, backward) implementations, each "triton" or "torch" (see
-    ``LayerAttentionFunction``).
+    ``kernels`` = (forward, backward) implementations, each "triton" or "torch";
+    ``second_order``: "torch" (a backward with ``create_graph=True`` runs the eager
+    reference's) or "raise" (it raises when the backward is fused); see
+    ``LayerAttentionFunction``.
     """
     unsupported = fused_unsupported(hidden.device.type, hidden.dtype, hidden.shape[-1], w_k.shape[-1])
     if unsupported and "triton" in kernels:
@@ -1500,4 +1537,7 @@ def layer_attention_triton(
                                device=hidden.device)
     else:
         seed_t = _seed_tensor(int(seed), hidden.device)
-    return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t, kernels)
+    if second_order not in ("raise", "torch"):
+        raise ValueError(f"second_order: expected 'raise' or 'torch', got {second_order!r}")
+    return LayerAttentionFunction.apply(*args, num_heads, *map(float, dropout), seed_t, kernels,
+                                        second_order)

@@ -40,6 +40,14 @@ CUDA, as measured on an NVIDIA H100 80GB HBM3 (torch 2.11, triton 3.6, commit 07
 - 16-bit inputs whose H or K is not a multiple of 16 run eager (:func:`fused_unsupported`).
 
 Devices without Triton (CPU without ``TRITON_INTERPRET=1``) always run eager.
+
+While a graph is captured for every input shape at once (``torch.export`` and the ONNX
+exporters, ``torch.jit.trace``) or under a ``torch.func`` transform (``vmap``, ``grad``),
+``auto`` runs eager: a rule on the number of tokens would be a guard on a dynamic dimension
+(``torch.export`` refuses it), the traced graph then holds only standard ops that any runtime
+runs, and the fused launchers cannot take traced or batched tensors. ``backend="triton"`` is
+refused under ``torch.jit.trace`` and ``torch.func`` transforms (``torch.export`` records
+its custom op).
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["AUTO_KERNELS", "BACKENDS", "AutoRule", "backend_unavailable", "fused_unsupported",
-           "layer_attention_kernels"]
+           "graph_capture", "layer_attention_kernels"]
 
 BACKENDS = ("auto", "torch", "triton")
 IMPLEMENTATIONS = ("torch", "triton")
@@ -118,10 +126,25 @@ def fused_unsupported(device_type: str, dtype: torch.dtype, H: int, K: int) -> s
     return None
 
 
+def graph_capture() -> str | None:
+    """The capture that is tracing this call for every input shape (module doc), named, or
+    None: ``torch.jit.trace``, ``torch.export`` or a ``torch.func`` transform."""
+    if torch.jit.is_tracing():
+        return "torch.jit.trace (the legacy ONNX exporter)"
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # (torch >= 2.5)
+    if is_exporting is not None and is_exporting():
+        return "torch.export"
+    transforms = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if transforms is not None and transforms():
+        return "a torch.func transform (vmap, grad, jacrev, ...)"
+    return None
+
+
 def layer_attention_kernels(backend: str, device: torch.device, needs_grad: bool = False,
                             work: int | None = None, unsupported: str | None = None,
                             dtype: torch.dtype | None = None) -> tuple[str, str]:
-    """The (forward, backward) implementations ``backend`` means on ``device``.
+    """The (forward, backward) implementations ``backend`` means on ``device``; eager under
+    a capture for every input shape (:func:`graph_capture`, module doc).
 
     ``"torch"`` and ``"triton"`` mean that implementation in both directions; ``"auto"``
     follows ``AUTO_KERNELS[device.type]``: eager in both directions when a backward will run
@@ -134,6 +157,13 @@ def layer_attention_kernels(backend: str, device: torch.device, needs_grad: bool
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend != "torch":
+        capture = graph_capture()
+        if capture is not None and (backend == "auto" or capture != "torch.export"):
+            if backend == "triton":
+                raise ValueError(f"backend: 'triton' (the fused kernels) cannot run under "
+                                 f"{capture}; use 'auto' or 'torch' (eager while capturing)")
+            return ("torch", "torch")
     if backend != "auto":
         return (backend, backend)
     rule = AUTO_KERNELS.get(device.type, AutoRule())

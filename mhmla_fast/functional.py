@@ -235,7 +235,8 @@ def layer_attention(
         if block_diagonal:
             w_a = _block_diagonal_dense(w_a)
         c, p = layer_attention_triton(flat, w_v, b_v, w_k, b_k, w_a, b_a, num_heads,
-                                      dropout=dropout, kernels=kernels)
+                                      dropout=dropout, kernels=kernels,
+                                      second_order="torch" if backend == "auto" else "raise")
     c = c.reshape(*lead, H)
     if not return_weights:
         return c

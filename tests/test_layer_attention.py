@@ -1114,21 +1114,51 @@ def test_the_fused_path_runs_in_autocasts_dtype_as_eager_does():
 
 
 @needs_triton
-def test_a_second_order_gradient_through_the_fused_path_raises():
-    """The fused backward is differentiable once: a gradient penalty's backward raises saying
-    so (the eager reference gives one)."""
+def test_a_second_order_gradient_through_the_fused_backward_raises():
+    """backend="triton": a backward with create_graph=True raises, whatever the loss (a
+    constant incoming gradient, as of c.sum(), gave gradients without history before, so a
+    gradient penalty's second-order term was silently dropped)."""
     L, N, H, K, J = 2, 3, 8, 8, 2
-    for backend, works in (("torch", True), ("triton", False)):
+    for loss_of in (torch.sum, lambda c: c.square().sum()):
         ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE))
-        c = layer_attention(*ts, J, backend=backend)
-        (gh,) = torch.autograd.grad(c.square().sum(), ts[0], create_graph=True)
-        loss = c.sum() + gh.square().sum()
-        if works:
-            loss.backward()
-            assert ts[1].grad.abs().sum() > 0
+        c = layer_attention(*ts, J, backend="triton")
+        with pytest.raises(RuntimeError, match="differentiable once.*create_graph=True"):
+            torch.autograd.grad(loss_of(c), ts[0], create_graph=True)
+        (g,) = torch.autograd.grad(loss_of(c), ts[0])  # first order: as before
+        assert g.grad_fn is None
+
+
+@needs_triton
+@pytest.mark.parametrize("kernels", [("triton", "triton"), ("triton", "torch"), ("torch", "triton")])
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_a_gradient_penalty_through_autos_kernels_equals_the_references(kernels, rate):
+    """backend="auto" (second_order "torch"): with create_graph=True the backward is the eager
+    reference's on the saved inputs and the fused kernels' masks, so a gradient penalty's
+    gradients of all seven inputs equal eager's (on the same masks), for every mix of
+    directions, with and without dropout, for losses of c and of p."""
+    from mhmla_fast.kernels.layer_attention import layer_attention_dropout_masks, layer_attention_triton
+
+    L, N, H, K, J, seed = 2, 5, 16, 8, 2, 11
+    dropout = (rate, rate, rate)
+    masks = None
+    if rate:
+        masks = layer_attention_dropout_masks((L, N, H), (L, N, K), (L, N, J), dropout, seed,
+                                              DEVICE)
+    grads = {}
+    for path in ("fused", "reference"):
+        ts = leaves(make_inputs(L, N, H, K, J, device=DEVICE))
+        if path == "fused":
+            c, p = layer_attention_triton(*ts, J, dropout=dropout, seed=seed, kernels=kernels,
+                                          second_order="torch")
         else:
-            with pytest.raises(RuntimeError, match="once_differentiable"):
-                loss.backward()
+            c, p = layer_attention_reference(*ts, J, dropout_h=rate, dropout_k=rate,
+                                             dropout_p=rate, training=bool(rate), masks=masks)
+        first = torch.autograd.grad(c.sum() + (p * p).sum(), ts, create_graph=True)
+        loss = c.square().sum() + sum(g.square().sum() for g in first)
+        grads[path] = torch.autograd.grad(loss, ts)
+    for name, a, b in zip(NAMES, grads["fused"], grads["reference"]):
+        assert b.abs().sum() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_loss_of_the_layer_weights_alone_leaves_w_v_and_b_v_without_a_gradient():

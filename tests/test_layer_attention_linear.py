@@ -133,6 +133,8 @@ def test_fold_is_a_snapshot_and_checks_its_inputs():
     assert not list(fold.parameters())  # buffers only: nothing to train
     with pytest.raises(ValueError, match=r"linear: expected an nn.Linear\(24, C\)"):
         LayerAttentionLinear(head, nn.Linear(H + 1, C))
+    with pytest.raises(ValueError, match="head: expected a FusedLayerAttention, got str"):
+        LayerAttentionLinear("head", linear)
     with pytest.raises(ValueError, match=r"hidden_states: expected the encoder's 4 hidden states"):
         fold(hs[1:])
 

@@ -142,6 +142,9 @@ class FusedLayerAttention(nn.Module):
         Returns:
             c [*, H] in the hidden states' dtype (and p).
         """
+        if isinstance(return_weights, Tensor) and torch.jit.is_tracing():
+            # the legacy ONNX exporter traces the flag's default as a tensor: a constant here
+            return_weights = bool(return_weights.item())
         hs = self.select(hidden_states)
         rate = self.dropout if self.training else 0.0
         first = hs[0]

@@ -47,6 +47,8 @@ class LayerAttentionLinear(nn.Module):
 
     def __init__(self, head: FusedLayerAttention, linear: nn.Linear) -> None:
         super().__init__()
+        if not isinstance(head, FusedLayerAttention):
+            raise ValueError(f"head: expected a FusedLayerAttention, got {type(head).__name__}")
         H = head.hidden_size
         if not isinstance(linear, nn.Linear) or linear.in_features != H:
             raise ValueError(f"linear: expected an nn.Linear({H}, C) after the head, "
