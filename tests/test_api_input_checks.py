@@ -94,6 +94,26 @@ def test_scorers_refuse_a_str_and_a_prompt_that_is_not_an_integer(tiny_scorer):
     assert tiny_scorer.predict_scores(["Computers help people ."], np.int64(prompt)).shape == (1,)
 
 
+def test_score_essays_refuses_a_prompt_that_is_not_an_integer_and_a_lone_surrogate(tiny_scorer):
+    """``score_essays`` (the CLI's, Ray's and HTTP's entry) turned prompt 1.9 into 1 before the
+    scorer's check, scoring the essay on prompt 1's scale; a lone surrogate in an essay failed
+    the call with a TypeError naming nothing."""
+    from mhmla_fast.serve.score import score_essays
+
+    prompt = tiny_scorer.config.prompts[0]
+    essays = ["Computers help people .", "They do ."]
+    for bad in ([prompt, prompt + 0.9], [prompt, True], [prompt, str(prompt)]):
+        with pytest.raises(ValueError, match="prompts: expected integers"):
+            score_essays(tiny_scorer, essays, bad)
+    with pytest.raises(ValueError, match=r"texts\[1\]: holds a lone surrogate U\+D800"):
+        score_essays(tiny_scorer, [essays[0], "They \ud800 do ."], [prompt, prompt])
+    with pytest.raises(ValueError, match=r"texts\[0\]: holds a lone surrogate U\+DC80"):
+        tiny_scorer.predict_scores(["\udc80"], prompt)
+    got = score_essays(tiny_scorer, essays, [prompt, np.int64(prompt)])
+    assert [r["prompt"] for r in got] == [prompt, prompt]
+    assert all(type(r["prompt"]) is int for r in got)
+
+
 def test_kernels_for_a_ridge_scorer_are_refused_whatever_the_backend():
     from mhmla_fast.serve.score import default_scorer_path, load_scorer
 

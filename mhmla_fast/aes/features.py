@@ -102,9 +102,9 @@ def encoder_window(encoder: str) -> int:
     """Word pieces per window for ``encoder``: ``min(510, max_input_length - 2)`` (the encoder's
     input limit less [CLS] and [SEP]), the window :class:`~mhmla_fast.aes.model.EssayScorer`
     picks by default."""
-    from transformers import AutoConfig
+    from ..encoder import from_transformers, max_input_length, resolve_encoder
 
-    from ..encoder import max_input_length, resolve_encoder
+    (AutoConfig,) = from_transformers("AutoConfig")
 
     hf = AutoConfig.from_pretrained(resolve_encoder(encoder))
     return int(min(510, max_input_length(hf) - 2))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..texts import text_list
+from ..texts import raise_if_surrogate, text_list
 from .cutpoints import apply_cutpoints
 from .data import SCORE_RANGES, denormalise_scores
 from .windows import average_windows, split_windows
@@ -79,8 +79,11 @@ class EssayPlan:
 
 def essay_texts(texts: Sequence[str]) -> list[str]:
     """``texts`` as a list (``texts.text_list``): ValueError for one str (it would be scored
-    letter by letter) or an element that is not a str."""
-    return text_list(texts, "essay")
+    letter by letter), an element that is not a str, or one holding a lone surrogate (the
+    tokenizer failed the whole call on it with a TypeError; about 1 us an essay to look)."""
+    texts = text_list(texts, "essay")
+    raise_if_surrogate(texts, "texts")
+    return texts
 
 
 def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int]) -> list[int]:

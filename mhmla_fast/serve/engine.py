@@ -32,7 +32,7 @@ import gc
 import json
 import numbers
 import os
-import re
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from ..encoder import max_input_length
-from ..texts import ONLY_STR, text_list
+from ..texts import ONLY_STR, raise_if_surrogate, text_list
 from ..packing import pack_by_token_budget
 from .options import default_token_budget
 from .pieces import WordCache, WordPieces
@@ -200,8 +200,9 @@ def load_tokenizer(path: str | os.PathLike):
     ``ged.model.load_tokenizer`` (the encoder's)."""
     path = Path(path)
     if (path / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
+        from ..encoder import from_transformers
 
+        (PreTrainedTokenizerFast,) = from_transformers("PreTrainedTokenizerFast")
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from ..ged.model import load_tokenizer as load_encoder_tokenizer
 
@@ -313,23 +314,6 @@ def gc_paused():
             gc.enable()
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _raise_if_surrogate(inputs: Sequence[Any], what: str, indexed: bool = True) -> None:
-    """ValueError naming the first input (a text, or a sentence's word) holding a lone
-    surrogate, which is no text: the word-piece tokenizer cannot encode it, and failed the
-    whole call with a TypeError naming none. Called after such a failure, so the usual call
-    pays nothing."""
-    for i, item in enumerate(inputs):
-        for value in (item,) if isinstance(item, str) else item:
-            found = _SURROGATE.search(value) if isinstance(value, str) else None
-            if found:
-                name = f"{what}[{i}]" if indexed else what
-                raise ValueError(f"{name}: holds a lone surrogate U+{ord(found.group()):04X}, "
-                                 "which is not text (decode with errors='replace' first)")
-
-
 def _as_sequence(value: Any, what: str, expected: str) -> Sequence[Any]:
     """``value`` itself when it is a sequence other than a str or bytes, else a list of it (an
     iterator, read once); ValueError naming ``what`` for anything else."""
@@ -427,6 +411,7 @@ class Engine:
             raise ValueError(f"host_workers: expected >= 0, got {host_workers}")
         self.host_workers = int(host_workers)
         self._pool = None  # a HostPool, started at the first call large enough
+        self._pool_lock = threading.Lock()  # (calls from several threads start one pool)
 
     @property
     def threshold(self) -> float:
@@ -460,7 +445,8 @@ class Engine:
         ``mhmla-serve export --onnx DIR``) or "tensorrt" (a directory with a built plan);
         ``device`` (default: CUDA when the backend can use it), ``dtype`` (default: bfloat16
         for torch on CUDA, else float32), ``kernels`` (the head: "auto", "torch", "triton"),
-        ``threads`` (CPU threads of the runtime), ``cache`` (auto's export cache; None: on
+        ``threads`` (CPU threads of the runtime; for torch ``torch.set_num_threads``, which
+        holds for every torch model of the process), ``cache`` (auto's export cache; None: on
         unless ``$MHMLA_NO_CACHE`` is set), ``cuda_graphs`` (torch on CUDA: passes replayed
         from CUDA graphs at a few padded shapes, :class:`.runners.CapturedForward`; default
         off), ``lanes`` (CPU only: forward passes at a time, ``threads`` split between them,
@@ -659,14 +645,14 @@ class Engine:
         if text is not None:
             if not isinstance(text, str):
                 raise ValueError(f"text: expected a string, got {type(text).__name__}")
-            _raise_if_surrogate([text], "text", indexed=False)
+            raise_if_surrogate([text], "text", indexed=False)
         else:
             words = _as_sequence(words, "words", "a list of non-empty strings")
             try:
                 _check_sentences([words])
             except ValueError:
                 raise ValueError("words: expected a list of non-empty strings") from None
-            _raise_if_surrogate([words], "words", indexed=False)
+            raise_if_surrogate([words], "words", indexed=False)
         return self._plan_steps(text, words, chunk_chars)
 
     def _plan_steps(self, text: str | None, words: Sequence[str] | None,
@@ -766,7 +752,7 @@ class Engine:
                 encoded = pool.tokens(sentences) if pool is not None else None
                 probs = self._flat_word_probs(sentences, on_pieces, encoded)
             except (TypeError, RuntimeError):  # the tokenizer's, or a host worker's
-                _raise_if_surrogate(sentences, "sentences")
+                raise_if_surrogate(sentences, "sentences")
                 raise
             return self._flat_results(sentences, *probs)
 
@@ -784,7 +770,7 @@ class Engine:
                     encoded = None
                 probs = self._flat_word_probs(words, on_pieces, encoded)
             except (TypeError, RuntimeError):  # the tokenizer's, or a host worker's
-                _raise_if_surrogate(texts, "texts")
+                raise_if_surrogate(texts, "texts")
                 raise
             return self._flat_results(words, *probs, offsets, texts,
                                       own_tokens=True)  # the call's own word lists
@@ -796,16 +782,18 @@ class Engine:
 
         if not self.host_workers or n_inputs < 2 * hostpool.CHUNK:
             return None
-        if self._pool is None or self._pool.closed:  # (a pool closes itself when a worker dies)
-            self._pool = hostpool.HostPool(self.host_workers, self.pieces.to_str(), self._unk)
-        return self._pool
+        with self._pool_lock:
+            if self._pool is None or self._pool.closed:  # (a pool closes itself when a worker dies)
+                self._pool = hostpool.HostPool(self.host_workers, self.pieces.to_str(), self._unk)
+            return self._pool
 
     def close(self) -> None:
         """Stop the host workers, if any were started, and the runner's lane threads (the
         engine still works: without them until the next call that needs them starts them)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
         close = getattr(self.runner, "close", None)
         if close is not None:  # the runner's lane threads, if any
             close()

@@ -67,12 +67,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import stat
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
+
+from ..texts import SURROGATE
 
 __all__ = [
     "FORMATS",
@@ -95,7 +96,6 @@ FORMATS = ("auto", "text", "jsonl")
 PROMPT_RANGE = range(1, 9)
 
 _BOM = b"\xef\xbb\xbf"
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +150,7 @@ class _Invalid(Exception):
 def _check_string(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise _Invalid(f'field "{name}" must be a string, got {_json_type(value)}')
-    bad = _SURROGATE.search(value)
+    bad = SURROGATE.search(value)
     if bad:
         raise _Invalid(f'field "{name}" contains a lone surrogate U+{ord(bad.group()):04X}')
     return value
@@ -173,7 +173,7 @@ def _check_tokens(value: Any) -> tuple[str, ...]:
             raise _Invalid(f'field "tokens": item {k} must be a string, got {_json_type(tok)}')
         if not tok.strip():
             raise _Invalid(f'field "tokens": item {k} is empty')
-        bad = _SURROGATE.search(tok)
+        bad = SURROGATE.search(tok)
         if bad:
             raise _Invalid(f'field "tokens": item {k} contains a lone surrogate U+{ord(bad.group()):04X}')
     return tuple(value)
@@ -235,7 +235,7 @@ def _parse_line(raw: bytes, kind: str, index: int, source: str, line: int,
     if fmt == "text" or (fmt == "auto" and not s.lstrip().startswith("{")):
         if kind != "tag":
             return error(f'plain-text line, but "{kind}" input must be JSON objects with "text" and "prompt"')
-        bad = _SURROGATE.search(s)  # only possible with a codec such as "surrogateescape"
+        bad = SURROGATE.search(s)  # only possible with a codec such as "surrogateescape"
         if bad:
             return error(f"contains a lone surrogate U+{ord(bad.group()):04X}")
         return InputRecord(index, source, line, index, text=s)

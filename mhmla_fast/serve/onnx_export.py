@@ -41,6 +41,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -186,26 +187,35 @@ def example_inputs(vocab_size: int, pad_id: int) -> tuple:
     return ids, mask
 
 
+# one export at a time in a process: torch.onnx.export keeps process-wide state (two threads
+# exporting a tagger and a scorer at once failed "GLOBALS.in_onnx_export must be False", and
+# the failure was recorded in the export cache as the model's), and the warning filters and
+# root log level set below are process-wide too
+_EXPORT_LOCK = threading.RLock()
+
+
 @contextmanager
 def _quiet_export() -> Iterator[None]:
     """Silence the exporters' expected warnings (tracer notes on Python-level shape
-    checks, the legacy-exporter deprecation) and ONNX Runtime's quantiser advice."""
+    checks, the legacy-exporter deprecation) and ONNX Runtime's quantiser advice, holding
+    the process's export lock (:data:`_EXPORT_LOCK`)."""
     import torch
 
-    root = logging.getLogger()
-    level = root.level
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
-        warnings.filterwarnings("ignore", message=".*aten::index operator.*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.onnx")
-        warnings.filterwarnings("ignore", message=".*axis name: .* will not be used.*")
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated.*")
-        root.setLevel(max(level, logging.ERROR))
-        try:
-            yield
-        finally:
-            root.setLevel(level)
+    with _EXPORT_LOCK:
+        root = logging.getLogger()
+        level = root.level
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+            warnings.filterwarnings("ignore", message=".*aten::index operator.*")
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.onnx")
+            warnings.filterwarnings("ignore", message=".*axis name: .* will not be used.*")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated.*")
+            root.setLevel(max(level, logging.ERROR))
+            try:
+                yield
+            finally:
+                root.setLevel(level)
 
 
 def torch_to_onnx(module, example: tuple, path: Path, *, opset: int = DEFAULT_OPSET,

@@ -91,7 +91,8 @@ def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None =
     be had (one stderr line says why). Elsewhere, and with ``backend="torch"``:
     ``EssayScorer.load(path)`` on ``device`` (default: CUDA when available), in ``dtype`` (one
     of :data:`DTYPES`; default bfloat16 on CUDA, float32 on the CPU), with the head's
-    ``kernels`` ("auto", "torch", "triton") and ``threads`` torch CPU threads; in eval mode with
+    ``kernels`` ("auto", "torch", "triton") and ``threads`` torch CPU threads
+    (``torch.set_num_threads``: for every torch model of the process); in eval mode with
     its tokenizer attached. All have ``config.prompts`` and ``predict_scores``.
 
     ``backend`` "onnx" or "tensorrt" is a ValueError, as is an unknown dtype or kernels name
@@ -249,7 +250,9 @@ def score_essays(scorer: Any, texts: Sequence[str], prompts: Sequence[int],
         raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts")
     if not texts:
         return []
-    prompts = [int(p) for p in prompts]
+    from ..aes.scoring import essay_prompts
+
+    prompts = essay_prompts(len(texts), list(prompts), scorer.config.prompts)  # (int(1.9) is 1)
     scores = scorer.predict_scores(list(texts), prompts,
                                    token_budget=scorer_token_budget(scorer, token_budget))
     if len(scores) != len(texts):
