@@ -138,7 +138,7 @@ def test_windows_of_all_prompts_share_encoder_batches(tiny_encoder, tokenizer):
 def test_scores_always_inside_the_prompt_range(tiny_encoder, tokenizer):
     rng = random.Random(1)
     long_essay = " ".join(rng.choice(WORDS) for _ in range(3000))
-    texts = ["", "a", long_essay, "@CAPS1 @PERSON2 went to school !!!"]
+    texts = [".", "a", long_essay, "@CAPS1 @PERSON2 went to school !!!"]  # ("" is refused)
     assert len(encode_essay_windows(tokenizer, [long_essay], 38)[0]) > 70
     for objective in ("classification", "regression"):
         model = scorer(tiny_encoder, objective=objective, decision="expected"

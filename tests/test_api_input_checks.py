@@ -140,3 +140,19 @@ def test_text_list_is_the_one_check_of_the_taggers_and_scorers_texts():
         text_list(3)
     with pytest.raises(ValueError, match=r"texts\[2\]: expected a string, got bytes"):
         text_list(["a", "b", b"c"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_scorers_refuse_an_essay_that_gives_no_word_pieces(backend):
+    """predict_scores gave "", blank and zero-width essays plausible scores (prompt 8's 10 for
+    three spaces) where ``mhmla-serve score`` answers an error record; now a ValueError names
+    the essay, in predict_scores and in plan_essay (the HTTP batcher's)."""
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer
+
+    scorer = load_scorer(default_scorer_path(), backend=backend, threads=1)
+    for texts, first in ((["", "Dear"], 0), (["Dear", "   "], 1), (["Dear", "x", "\u200b"], 2)):
+        with pytest.raises(ValueError, match=rf"texts\[{first}\]: gives no word pieces"):
+            scorer.predict_scores(texts, [8] * len(texts))
+    with pytest.raises(ValueError, match="text: gives no word pieces"):
+        scorer.plan_essay(" \t ", 1)
+    assert scorer.predict_scores(["Dear", "x"], [1, 1]).shape == (2,)

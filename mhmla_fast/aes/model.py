@@ -63,8 +63,9 @@ from ..model_dir import ModelDirMixin
 from ..modules.layer_attention import FusedLayerAttention
 from .data import SCORE_RANGES
 from .scoring import (DECISIONS, FORMAT, OBJECTIVES, EssayPlan,  # noqa: F401
-                      combine_windows, default_model_path, essay_offset, essay_offsets,
-                      essay_prompts, essay_scores, essay_texts, num_labels, piece_windows)
+                      combine_windows, default_model_path, empty_essay_error, essay_offset,
+                      essay_offsets, essay_prompts, essay_scores, essay_texts, num_labels,
+                      piece_windows, refuse_empty_essays)
 from .windows import split_windows
 
 __all__ = [
@@ -426,6 +427,7 @@ class EssayScorer(ModelDirMixin, nn.Module):
             scores, outputs = np.zeros(0, dtype=np.int64), []
             return (scores, outputs) if return_outputs else scores
         windows, essay_index = encode_essay_windows(tokenizer, list(texts), self.config.window)
+        refuse_empty_essays(windows, essay_index)
         preds = self._window_outputs(windows, [prompts[e] for e in essay_index],
                                      tokenizer.pad_token_id, token_budget)
         scores, outputs = essay_scores([p.numpy() for p in preds], essay_index, prompts,
@@ -470,6 +472,8 @@ class EssayScorer(ModelDirMixin, nn.Module):
         tokenizer = tokenizer or self.tokenizer or load_tokenizer(self.config.encoder_spec)
         pieces = tokenizer([text], add_special_tokens=False, truncation=False,
                            verbose=False)["input_ids"][0]
+        if not len(pieces):
+            raise empty_essay_error()
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
                          tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id,
                          essay_offset(text, prompt, self.config.surface_weights,

@@ -20,6 +20,7 @@ from .windows import average_windows, split_windows
 
 __all__ = ["FORMAT", "OBJECTIVES", "DECISIONS", "EssayPlan", "combine_windows", "essay_scores",
            "essay_offset", "essay_offsets", "surface_advisories", "surface_bounds_of",
+           "empty_essay_error", "refuse_empty_essays",
            "essay_prompts", "essay_texts",
            "near_boundary",
            "piece_windows", "default_model_path", "num_labels", "read_scorer_config"]
@@ -84,6 +85,22 @@ def essay_texts(texts: Sequence[str]) -> list[str]:
     texts = text_list(texts, "essay")
     raise_if_surrogate(texts, "texts")
     return texts
+
+
+def refuse_empty_essays(windows: Sequence[Sequence[int]], essay_index: Sequence[int]) -> None:
+    """ValueError naming the first essay that gives no word pieces (its one window is
+    ``[CLS] [SEP]``, :func:`piece_windows`): an empty or blank essay, or one of characters the
+    tokenizer keeps none of, which a scorer would give a plausible score (prompt 8's 10 for
+    "   "). ``mhmla-serve score`` and HTTP answer such an essay with an error record instead."""
+    for window, e in zip(windows, essay_index):
+        if len(window) == 2:
+            raise empty_essay_error(f"texts[{e}]")
+
+
+def empty_essay_error(name: str = "text") -> ValueError:
+    """The error of an essay ``name`` that gives no word pieces (:func:`refuse_empty_essays`)."""
+    return ValueError(f"{name}: gives no word pieces (an empty or blank essay, or characters "
+                      "the tokenizer keeps none of); it cannot be scored")
 
 
 def essay_prompts(n_texts: int, prompt: int | Sequence[int], known: Sequence[int]) -> list[int]:

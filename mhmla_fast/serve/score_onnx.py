@@ -69,9 +69,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..aes.scoring import (EssayPlan, combine_windows, essay_offset, essay_offsets,
-                           essay_prompts, essay_scores, essay_texts, near_boundary,
-                           piece_windows)
+from ..aes.scoring import (EssayPlan, combine_windows, empty_essay_error, essay_offset,
+                           essay_offsets, essay_prompts, essay_scores, essay_texts,
+                           near_boundary, piece_windows, refuse_empty_essays)
 from ..aes.windows import split_windows
 from ..packing import pack_by_token_budget
 from .onnx_export import (DEFAULT_OPSET, EXPORT_META, INPUT_NAMES, ONNX_FILE,
@@ -405,6 +405,7 @@ class OnnxScorer:
             return (scores, outputs) if return_outputs else scores
         windows, essay_index = piece_windows(self.encode(texts), self.config.window,
                                              self.cls_id, self.sep_id)
+        refuse_empty_essays(windows, essay_index)
         offsets = essay_offsets(texts, prompts, self.config.surface_weights,
                                 self.config.surface_bounds)
         scores, outputs = self._essay_scores(windows, essay_index, prompts, token_budget, offsets)
@@ -426,6 +427,8 @@ class OnnxScorer:
         (text,) = essay_texts([text])
         (prompt,) = essay_prompts(1, prompt, self.config.prompts)
         pieces = self.encode([text])[0]
+        if not len(pieces):
+            raise empty_essay_error()
         return EssayPlan(int(prompt), list(pieces), split_windows(len(pieces), self.config.window),
                          self.cls_id, self.sep_id, self.pad_id,
                          essay_offset(text, prompt, self.config.surface_weights,
