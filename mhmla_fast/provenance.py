@@ -12,21 +12,44 @@ import time
 from pathlib import Path
 
 
+# the project's root in a checkout (the folder holding mhmla_fast/ and kernels/)
+_ROOT = Path(__file__).resolve().parents[1]
+
+
 def git_commit() -> str:
-    """The repository's HEAD (``$MHMLA_COMMIT`` wins, for copies without .git)."""
+    """This project's HEAD in a checkout, with ``-dirty`` for uncommitted changes to tracked
+    files (``$MHMLA_COMMIT`` wins, for copies without .git); "unknown" elsewhere, including an
+    installed package that happens to lie inside another git repository (whose HEAD it
+    recorded before: see :func:`package_version` for what an installed package is)."""
     if os.environ.get("MHMLA_COMMIT"):
         return os.environ["MHMLA_COMMIT"]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=_ROOT,
+                              timeout=10)
+
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True,
-                               cwd=Path(__file__).resolve().parent, timeout=10)
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != _ROOT:
+            return "unknown"
+        out = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
         if out.returncode == 0:
             return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
     return "unknown"
+
+
+def package_version() -> str | None:
+    """The installed mhmla-fast distribution's version (None when not installed, e.g. run
+    from a checkout on ``sys.path``)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("mhmla-fast")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def cpu_info() -> dict:
@@ -78,6 +101,6 @@ def provenance() -> dict:
     return {
         "device": device, "torch": torch.__version__, "triton": triton_version,
         "transformers": transformers.__version__, "python": platform.python_version(),
-        "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mhmla_fast": package_version(), "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
     }

@@ -46,3 +46,34 @@ def test_every_shipped_model_file_goes_into_the_wheel():
     assert not missed, f"shipped model files left out of the wheel: {missed}"
     assert "embedded_encoder_checksums.json" in cfg["package-data"]["mhmla_fast"]
     assert (ROOT / "mhmla_fast" / "embedded_encoder_checksums.json").is_file()
+
+
+def test_the_commit_is_this_projects_only(tmp_path, monkeypatch):
+    """An installed package inside another git repository recorded that repository's HEAD as
+    its commit in every results file; the commit is read only where the package's root is a
+    repository's root, and the installed version is recorded beside it."""
+    import subprocess
+
+    from mhmla_fast import provenance
+
+    monkeypatch.delenv("MHMLA_COMMIT", raising=False)
+    other = tmp_path / "other"
+    (other / "venv" / "site-packages").mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(other)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (other / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    monkeypatch.setattr(provenance, "_ROOT", other / "venv" / "site-packages")
+    assert provenance.git_commit() == "unknown"
+    monkeypatch.setattr(provenance, "_ROOT", other.resolve())
+    assert provenance.git_commit() == head
+    (other / "f").write_text("y")
+    assert provenance.git_commit() == head + "-dirty"
+    monkeypatch.setenv("MHMLA_COMMIT", "abc123")
+    assert provenance.git_commit() == "abc123"
+    record = provenance.provenance()
+    assert record["commit"] == "abc123"
+    assert record["mhmla_fast"] == tomllib.load(open(ROOT / "pyproject.toml", "rb"))["project"]["version"]
