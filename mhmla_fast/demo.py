@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from mhmla_fast import FusedLayerAttention
+    from mhmla_fast.dispatch import backend_unavailable
 
     torch.manual_seed(args.seed)
     texts = args.texts or DEFAULT_TEXTS
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         hidden_states = encoder(**batch, output_hidden_states=True).hidden_states
     try:
+        if (why := backend_unavailable(args.backend, "cpu")) is not None:  # (the encoder's CPU)
+            raise ValueError(why)
         head = FusedLayerAttention(cfg.hidden_size, cfg.num_hidden_layers, args.heads,
                                    backend=args.backend).eval()
     except ValueError as err:

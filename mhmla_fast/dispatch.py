@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["AUTO_KERNELS", "BACKENDS", "AutoRule", "backend_unavailable", "fused_unsupported",
-           "graph_capture", "layer_attention_kernels"]
+           "graph_capture", "layer_attention_kernels", "triton_missing"]
 
 BACKENDS = ("auto", "torch", "triton")
 IMPLEMENTATIONS = ("torch", "triton")
@@ -92,9 +92,22 @@ AUTO_KERNELS: dict[str, AutoRule] = {
 }
 
 
+def triton_missing() -> str | None:
+    """Why the fused kernels cannot be imported at all (no ``triton`` package), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return ("backend 'triton' (the fused kernels) needs the triton package: pip install "
+                "'mhmla-fast[triton]' (CUDA builds of torch bring it); use 'auto' or 'torch' "
+                "without it")
+    return None
+
+
 def backend_unavailable(backend: str, device_type: str) -> str | None:
     """Why ``backend`` cannot run on devices of ``device_type`` at all, or None: asked before
     training starts, so a run is refused at once rather than at its first step."""
+    if backend == "triton" and (missing := triton_missing()) is not None:
+        return missing
     if (backend == "triton" and device_type == "cpu"
             and os.environ.get("TRITON_INTERPRET", "0") != "1"):
         return ("backend 'triton' (the fused kernels) runs on a CPU only under the Triton "

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .dispatch import BACKENDS, fused_unsupported, layer_attention_kernels
+from .dispatch import BACKENDS, fused_unsupported, layer_attention_kernels, triton_missing
 from .reference import layer_attention_reference
 
 __all__ = ["layer_attention", "check_layers", "BACKENDS"]
@@ -227,7 +227,12 @@ def layer_attention(
             training=training, block_diagonal=block_diagonal,
         )
     else:
-        from mhmla_fast.kernels.layer_attention import layer_attention_triton
+        try:
+            from mhmla_fast.kernels.layer_attention import layer_attention_triton
+        except ImportError:
+            if (missing := triton_missing()) is not None:
+                raise ValueError(missing) from None
+            raise
 
         if compute is not flat.dtype:  # under autocast: its dtype, as the eager matmuls take
             flat = flat.to(compute)

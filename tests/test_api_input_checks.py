@@ -156,3 +156,38 @@ def test_scorers_refuse_an_essay_that_gives_no_word_pieces(backend):
     with pytest.raises(ValueError, match="text: gives no word pieces"):
         scorer.plan_essay(" \t ", 1)
     assert scorer.predict_scores(["Dear", "x"], [1, 1]).shape == (2,)
+
+
+def test_the_triton_backend_without_triton_installed_names_the_extra():
+    """Without the triton package (a CPU install of the wheel), backend="triton" ended in a
+    bare ModuleNotFoundError from deep inside; the module, the function and the training
+    check now say which package to install."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["triton"] = None  # as if it were not installed
+import torch
+from mhmla_fast import FusedLayerAttention, layer_attention
+from mhmla_fast.dispatch import backend_unavailable
+for make in (lambda: FusedLayerAttention(8, 2, 2, backend="triton"),
+             lambda: layer_attention(torch.randn(2, 3, 8), torch.randn(2, 8, 8), torch.randn(2, 8),
+                                     torch.randn(2, 8, 8), torch.randn(2, 8), torch.randn(2, 8, 2),
+                                     torch.randn(2, 2), 2, backend="triton")):
+    try:
+        make()
+        print("no error")
+    except ValueError as err:
+        print(err)
+print(backend_unavailable("triton", "cuda"))
+print(FusedLayerAttention(8, 2, 2, backend="auto")(torch.randn(3, 4, 8)).shape)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 4, lines
+    for line in lines[:3]:
+        assert "needs the triton package: pip install 'mhmla-fast[triton]'" in line, line
+    assert lines[3] == "torch.Size([4, 8])"

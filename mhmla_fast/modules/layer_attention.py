@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..configs import MODES, LayerAttentionConfig
+from ..dispatch import triton_missing
 from ..functional import BACKENDS, check_layers, layer_attention
 
 __all__ = ["FusedLayerAttention", "LayerAttentionConfig", "MODES", "select_hidden_states"]
@@ -98,6 +99,8 @@ class FusedLayerAttention(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         config.check_backend(backend)
+        if backend == "triton" and (missing := triton_missing()) is not None:
+            raise ValueError(missing)
         self.config = config
         self.hidden_size, self.num_layers, self.num_heads = hidden_size, num_layers, heads
         self.key_size, self.mode, self.layers = key_size, config.mode, layers
