@@ -249,8 +249,25 @@ def test_an_export_never_writes_into_a_folder_that_is_not_an_export(tagger_dir, 
 
 
 def test_missing_export_says_how_to_make_it(tagger_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"mhmla-serve export --onnx .*tagger"):
-        OnnxRunner.from_model_dir(tagger_dir)
+    """The hint is a command that works: without --model it exported the shipped tagger and
+    refused the folder (from the installed-wheel review); for the shipped tagger, whose folder
+    is in the installed package, it points to --backend auto or a folder of the user's."""
+    import shlex
+    import shutil
+
+    from mhmla_fast.commands.serve import main as serve_main
+    from mhmla_fast.serve.engine import default_tagger_path
+
+    own = tmp_path / "own"
+    shutil.copytree(tagger_dir, own)
+    with pytest.raises(FileNotFoundError, match=r"mhmla-serve export --onnx .*own --model .*own") as err:
+        OnnxRunner.from_model_dir(own)
+    command = str(err.value).split("first: ", 1)[1].split(" (or ", 1)[0]
+    assert serve_main(shlex.split(command)[1:]) == 0
+    assert OnnxRunner.from_model_dir(own) is not None
+    with pytest.raises(FileNotFoundError, match="shipped tagger runs from its cached export "
+                                                "with --backend auto"):
+        OnnxRunner.from_model_dir(default_tagger_path())
     with pytest.raises(FileNotFoundError, match="mhmla-serve export --onnx --int8"):
         OnnxRunner.from_model_dir(tagger_dir, dtype="int8")
     with pytest.raises(ValueError, match="'float32' .* 'int8'"):

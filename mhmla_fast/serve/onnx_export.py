@@ -194,6 +194,23 @@ def example_inputs(vocab_size: int, pad_id: int) -> tuple:
 _EXPORT_LOCK = threading.RLock()
 
 
+def export_hint(path: str | os.PathLike, flag: str = "") -> str:
+    """How to make the ONNX export that a runner found missing in tagger folder ``path``
+    (``flag``: " --int8" for the int8 graph): the export command with ``--model`` (without it
+    the command exports the shipped tagger, and refuses a folder holding another); for the
+    shipped tagger, which lives in the installed package, ``--backend auto`` (its cached
+    export) or an export into a folder of the user's."""
+    from .engine import default_tagger_path
+
+    path = Path(path)
+    if path.resolve() == default_tagger_path().resolve():
+        return ("The shipped tagger runs from its cached export with --backend auto; to serve "
+                f"an export of your own: mhmla-serve export --onnx{flag} DIR, then --model DIR")
+    return (f"Export the tagger first: mhmla-serve export --onnx{flag} {path} --model {path} "
+            f"(or mhmla_fast.serve.onnx_export.export_onnx({str(path)!r}, {str(path)!r}"
+            f"{', int8=True' if flag else ''}))")
+
+
 @contextmanager
 def _quiet_export() -> Iterator[None]:
     """Silence the exporters' expected warnings (tracer notes on Python-level shape
@@ -705,10 +722,8 @@ class OnnxRunner(LaneRunner):
         file = path / name
         check_fresh(path)
         if not file.is_file():
-            raise FileNotFoundError(
-                f"{path}: no ONNX export ({name} is missing). Export the tagger first: "
-                f"mhmla-serve export --onnx{flag} {path} (or mhmla_fast.serve.onnx_export."
-                f"export_onnx({str(path)!r}, {str(path)!r}{', int8=True' if flag else ''}))")
+            raise FileNotFoundError(f"{path}: no ONNX export ({name} is missing). "
+                                    f"{export_hint(path, flag)}")
         return cls(file, device=opts.device, threads=threads, **kw)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

@@ -131,15 +131,14 @@ class OpenVinoRunner(LaneRunner):
         """The runner on an export directory's ``model.onnx`` (see :class:`OpenVinoRunner`).
         Raises ValueError for an option OpenVINO cannot honour here (:mod:`.options`),
         FileNotFoundError saying how to export when the graph is missing."""
-        from .onnx_export import ONNX_FILE, check_fresh
+        from .onnx_export import ONNX_FILE, check_fresh, export_hint
 
         opts = resolve_options("openvino", device, dtype, kernels, lanes=lanes)
         check_fresh(path)
         file = Path(path) / ONNX_FILE
         if not file.is_file():
-            raise FileNotFoundError(
-                f"{path}: no ONNX export ({ONNX_FILE} is missing). Export the tagger first: "
-                f"mhmla-serve export --onnx {path}")
+            raise FileNotFoundError(f"{path}: no ONNX export ({ONNX_FILE} is missing). "
+                                    f"{export_hint(path)}")
         return cls(file, dtype=opts.dtype, threads=threads, lanes=lanes, cache_dir=cache_dir)
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

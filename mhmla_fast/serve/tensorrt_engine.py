@@ -646,7 +646,8 @@ class TensorRTRunner:
         plan = path / PLAN_FILE
         if not plan.is_file():
             first = ("" if (path / ONNX_FILE).is_file()
-                     else f"export the tagger to ONNX (mhmla-serve export --onnx {path}), then ")
+                     else f"export the tagger to ONNX (mhmla-serve export --onnx {path} "
+                          f"--model {path}), then ")
             raise FileNotFoundError(
                 f"{path}: no TensorRT engine ({PLAN_FILE} is missing). On the GPU machine that "
                 f"will serve, {first}build it: python -c \"from mhmla_fast.serve.tensorrt_engine "
