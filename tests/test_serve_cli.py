@@ -623,3 +623,10 @@ def test_sigterm_handling_survives_ray_init_and_respects_an_ignored_sigterm(monk
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_score_offers_only_the_backends_it_runs(capsys):
+    """``score --help`` listed onnx, openvino and tensorrt and said in the same breath that the
+    scorer has none of them; argparse now offers auto and torch only."""
+    assert main(["score", "--backend", "onnx", "x.jsonl"]) == 2
+    assert "invalid choice: 'onnx' (choose from 'auto', 'torch')" in capsys.readouterr().err

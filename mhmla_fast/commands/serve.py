@@ -260,10 +260,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     _add_compute_options(g)
 
 
-def _add_backend_option(g, help: str | None = None, default: str = "auto") -> None:
+def _add_backend_option(g, help: str | None = None, default: str = "auto",
+                        choices: Sequence[str] | None = None) -> None:
     from ..serve.options import BACKENDS
 
-    g.add_argument("--backend", default=default, choices=BACKENDS, help=help or (
+    g.add_argument("--backend", default=default, choices=choices or BACKENDS, help=help or (
         "the runtime: auto (default: on the CPU in float32, ONNX Runtime on a cached export "
         "validated to give torch's labels, made once on first use; torch on a GPU or where "
         "onnxruntime is missing; on a CPU with AMX and OpenVINO installed, the checked "
@@ -307,7 +308,9 @@ def _add_file_options(p: argparse.ArgumentParser, *, formats: Sequence[str]) -> 
                    help="what an input line is: auto (default: a line starting with { is a JSON "
                    "object, any other line plain text" + ("; every line of a file named *.jsonl "
                                                           "or *.ndjson a JSON object)"
-                                                          if "text" in formats else ")")
+                                                          if "text" in formats else
+                                                          ", an error record: an essay needs "
+                                                          "its prompt)")
                    + (", text (every line is plain text)" if "text" in formats else "")
                    + ", jsonl (every line must be a JSON object)")
     p.add_argument("--encoding", default="utf-8",
@@ -740,7 +743,7 @@ def run_http(args: argparse.Namespace) -> int:
         from ..serve.http import create_app  # noqa: F401 - the dependencies, checked
     except ImportError as err:
         raise UsageError(f"the HTTP server needs fastapi, uvicorn and prometheus-client "
-                         f"(pip install 'mhmla-fast[serve]' prometheus-client): {err}") from err
+                         f"(pip install 'mhmla-fast[serve]'): {err}") from err
     server = dict(host=args.host, port=args.port, log_level=args.log_level,
                   access_log=not args.no_access_log,
                   timeout_graceful_shutdown=args.graceful_timeout,
@@ -992,8 +995,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "installed, the checked bfloat16 scorer on that export where the "
                         "scorer has measured bf16 margins (the shipped ridge scorer has none: "
                         "ONNX Runtime float32); torch on a GPU or where onnxruntime is missing) "
-                        "or torch; the scorer has no onnx, openvino or tensorrt backend of its "
-                        "own")
+                        "or torch (the scorer has no onnx, openvino or tensorrt backend of its "
+                        "own)", choices=("auto", "torch"))
     g.add_argument("--dtype", default=None, choices=SCORER_DTYPES,
                    type=lambda text: resolve_dtype(text, "cpu"),  # bf16, fp32 ... as for tag
                    help="scorer weights and compute: float32/bfloat16/float16, or bf16/fp32/fp16 "
