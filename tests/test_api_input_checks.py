@@ -191,3 +191,30 @@ print(FusedLayerAttention(8, 2, 2, backend="auto")(torch.randn(3, 4, 8)).shape)
     for line in lines[:3]:
         assert "needs the triton package: pip install 'mhmla-fast[triton]'" in line, line
     assert lines[3] == "torch.Size([4, 8])"
+
+
+def test_the_readmes_use_snippet_runs_as_written():
+    """The README's *Use* block named undefined variables (path, batch, hidden, w_*): a user
+    copying it got a NameError. It runs as written, with the shapes its comments give."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Use\n\n```python\n(.*?)```", readme, re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, "README.md (Use)", "exec"), scope)
+    tokens = scope["batch"]["input_ids"].shape[1]
+    assert scope["p"].shape == (1, tokens, 6, 12) and scope["logits"].shape == (1, tokens, 2)
+    assert scope["c"].shape == (9, 384)
+
+
+def test_load_scorer_defaults_to_the_shipped_scorer_as_engine_load_does():
+    from mhmla_fast.serve.score import default_scorer_path, load_scorer
+
+    essay = ["Computers help us learn, and they help us talk with our friends."]
+    shipped = load_scorer(default_scorer_path(), backend="torch", threads=1)
+    default = load_scorer(backend="torch", threads=1)
+    assert default.config.prompts == shipped.config.prompts
+    assert default.predict_scores(essay, 1).tolist() == shipped.predict_scores(essay, 1).tolist()
+    with pytest.raises(ValueError, match="path: empty path; None means the shipped scorer"):
+        load_scorer("", backend="torch")

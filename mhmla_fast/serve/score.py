@@ -75,10 +75,11 @@ def scorer_options(backend: str = "auto", device: str | None = None, dtype: str 
     return resolve_options(backend, device, dtype, kernels)
 
 
-def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None = None,
+def load_scorer(path: str | Path | None = None, *, backend: str = "auto", device: str | None = None,
                 dtype: str | None = None, kernels: str = "auto", threads: int | None = None,
                 cache: bool | None = None, check_margin: float | None = None):
-    """An essay scorer on ``path`` with the load contract of tagging (:mod:`.options`).
+    """An essay scorer on ``path`` (default: the shipped scorer, :func:`default_scorer_path`)
+    with the load contract of tagging (:mod:`.options`).
 
     ``backend="auto"`` (default) on the CPU: the scorer's cached ONNX export, validated to give
     torch fp32's scores (:mod:`.export_cache`; made on first use; ``cache`` False or
@@ -102,6 +103,9 @@ def load_scorer(path: str | Path, *, backend: str = "auto", device: str | None =
     bad weights) propagate."""
     from .runners import check_margin_option
 
+    if path is not None and not str(path):  # ("$UNSET": not the shipped scorer)
+        raise ValueError("path: empty path; None means the shipped scorer")
+    path = default_scorer_path() if path is None else path
     opts = scorer_options(backend, device, dtype, kernels)
     margin = check_margin_option(check_margin, opts)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
