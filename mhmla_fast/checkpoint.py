@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import filelock
-from .durable import atomic_write_text, replace_durably
+from .durable import atomic_write_text, current_umask, replace_durably
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_meta", "check_same_data", "check_same_precision",
            "check_same_inputs", "precision_recorded", "CheckpointWriter",
@@ -139,6 +139,7 @@ def _write(out: Path, tensors: dict, groups: list, state_json: str, step: int) -
     name = f"checkpoint-{step}.safetensors"
     tmp = out / (name + ".tmp")
     save_file(tensors, tmp)
+    os.chmod(tmp, 0o666 & ~current_umask())  # safetensors makes it 0600, whatever the umask
     replace_durably(tmp, out / name)
     meta = {**json.loads(state_json), "tensors": name, "param_groups": groups}
     atomic_write_text(out / "checkpoint.json", json.dumps(meta, indent=1))

@@ -141,3 +141,15 @@ def test_a_resume_is_refused_on_other_arithmetic_first_then_on_other_data(tmp_pa
         check_same_inputs(meta, "fp32", {"train": "x", "dev": "y"}, tmp_path)
     # a checkpoint from before either record resumes unchecked
     check_same_inputs({}, "bf16", {"train": "x"}, tmp_path)
+
+
+def test_checkpoint_files_follow_the_umask_like_every_other_file(tmp_path):
+    """safetensors writes its files 0600 whatever the umask: checkpoints were private while
+    the model folders and results beside them were not."""
+    from mhmla_fast.durable import current_umask
+
+    model, opt = model_and_optimizer(0)
+    save_checkpoint(tmp_path, model, opt, {"epoch": 1}, 3)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"checkpoint-3.safetensors": 0o666 & ~current_umask(),
+                     "checkpoint.json": 0o666 & ~current_umask()}, modes
