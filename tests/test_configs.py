@@ -126,11 +126,14 @@ def test_num_heads_is_one_name_from_the_flag_to_the_module(tmp_path):
     from mhmla_fast.commands.config_flags import config_from_args
     from mhmla_fast.ged.train import TrainConfig
 
-    args = _parser().parse_args(["ged", "--out", "o", "--num-heads", "4", "--mode", "shmla",
+    args = _parser().parse_args(["ged", "--out", "o", "--num-heads", "4", "--mode", "mhmla",
                                  "--freeze", "word_embeddings", "--layers", "1", "2",
                                  "--no-progress"])
     cfg = config_from_args(TrainConfig, args, train="t", dev="d")
-    assert cfg.layer_attention == LayerAttentionConfig(mode="shmla", num_heads=4, layers=(1, 2))
+    assert cfg.layer_attention == LayerAttentionConfig(mode="mhmla", num_heads=4, layers=(1, 2))
+    args.mode = "shmla"  # one head: J = 4 would be recorded and do nothing
+    with pytest.raises(ValueError, match="num_heads: J = 4 is read by mode 'mhmla' only"):
+        config_from_args(TrainConfig, args, train="t", dev="d")
     assert cfg.encoder_spec.freeze == "word_embeddings" and cfg.progress is False
     with pytest.warns(FutureWarning, match="--heads is deprecated.*--num-heads"):
         old = _parser().parse_args(["ged", "--out", "o", "--heads", "6"])
