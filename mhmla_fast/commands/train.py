@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..distributed import rank_from_env
-from ..paths import shared_data_dir
+from ..paths import shared_data_file
 from .aes import add_train_parser as add_aes_parser
 from .aes import run_train as run_aes
 from .argtypes import positive_int
@@ -14,7 +14,9 @@ from .config_flags import add_config_flags, config_from_args
 
 
 def _fce(split: str) -> str:
-    return str(shared_data_dir() / "fce" / f"fce-public.{split}.original.tsv")
+    """Return the FCE ``split`` file of the shared data folder (the default of ``--train`` and
+    ``--dev``); FileNotFoundError naming it and that flag when it is not there."""
+    return str(shared_data_file(f"fce/fce-public.{split}.original.tsv", f"--{split}"))
 
 
 def add_ged_parser(sub) -> None:
@@ -32,6 +34,7 @@ def run_ged(args) -> int:
     import torch
 
     from ..checkpoint import RunLockedError
+    from ..encoder import resolve_encoder
     from ..ged.train import TrainConfig, train
 
     if args.threads:
@@ -39,6 +42,7 @@ def run_ged(args) -> int:
     try:
         cfg = config_from_args(TrainConfig, args, train=args.train or _fce("train"),
                                dev=args.dev or _fce("dev"))
+        resolve_encoder(cfg.encoder_spec, strict=True)  # a path that is no folder: say so
         best = train(cfg)
     except (OSError, ValueError, RunLockedError) as err:
         print(f"mhmla-train: {err}", file=sys.stderr)

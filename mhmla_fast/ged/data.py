@@ -63,6 +63,7 @@ __all__ = [
     "read_jfleg_split",
     "read_m2",
     "read_unlabelled",
+    "require_rapidfuzz",
     "sentences_digest",
 ]
 
@@ -326,9 +327,21 @@ def read_m2(path: PathLike, annotator: int | None = 0) -> list[Sentence]:
 # JFLEG
 
 
+def require_rapidfuzz():
+    """Return ``rapidfuzz.distance.Levenshtein``, which labels JFLEG; ImportError saying how
+    to install rapidfuzz when it is missing (a caller can check this before slower work)."""
+    try:
+        from rapidfuzz.distance import Levenshtein
+    except ImportError as err:
+        raise ImportError("JFLEG labels need rapidfuzz (it aligns the source with the "
+                          "references), which is not installed: pip install rapidfuzz "
+                          "(or pip install 'mhmla-fast[data]')") from err
+    return Levenshtein
+
+
 def _jfleg_labels(src: Sequence[int], refs: Iterable[Sequence[int]]) -> list[int]:
     """Labels of one source sentence against its references (rule in the module docstring)."""
-    from rapidfuzz.distance import Levenshtein
+    Levenshtein = require_rapidfuzz()
 
     n = len(src)
     labels = [0] * n

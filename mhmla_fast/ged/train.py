@@ -495,6 +495,19 @@ def _make_optimizer(model, cfg: TrainConfig, device: torch.device):
                            weight_decay=cfg.weight_decay)
 
 
+def _check_data_files(cfg: TrainConfig) -> None:
+    """FileNotFoundError naming the field (``--train``, ``--dev``, ``--transfer``) whose file is
+    not there; a JFLEG split may be given as a folder or as the prefix of its ``.src`` file."""
+    for name in ("train", "dev", "transfer"):
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        path = Path(value)
+        jfleg_prefix = name != "transfer" and path.with_name(path.name + ".src").is_file()
+        if not (path.exists() or jfleg_prefix):
+            raise FileNotFoundError(f"--{name} {path}: no such file; give an existing {name} file")
+
+
 def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     """Train (or resume) into ``cfg.out``; returns the best model's directory.
 
@@ -504,6 +517,7 @@ def train(cfg: TrainConfig, *, stop_after_steps: int | None = None) -> Path:
     run holds :func:`~mhmla_fast.checkpoint.run_lock` on ``cfg.out``: a second process on the
     same folder raises :class:`~mhmla_fast.checkpoint.RunLockedError`.
     """
+    _check_data_files(cfg)  # before the run lock: a missing file leaves no fresh cfg.out behind
     if rank_from_env() == 0:  # before any training: not after the first epoch
         check_run_folder(Path(cfg.out), ("best", "log.json"))
     with run_lock(Path(cfg.out), held=rank_from_env() == 0), \
