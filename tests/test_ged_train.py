@@ -484,6 +484,15 @@ def test_options_a_run_cannot_apply_are_refused_not_recorded(tiny_encoder):
         TrainConfig(train="t", dev="d", out="o", layer_attention=LayerAttentionConfig(mode=mode))
 
 
+def test_no_progress_keeps_the_epoch_summaries(tmp_path, tiny_encoder, capsys):
+    """--no-progress turns off the bars; the one line per epoch (loss, dev P, R, F0.5) stays
+    (it went too, leaving only log.json to say how training went)."""
+    train(config(tmp_path, tiny_encoder, tmp_path / "run", epochs=2))
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("epoch ")]
+    assert [l.split(":")[0] for l in lines] == ["epoch 1", "epoch 2"], lines
+    assert all(" F0.5 " in l for l in lines)
+
+
 def test_a_warm_up_that_rounds_to_nothing_or_everything_is_warned_of(tmp_path, tiny_encoder, capsys):
     """warmup_ratio x the run's steps is rounded to whole steps: when that gives no warm-up,
     or a warm-up over the whole run (no decay), the run says so once at its start."""

@@ -643,7 +643,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
     if meta is not None:
         epoch, step_in_epoch, global_step = meta["epoch"], meta["step_in_epoch"], meta["global_step"]
         log, best = meta["log"], meta["best"]
-        if cfg.progress and main_rank and epoch < cfg.epochs:
+        if main_rank and epoch < cfg.epochs:
             print(f"resuming {out} from its checkpoint: epoch {epoch + 1}, after step "
                   f"{step_in_epoch} of the epoch", flush=True)
     else:
@@ -788,7 +788,7 @@ def _train(cfg: TrainConfig, stop_after_steps: int | None, writer: CheckpointWri
         step_in_epoch = 0
         atomic_write_text(out / "log.json", json.dumps(log, indent=1))
         checkpoint()
-        if cfg.progress:
+        if main_rank:  # (a summary line, not the bar: --no-progress keeps it)
             print(f"epoch {epoch}: loss {record['train_loss']:.4f}, dev P {dev_scores['precision']:.4f} "
                   f"R {dev_scores['recall']:.4f} F0.5 {dev_scores['f05']:.4f}", flush=True)
         if dist_ctx is not None:
