@@ -387,3 +387,17 @@ def test_the_advisories_benchmark_counts_per_split_and_margin(tmp_path, capsys):
     (bare / "config.json").write_text("{}")
     assert bench.main(["--model", str(bare), "--data-dir", str(data), "--out", str(out)]) == 2
     assert "not an mhmla essay scorer" in capsys.readouterr().err
+
+
+def test_the_fused_kernels_are_refused_for_a_ridge_scorer(capsys):
+    """``mhmla-eval aes --backend triton`` on the shipped (ridge) scorer was accepted and ran
+    nothing fused; the head refuses it as the avgl and last modes do."""
+    from mhmla_fast.aes.model import EssayScorer
+    from mhmla_fast.commands.eval import main
+    from mhmla_fast.serve.score import default_scorer_path
+
+    with pytest.raises(ValueError, match="'triton' .* ridge scorer, which has no layer attention"):
+        EssayScorer.load(default_scorer_path(), backend="triton")
+    assert main(["aes", "--backend", "triton", "--prompt", "1"]) == 2
+    assert "ridge scorer, which has no layer attention" in capsys.readouterr().err
+    assert EssayScorer.load(default_scorer_path(), backend="torch").head.layer_attention is None

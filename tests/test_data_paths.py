@@ -255,3 +255,10 @@ def test_a_saved_model_loads_after_its_encoder_folder_is_gone(tmp_path):
     loaded = GedTagger.load(saved)
     assert loaded.config.encoder_spec.name_or_path == str(encoder)
     assert os.path.isdir(saved)
+
+
+def test_train_aes_names_an_encoder_folder_that_is_not_there(capsys):
+    from mhmla_fast.commands.train import main
+
+    assert main(["aes", "--encoder", "/nonexistent/encoder", "--prompt", "1", "--fold", "0"]) == 2
+    assert "encoder: no such directory: /nonexistent/encoder" in capsys.readouterr().err

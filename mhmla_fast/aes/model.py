@@ -261,6 +261,9 @@ class ScorerHead(nn.Module):
         self.config = config
         self.hidden_size, self.num_layers = hidden_size, num_layers
         ridge = config.head_kind == "ridge"
+        if ridge and backend == "triton":  # (as the avgl and last modes refuse it)
+            raise ValueError("backend: 'triton' (the fused kernels) has nothing to run in a "
+                             "ridge scorer, which has no layer attention; use 'auto' or 'torch'")
         self.layer_attention = None if ridge else FusedLayerAttention(
             hidden_size, num_layers, config=config.layer_attention, backend=backend)
         self.pool = nn.Linear(hidden_size, 1) if config.pooling == "attention" else None

@@ -65,7 +65,8 @@ CACHE_DIR = "runs/aes-cache"  # --cache-dir's default
 def _common(p, finetune: bool = False) -> None:
     p.add_argument("--prompt", default="all", help="ASAP prompt 1-8, a comma list, or all (default)")
     p.add_argument("--data-dir", default=None, help="the shared data folder or its asap_aes "
-                   "folder (default $MHMLA_SHARED_DATA or ../shared/data)")
+                   "folder (default $MHMLA_SHARED_DATA, else ../shared/data beside a repository "
+                   "checkout)")
     p.add_argument("--cache-dir", default=None,
                    help=f"feature cache folder (per-layer [CLS] or mean vectors; default "
                    f"{CACHE_DIR}" + ("; not with --finetune, which caches nothing)"
@@ -191,6 +192,9 @@ def run_train(args) -> int:
         prompts = parse_prompts(args.prompt)
         folds = parse_folds(args.fold)
         _check_mode_options(args)
+        from ..encoder import resolve_encoder
+
+        resolve_encoder(args.encoder, strict=True)  # a path that is no folder: say so
         args.cache_dir = args.cache_dir or CACHE_DIR
         if world_size_from_env() > 1 and (not args.finetune or args.collect):
             raise ValueError("under torchrun only `aes --finetune` runs (its cells train data-"
