@@ -476,8 +476,9 @@ class WatchedScorer:
 
 def test_essay_windows_in_any_batches_give_predict_scores(tiny_scorer):
     """plan_essay, score_windows (shuffled windows of several essays and prompts, odd batches)
-    and finish_essay give predict_scores' score for each essay, including an empty one."""
-    essays = [(long_text(n, seed=n), p) for n, p in ((3_000, 1), (800, 2), (12_000, 3), (0, 4))]
+    and finish_essay give predict_scores' score for each essay, including a one-window one
+    (an empty one is refused by both: tests/test_api_input_checks.py)."""
+    essays = [(long_text(n, seed=n), p) for n, p in ((3_000, 1), (800, 2), (12_000, 3), (20, 4))]
     plans = [tiny_scorer.plan_essay(t, p) for t, p in essays]
     assert [len(pl.windows) > 1 for pl in plans] == [True, True, True, False]
     pairs = [(e, w) for e, pl in enumerate(plans) for w in range(len(pl.windows))]

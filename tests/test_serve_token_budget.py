@@ -4,6 +4,8 @@ budget below 1 is refused."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -57,6 +59,8 @@ def test_the_cpu_default_packs_passes_of_at_most_1024_pieces(hf_tokenizer):
 
 
 class FakeScorer:
+    config = SimpleNamespace(prompts=(1, 2))  # (score_essays checks the prompts against it)
+
     def __init__(self, runner=None):
         if runner is not None:
             self.runner = runner
