@@ -35,6 +35,7 @@ print(json.dumps(out))
 
 
 def _two_loads(tagger_dir, scorer_dir, backend, env):
+    env = {**env, "CUDA_VISIBLE_DEVICES": ""}  # the CPU's paths (auto on a GPU is torch)
     done = subprocess.run([sys.executable, "-c", TWO_LOADS, str(tagger_dir), str(scorer_dir),
                            backend], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
