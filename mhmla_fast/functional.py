@@ -198,6 +198,12 @@ def layer_attention(
     eager reference through autocast's own matmuls, the fused kernels on inputs cast to it),
     and c comes out in that dtype.
 
+    The fused backward is differentiable once: a backward with ``create_graph=True`` raises
+    with "triton" and runs the eager reference's with "auto" (on the same dropout masks).
+    While a graph is captured for every input shape (``torch.export``, ``torch.jit.trace``)
+    or under ``torch.func`` transforms, "auto" runs eager and "triton" is refused where its
+    launchers cannot run (:func:`mhmla_fast.dispatch.graph_capture`).
+
     All tensors must share dtype and device; bad shapes, dtypes, devices, rates or flags that
     are not bools raise ValueError naming the argument. A token whose inputs are non-finite
     gives non-finite outputs for that token only.
