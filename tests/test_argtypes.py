@@ -108,3 +108,15 @@ def test_training_configs_refuse_what_the_flags_refuse(tmp_path):
     TrainConfig(**ged, weight_decay=0, lr=1)
     HeadTrainConfig()
     FinetuneConfig(out="x")
+
+
+def test_port_is_a_tcp_port(capsys):
+    """uvicorn took --port 99999 and listened on 34463 while its log said 99999; -1 failed
+    only after the models loaded. argparse refuses both by name."""
+    from mhmla_fast.commands.argtypes import port
+    from mhmla_fast.commands.serve import main
+
+    assert port("0") == 0 and port("8000") == 8000 and port("65535") == 65535
+    for bad in ("99999", "-1", "80.5", "http"):
+        assert main(["http", "--port", bad]) == 2
+        assert "argument --port: expected a port from 0 to 65535" in capsys.readouterr().err

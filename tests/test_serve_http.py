@@ -404,6 +404,35 @@ def test_graceful_shutdown_finishes_in_flight_requests():
     assert not app.state.batcher.alive
 
 
+def test_a_request_past_the_graceful_shutdown_time_gets_a_503():
+    """uvicorn cancels what is still running when --graceful-timeout runs out; the
+    cancellation reached it and it answered a plain-text 500 ("Exception in ASGI
+    application"). The request gets the 503 with Retry-After of a refused one, counted as
+    dropped for shutdown."""
+    engine = StubEngine()
+    engine.gate.clear()
+    app = create_app(engine, max_wait_ms=0, warm_up=False)
+    got: list[httpx.Response] = []
+    try:
+        with serving(app, timeout_graceful_shutdown=1) as (url, server):
+            sender = threading.Thread(target=lambda: got.append(
+                httpx.post(url + "/v1/tag", json={"texts": ["slow"]}, timeout=30)))
+            sender.start()
+            assert engine.entered.wait(10)
+            server.should_exit = True  # the engine call never ends within the 1 s
+            sender.join(30)
+            engine.gate.set()  # (then the worker drains, and the server stops)
+    finally:
+        engine.gate.set()
+    (r,) = got
+    assert r.status_code == 503 and r.headers["retry-after"], (r.status_code, r.text)
+    assert "shutting down" in r.json()["detail"]
+    from prometheus_client import generate_latest
+
+    samples = metric_samples(generate_latest(app.state.registry).decode())
+    assert samples[("mhmla_dropped_requests_total", (("reason", "shutdown"),))] == 1
+
+
 def test_after_shutdown_begins_new_requests_get_503_while_queued_ones_finish():
     engine = StubEngine()
     engine.gate.clear()

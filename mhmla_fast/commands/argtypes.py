@@ -9,6 +9,7 @@ argparse names the flag in its usage error (exit 2) before any model is loaded:
     non_negative_float("0") -> 0.0  0 <= x < inf    (--max-wait-ms, --request-timeout)
     probability("0.5") -> 0.5       0 <= x <= 1     (--threshold)
     rate("0.3") -> 0.3              0 <= x < 1      (a dropout rate)
+    port("8000") -> 8000            0 <= n <= 65535 (--port; 0: any free port)
 
 NaN and infinity fail every float check. Importing this module imports only argparse.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["positive_int", "non_negative_int", "positive_float", "non_negative_float",
-           "probability", "rate"]
+           "probability", "rate", "port"]
 
 
 def _number(text: str, kind: type, what: str):
@@ -74,3 +75,12 @@ def rate(text: str) -> float:
     if not 0.0 <= x < 1.0:
         raise argparse.ArgumentTypeError(f"expected a rate in [0, 1), got {text}")
     return x
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: the system picks a free one). uvicorn took 99999 and listened
+    on 34463 (99999 - 65536) while its log said 99999."""
+    n = _number(text, int, "a port from 0 to 65535")
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text}")
+    return n

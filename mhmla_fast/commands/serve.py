@@ -104,7 +104,7 @@ from pathlib import Path
 from typing import Any
 
 from ..serve.pipeline import PrettyWriter, format_pretty, tag_records  # noqa: F401
-from .argtypes import non_negative_float, non_negative_int, positive_int, probability
+from .argtypes import non_negative_float, non_negative_int, port, positive_int, probability
 
 PROG = "mhmla-serve"
 EXIT_OK, EXIT_BAD_LINES, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
@@ -1021,7 +1021,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve POST /v1/tag, POST /v1/score, GET /healthz, GET "
                        "/metrics with dynamic micro-batching across concurrent requests.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--workers", type=positive_int, default=1,
                    help="server processes on the one port, each with its own copy of the models "
                    "and its own batching and limits (default 1; more when one process's HTTP "

@@ -63,7 +63,8 @@ Endpoints (:func:`create_app`)
     and scoring), ``mhmla_queue_depth`` (texts and essays); for scoring
     ``mhmla_score_request_seconds`` (``/v1/score`` latency), ``mhmla_essays_scored_total``,
     ``mhmla_score_batch_essays``, ``mhmla_score_batch_requests`` and ``mhmla_score_batch_seconds``;
-    ``mhmla_dropped_requests_total{reason}`` (``disconnected``, ``deadline``). In a worker of
+    ``mhmla_dropped_requests_total{reason}`` (``disconnected``, ``deadline``, ``shutdown``: past
+    the graceful shutdown time, answered 503). In a worker of
     ``--workers N``: the sums over all workers (``mhmla_queue_depth``: the live ones).
 
 ``GET /openapi.json``: the OpenAPI description, from the pydantic models; it needs nothing else.
@@ -569,7 +570,7 @@ class _Metrics:
             score_batch_seconds=Histogram("mhmla_score_batch_seconds", "Scorer time per batch",
                                           buckets=times, registry=reg),
             dropped=Counter("mhmla_dropped_requests", "Admitted requests dropped before they "
-                            "finished, by reason (disconnected, deadline)", ["reason"],
+                            "finished, by reason (disconnected, deadline, shutdown)", ["reason"],
                             registry=reg),
         )
 
@@ -650,7 +651,15 @@ async def _await_results(batcher: MicroBatcher, kind: str, inputs: Sequence[Any]
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((fut, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # cancelled (shutdown): nobody waits for the results any more
+    except asyncio.CancelledError:
+        # the server's graceful shutdown ran out (--graceful-timeout) and cancelled the
+        # request: answer 503 with Retry-After, as a request refused while shutting down is
+        # (the cancellation reached uvicorn, which answered a plain-text 500)
+        batcher.drop(fut)
+        dropped.labels(reason="shutdown").inc()
+        return _unavailable("shutting down: the request was not done within the server's "
+                            "graceful shutdown time; retry it")
+    except BaseException:  # nobody waits for the results any more
         batcher.drop(fut)
         raise
     finally:
