@@ -657,6 +657,46 @@ def test_admission_refuses_what_the_deadline_cannot_cover_at_the_measured_speed(
         MicroBatcher(Slow(), max_queue_seconds=0)
 
 
+def test_a_lone_request_beyond_its_deadline_at_the_measured_speed_is_413_at_once():
+    """A request alone on an idle server was always admitted, so the largest the limits allow
+    (64 texts of 15,300 characters on a 2-core CPU) was answered 504 after the whole 60 s
+    deadline. Once the speed is measured, one whose own work exceeds max_request_seconds is
+    TooCostly at once; smaller ones, and any before a speed is known, are admitted."""
+    import asyncio
+    import time as _time
+
+    from mhmla_fast.serve.scheduler import MicroBatcher, TooCostly
+
+    class Slow:  # 40 ms a call, whatever its size
+        def tag_texts(self, texts):
+            _time.sleep(0.04)
+            return [types.SimpleNamespace(to_dict=lambda t=t: {"text": t}) for t in texts]
+
+        def tag_tokens(self, sentences):
+            return self.tag_texts([" ".join(s) for s in sentences])
+
+    text = " ".join(["word"] * 100)  # 130 estimated pieces; one per batch (budget 150)
+
+    async def run():
+        b = MicroBatcher(Slow(), max_batch_tokens=150, max_wait_ms=0, max_request_seconds=0.5)
+        b.start()
+        try:
+            big = [text] * 200  # about 200 batches of 40 ms: 8 s
+            first = await b.submit("texts", big[:2])  # no speed yet: admitted
+            assert len(first) == 2
+            with pytest.raises(TooCostly, match=r"alone would take about \d+ s at the "
+                                                r"measured speed .* over its 0.5 s deadline"):
+                b.submit("texts", big)
+            assert await b.submit("texts", [text]) == [{"text": text}]
+        finally:
+            b.close()
+            b.join(5)
+
+    asyncio.run(run())
+    with pytest.raises(ValueError, match="max_request_seconds"):
+        MicroBatcher(Slow(), max_request_seconds=0)
+
+
 def test_warm_up_times_a_batch_so_a_burst_on_a_cold_batcher_is_admitted_by_time():
     """warm_up() before start() runs each family twice on a fixed sample and seeds its speed
     from the second run: the very first burst is then admitted by time (here about 7 of 40

@@ -823,6 +823,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
                            max_queue=max_queue, max_queue_pieces=max_queue_pieces,
                            max_queue_seconds=(None if request_timeout_s is None
                                               else QUEUE_SHARE_OF_TIMEOUT * request_timeout_s),
+                           max_request_seconds=request_timeout_s,
                            split_pieces=split_pieces, on_batch=metrics.on_batch,
                            on_score_batch=metrics.on_score_batch,
                            on_failure=metrics.failures.inc)

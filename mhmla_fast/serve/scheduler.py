@@ -7,7 +7,9 @@ A request is admitted whole or not at all (:meth:`MicroBatcher.submit`), by coun
 its inputs must fit ``max_queue`` inputs waiting, and its estimated word pieces
 (:func:`estimate_pieces`) must fit ``max_queue_pieces`` pieces admitted and not yet answered;
 else :class:`QueueFull` (503, retry later). A request that alone costs more than
-``max_queue_pieces`` could never be admitted: :class:`TooCostly` (413). With
+``max_queue_pieces`` could never be admitted: :class:`TooCostly` (413), as is one whose own
+work alone, at the measured speed, comes to more than ``max_request_seconds`` (the HTTP
+server's request deadline: it would be answered 504 after the whole deadline). With
 ``max_queue_seconds``, a request is also refused (:class:`QueueFull`) while other work is
 admitted and it would not be answered within that many seconds at the speed measured on the
 batches so far (estimated pieces per second, a moving average per family, from its second
@@ -199,6 +201,8 @@ class MicroBatcher:
         max_queue_pieces: estimated word pieces admitted and not yet answered, at most.
         max_queue_seconds: the measured seconds of work admitted and not yet answered, at most
             (None: no such bound; see the module docstring).
+        max_request_seconds: the measured seconds of one request's own work, at most (None: no
+            such bound): above it, :class:`TooCostly` at once.
         split_pieces: inputs estimated above it are tagged (essays: scored) window by window
             (default: a quarter of ``max_batch_tokens``).
         on_batch: called from the worker after each tagging batch with (texts, requests,
@@ -210,7 +214,8 @@ class MicroBatcher:
     def __init__(self, engine: Any, *, scorer: Any = None, score_token_budget: int | None = None,
                  max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                  max_queue: int = 1024, max_queue_pieces: int = 1_000_000,
-                 max_queue_seconds: float | None = None, split_pieces: int | None = None,
+                 max_queue_seconds: float | None = None,
+                 max_request_seconds: float | None = None, split_pieces: int | None = None,
                  on_batch: Callable[[int, int, float], None] | None = None,
                  on_score_batch: Callable[[int, int, float], None] | None = None,
                  on_failure: Callable[[], None] | None = None) -> None:
@@ -223,6 +228,10 @@ class MicroBatcher:
         if max_queue_seconds is not None and not 0 < max_queue_seconds < float("inf"):
             raise ValueError(f"max_queue_seconds: expected > 0 or None, got {max_queue_seconds}")
         self.max_queue_seconds = max_queue_seconds
+        if max_request_seconds is not None and not 0 < max_request_seconds < float("inf"):
+            raise ValueError(f"max_request_seconds: expected > 0 or None, got "
+                             f"{max_request_seconds}")
+        self.max_request_seconds = max_request_seconds
         self.engine = engine
         self.scorer = scorer
         self.score_token_budget = int(score_token_budget)
@@ -325,6 +334,13 @@ class MicroBatcher:
             if self._cost + total > self.max_queue_pieces:
                 raise QueueFull(f"the queue is full ({self._cost:.0f} of "
                                 f"{self.max_queue_pieces:.0f} word pieces admitted); retry later")
+            rate = self._rates.get(_family(kind))
+            if self.max_request_seconds is not None and rate and (
+                    total / rate > self.max_request_seconds):
+                raise TooCostly(f"the request alone would take about {total / rate:.0f} s at "
+                                f"the measured speed ({total:.0f} word pieces at "
+                                f"{rate:.0f} a second), over its {self.max_request_seconds:g} s "
+                                "deadline; send it in smaller requests")
             seconds = self._queued_seconds(_family(kind), total) if self._jobs else None
             if seconds is not None and seconds > self.max_queue_seconds:
                 raise QueueFull(f"the queue is full (this request would be answered in about "
