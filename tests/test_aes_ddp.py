@@ -131,6 +131,11 @@ def _killed_worker(rank: int, port: int, encoder: str, out: str, kill_at: int | 
         except KeyboardInterrupt:
             pass
         ft._window_loss = real
+        # a restarted job starts when every old process is gone: rank 0's interrupted run has
+        # joined its checkpoint writer by then. Without this, rank 1 could resume from the
+        # checkpoint before the one rank 0's writer was still putting in place, and the two
+        # ranks resumed at different steps and waited on each other for ever (seen once in CI)
+        torch.distributed.barrier()
         if rank == 0:
             meta = json.loads(open(f"{out}/checkpoint.json").read())
             with open(f"{out}/killed.json", "w") as f:
