@@ -611,27 +611,30 @@ def test_the_piece_estimate_does_not_undercount_other_scripts(text):
         assert 0.7 * real <= estimate_pieces(kind, value) <= 2.0 * real, (kind, real)
 
 
+class SlowEngine:
+    """An engine of 40 ms a call, whatever its size (about 25 calls a second): what admission
+    by measured speed is tested on."""
+
+    def tag_texts(self, texts):
+        time.sleep(0.04)
+        return [types.SimpleNamespace(to_dict=lambda t=t: {"text": t}) for t in texts]
+
+    def tag_tokens(self, sentences):
+        return self.tag_texts([" ".join(s) for s in sentences])
+
+
 def test_admission_refuses_what_the_deadline_cannot_cover_at_the_measured_speed():
     """With max_queue_seconds, once a batch has been timed a request is refused (QueueFull)
     while the work admitted with it would take longer than that; the admitted ones all finish.
     Nothing is refused before any speed is known, nor when nothing else is admitted."""
     import asyncio
-    import time as _time
 
     from mhmla_fast.serve.scheduler import MicroBatcher, QueueFull
-
-    class Slow:  # 40 ms a call, whatever its size: about 25 calls a second
-        def tag_texts(self, texts):
-            _time.sleep(0.04)
-            return [types.SimpleNamespace(to_dict=lambda t=t: {"text": t}) for t in texts]
-
-        def tag_tokens(self, sentences):
-            return self.tag_texts([" ".join(s) for s in sentences])
 
     text = " ".join(["word"] * 100)  # 130 estimated pieces; one per batch (budget 150)
 
     async def run():
-        b = MicroBatcher(Slow(), max_batch_tokens=150, max_wait_ms=0, max_queue_seconds=0.3)
+        b = MicroBatcher(SlowEngine(), max_batch_tokens=150, max_wait_ms=0, max_queue_seconds=0.3)
         b.start()
         try:
             for _ in range(2):  # the first batch (warm-up) is not timed; the second is
@@ -654,7 +657,7 @@ def test_admission_refuses_what_the_deadline_cannot_cover_at_the_measured_speed(
     assert 2 <= admitted <= 20 and admitted + refused == 40, (admitted, refused)
     assert all(r == [{"text": text}] for r in results)
     with pytest.raises(ValueError, match="max_queue_seconds"):
-        MicroBatcher(Slow(), max_queue_seconds=0)
+        MicroBatcher(SlowEngine(), max_queue_seconds=0)
 
 
 def test_a_lone_request_beyond_its_deadline_at_the_measured_speed_is_413_at_once():
@@ -663,22 +666,13 @@ def test_a_lone_request_beyond_its_deadline_at_the_measured_speed_is_413_at_once
     deadline. Once the speed is measured, one whose own work exceeds max_request_seconds is
     TooCostly at once; smaller ones, and any before a speed is known, are admitted."""
     import asyncio
-    import time as _time
 
     from mhmla_fast.serve.scheduler import MicroBatcher, TooCostly
-
-    class Slow:  # 40 ms a call, whatever its size
-        def tag_texts(self, texts):
-            _time.sleep(0.04)
-            return [types.SimpleNamespace(to_dict=lambda t=t: {"text": t}) for t in texts]
-
-        def tag_tokens(self, sentences):
-            return self.tag_texts([" ".join(s) for s in sentences])
 
     text = " ".join(["word"] * 100)  # 130 estimated pieces; one per batch (budget 150)
 
     async def run():
-        b = MicroBatcher(Slow(), max_batch_tokens=150, max_wait_ms=0, max_request_seconds=0.5)
+        b = MicroBatcher(SlowEngine(), max_batch_tokens=150, max_wait_ms=0, max_request_seconds=0.5)
         b.start()
         try:
             big = [text] * 200  # about 200 batches of 40 ms: 8 s
@@ -694,7 +688,7 @@ def test_a_lone_request_beyond_its_deadline_at_the_measured_speed_is_413_at_once
 
     asyncio.run(run())
     with pytest.raises(ValueError, match="max_request_seconds"):
-        MicroBatcher(Slow(), max_request_seconds=0)
+        MicroBatcher(SlowEngine(), max_request_seconds=0)
 
 
 def test_warm_up_times_a_batch_so_a_burst_on_a_cold_batcher_is_admitted_by_time():
