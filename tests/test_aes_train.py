@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -787,7 +788,9 @@ def test_commands_finetune_collect_gathers_finished_cells_and_trains_nothing(
     def args(out, prompts, *extra):
         return ["aes", "--prompt", prompts, "--fold", "0", "--data-dir", str(data),
                 "--encoder", tiny_encoder, "--out", str(out), "--finetune", "--epochs", "1",
-                "--backend", "torch", "--quiet", *extra]
+                "--backend", "torch", "--precision", "fp32", "--quiet", *extra]
+    # (fp32 named: auto is bf16 on a CPU with bf16 instructions, and the cells' arithmetic is
+    # checked below)
 
     name = "mhmla-cls-finetuned"
     assert mhmla_train(args(tmp_path / "session1", "3")) == 0
@@ -1308,6 +1311,61 @@ def test_protocol_command_refuses_a_joint_head_on_one_prompt_and_path_errors(tmp
     assert mhmla_train(["aes", "--fold", "0", "--prompt", "3", "--models", "surface-ridge",
                         "--data-dir", str(tsv), "--out", str(tmp_path / "run2")]) == 2
     assert "Not a directory" in capsys.readouterr().err
+
+
+def test_full_protocol_results_go_to_bench_results_only_in_the_project_checkout(
+        tmp_path, monkeypatch, capsys):
+    """A full run's default results file was bench/results/... under the current folder, so a
+    user of the installed package got ./bench/results/ made wherever they ran it: now the
+    project's file only where that folder already is (the checkout), else the run folder's
+    file, for the CPU protocol and --finetune alike; the command prints the path written."""
+    import mhmla_fast.aes.train as aes_train
+    from mhmla_fast.commands import aes_finetune
+    from mhmla_fast.commands.aes import CPU_RESULTS
+    from mhmla_fast.commands.aes_finetune import GPU_RESULTS
+    from mhmla_fast.commands.train import main as mhmla_train
+
+    written = []
+    monkeypatch.setattr(aes_train, "run_cpu_protocol",
+                        lambda **kw: written.append(str(kw["results"])))
+
+    def read_results(path, header):  # the fine-tuning protocol's first use of its path
+        written.append(str(path))
+        raise ValueError("stopped before training")
+
+    monkeypatch.setattr(aes_finetune, "_read_results", read_results)
+    for checkout in (False, True):
+        cwd = tmp_path / ("checkout" if checkout else "elsewhere")
+        (cwd / "bench" / "results" if checkout else cwd).mkdir(parents=True)
+        monkeypatch.chdir(cwd)
+        written.clear()
+        # every prompt and fold (the defaults): the full protocol
+        assert mhmla_train(["aes", "--out", "run", "--quiet"]) == 0
+        assert mhmla_train(["aes", "--out", "run", "--quiet", "--finetune"]) == 2
+        want = ([CPU_RESULTS, GPU_RESULTS] if checkout else
+                [str(Path("run", "results.json")), str(Path("run", "results-finetune.json"))])
+        assert written == want
+        assert f"wrote {want[0]}\n" in capsys.readouterr().out
+        assert (cwd / "bench").exists() == checkout, "no bench/ made outside the checkout"
+        written.clear()  # a run of some prompts writes its run folder's file, even there
+        assert mhmla_train(["aes", "--out", "run", "--quiet", "--prompt", "3"]) == 0
+        assert written == [str(Path("run", "results.json"))]
+
+
+def test_default_results_is_the_projects_file_for_a_full_run_in_the_checkout(tmp_path,
+                                                                             monkeypatch):
+    from mhmla_fast.commands.aes import CPU_RESULTS, default_results
+
+    run_file = tmp_path / "run" / "results.json"
+    monkeypatch.chdir(tmp_path)
+    assert default_results(CPU_RESULTS, run_file, full=True) == run_file
+    assert not (tmp_path / "bench").exists()
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    assert default_results(CPU_RESULTS, run_file, full=True) == Path(CPU_RESULTS)
+    assert default_results(CPU_RESULTS, run_file, full=False) == run_file
+    (tmp_path / "bench" / "results").rmdir()
+    (tmp_path / "bench" / "results").write_text("")  # a file by that name is no checkout
+    assert default_results(CPU_RESULTS, run_file, full=True) == run_file
 
 
 def test_under_torchrun_only_finetune_runs_and_ctrl_c_is_exit_130(tmp_path, monkeypatch, capsys):

@@ -331,6 +331,42 @@ def test_http_serves_the_app_on_localhost(tiny_tagger_dir, monkeypatch):
     assert main(["http", "--model", str(tiny_tagger_dir), "--max-queue", "2"]) == 2  # < 256 texts
 
 
+def test_http_limit_conflicts_are_refused_before_any_model_loads(tiny_tagger_dir,
+                                                                 tiny_scorer_dir, monkeypatch,
+                                                                 capsys):
+    """Limits that conflict (a queue smaller than one request, with a scorer than one request's
+    essays; a body buffer smaller than one body) stopped the server only after the tagger and
+    the scorer had loaded; now before either, in one process and with --workers."""
+    pytest.importorskip("fastapi")
+    from mhmla_fast.commands import serve as cli
+    from mhmla_fast.serve import engine, http_workers, score
+
+    loaded = []
+    monkeypatch.setattr(engine.Engine, "load", classmethod(
+        lambda cls, *a, **kw: loaded.append("tagger") or pytest.fail("the tagger loaded")))
+    monkeypatch.setattr(score, "load_scorer",
+                        lambda *a, **kw: loaded.append("scorer") or pytest.fail("scorer loaded"))
+    monkeypatch.setattr(http_workers, "serve_workers",
+                        lambda *a, **kw: loaded.append("workers") or True)
+    base = ["http", "--model", str(tiny_tagger_dir), "--threads", "1"]
+    cases = [
+        (["--no-scorer", "--max-queue", "2"], "max_queue (2) must be >= max_texts_per_request"),
+        (["--scorer", str(tiny_scorer_dir), "--max-queue", "300", "--max-texts-per-request",
+          "3", "--max-essays-per-request", "400"],
+         "max_queue (300) must be >= max_essays_per_request (400)"),
+        (["--no-scorer", "--max-request-bytes", "5000", "--max-buffered-bytes", "4000"],
+         "max_buffered_bytes (4000) must be >= max_request_bytes (5000)"),
+    ]
+    for extra, message in cases:
+        for workers in ([], ["--workers", "2"]):
+            assert main([*base, *extra, *workers]) == 2, (extra, workers)
+            assert message in capsys.readouterr().err, (extra, workers)
+    assert loaded == []
+    # the essays' limit binds only where essays are scored
+    args = cli.build_parser().parse_args([*base, *cases[1][0][2:], "--no-scorer"])
+    assert cli.check_http_limits(args, scoring=False)["max_essays_per_request"] == 400
+
+
 def test_export_delegates_to_the_exporters(tmp_path, tiny_tagger_dir, monkeypatch, capsys):
     from mhmla_fast.serve import onnx_export
 

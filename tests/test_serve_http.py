@@ -540,3 +540,74 @@ def test_the_heap_loaded_before_serving_is_frozen_while_it_serves():
         assert gc.get_freeze_count() > 0
         assert httpx.post(url + "/v1/tag", json={"texts": ["a b"]}, timeout=30).status_code == 200
     assert gc.get_freeze_count() == 0
+
+
+def test_blank_texts_are_refused_as_the_tag_command_refuses_them():
+    """A text empty or blank by str.strip answered 200 with an empty tagging, where `mhmla-serve
+    tag` answers its line with the error 'field "text" is empty' (and /v1/score refuses a blank
+    essay): now 422 naming the text."""
+    app = create_app(StubEngine())
+    with serving(app) as (url, _):
+        post = lambda body: httpx.post(url + "/v1/tag", json=body, timeout=30)  # noqa: E731
+        for texts, first in ((["a", ""], 1), (["   "], 0), (["a b", "\u3000\t\n", ""], 1)):
+            r = post({"texts": texts})
+            assert r.status_code == 422, (texts, r.text)
+            (error,) = r.json()["detail"]
+            assert error["loc"] == ["body", "texts"]
+            assert f"texts[{first}] is empty or blank" in error["msg"]
+        assert post({"texts": ["a", " b "]}).json()["results"][1]["tokens"] == ["b"]
+
+
+def test_a_body_that_is_not_utf8_gets_422_saying_so():
+    """A body with bytes that are not UTF-8 got "JSON decode error" at offset 0 (json.loads took
+    it for UTF-16 by its first bytes) or "nested too deeply or not decodable": now 422 saying
+    that the body must be UTF-8 JSON, on both endpoints."""
+    app = create_app(StubEngine())
+    with serving(app) as (url, _):
+        for path in ("/v1/tag", "/v1/score"):
+            for raw, at in ((b'\xff\xfe', 0), (b'{"texts": ["caf\xe9"]}', 15),
+                            ('{"texts": ["a"]}'.encode("utf-16"), 0)):
+                r = httpx.post(url + path, content=raw, timeout=30,
+                               headers={"content-type": "application/json"})
+                assert r.status_code == 422, (path, raw, r.text)
+                (error,) = r.json()["detail"]
+                assert error["type"] == "json_invalid" and error["loc"] == ["body"]
+                assert error["msg"].startswith(f"the body must be UTF-8 JSON: byte 0x{raw[at]:02x} "
+                                               f"at offset {at} is not UTF-8"), error
+        r = httpx.post(url + "/v1/tag", content='{"texts": ["café"]}'.encode(), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["results"][0]["tokens"] == ["café"]
+
+
+def test_head_healthz_answers_as_get_does_without_a_body():
+    """A probe's HEAD /healthz got 405; it answers GET's status and headers, with no body."""
+    app = create_app(StubEngine())
+    with serving(app) as (url, _):
+        got, head = httpx.get(url + "/healthz"), httpx.head(url + "/healthz")
+        assert (head.status_code, got.status_code) == (200, 200)
+        assert head.content == b"" and head.headers["content-type"] == "application/json"
+        assert head.headers["content-length"] == got.headers["content-length"]
+        assert "head" not in app.openapi()["paths"]["/healthz"]  # GET's alone is described
+
+
+def test_latency_buckets_reach_past_the_request_deadline():
+    """The request and batch seconds histograms stopped at 10 s, while a request may run up to
+    its deadline (60 s by default): longer ones were counted in +Inf alone. The buckets now run
+    to 120 s, and the exposition stays valid Prometheus text."""
+    app = create_app(StubEngine())
+    with serving(app) as (url, _):
+        assert httpx.post(url + "/v1/tag", json={"texts": ["a b"]}).status_code == 200
+        text = httpx.get(url + "/metrics").text
+    bounds: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):  # (the parser checks the format)
+        for s in family.samples:
+            if s.name.endswith("_seconds_bucket"):
+                bounds.setdefault(s.name, []).append(float(s.labels["le"]))
+    assert set(bounds) == {"mhmla_request_seconds_bucket", "mhmla_batch_seconds_bucket",
+                           "mhmla_score_request_seconds_bucket",
+                           "mhmla_score_batch_seconds_bucket"}
+    for name, les in bounds.items():
+        assert les == sorted(les) and les[-1] == float("inf"), name
+        assert {10.0, 30.0, 60.0, 120.0} <= set(les), name
+    m = metric_samples(text)
+    assert m[("mhmla_request_seconds_bucket", (("le", "60.0"),))] == 1

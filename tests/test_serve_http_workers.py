@@ -98,7 +98,8 @@ def test_two_workers_answer_on_one_port_and_sum_their_metrics(tiny_tagger_dir, t
             assert time.monotonic() < deadline, f"only worker {pids} answered"
             pids.add(_health(url)["pid"])
 
-        texts = [f"He go to school number {i} ." for i in range(40)] + ["", "A  b\tc"]
+        # (a blank text is refused, 422, as `mhmla-serve tag` refuses it: test_serve_http)
+        texts = [f"He go to school number {i} ." for i in range(40)] + [" x\u3000", "A  b\tc"]
         expected = [r.to_dict() for r in tiny_engine.tag_texts(texts)]
         for i in range(0, len(texts), 3):  # a new connection per request: both workers tag
             r = httpx.post(url + "/v1/tag", json={"texts": texts[i:i + 3]}, timeout=30)

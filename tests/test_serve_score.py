@@ -496,6 +496,36 @@ def test_validation_and_size_limits_of_v1_score(tiny_scorer):
     run_app(app, body)
 
 
+def test_a_lone_surrogate_in_an_essay_is_named_as_in_a_tag_request():
+    """A lone surrogate in an essay's text got pydantic's "unable to parse raw data as a unicode
+    string" (the text's pattern cannot read it); now the 422 names the essay's field and the
+    code point, as /v1/tag names the text (and `mhmla-serve score` its line's field)."""
+    from mhmla_fast.serve.http import create_app
+
+    app = create_app(StubEngine(), scorer=StubScorer())
+
+    async def body(http) -> None:
+        for raw, loc, msg in [
+            (b'{"essays": [{"text": "ok", "prompt": 1}, {"text": "a \\ud800 b", "prompt": 2}]}',
+             ["body", "essays", 1, "text"], 'field "text" contains a lone surrogate U+D800'),
+            (b'{"essays": [{"text": "\\udfff", "prompt": 2}]}',
+             ["body", "essays", 0, "text"], 'field "text" contains a lone surrogate U+DFFF'),
+            (b'{"essays": [{"text": "ok", "prompt": 1, "id": "x\\udc80"}]}',
+             ["body", "essays", 0, "id"], 'field "id" contains a lone surrogate U+DC80'),
+        ]:
+            r = await http.post("/v1/score", content=raw,
+                                headers={"content-type": "application/json"})
+            assert r.status_code == 422, (raw, r.text)
+            (error,) = r.json()["detail"]
+            assert error["loc"] == loc and msg in error["msg"], error
+            assert "input" not in error
+        ok = await http.post("/v1/score", json={"essays": [{"text": "caf\u00e9 \U0001F600",
+                                                             "prompt": 1}]})
+        assert ok.status_code == 200, ok.text
+
+    run_app(app, body)
+
+
 def test_full_queue_503_and_a_scorer_failure_500_for_its_own_request_only(tiny_scorer):
     from mhmla_fast.serve.http import create_app
 

@@ -2,9 +2,10 @@
 
 ``mhmla-train aes`` runs the CPU frozen-encoder protocol (:mod:`mhmla_fast.aes.train`):
 feature cache, MHMLA heads, ridge and TF-IDF baselines, human agreement and ensembles over
-the chosen prompts and folds, written to ``bench/results/aes_cpu-frozen-encoder.json``
-(full runs) or ``<out>/results.json``. ``--finetune`` runs full fine-tuning instead (a GPU
-protocol, results in ``aes_gpu-finetune.json``); ``--export-ridge DIR --ridge-stack`` fits
+the chosen prompts and folds, written to ``<out>/results.json``, or for a full run (every
+prompt and fold) in the project checkout to ``bench/results/aes_cpu-frozen-encoder.json``
+(:func:`default_results`). ``--finetune`` runs full fine-tuning instead (a GPU protocol,
+results in ``aes_gpu-finetune.json`` likewise); ``--export-ridge DIR --ridge-stack`` fits
 the shipped scorer, ``--export-ridge DIR`` the single ridge shipped before it
 (:mod:`mhmla_fast.aes.ridge_scorer`), ``--export-shipped DIR`` trains the MHMLA
 scorer shipped until 2026-12-06; ``--fit-cutpoints DIR`` fits a saved regression scorer's
@@ -21,13 +22,25 @@ from pathlib import Path
 
 from ..configs import MODES
 from ..devices import TRAIN_COMPILE_MODES, TRAIN_PRECISIONS
+from .aes_finetune import GPU_RESULTS
 from .argtypes import non_negative_int, positive_float, positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_eval_parser", "run_eval",
-           "export_shipped_scorer", "export_ridge_scorer", "parse_prompts", "parse_folds"]
+           "export_shipped_scorer", "export_ridge_scorer", "parse_prompts", "parse_folds",
+           "default_results"]
 
 CPU_RESULTS = "bench/results/aes_cpu-frozen-encoder.json"
 MAX_SHIPPED_BYTES = 30 * 1024 * 1024
+
+
+def default_results(project_file: str | Path, run_file: str | Path, full: bool) -> Path:
+    """Where a protocol run writes its results without ``--results``: the project's record
+    ``project_file`` (``bench/results/...``, relative) for a ``full`` run (every prompt and
+    fold) started in the project checkout, which is where the current directory already has
+    that file's folder; else ``run_file`` in the run folder. (The project's path alone made
+    ``./bench/results/`` in whatever folder a user of the installed package ran from.)"""
+    project = Path(project_file)
+    return project if full and project.parent.is_dir() else Path(run_file)
 
 
 def parse_prompts(value: str) -> list[int]:
@@ -90,8 +103,11 @@ def add_train_parser(sub) -> None:
     p.add_argument("--fold", default="all", help="fold 0-4, a comma list, or all (default)")
     p.add_argument("--out", default="runs/aes-cpu", help="run folder (per-unit predictions, "
                    "checkpoints; reused on restart)")
-    p.add_argument("--results", default=None, help=f"results JSON (default {CPU_RESULTS} for all "
-                   "prompts and folds, else <out>/results.json)")
+    p.add_argument("--results", default=None, help="results JSON (default <out>/results.json, "
+                   "--finetune: <out>/results-finetune.json; for all prompts and folds run in "
+                   "the project checkout, that is with a bench/results folder in the current "
+                   f"directory, {CPU_RESULTS}, --finetune: {GPU_RESULTS}); the path written is "
+                   "printed")
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default "
                    f"{','.join(DEFAULT_MODELS)}; not with --finetune)")
     p.add_argument("--members", default=None, help="ensemble members, two or more of the models "
@@ -245,7 +261,7 @@ def run_train(args) -> int:
         results = args.results
         if results is None:
             full = set(prompts) == set(range(1, 9)) and set(folds) == set(range(5))
-            results = CPU_RESULTS if full else str(Path(args.out) / "results.json")
+            results = str(default_results(CPU_RESULTS, Path(args.out) / "results.json", full))
         models = _models(args)
         joint = [m for m in models if m.startswith("mhmla-joint-")]
         if len(prompts) == 1 and joint:  # one prompt: a joint head is the per-prompt one

@@ -3,8 +3,10 @@
 Each (fold, prompt) cell, or with ``--joint`` each fold's cell of all the prompts, is one
 :func:`mhmla_fast.aes.finetune.finetune` run in ``<out>/<model name>/fold<k>-p<p>``, finished
 by a ``test.json`` (test and dev predictions, QWK) that a rerun of the same settings and essays
-reuses; the models' entries go to one results file (``aes_gpu-finetune.json`` for the whole
-protocol). ``--collect`` trains nothing and writes the file from finished cells alone.
+reuses; the models' entries go to one results file (``<out>/results-finetune.json``, or for
+the whole protocol run in the project checkout ``bench/results/aes_gpu-finetune.json``:
+:func:`mhmla_fast.commands.aes.default_results`). ``--collect`` trains nothing and writes
+the file from finished cells alone.
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ def run_finetune(args, prompts: list[int], folds: list[int], log=print) -> int:
     name = model_name(base)
     settings = {key: v for key, v in json.loads(json.dumps(asdict(base))).items()
                 if key not in ("out", "prompts", "fold", "compile", *RUN_ONLY)}
-    path = Path(args.results or (GPU_RESULTS if len(prompts) == 8 and len(folds) == 5
-                                 else Path(args.out) / "results-finetune.json"))
+    from .aes import default_results
+
+    path = Path(args.results) if args.results else default_results(
+        GPU_RESULTS, Path(args.out) / "results-finetune.json",
+        full=len(prompts) == 8 and len(folds) == 5)
     header = {"protocol": "gpu-finetune", "encoder": args.encoder, "folds": folds,
               "prompts": prompts}
     _read_results(path, header)  # refused before any training, not after it

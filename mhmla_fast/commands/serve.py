@@ -771,6 +771,7 @@ def run_http_workers(args: argparse.Namespace, server: dict[str, Any]) -> int:
     resolve_model_dir(args.model)
     scorer = http_scorer_dir(args)  # decided (and a missing scorer said) once, not per worker
     args.scorer, args.no_scorer = (str(scorer), False) if scorer else (None, True)
+    check_http_limits(args, scoring=scorer is not None)
     if args.threads is None:
         args.threads = max(1, physical_cores() // args.workers)
     options = {k: v for k, v in vars(args).items() if k != "run"}
@@ -814,27 +815,43 @@ def http_worker_app():
 
 def build_http_app(args: argparse.Namespace, group: Any = None):
     """The HTTP app for ``args``: the tagger (:func:`load_engine`), the scorer
-    (:func:`load_http_scorer`) and the batching limits; ``group``: the worker group of
-    ``--workers`` (:func:`mhmla_fast.serve.http.create_app`)."""
+    (:func:`load_http_scorer`) and the batching limits, the limits checked before either model
+    loads (:func:`check_http_limits`); ``group``: the worker group of ``--workers``
+    (:func:`mhmla_fast.serve.http.create_app`)."""
     from ..serve.http import create_app
 
+    scorer_dir = http_scorer_dir(args)
+    limits = check_http_limits(args, scoring=scorer_dir is not None)  # before the models load
     path, engine = load_engine(args)
-    scorer_path, scorer = load_http_scorer(args)
+    scorer_path, scorer = load_http_scorer_from(scorer_dir, args)
     try:
         return create_app(engine, max_batch_tokens=args.max_batch_tokens,
-                          max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                          max_request_bytes=args.max_request_bytes,
-                          max_texts_per_request=args.max_texts_per_request,
-                          model_name=path.name, scorer=scorer,
+                          max_wait_ms=args.max_wait_ms, model_name=path.name, scorer=scorer,
                           scorer_name=scorer_path.name if scorer_path else None,
-                          max_essays_per_request=args.max_essays_per_request,
                           score_token_budget=args.token_budget,
-                          max_text_chars=args.max_text_chars or None,
-                          max_queue_pieces=args.max_queue_pieces,
-                          request_timeout_s=args.request_timeout or None,
-                          max_buffered_bytes=args.max_buffered_bytes or None, group=group)
+                          max_queue_pieces=args.max_queue_pieces, group=group, **limits)
     except ValueError as err:
         raise UsageError(str(err)) from err
+
+
+def check_http_limits(args: argparse.Namespace, *, scoring: bool) -> dict[str, Any]:
+    """The request limits of ``args`` as :func:`~mhmla_fast.serve.http.create_app` takes them
+    (an option's 0 as None, no cap), checked with
+    :func:`~mhmla_fast.serve.http.check_limits` (``scoring``: an essay scorer is served): a
+    conflict is a UsageError before any model loads, not after."""
+    from ..serve.http import check_limits
+
+    limits = dict(max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
+                  max_texts_per_request=args.max_texts_per_request,
+                  max_essays_per_request=args.max_essays_per_request,
+                  max_text_chars=args.max_text_chars or None,
+                  request_timeout_s=args.request_timeout or None,
+                  max_buffered_bytes=args.max_buffered_bytes or None)
+    try:
+        check_limits(**limits, scoring=scoring)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    return limits
 
 
 def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
@@ -846,10 +863,15 @@ def load_http_scorer(args: argparse.Namespace) -> tuple[Path | None, Any]:
     for another, such as the ONNX tagger's int8, the scorer keeps its default and stderr says
     so, as it does for ``--kernels`` with a ridge scorer); see
     :mod:`mhmla_fast.serve.options`."""
+    return load_http_scorer_from(http_scorer_dir(args), args)
+
+
+def load_http_scorer_from(path: Path | None, args: argparse.Namespace) -> tuple[Path | None, Any]:
+    """(``path``, the scorer there loaded as :func:`load_http_scorer` says), or (None, None)
+    for no ``path`` (``--no-scorer``, or none installed)."""
     from ..serve.options import resolve_dtype
     from ..serve.score import DTYPES, head_kind
 
-    path = http_scorer_dir(args)
     if path is None:
         return None, None
     dtype = args.dtype

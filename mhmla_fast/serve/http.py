@@ -5,21 +5,24 @@ Endpoints (:func:`create_app`)
 ------------------------------
 
 ``POST /v1/tag``
-    Body ``{"texts": [str, ...]}`` (raw texts, tokenised by the engine) or
+    Body ``{"texts": [str, ...]}`` (raw texts, not empty or blank, tokenised by the engine) or
     ``{"sentences": [[str, ...], ...]}`` (pre-tokenised, non-empty lists of non-blank words), not
     both. Answer ``{"results": [TagResult.to_dict(), ...]}`` in request order: ``tokens``,
     ``labels`` ("c"/"i"), ``probs`` (6 decimals), ``spans``, and ``offsets`` ([start, end)
     code-point offsets) for raw texts. An empty list gives ``{"results": []}``.
 
     Statuses: 200; 415 a ``Content-Type`` other than ``application/json`` (or ``*/*+json``;
-    a ``charset`` other than UTF-8 too; a missing one too); 422 malformed JSON, JSON nested too
-    deeply to parse (``"type": "json_invalid"``), or a body that breaks the schema (strings holding
-    lone surrogates included; the error list does not echo the input back); 413 a body larger than
-    ``max_request_bytes`` (by ``Content-Length`` and by the bytes actually received, so a chunked
-    or lying client is caught), more than ``max_texts_per_request`` texts/sentences, a text (or
-    sentence: its words and one space between each two) longer than ``max_text_chars``
-    characters (the message names the input and the limit), or a request whose estimated word
-    pieces alone exceed ``max_queue_pieces``; 503 with ``Retry-After`` when the queue is full
+    a ``charset`` other than UTF-8 too; a missing one too); 422 malformed JSON, a body that is
+    not UTF-8 (:class:`RequireUtf8`), JSON nested too deeply to parse (``"type":
+    "json_invalid"``), or a body that breaks the schema (strings holding lone surrogates
+    included, named with their index; a text that is empty or blank by ``str.strip``, which
+    ``mhmla-serve tag`` answers with an error record; the error list does not echo the input
+    back); 413 a body larger than ``max_request_bytes`` (by ``Content-Length`` and by the bytes
+    actually received, so a chunked or lying client is caught), more than
+    ``max_texts_per_request`` texts/sentences, a text (or sentence: its words and one space
+    between each two) longer than ``max_text_chars`` characters (the message names the input
+    and the limit), or a request whose estimated word pieces alone exceed
+    ``max_queue_pieces``; 503 with ``Retry-After`` when the queue is full
     (inputs, pieces, or more than half ``request_timeout_s`` of work at the measured speed),
     the request bodies held reach ``max_buffered_bytes``, or the server is shutting down; 504
     when the answer is not ready ``request_timeout_s`` after admission (the request's waiting
@@ -36,7 +39,8 @@ Endpoints (:func:`create_app`)
     list gives ``{"results": []}``.
 
     Statuses: 200; 415 and 422 for the body as for ``/v1/tag``; 422 a body that breaks the
-    schema (``"text"`` missing, not a string or blank;
+    schema (``"text"`` missing, not a string or blank; ``"text"`` or ``"id"`` holding a lone
+    surrogate, ``loc`` naming the essay's field;
     ``"prompt"`` not an integer 1..8 (no strings, floats or booleans); ``"id"`` not a string or
     integer; unknown fields), a text that gives no word pieces with the scorer's tokenizer (it
     would be scored as an empty essay; ``loc`` points at the essay's ``text``,
@@ -48,7 +52,7 @@ Endpoints (:func:`create_app`)
     essays; 404 when the app has no scorer (``{"detail": "essay scoring is not enabled
     ..."}``).
 
-``GET /healthz``
+``GET /healthz`` (and ``HEAD /healthz``: the same status and headers, no body)
     200 ``{"status": "ok", "model", "queue_depth"}`` (plus ``"scorer"``, its name, when the app
     scores essays; plus ``"pid"``, ``"workers"`` and ``"workers_ready"`` in a worker of
     ``mhmla-serve http --workers N``, :mod:`.http_workers`); 503 (``"status": "shutting
@@ -64,7 +68,8 @@ Endpoints (:func:`create_app`)
     ``mhmla_score_request_seconds`` (``/v1/score`` latency), ``mhmla_essays_scored_total``,
     ``mhmla_score_batch_essays``, ``mhmla_score_batch_requests`` and ``mhmla_score_batch_seconds``;
     ``mhmla_dropped_requests_total{reason}`` (``disconnected``, ``deadline``, ``shutdown``: past
-    the graceful shutdown time, answered 503). In a worker of
+    the graceful shutdown time, answered 503). The seconds histograms' buckets run from 1 ms to
+    120 s, past the default request deadline (60 s). In a worker of
     ``--workers N``: the sums over all workers (``mhmla_queue_depth``: the live ones).
 
 ``GET /openapi.json``: the OpenAPI description, from the pydantic models; it needs nothing else.
@@ -121,10 +126,9 @@ from .http_workers import WorkerGroup
 from .outputs import encode_json
 from .score import essay_pieces_check, unsupported_prompt, with_advisories
 
-__all__ = ["create_app", "MicroBatcher", "QueueFull", "TooCostly", "Unavailable",
-           "EngineFailure", "estimate_pieces", "BodyLimit", "TagFastPath", "TagRequest",
-           "TagResponse",
-           "ScoreRequest", "ScoreResponse"]
+__all__ = ["create_app", "check_limits", "MicroBatcher", "QueueFull", "TooCostly",
+           "Unavailable", "EngineFailure", "estimate_pieces", "BodyLimit", "TagFastPath",
+           "TagRequest", "TagResponse", "ScoreRequest", "ScoreResponse"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -177,15 +181,20 @@ class TagRequest(BaseModel):
     ]})
 
     texts: list[str] | None = Field(
-        None, description="Raw texts; the engine tokenises them and returns code-point offsets.")
+        None, description="Raw texts, not empty or blank; the engine tokenises them and returns "
+                          "code-point offsets.")
     sentences: list[Annotated[list[Word], Field(min_length=1)]] | None = Field(
         None, description="Pre-tokenised sentences: non-empty lists of non-blank words.")
 
     @field_validator("texts")
     @classmethod
     def _texts_are_unicode(cls, texts: list[str] | None) -> list[str] | None:
+        """Each text Unicode and not blank by ``str.strip`` (``mhmla-serve tag``'s rule: its
+        error record 'field "text" is empty'; a blank text has no words to tag)."""
         for i, t in enumerate(texts or ()):
             _no_surrogates(t, f"texts[{i}]")
+            if not t.strip():
+                raise ValueError(f"texts[{i}] is empty or blank: there is nothing to tag")
         return texts
 
     @field_validator("sentences")
@@ -240,11 +249,14 @@ class EssayIn(BaseModel):
     id: StrictInt | StrictStr | None = Field(
         None, description="Echoed back; default: the essay's 1-based position in the request")
 
-    @field_validator("text", "id")
+    @field_validator("text", "id", mode="before")
     @classmethod
     def _is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse a ``text`` or ``id`` holding a lone surrogate, naming the field, before the
+        type's checks: the ``text`` pattern (``\\S``) cannot read one and answered only
+        "unable to parse raw data as a unicode string"."""
         if isinstance(value, str):
-            _no_surrogates(value, info.field_name)
+            _no_surrogates(value, f'field "{info.field_name}"')
         return value
 
 
@@ -341,6 +353,35 @@ class RequireJson:
                                              f"Content-Type: application/json (got {got})"})
                 return
         await self.app(scope, receive, send)
+
+
+class RequireUtf8:
+    """ASGI middleware (inside :class:`BodyLimit`, which hands it whole bodies): the body of a
+    POST to one of ``paths`` must be UTF-8, as JSON between systems is (RFC 8259), else 422
+    ``json_invalid`` saying so and naming the first byte that is not. (``json.loads`` took
+    such a body for UTF-16 or UTF-32 by its first bytes and failed with "JSON decode error" at
+    0, or with FastAPI's bare 400, answered "nested too deeply or not decodable".) An ASCII
+    body, the usual one, is passed on after one C scan."""
+
+    def __init__(self, app: ASGIApp, paths: Sequence[str]) -> None:
+        self.app, self.paths = app, frozenset(paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        message = await receive()
+        body = message.get("body", b"") if message["type"] == "http.request" else b""
+        if not body.isascii():
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as err:
+                await _send_json(send, 422, {"detail": [{
+                    "loc": ["body"], "type": "json_invalid",
+                    "msg": f"the body must be UTF-8 JSON: byte 0x{body[err.start]:02x} at offset "
+                           f"{err.start} is not UTF-8 ({err.reason})"}]})
+                return
+        await self.app(scope, _replaying(message, receive), send)
 
 
 class BodyLimit:
@@ -541,7 +582,10 @@ class _Metrics:
         processes (:mod:`.http_workers`), where the queue-depth gauge sums the live workers."""
         reg = CollectorRegistry()
         sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-        times = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        # up to past the default request deadline (60 s; --request-timeout): a request may run
+        # that long, and one past 10 s was counted only in +Inf
+        times = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+                 120)
         return cls(
             registry=reg,
             requests=Counter("mhmla_http_requests", "HTTP requests by path and status",
@@ -758,6 +802,32 @@ def _add_score_route(app: FastAPI, batcher: MicroBatcher, scorer: Any,
         return JSONResponse({"results": answer})
 
 
+def check_limits(*, max_queue: int, max_request_bytes: int, max_texts_per_request: int,
+                 max_essays_per_request: int, max_text_chars: int | None,
+                 request_timeout_s: float | None, max_buffered_bytes: int | None,
+                 scoring: bool) -> None:
+    """ValueError naming the first of :func:`create_app`'s request limits that is out of range
+    or conflicts with another; ``scoring``: the app has an essay scorer (only then must
+    ``max_queue`` hold ``max_essays_per_request``). It needs no model, so ``mhmla-serve http``
+    checks the limits before loading any."""
+    if min(max_texts_per_request, max_request_bytes, max_essays_per_request) < 1:
+        raise ValueError("max_texts_per_request, max_essays_per_request and max_request_bytes "
+                         "must be >= 1")
+    if max_queue < max_texts_per_request:
+        raise ValueError(f"max_queue ({max_queue}) must be >= max_texts_per_request "
+                         f"({max_texts_per_request})")
+    if scoring and max_queue < max_essays_per_request:
+        raise ValueError(f"max_queue ({max_queue}) must be >= max_essays_per_request "
+                         f"({max_essays_per_request})")
+    if max_text_chars is not None and max_text_chars < 1:
+        raise ValueError(f"max_text_chars: expected >= 1 or None, got {max_text_chars}")
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s: expected > 0 or None, got {request_timeout_s}")
+    if max_buffered_bytes is not None and max_buffered_bytes < max_request_bytes:
+        raise ValueError(f"max_buffered_bytes ({max_buffered_bytes}) must be >= "
+                         f"max_request_bytes ({max_request_bytes})")
+
+
 def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
                max_queue: int = 1024, max_request_bytes: int = 1_000_000,
                max_texts_per_request: int = 256, model_name: str | None = None,
@@ -799,22 +869,11 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     ``max_texts_per_request`` and, with a scorer, ``max_essays_per_request`` (else a request of
     the largest allowed size could never be admitted).
     """
-    if min(max_texts_per_request, max_request_bytes, max_essays_per_request) < 1:
-        raise ValueError("max_texts_per_request, max_essays_per_request and max_request_bytes "
-                         "must be >= 1")
-    if max_queue < max_texts_per_request:
-        raise ValueError(f"max_queue ({max_queue}) must be >= max_texts_per_request "
-                         f"({max_texts_per_request})")
-    if scorer is not None and max_queue < max_essays_per_request:
-        raise ValueError(f"max_queue ({max_queue}) must be >= max_essays_per_request "
-                         f"({max_essays_per_request})")
-    if max_text_chars is not None and max_text_chars < 1:
-        raise ValueError(f"max_text_chars: expected >= 1 or None, got {max_text_chars}")
-    if request_timeout_s is not None and not request_timeout_s > 0:
-        raise ValueError(f"request_timeout_s: expected > 0 or None, got {request_timeout_s}")
-    if max_buffered_bytes is not None and max_buffered_bytes < max_request_bytes:
-        raise ValueError(f"max_buffered_bytes ({max_buffered_bytes}) must be >= "
-                         f"max_request_bytes ({max_request_bytes})")
+    check_limits(max_queue=max_queue, max_request_bytes=max_request_bytes,
+                 max_texts_per_request=max_texts_per_request,
+                 max_essays_per_request=max_essays_per_request, max_text_chars=max_text_chars,
+                 request_timeout_s=request_timeout_s, max_buffered_bytes=max_buffered_bytes,
+                 scoring=scorer is not None)
     name = model_name or getattr(engine, "name", None) or type(engine).__name__
     scorer_name = (scorer_name or type(scorer).__name__) if scorer is not None else None
     metrics = _Metrics.create(multiprocess=group is not None)
@@ -928,6 +987,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
 
     _add_score_route(app, batcher, scorer, max_essays_per_request, max_text_chars, wait)
 
+    @app.head("/healthz", include_in_schema=False)  # a probe's HEAD: GET's status, no body
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         """200 with the model name(s) and queue depth while serving; 503 otherwise."""
@@ -958,6 +1018,7 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
     app.add_middleware(ItemLimit, limits={
         TAG_PATH: (("texts", "sentences"), max_texts_per_request),
         **({SCORE_PATH: (("essays",), max_essays_per_request)} if scorer is not None else {})})
+    app.add_middleware(RequireUtf8, paths=(TAG_PATH, SCORE_PATH))
     app.add_middleware(BodyLimit, limit=max_request_bytes, max_buffered=max_buffered_bytes)
     app.add_middleware(RequireJson, paths=(TAG_PATH, SCORE_PATH))
     app.add_middleware(Instrument, requests=metrics.requests,
