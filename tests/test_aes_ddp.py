@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from mhmla_fast.aes.data import Essay
-from test_ged_ddp import WORLD, _env, free_port  # noqa: E402 - the same torchrun environment
+from test_ged_ddp import WORLD, _env, _leave, free_port  # noqa: E402 - the same torchrun environment
 from test_ged_train import tiny_encoder  # noqa: E402,F401 - the same tiny BERT
 
 WORDS = "the a student school book write read essay good bad long short day".split()
@@ -65,7 +65,7 @@ def _grads_worker(rank: int, port: int, encoder: str, out: str) -> None:
     if rank == 0:
         save_file({n: p.grad.contiguous() for n, p in scorer.named_parameters() if p.grad is not None},
                   out)
-    torch.distributed.destroy_process_group()
+    _leave()
 
 
 def test_ddp_gradients_equal_one_process_on_the_whole_batch(tmp_path, tiny_encoder):
@@ -96,7 +96,7 @@ def _finetune_worker(rank: int, port: int, encoder: str, out: str) -> None:
     if rank == 0:
         with open(f"{out}/rank0_log.json", "w") as f:
             json.dump(state["log"], f)
-    torch.distributed.destroy_process_group()
+    _leave()
 
 
 def test_ddp_finetune_writes_once_and_every_rank_returns_the_best(tmp_path, tiny_encoder):
@@ -144,7 +144,7 @@ def _killed_worker(rank: int, port: int, encoder: str, out: str, kill_at: int | 
     if rank == 0:
         with open(f"{out}/rank0_log.json", "w") as f:
             json.dump(state["log"], f)
-    torch.distributed.destroy_process_group()
+    _leave()
 
 
 def test_ddp_finetune_killed_mid_epoch_resumes_with_the_epoch_loss_counted_once(tmp_path,
@@ -191,7 +191,7 @@ def _command_worker(rank: int, port: int, encoder: str, data: str, out: str) -> 
                           "torch", "--quiet", "--batch-size", "4", "--num-heads", "4"])
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"rc": rc, "stdout": printed.getvalue(), "scored": len(scored)}, f)
-    torch.distributed.destroy_process_group()
+    _leave()
 
 
 def test_ddp_finetune_command_scores_and_writes_on_the_first_rank_only(tmp_path, tiny_encoder):

@@ -35,6 +35,14 @@ def _env(rank: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def _leave() -> None:
+    """Leave the process group together: a rank that tears its group down while another is
+    still working (writing its files) can abort in gloo ("terminate called without an active
+    exception", seen in a full test run)."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def test_shard_deals_each_global_batch_out_by_length():
     lengths = [5, 9, 3, 7, 7, 1, 12]
     batch = [0, 1, 2, 3, 4, 5, 6]
@@ -85,7 +93,7 @@ def _ddp_grads_worker(rank: int, port: int, encoder: str, out: str) -> None:
     if rank == 0:
         grads = {n: p.grad.contiguous() for n, p in model.named_parameters() if p.grad is not None}
         save_file({**grads, "_loss": torch.tensor([loss])}, out)
-    torch.distributed.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the fused head needs CUDA or TRITON_INTERPRET=1")
@@ -121,11 +129,8 @@ def _train_worker(rank: int, port: int, cfg_json: str, stop: int | None) -> None
     _env(rank, port)
     cfg = TrainConfig(**json.loads(cfg_json))
     train(cfg, stop_after_steps=stop)
-    if torch.distributed.is_initialized():
-        # leave together: a rank that tears its group down while the other is still writing
-        # its checkpoint (stop_after_steps returns without a barrier) could abort in gloo
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():  # (stop_after_steps returns without a barrier)
+        _leave()
 
 
 def _run(cfg: dict, stop: int | None = None) -> None:

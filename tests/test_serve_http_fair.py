@@ -751,3 +751,21 @@ def test_warm_up_times_a_batch_so_a_burst_on_a_cold_batcher_is_admitted_by_time(
     assert served == admitted
     _, warm_calls, admitted, refused, _ = burst(warm=False)
     assert (warm_calls, admitted, refused) == (0, 40, 0)
+
+
+def test_a_batch_is_one_engine_pass_by_default(tiny_engine):
+    """Without max_batch_tokens a batch holds the engine's token budget (one forward pass:
+    1024 on the CPU), so a short request waits about one pass behind a long text's windows;
+    given, it wins; a stand-in engine without a budget keeps 8192; the command passes None."""
+    from mhmla_fast.commands.serve import build_parser
+    from mhmla_fast.serve.scheduler import DEFAULT_BATCH_TOKENS, batch_token_budget
+
+    assert tiny_engine.token_budget == 1024  # the CPU's pass budget
+    assert batch_token_budget(tiny_engine) == 1024
+    assert batch_token_budget(tiny_engine, 300) == 300
+    assert batch_token_budget(StubEngine()) == DEFAULT_BATCH_TOKENS == 8192
+    b = MicroBatcher(tiny_engine)
+    assert b.max_batch_tokens == 1024 and b.split_pieces == 256
+    args = build_parser().parse_args(["http", "--no-scorer"])
+    assert args.max_batch_tokens is None
+    assert build_parser().parse_args(["http", "--max-batch-tokens", "4096"]).max_batch_tokens == 4096

@@ -1049,8 +1049,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "and its own batching and limits (default 1; more when one process's HTTP "
                    "handling is the bound; needs uvicorn >= 0.50; --threads defaults to the "
                    "physical cores shared out among them)")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
-                   help="estimated word pieces per engine batch (default 8192)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
+                   help="estimated word pieces per engine batch (default: the tagger's "
+                   "--token-budget, one forward pass: 1024 on the CPU, 8192 on a GPU)")
     _add_cuda_graphs_option(p)
     p.add_argument("--max-wait-ms", type=non_negative_float, default=5.0,
                    help="how long a batch waits for more requests (default 5)")

@@ -828,7 +828,7 @@ def check_limits(*, max_queue: int, max_request_bytes: int, max_texts_per_reques
                          f"max_request_bytes ({max_request_bytes})")
 
 
-def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
+def create_app(engine: Any, *, max_batch_tokens: int | None = None, max_wait_ms: float = 5.0,
                max_queue: int = 1024, max_request_bytes: int = 1_000_000,
                max_texts_per_request: int = 256, model_name: str | None = None,
                scorer: Any = None, scorer_name: str | None = None,
@@ -840,6 +840,9 @@ def create_app(engine: Any, *, max_batch_tokens: int = 8192, max_wait_ms: float 
                warm_up: bool = True) -> FastAPI:
     """The tagging (and, with ``scorer``, essay-scoring) app over ``engine`` (endpoints, limits
     and batching: module docstring).
+
+    Batching: ``max_batch_tokens`` estimated word pieces per batch (default: one forward pass
+    of the engine, :func:`~mhmla_fast.serve.scheduler.batch_token_budget`).
 
     Limits: ``max_text_chars`` characters per text, sentence or essay (413; None: no cap);
     ``max_queue_pieces`` estimated word pieces admitted and not yet answered (503, or 413 for a

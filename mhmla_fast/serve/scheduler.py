@@ -76,7 +76,7 @@ from .engine import gc_paused
 from .score import score_essays, scorer_token_budget
 
 __all__ = ["MicroBatcher", "QueueFull", "TooCostly", "Unavailable", "EngineFailure",
-           "estimate_pieces", "KINDS"]
+           "estimate_pieces", "batch_token_budget", "KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ WARM_UP_SENTENCE = ("The students who lives in the city goes to school by bus ev
                     "and they says that the journey are too long for them .")
 WARM_UP_PIECES = 1024  # estimated word pieces of a warm-up tagging batch (capped by the budget)
 WARM_UP_ESSAY_SENTENCES = 12  # a warm-up essay: this many sentences (about 300 words)
+DEFAULT_BATCH_TOKENS = 8192  # estimated pieces per batch for an engine without a token budget
 PLAN_PAUSE_S = 0.002  # the worker sleeps this long after each planning step, so that the event
 # loop (parsing, answering) gets the GIL at once rather than after Python's switch interval
 
@@ -180,6 +181,25 @@ def _reject(fut: asyncio.Future, exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
+def batch_token_budget(engine: Any, max_batch_tokens: int | None = None) -> int:
+    """``max_batch_tokens``, else the engine's ``token_budget`` (an
+    :class:`~mhmla_fast.serve.engine.Engine`'s padded word pieces per forward pass:
+    ``options.default_token_budget``, 1024 on the CPU and 8192 on a GPU, or ``--token-budget``),
+    else :data:`DEFAULT_BATCH_TOKENS` for an engine without one.
+
+    One pass per batch: a batch holds the worker for one forward pass, so a short request that
+    arrives while a long text is tagged waits about one pass, not several. On a 2-core CPU
+    (the HTTP server, a 500,000-character text): one-sentence requests beside it answered in
+    0.22 s at the median against 2.50 s with 8192, the long text 1.08x slower (27.2 against
+    25.2 s), and one-sentence requests from 64 clients alone at 1.10x the requests/s, within
+    run-to-run noise (``bench/results/http_fairness_cpu_2026-12-07.json``,
+    ``http_batch_tokens_cpu_2026-12-07/``). On a GPU the pass budget is the old default,
+    8192."""
+    if max_batch_tokens is not None:
+        return int(max_batch_tokens)
+    return int(getattr(engine, "token_budget", None) or DEFAULT_BATCH_TOKENS)
+
+
 class MicroBatcher:
     """Cost-based, fair micro-batching of tagging and scoring requests over one engine and an
     optional essay scorer (design: module docstring).
@@ -195,7 +215,8 @@ class MicroBatcher:
             window by window; used only from the worker thread. Needed for ``submit("essays", ...)``.
         score_token_budget: the scorer's padded word pieces per forward pass (default:
             ``score.scorer_token_budget``, 1024 on the CPU, 8192 on a GPU).
-        max_batch_tokens: estimated word pieces per batch (the first item is always taken).
+        max_batch_tokens: estimated word pieces per batch (the first item is always taken;
+            default: :func:`batch_token_budget`, one forward pass of the engine).
         max_wait_ms: how long a batch may wait for more items after its first one was queued.
         max_queue: inputs (texts, sentences, essays) waiting at most.
         max_queue_pieces: estimated word pieces admitted and not yet answered, at most.
@@ -212,13 +233,14 @@ class MicroBatcher:
     """
 
     def __init__(self, engine: Any, *, scorer: Any = None, score_token_budget: int | None = None,
-                 max_batch_tokens: int = 8192, max_wait_ms: float = 5.0,
+                 max_batch_tokens: int | None = None, max_wait_ms: float = 5.0,
                  max_queue: int = 1024, max_queue_pieces: int = 1_000_000,
                  max_queue_seconds: float | None = None,
                  max_request_seconds: float | None = None, split_pieces: int | None = None,
                  on_batch: Callable[[int, int, float], None] | None = None,
                  on_score_batch: Callable[[int, int, float], None] | None = None,
                  on_failure: Callable[[], None] | None = None) -> None:
+        max_batch_tokens = batch_token_budget(engine, max_batch_tokens)
         split_pieces = max(1, max_batch_tokens // 4) if split_pieces is None else split_pieces
         score_token_budget = scorer_token_budget(scorer, score_token_budget)
         if min(max_batch_tokens, max_queue, score_token_budget, max_queue_pieces,
