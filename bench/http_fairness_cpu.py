@@ -16,7 +16,7 @@ long    one ``POST /v1/tag`` of one text of ``--long-chars`` characters (FCE tra
         seconds from sending to answer.
 
 The summary per side is the median over rounds of the long text's seconds and of the probes'
-p50, p90 and max latency. Short-request throughput under load (64 clients) is
+p50, p95 and max latency (``benchmark_serve.latency_summary``). Short-request throughput under load (64 clients) is
 ``bench/benchmark_serve.py --tasks http --http-server-args ...``'s job, not this probe's.
 """
 
@@ -35,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_serve import device_info, free_port, stop_server, versions, wait_healthy  # noqa: E402
+from benchmark_serve import (  # noqa: E402
+    device_info, free_port, latency_summary, stop_server, versions, wait_healthy)
 
 from mhmla_fast import provenance  # noqa: E402
 from mhmla_fast.ged.data import read_fce_tsv  # noqa: E402
@@ -55,13 +56,6 @@ def long_text(chars: int) -> str:
         if n >= chars:
             break
     return " ".join(parts)[:chars].rsplit(" ", 1)[0]
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 async def probe_side(url: str, text: str, args: argparse.Namespace) -> dict:
@@ -94,12 +88,11 @@ async def probe_side(url: str, text: str, args: argparse.Namespace) -> dict:
                 probes.append(time.perf_counter() - t0)
             await asyncio.sleep(args.gap)
         long_s, long_status = await task
-    return {"idle_s": {"p50": statistics.median(idle), "max": max(idle)},
+    return {"idle_s": latency_summary(idle),
             "long_s": long_s if long_status == 200 else None, "long_status": long_status,
             "probes": len(probes),
             "probe_statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
-            "probe_s": {"p50": percentile(probes, 0.5), "p90": percentile(probes, 0.9),
-                        "max": max(probes, default=None)},
+            "probe_s": latency_summary(probes),
             "probe_latencies": [round(x, 4) for x in probes]}
 
 
@@ -127,10 +120,10 @@ def summarise(rows: list[dict]) -> dict:
             return statistics.median(vals) if vals else None
 
         out[side] = {"rounds": len(mine), "long_s": med(lambda r: r["long_s"]),
-                     "probe_p50_s": med(lambda r: r["probe_s"]["p50"]),
-                     "probe_p90_s": med(lambda r: r["probe_s"]["p90"]),
-                     "probe_max_s": med(lambda r: r["probe_s"]["max"]),
-                     "idle_p50_s": med(lambda r: r["idle_s"]["p50"])}
+                     "probe_p50_s": med(lambda r: r["probe_s"]["p50_s"]),
+                     "probe_p95_s": med(lambda r: r["probe_s"]["p95_s"]),
+                     "probe_max_s": med(lambda r: r["probe_s"]["max_s"]),
+                     "idle_p50_s": med(lambda r: r["idle_s"]["p50_s"])}
     return out
 
 
@@ -154,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             row["round"] = r
             rows.append(row)
             print(f"round {r} [{side}] long {row['long_s']} s ({row['long_status']}), probes "
-                  f"p50 {row['probe_s']['p50']} max {row['probe_s']['max']} "
+                  f"p50 {row['probe_s']['p50_s']} max {row['probe_s']['max_s']} "
                   f"({row['probes']})", flush=True)
     summary = summarise(rows)
     print(json.dumps(summary, indent=1))
