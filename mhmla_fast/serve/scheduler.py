@@ -190,8 +190,8 @@ def batch_token_budget(engine: Any, max_batch_tokens: int | None = None) -> int:
     One pass per batch: a batch holds the worker for one forward pass, so a short request that
     arrives while a long text is tagged waits about one pass, not several. On a 2-core CPU
     (the HTTP server, a 500,000-character text): one-sentence requests beside it answered in
-    0.22 s at the median against 2.50 s with 8192, the long text 1.08x slower (27.2 against
-    25.2 s), and one-sentence requests from 64 clients alone at 1.10x the requests/s, within
+    0.22 s at the median against 2.49 s with 8192, the long text 1.09x slower (27.9 against
+    25.5 s), and one-sentence requests from 64 clients alone at 1.10x the requests/s, within
     run-to-run noise (``bench/results/http_fairness_cpu_2026-12-07.json``,
     ``http_batch_tokens_cpu_2026-12-07/``). On a GPU the pass budget is the old default,
     8192."""
